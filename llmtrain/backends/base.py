@@ -1,0 +1,72 @@
+"""The data backend: the few keyset operations every dataset is built from.
+
+Every read is one short statement: ``key >= lower ORDER BY key LIMIT n`` (or the Mongo
+equivalent). No cursor or transaction stays open between calls, so a slow consumer
+never pins the database.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmtrain.queries import Query
+
+Key = Any
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class KeyScan:
+    """The selection's size and the key at every ``block_size``-th row (in key order)."""
+
+    count: int
+    block_size: int
+    boundaries: list[Key]  # boundaries[i] is the key of row i * block_size
+    last_key: Key | None
+
+
+class DataBackend(ABC):
+    """Reads rows of a query in key order. Implementations must be safe to pickle."""
+
+    #: redacted URI, safe to show and store
+    uri: str
+
+    @abstractmethod
+    def key_name(self, query: Query) -> str:
+        """The column/field the query is paged on; QueryError if there is no usable one."""
+
+    @abstractmethod
+    def scan_keys(self, query: Query, block_size: int) -> KeyScan:
+        """Count the rows and collect every ``block_size``-th key (keys only)."""
+
+    @abstractmethod
+    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
+        """The key ``offset`` rows after ``lower`` (inclusive) in key order; keys only."""
+
+    @abstractmethod
+    def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None,
+                   limit: int, *, inclusive: bool = True) -> list[tuple[Key, Row]]:
+        """Up to ``limit`` rows with key >= lower (> when not inclusive), in key order.
+
+        Each row is ``(key, {field: value})``; a field absent from the row is absent from the
+        dict (the caller decides whether that is an error). Dotted Mongo paths are resolved.
+        """
+
+    @abstractmethod
+    def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
+        """Up to ``limit`` keys >= lower in key order (key column only)."""
+
+    @abstractmethod
+    def fetch_by_keys(self, query: Query, fields: Sequence[str],
+                      keys: Sequence[Key]) -> list[tuple[Key, Row]]:
+        """The rows with exactly these keys (any order; missing keys are simply absent)."""
+
+    def close(self) -> None:
+        """Drop connections; they reopen on the next call."""
+
+    def reconnect(self) -> None:
+        """Forget pooled connections after a fault so the next call opens fresh ones."""
+        self.close()

@@ -1,0 +1,109 @@
+"""One SQLAlchemy engine / Mongo client per URI per process, shared by backend and stores."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+from urllib.parse import urlsplit
+
+from llmtrain.errors import ConfigError
+from llmtrain.uri import redact_uri, scheme_of
+
+_lock = threading.Lock()
+_engines: dict[tuple[int, str], Any] = {}
+_clients: dict[tuple[int, str], Any] = {}
+
+_DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg",
+                    "mysql": "mysql+pymysql", "mariadb": "mariadb+pymysql"}
+
+
+def sqlalchemy_url(uri: str) -> str:
+    """Pick the drivers llmtrain installs when the URI names none."""
+    scheme, rest = uri.split("://", 1)
+    if "+" not in scheme and scheme in _DEFAULT_DRIVERS:
+        return f"{_DEFAULT_DRIVERS[scheme]}://{rest}"
+    return uri
+
+
+def sql_engine(uri: str) -> Any:
+    import sqlalchemy as sa
+
+    key = (os.getpid(), uri)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            url = sqlalchemy_url(uri)
+            kwargs: dict[str, Any] = {"pool_pre_ping": True}
+            if url.startswith("sqlite"):
+                kwargs["connect_args"] = {"timeout": 60}
+            try:
+                engine = sa.create_engine(url, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - driver errors vary; name the URI
+                raise ConfigError(f"cannot open {redact_uri(uri)}: {exc}") from None
+            if url.startswith("sqlite"):
+                _sqlite_pragmas(engine)
+            _engines[key] = engine
+        return engine
+
+
+def _sqlite_pragmas(engine: Any) -> None:
+    """WAL lets readers and one writer work at once (several trainers, one file)."""
+    import sqlalchemy as sa
+
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+
+def dispose_sql_engine(uri: str) -> None:
+    with _lock:
+        engine = _engines.pop((os.getpid(), uri), None)
+    if engine is not None:
+        engine.dispose()
+
+
+def mongo_database_name(uri: str) -> str:
+    name = urlsplit(uri).path.lstrip("/").split("?", 1)[0]
+    if not name:
+        raise ConfigError(f"{redact_uri(uri)}: the URI path must name the database "
+                          "(mongodb://host/dbname)")
+    return name
+
+
+def mongo_client(uri: str) -> Any:
+    """A pymongo client, or a mongomock one for ``mongomock://`` (same API, in-process)."""
+    key = (os.getpid(), uri.split("?", 1)[0] if scheme_of(uri) == "mongomock" else uri)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            if scheme_of(uri) == "mongomock":
+                try:
+                    import mongomock
+                except ImportError as exc:
+                    raise ConfigError("mongomock:// needs the mongomock package "
+                                      "(pip install 'llmtrain[dev]')") from exc
+                client = mongomock.MongoClient()
+            else:
+                import pymongo
+
+                client = pymongo.MongoClient(uri, serverSelectionTimeoutMS=10_000)
+            _clients[key] = client
+        return client
+
+
+def mongo_database(uri: str) -> Any:
+    return mongo_client(uri)[mongo_database_name(uri)]
+
+
+def drop_mongo_client(uri: str) -> None:
+    """Close a real client so the next call reconnects; a mongomock one *is* the data."""
+    if scheme_of(uri) == "mongomock":
+        return
+    with _lock:
+        client = _clients.pop((os.getpid(), uri), None)
+    if client is not None:
+        client.close()

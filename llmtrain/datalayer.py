@@ -1,0 +1,174 @@
+"""``connect()`` and the Datalayer: one handle on the data, the metadata and the artifacts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from llmtrain.artifacts.base import ArtifactStore
+from llmtrain.backends.base import DataBackend
+from llmtrain.components import Component, check_identifier, component_class
+from llmtrain.errors import ConfigError, StoreError
+from llmtrain.metadata.base import ComponentRecord, MetadataStore
+from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
+
+
+def llmtrain_home() -> Path:
+    return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain"))
+
+
+def default_artifact_dir(uri: str) -> Path:
+    """Next to a SQLite file; otherwise ``~/.llmtrain/artifacts/<database>``."""
+    if scheme_of(uri) == "sqlite":
+        db_path = uri.split(":///", 1)[1].split("?", 1)[0] if ":///" in uri else ""
+        if db_path and db_path != ":memory:":
+            path = Path(db_path).expanduser().resolve()
+            return path.with_name(path.name + ".artifacts")
+        name = "sqlite-memory"
+    else:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(uri)
+        db = parts.path.strip("/").split("?", 1)[0] or "default"
+        name = f"{parts.hostname or 'local'}-{db}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return llmtrain_home() / "artifacts" / safe
+
+
+class Datalayer:
+    """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
+
+    def __init__(self, uri: str, *, metadata_uri: str | None = None,
+                 artifacts: str | Path | ArtifactStore | None = None) -> None:
+        if not isinstance(uri, str) or "://" not in uri:
+            raise ConfigError(f"connect() needs a database URI like sqlite:///data.db, "
+                              f"got {redact_uri(str(uri))!r}")
+        self._uri = uri
+        self._metadata_uri = metadata_uri or uri
+        if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
+            raise ConfigError("artifacts='gridfs' needs a MongoDB metadata database")
+        self._artifacts_spec = artifacts
+        self._backend: DataBackend | None = None
+        self._metadata: MetadataStore | None = None
+        self._artifacts: ArtifactStore | None = artifacts if isinstance(
+            artifacts, ArtifactStore) else None
+
+    # -- what is safe to show -------------------------------------------------------------
+    @property
+    def uri(self) -> str:
+        """The data URI with secrets redacted: the only form that is stored or printed."""
+        return redact_uri(self._uri)
+
+    @property
+    def metadata_uri(self) -> str:
+        return redact_uri(self._metadata_uri)
+
+    def secret_uri(self) -> str:
+        """The full URI, for handing to worker processes through their environment only."""
+        return self._uri
+
+    def secret_metadata_uri(self) -> str:
+        return self._metadata_uri
+
+    @property
+    def artifacts_spec(self) -> str | None:
+        spec = self._artifacts_spec
+        return None if spec is None or isinstance(spec, ArtifactStore) else str(spec)
+
+    def __repr__(self) -> str:
+        return f"Datalayer({self.uri!r})"
+
+    # -- the three parts --------------------------------------------------------------------
+    @property
+    def backend(self) -> DataBackend:
+        if self._backend is None:
+            from llmtrain.backends import open_backend
+
+            self._backend = open_backend(self._uri)
+        return self._backend
+
+    @property
+    def metadata(self) -> MetadataStore:
+        if self._metadata is None:
+            from llmtrain.metadata import open_metadata
+
+            self._metadata = open_metadata(self._metadata_uri)
+        return self._metadata
+
+    @property
+    def artifacts(self) -> ArtifactStore:
+        if self._artifacts is None:
+            from llmtrain.artifacts import open_artifacts
+
+            spec = self._artifacts_spec
+            if spec is None:
+                spec = default_artifact_dir(self._uri)
+            self._artifacts = open_artifacts(spec, metadata_uri=self._metadata_uri)
+        return self._artifacts
+
+    # -- components ---------------------------------------------------------------------------
+    def add(self, component: Component) -> int:
+        """Store a new version of ``component``; returns (and sets) its version."""
+        if not isinstance(component, Component):
+            raise StoreError(f"{type(component).__name__} is not a component "
+                             "(needs type_id, identifier, to_dict and from_dict)")
+        identifier = check_identifier(component.identifier)
+        version = self.metadata.add_component(component.type_id, identifier,
+                                              component.to_dict())
+        component.version = version  # type: ignore[attr-defined]
+        return version
+
+    def load(self, type_id: str, identifier: str, version: int | None = None) -> Any:
+        record = self.metadata.get_component(type_id, check_identifier(identifier), version)
+        return self._materialise(record)
+
+    def _materialise(self, record: ComponentRecord) -> Any:
+        cls = component_class(record.type_id)
+        try:
+            obj = cls.from_dict(record.payload)
+        except (ValidationError, ConfigError, TypeError, KeyError, ValueError) as exc:
+            raise StoreError(f"stored {record.type_id} {record.identifier!r} v{record.version} "
+                             f"is not a valid {cls.__name__}: {exc}") from None
+        obj.version = record.version
+        if hasattr(obj, "_attach"):
+            obj._attach(self)
+        return obj
+
+    def show(self, type_id: str | None = None, identifier: str | None = None) -> list[Any]:
+        """No argument: ``[{type_id, identifier}]``; a type: its identifiers; both: versions."""
+        records = self.metadata.list_components(type_id, identifier)
+        if type_id is None:
+            seen = sorted({(r.type_id, r.identifier) for r in records})
+            return [{"type_id": t, "identifier": i} for t, i in seen]
+        if identifier is None:
+            return sorted({r.identifier for r in records})
+        return [r.version for r in records]
+
+    def remove(self, type_id: str, identifier: str, version: int | None = None) -> int:
+        return self.metadata.remove_component(type_id, check_identifier(identifier), version)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        for part in (self._backend, self._metadata):
+            if part is not None:
+                part.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_backend"] = state["_metadata"] = None
+        if not isinstance(self._artifacts_spec, ArtifactStore):
+            state["_artifacts"] = None
+        return state
+
+
+def connect(uri: str, *, metadata_uri: str | None = None,
+            artifacts: str | Path | ArtifactStore | None = None) -> Datalayer:
+    """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
+
+    ``metadata_uri`` puts components and runs in another database (default: the same one).
+    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), or an ArtifactStore.
+    """
+    return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts)

@@ -1,0 +1,252 @@
+"""Selections of rows that can be stored, shown and replayed.
+
+A query is plain data: ``to_dict()`` gives JSON, ``from_dict()`` rebuilds it, and
+``fingerprint()`` is stable across processes. Running a query is the backend's job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, ClassVar
+
+from bson import json_util
+
+from llmtrain.errors import QueryError
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
+_MONGO_FIELD = re.compile(r"^[^$\x00][^\x00]*$")
+_JS_OPERATORS = frozenset({"$where", "$function", "$accumulator"})
+
+
+def _check_name(kind: str, name: object) -> str:
+    """Names reach SQL only through SQLAlchemy's quoting; still refuse what no sane schema has."""
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 128:
+        raise QueryError(f"{kind} name {name!r} is not a valid identifier")
+    return name
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+class Query:
+    """Base of every query: serialisation, fingerprint and registry by ``kind``."""
+
+    kind: ClassVar[str]
+    _registry: ClassVar[dict[str, type[Query]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        Query._registry[cls.kind] = cls
+
+    @property
+    def source(self) -> str:
+        """A human-readable name of where rows come from, used in error messages."""
+        raise NotImplementedError
+
+    @property
+    def is_mongo(self) -> bool:
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> Query:
+        raise NotImplementedError
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Query:
+        if not isinstance(data, dict) or "kind" not in data:
+            raise QueryError(f"not a stored query: {data!r}")
+        cls = Query._registry.get(data["kind"])
+        if cls is None:
+            raise QueryError(f"unknown query kind {data['kind']!r}")
+        return cls._from_fields(data)
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(_canonical(self.to_dict()).encode()).hexdigest()[:32]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Query) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_dict()!r})"
+
+
+class Table(Query):
+    """Rows of one SQL table, optionally filtered by a parameterised WHERE fragment.
+
+    ``Table("docs").where("lang = :lang", lang="en").select("instruction", "output")``.
+    The ordering key defaults to the table's primary key (found at run time).
+    """
+
+    kind = "sql_table"
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        schema: str | None = None,
+        key: str | None = None,
+        where: str | None = None,
+        params: dict[str, Any] | None = None,
+        columns: tuple[str, ...] | list[str] | None = None,
+    ) -> None:
+        self.name = _check_name("table", name)
+        self.schema = _check_name("schema", schema) if schema is not None else None
+        self.key = _check_name("key column", key) if key is not None else None
+        self.where_sql = where
+        self.params = dict(params or {})
+        self.columns = tuple(_check_name("column", c) for c in columns) if columns else None
+        _check_params(self.params)
+
+    def where(self, condition: str, **params: Any) -> Table:
+        """Add a WHERE fragment with ``:name`` placeholders; values are always bound."""
+        if not isinstance(condition, str) or not condition.strip():
+            raise QueryError("where() needs a non-empty SQL condition")
+        merged = f"({self.where_sql}) AND ({condition})" if self.where_sql else condition
+        clash = set(params) & set(self.params)
+        if clash:
+            raise QueryError(f"where() parameter(s) {sorted(clash)} are already bound")
+        return Table(self.name, schema=self.schema, key=self.key, where=merged,
+                     params={**self.params, **params}, columns=self.columns)
+
+    def select(self, *columns: str) -> Table:
+        return Table(self.name, schema=self.schema, key=self.key, where=self.where_sql,
+                     params=self.params, columns=columns)
+
+    @property
+    def source(self) -> str:
+        return f"table {self.schema + '.' if self.schema else ''}{self.name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "schema": self.schema, "key": self.key,
+                "where": self.where_sql, "params": self.params,
+                "columns": list(self.columns) if self.columns else None}
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> Table:
+        return cls(data["name"], schema=data.get("schema"), key=data.get("key"),
+                   where=data.get("where"), params=data.get("params"),
+                   columns=data.get("columns"))
+
+
+class RawSQL(Query):
+    """Any SELECT (joins, views); ``key`` names a unique, orderable output column."""
+
+    kind = "sql_raw"
+
+    def __init__(self, text: str, *, key: str, params: dict[str, Any] | None = None) -> None:
+        if not isinstance(text, str) or not text.strip():
+            raise QueryError("sql() needs a SELECT statement")
+        if ";" in text.strip().rstrip(";"):
+            raise QueryError("sql() takes a single SELECT statement, without ';' inside it")
+        if not key:
+            raise QueryError("sql() needs key=: a unique column of the result to page on")
+        self.text = text.strip().rstrip(";")
+        self.key = _check_name("key column", key)
+        self.params = dict(params or {})
+        _check_params(self.params)
+
+    @property
+    def source(self) -> str:
+        return "sql query " + (self.text[:60] + "..." if len(self.text) > 60 else self.text)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> RawSQL:
+        return cls(data["text"], key=data["key"], params=data.get("params"))
+
+
+def sql(text: str, *, key: str, **params: Any) -> RawSQL:
+    """A raw SELECT with bound ``:name`` parameters, paged on the unique column ``key``."""
+    return RawSQL(text, key=key, params=params)
+
+
+class Collection(Query):
+    """Documents of one MongoDB collection: ``Collection("docs").find({"lang": "en"})``."""
+
+    kind = "mongo_find"
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        filter: dict[str, Any] | None = None,  # noqa: A002 - MongoDB's own word
+        projection: dict[str, Any] | list[str] | None = None,
+        allow_javascript: bool = False,
+    ) -> None:
+        if not isinstance(name, str) or not name or "$" in name or "\x00" in name:
+            raise QueryError(f"collection name {name!r} is not valid")
+        self.name = name
+        self.filter = dict(filter or {})
+        if isinstance(projection, (list, tuple)):
+            projection = {p: 1 for p in projection}
+        self.projection = dict(projection) if projection else None
+        self.allow_javascript = allow_javascript
+        if not allow_javascript:
+            _refuse_javascript(self.filter, "filter")
+
+    def find(
+        self,
+        filter: dict[str, Any] | None = None,  # noqa: A002
+        projection: dict[str, Any] | list[str] | None = None,
+        *,
+        allow_javascript: bool = False,
+    ) -> Collection:
+        return Collection(self.name, filter=filter, projection=projection,
+                          allow_javascript=allow_javascript)
+
+    @property
+    def key(self) -> str:
+        return "_id"
+
+    @property
+    def is_mongo(self) -> bool:
+        return True
+
+    @property
+    def source(self) -> str:
+        return f"collection {self.name}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name,
+                "filter": json.loads(json_util.dumps(self.filter,
+                                                     json_options=json_util.CANONICAL_JSON_OPTIONS)),
+                "projection": self.projection, "allow_javascript": self.allow_javascript}
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> Collection:
+        filt = json_util.loads(json.dumps(data.get("filter") or {}),
+                               json_options=json_util.CANONICAL_JSON_OPTIONS)
+        return cls(data["name"], filter=filt, projection=data.get("projection"),
+                   allow_javascript=bool(data.get("allow_javascript", False)))
+
+
+def _refuse_javascript(obj: Any, path: str) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k in _JS_OPERATORS:
+                raise QueryError(f"{path}: operator {k!r} runs JavaScript on the server; "
+                                 "pass allow_javascript=True to permit it")
+            _refuse_javascript(v, f"{path}.{k}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _refuse_javascript(v, f"{path}[{i}]")
+
+
+def _check_params(params: dict[str, Any]) -> None:
+    for name, value in params.items():
+        if not _NAME.match(name):
+            raise QueryError(f"parameter name {name!r} is not a valid identifier")
+        if not isinstance(value, (str, int, float, bool, type(None))):
+            raise QueryError(f"parameter {name!r}: only str, int, float, bool and None are "
+                             f"stored and replayed, not {type(value).__name__}")

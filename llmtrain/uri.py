@@ -1,0 +1,56 @@
+"""Database URIs: which backend serves them, and how to show them without secrets."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+REDACTED = "***"
+_SECRET_PARAMS = re.compile(r"(pass(word)?|pwd|secret|token|key|credential)", re.IGNORECASE)
+
+
+def scheme_of(uri: str) -> str:
+    """The URI's scheme without a driver suffix: ``postgresql+psycopg`` -> ``postgresql``."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else uri.split(":", 1)[0]
+    return scheme.split("+", 1)[0].lower()
+
+
+def is_mongo_uri(uri: str) -> bool:
+    return scheme_of(uri) in {"mongodb", "mongodb+srv", "mongomock"} or uri.startswith(
+        "mongodb+srv://"
+    )
+
+
+def redact_uri(uri: str) -> str:
+    """Hide the password in the authority and any secret-looking query parameter."""
+    if "://" not in uri:
+        return uri
+    parts = urlsplit(uri)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            user = userinfo.split(":", 1)[0]
+            netloc = f"{user}:{REDACTED}@{host}"
+    query = parts.query
+    if query:
+        pairs = [
+            (k, REDACTED if _SECRET_PARAMS.search(k) else v)
+            for k, v in parse_qsl(query, keep_blank_values=True)
+        ]
+        query = urlencode(pairs, safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def secrets_in(uri: str) -> list[str]:
+    """The secret strings inside a URI (password, secret query values), for leak tests."""
+    if "://" not in uri:
+        return []
+    parts = urlsplit(uri)
+    found: list[str] = []
+    if parts.password:
+        found.append(parts.password)
+    for k, v in parse_qsl(parts.query, keep_blank_values=True):
+        if _SECRET_PARAMS.search(k) and v:
+            found.append(v)
+    return found
