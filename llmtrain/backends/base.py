@@ -64,7 +64,7 @@ class DataBackend(ABC):
                       keys: Sequence[Key]) -> list[tuple[Key, Row]]:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
         """Drop connections; they reopen on the next call."""
 
     def reconnect(self) -> None:

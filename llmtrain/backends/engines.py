@@ -76,7 +76,8 @@ def mongo_database_name(uri: str) -> str:
 
 def mongo_client(uri: str) -> Any:
     """A pymongo client, or a mongomock one for ``mongomock://`` (same API, in-process)."""
-    key = (os.getpid(), uri.split("?", 1)[0] if scheme_of(uri) == "mongomock" else uri)
+    # a mongomock client *is* its data: a forked DataLoader worker keeps using the copy
+    key = (0, uri.split("?", 1)[0]) if scheme_of(uri) == "mongomock" else (os.getpid(), uri)
     with _lock:
         client = _clients.get(key)
         if client is None:

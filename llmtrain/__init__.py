@@ -1,0 +1,48 @@
+"""llmtrain: fine-tune LLMs (LoRA, QLoRA, DoRA) on rows streamed from SQL and MongoDB."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.datalayer import Datalayer, connect
+from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, QueryDataset
+from llmtrain.errors import (
+    BadRowError,
+    CheckpointError,
+    ConfigError,
+    DataChangedError,
+    DataError,
+    LlmtrainError,
+    QueryError,
+    StoreError,
+)
+from llmtrain.queries import Collection, Query, RawSQL, Table, sql
+
+__version__ = "0.1.0"
+
+# The trainer pulls in transformers/peft: import it on first use, not with the package.
+_LAZY = {
+    "LLMTrainer": "llmtrain.training.trainer",
+    "ModelArguments": "llmtrain.training.args",
+    "LoraArguments": "llmtrain.training.args",
+    "TrainingArguments": "llmtrain.training.args",
+    "DataArguments": "llmtrain.training.args",
+    "TrainedModel": "llmtrain.training.model",
+    "DeepspeedConfig": "llmtrain.training.args",
+    "FSDPConfig": "llmtrain.training.args",
+    "Launcher": "llmtrain.launchers",
+}
+
+__all__ = [
+    "BadRowError", "CachedQueryDataset", "CheckpointError", "Collection", "ConfigError",
+    "DataChangedError", "DataError", "Datalayer", "LlmtrainError", "Query", "QueryDataLoader",
+    "QueryDataset", "QueryError", "RawSQL", "StoreError", "Table", "connect", "sql", *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'llmtrain' has no attribute {name!r}")

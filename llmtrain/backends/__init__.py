@@ -1,0 +1,19 @@
+"""Data backends by URI scheme: SQL through SQLAlchemy, MongoDB through pymongo/mongomock."""
+
+from __future__ import annotations
+
+from llmtrain.backends.base import DataBackend, Key, KeyScan, Row
+from llmtrain.backends.retry import RetryPolicy
+from llmtrain.uri import is_mongo_uri
+
+__all__ = ["DataBackend", "Key", "KeyScan", "Row", "RetryPolicy", "open_backend"]
+
+
+def open_backend(uri: str) -> DataBackend:
+    if is_mongo_uri(uri):
+        from llmtrain.backends.mongo import MongoBackend
+
+        return MongoBackend(uri)
+    from llmtrain.backends.sql import SQLBackend
+
+    return SQLBackend(uri)

@@ -1,0 +1,48 @@
+"""Bounded exponential backoff around single, idempotent database statements."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from llmtrain.errors import DatabaseUnavailableError
+
+T = TypeVar("T")
+log = logging.getLogger("llmtrain.backends")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``attempts`` tries in all; waits ``base * 2**i`` seconds (jittered), at most ``cap``."""
+
+    attempts: int = 6
+    base: float = 0.2
+    cap: float = 5.0
+
+    def delays(self) -> list[float]:
+        return [min(self.cap, self.base * 2**i) * (0.5 + random.random() / 2)
+                for i in range(self.attempts - 1)]
+
+
+def with_retry(call: Callable[[], T], *, policy: RetryPolicy, transient: tuple[type, ...],
+               reconnect: Callable[[], None], what: str, where: str) -> T:
+    """Run ``call``; on a transient fault reconnect, back off and try again."""
+    delays = policy.delays()
+    for attempt in range(policy.attempts):
+        try:
+            return call()
+        except transient as exc:
+            if attempt == policy.attempts - 1:
+                raise DatabaseUnavailableError(
+                    f"{what} on {where} failed after {policy.attempts} attempts: "
+                    f"{type(exc).__name__}: {exc}") from exc
+            log.warning("%s on %s failed (%s: %s); retrying in %.1fs", what, where,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                        delays[attempt])
+            reconnect()
+            time.sleep(delays[attempt])
+    raise AssertionError("unreachable")

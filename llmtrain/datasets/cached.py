@@ -1,0 +1,295 @@
+"""CachedQueryDataset: stream a selection in fixed-size windows, sharded by rank and worker.
+
+Memory holds at most three windows (the one being yielded, one fetched ahead, one being
+fetched) whatever the table's size. Each (rank, worker) reads only its own rows, as short
+keyset statements; no cursor or transaction stays open while the model trains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from llmtrain.backends.base import Key, KeyScan, Row
+from llmtrain.datasets.plan import Piece, WorkerSlice, rank_pieces, rows_per_rank, worker_slices
+from llmtrain.datasets.rows import check_on_bad_row, normalise_fields, text_problem
+from llmtrain.datasets.sharding import resolve_rank
+from llmtrain.errors import BadRowError, ConfigError, DataChangedError
+from llmtrain.queries import Query
+
+log = logging.getLogger("llmtrain.datasets")
+STATE_FORMAT = 1
+Positioned = tuple[int, Key, Row | None]  # (index in the rank's epoch sequence, key, row)
+
+
+@dataclass
+class ReadStats:
+    """What this process read from the database (rows, keys, statements) and skipped."""
+
+    rows_fetched: int = 0
+    keys_fetched: int = 0
+    statements: int = 0
+    skipped: int = 0
+    skipped_keys: list[Any] = field(default_factory=list)
+
+
+def key_repr(key: Key) -> str:
+    return key if isinstance(key, str) else f"{type(key).__name__}:{key}"
+
+
+def data_fingerprint(scan: KeyScan) -> str:
+    """Changes when rows are added, removed or re-keyed anywhere in the selection."""
+    payload = json.dumps([scan.count, scan.block_size, [key_repr(k) for k in scan.boundaries],
+                          key_repr(scan.last_key)])
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+class CachedQueryDataset(IterableDataset):
+    """Iterable rows of ``select``, in a seeded order, each rank reading only its share.
+
+    ``cache_size`` rows make a window (one keyset statement). Every rank yields
+    ``len(self)`` rows per epoch: with ``drop_remainder`` (default) the epoch's last
+    ``count % world_size`` rows are left out; otherwise the order wraps and a few rows are
+    read twice. Call ``set_epoch(e)`` each epoch; a completed pass moves on by itself.
+    Use ``loader()`` for DataLoader workers: it keeps ``state_dict()`` exact.
+    """
+
+    def __init__(self, db: Any, select: Query, fields: str | Sequence[str], *,
+                 cache_size: int = 1024, shuffle: bool = True, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None,
+                 drop_remainder: bool = True, on_bad_row: str = "raise",
+                 return_keys: bool = False, prefetch: bool = True) -> None:
+        if not isinstance(select, Query):
+            raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ConfigError(f"cache_size must be a positive integer, got {cache_size!r}")
+        self.db, self.query = db, select
+        self.fields = normalise_fields(fields)
+        self.cache_size, self.shuffle, self.seed = cache_size, shuffle, int(seed)
+        self.drop_remainder, self.return_keys, self.prefetch = drop_remainder, return_keys, prefetch
+        self.on_bad_row = check_on_bad_row(on_bad_row)
+        self._rank, self._world = rank, world_size
+        self._scan: KeyScan | None = None
+        self._epoch, self._consumed, self._completed = 0, 0, False
+        self.stats = ReadStats()
+
+    # -- placement and size ----------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return resolve_rank(self._rank, self._world)[0]
+
+    @property
+    def world_size(self) -> int:
+        return resolve_rank(self._rank, self._world)[1]
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def scan(self, *, refresh: bool = False) -> KeyScan:
+        """Count the selection and note every ``cache_size``-th key (once, then cached)."""
+        if self._scan is None or refresh:
+            self._scan = self.db.backend.scan_keys(self.query, self.cache_size)
+            self.stats.keys_fetched += len(self._scan.boundaries)
+            self.stats.statements += 2
+        return self._scan
+
+    @property
+    def data_fingerprint(self) -> str:
+        return data_fingerprint(self.scan())
+
+    def __len__(self) -> int:
+        return rows_per_rank(self.scan().count, self.world_size, self.drop_remainder)
+
+    # -- epochs and resume ------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order to follow; a new epoch starts at its first row."""
+        if epoch != self._epoch:
+            self._epoch, self._consumed = int(epoch), 0
+        self._completed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, consumed = self._epoch, self._consumed
+        if self._completed:
+            epoch, consumed = epoch + 1, 0
+        return {"format": STATE_FORMAT, "query": self.query.fingerprint(),
+                "data": self.data_fingerprint, "count": self.scan().count,
+                "seed": self.seed, "epoch": epoch, "consumed": consumed,
+                "world_size": self.world_size, "cache_size": self.cache_size,
+                "shuffle": self.shuffle, "drop_remainder": self.drop_remainder}
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
+                        ) -> None:
+        """Continue where ``state`` was taken; refuses if the selection's rows changed."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"not a CachedQueryDataset state (format {STATE_FORMAT}): "
+                              f"{str(state)[:200]}")
+        if state["query"] != self.query.fingerprint():
+            raise DataChangedError("the state was taken for a different query "
+                                   f"({state['query']} != {self.query.fingerprint()})")
+        for name in ("seed", "world_size", "cache_size", "shuffle", "drop_remainder"):
+            mine = getattr(self, name)
+            if state[name] != mine:
+                raise ConfigError(f"cannot resume: the state has {name}={state[name]!r} but "
+                                  f"this dataset has {name}={mine!r}; the order would differ")
+        scan = self.scan(refresh=True)
+        if state["data"] != data_fingerprint(scan):
+            what = (f"row count {state['count']} -> {scan.count}" if state["count"] != scan.count
+                    else "rows were added, removed or re-keyed (same count)")
+            message = f"the rows of {self.query.source} changed since the state was taken: {what}"
+            if not allow_changed_data:
+                raise DataChangedError(message + "; pass allow_changed_data=True to go on")
+            log.warning("%s; continuing as asked", message)
+        self._epoch, self._consumed, self._completed = state["epoch"], state["consumed"], False
+        self._consumed = min(self._consumed, len(self))
+
+    def _begin_pass(self) -> tuple[int, int]:
+        if self._completed:
+            self._epoch, self._consumed, self._completed = self._epoch + 1, 0, False
+        return self._epoch, self._consumed
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Row]:
+        epoch, start = self._begin_pass()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for pos, key, row in self.positioned(epoch, start, worker, workers, chunk=1):
+            if info is None:
+                self._consumed = pos + 1
+            if row is not None:
+                yield {**row, "_key": key} if self.return_keys else row
+        if info is None:
+            self._consumed, self._completed = len(self), True
+
+    def loader(self, batch_size: int, *, num_workers: int = 0, collate_fn: Any = None,
+               **kwargs: Any) -> Any:
+        """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows."""
+        from llmtrain.datasets.loader import QueryDataLoader
+
+        return QueryDataLoader(self, batch_size, num_workers=num_workers,
+                               collate_fn=collate_fn, **kwargs)
+
+    def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
+                   chunk: int) -> Iterator[Positioned]:
+        """This worker's rows from ``start`` on; a skipped bad row comes as ``None``."""
+        scan = self.scan()
+        pieces = rank_pieces(scan.count, self.cache_size, seed=self.seed, epoch=epoch,
+                             shuffle=self.shuffle, world_size=self.world_size, rank=self.rank,
+                             drop_remainder=self.drop_remainder)
+        slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers,
+                               chunk=chunk)
+        windows = self._prefetched(slices) if self.prefetch else map(self._fetch, slices)
+        for window in windows:
+            for item in window:
+                if isinstance(item[2], BadRowError):  # raised where the row is reached
+                    raise item[2]
+                yield item
+
+    def _prefetched(self, slices: list[WorkerSlice]) -> Iterator[list[Positioned]]:
+        """Fetch window i+1 on a thread while window i is consumed."""
+        ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        stop = threading.Event()
+
+        def produce() -> None:
+            try:
+                for s in slices:
+                    window = self._fetch(s)
+                    while not stop.is_set():
+                        try:
+                            ready.put(("window", window), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                ready.put(("done", None))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                ready.put(("error", exc))
+
+        thread = threading.Thread(target=produce, name="llmtrain-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():
+                try:
+                    ready.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=0.05)
+
+    def _piece_lower_key(self, piece: Piece) -> Key:
+        scan = self.scan()
+        lower = scan.boundaries[piece.block]
+        if piece.start:
+            lower = self.db.backend.key_at(self.query, lower, piece.start)
+            self.stats.keys_fetched += 1
+            self.stats.statements += 1
+        return lower
+
+    def _fetch(self, ws: WorkerSlice) -> list[Positioned]:
+        piece, backend = ws.piece, self.db.backend
+        lower = self._piece_lower_key(piece)
+        if ws.whole:
+            rows = backend.fetch_rows(self.query, self.fields, lower, len(piece))
+            self.stats.statements += 1
+            by_position = rows
+        else:
+            keys = backend.fetch_keys(self.query, lower, len(piece))
+            self.stats.keys_fetched += len(keys)
+            self.stats.statements += 1
+            if len(keys) != len(piece):
+                raise self._changed(piece, len(keys))
+            wanted = [keys[piece.order[p]] for p in ws.picks]
+            found = dict(backend.fetch_by_keys(self.query, self.fields, wanted))
+            self.stats.statements += 1
+            rows = [(k, found[k]) for k in wanted if k in found]
+            by_position = None
+        self.stats.rows_fetched += len(rows)
+        out: list[Positioned] = []
+        if by_position is not None:
+            if len(by_position) != len(piece):
+                raise self._changed(piece, len(by_position))
+            pairs = ((ws.offset + p, by_position[piece.order[p]]) for p in ws.picks)
+        else:
+            if len(rows) != len(ws.picks):
+                raise self._changed(piece, len(rows))
+            pairs = zip((ws.offset + p for p in ws.picks), rows)
+        for pos, (key, row) in pairs:
+            out.append((pos, key, self._checked(key, row)))
+        return out
+
+    def _checked(self, key: Key, row: Row) -> Any:
+        for name in self.fields:
+            problem = text_problem(row, name)
+            if problem is None:
+                continue
+            if self.on_bad_row == "raise":
+                return BadRowError(self.query.source, key, name, problem)
+            self.stats.skipped += 1
+            if len(self.stats.skipped_keys) < 100:
+                self.stats.skipped_keys.append(key)
+            log.warning("%s: skipping row %r: field %r %s", self.query.source, key, name,
+                        problem)
+            return None
+        return row
+
+    def _changed(self, piece: Piece, got: int) -> DataChangedError:
+        return DataChangedError(
+            f"{self.query.source}: expected {len(piece)} rows in window {piece.block} but read "
+            f"{got}; rows were added or removed while training. Restart the epoch, or resume "
+            "with allow_changed_data=True")

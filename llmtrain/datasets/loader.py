@@ -1,0 +1,80 @@
+"""A DataLoader whose resume state counts rows delivered to the caller, not prefetched ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from llmtrain.datasets.cached import CachedQueryDataset, Positioned
+from llmtrain.errors import ConfigError
+
+
+class _PositionedView(IterableDataset):
+    """What each worker runs: its share of one pass, with positions attached."""
+
+    def __init__(self, dataset: CachedQueryDataset, epoch: int, start: int, chunk: int) -> None:
+        self.dataset, self.epoch, self.start, self.chunk = dataset, epoch, start, chunk
+
+    def __iter__(self) -> Iterator[Positioned]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        return self.dataset.positioned(self.epoch, self.start, worker, workers,
+                                       chunk=self.chunk)
+
+
+class QueryDataLoader:
+    """Batches of rows (a list of dicts, or ``collate_fn(rows)``).
+
+    Workers take turns batch by batch, so the rows arrive in the dataset's order for any
+    ``num_workers`` and resuming with another worker count continues at the same row.
+    """
+
+    def __init__(self, dataset: CachedQueryDataset, batch_size: int, *, num_workers: int = 0,
+                 collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None,
+                 **kwargs: Any) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        for banned in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last",
+                       "persistent_workers"):
+            if banned in kwargs:
+                raise ConfigError(f"QueryDataLoader does not take {banned}=: the dataset owns "
+                                  "order and epochs (persistent workers would miss set_epoch)")
+        self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
+        self.collate_fn = collate_fn
+        self.kwargs = kwargs
+
+    def _collate(self, items: list[Positioned]) -> tuple[int, list[Any], Any]:
+        rows = [row if not self.dataset.return_keys else {**row, "_key": key}
+                for _, key, row in items if row is not None]
+        keys = [key for _, key, row in items if row is not None]
+        last = max(pos for pos, _, _ in items)
+        return last, keys, (self.collate_fn(rows) if self.collate_fn else rows)
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        ds = self.dataset
+        epoch, start = ds._begin_pass()
+        ds.scan()  # once here, so workers inherit it instead of each scanning again
+        view = _PositionedView(ds, epoch, start, self.batch_size)
+        loader = DataLoader(view, batch_size=self.batch_size, num_workers=self.num_workers,
+                            collate_fn=self._collate, **self.kwargs)
+        self.last_keys: list[Any] = []
+        for last, keys, batch in loader:
+            ds._consumed = last + 1
+            self.last_keys = keys
+            if keys:
+                yield batch
+        ds._consumed, ds._completed = len(ds), True
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], **kwargs: Any) -> None:
+        self.dataset.load_state_dict(state, **kwargs)

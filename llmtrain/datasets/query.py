@@ -1,0 +1,61 @@
+"""QueryDataset: the whole selection read once into memory, for small data and eval sets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from llmtrain.backends.base import Row
+from llmtrain.datasets.cached import ReadStats, data_fingerprint
+from llmtrain.datasets.rows import check_on_bad_row, normalise_fields, text_problem
+from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.queries import Query
+
+
+class QueryDataset(Dataset):
+    """Map-style: ``len()`` and indexing over rows read in key order with keyset pages."""
+
+    def __init__(self, db: Any, select: Query, fields: str | Sequence[str], *,
+                 page_size: int = 10_000, on_bad_row: str = "raise",
+                 return_keys: bool = False) -> None:
+        if not isinstance(select, Query):
+            raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
+        self.db, self.query, self.fields = db, select, normalise_fields(fields)
+        self.on_bad_row, self.return_keys = check_on_bad_row(on_bad_row), return_keys
+        self.stats = ReadStats()
+        self.keys: list[Any] = []
+        self.rows: list[Row] = []
+        self._read(page_size)
+        self.data_fingerprint = data_fingerprint(db.backend.scan_keys(select, page_size))
+
+    def _read(self, page_size: int) -> None:
+        lower, inclusive = None, True
+        while True:
+            page = self.db.backend.fetch_rows(self.query, self.fields, lower, page_size,
+                                              inclusive=inclusive)
+            self.stats.statements += 1
+            self.stats.rows_fetched += len(page)
+            for key, row in page:
+                problem = next((f"{name!r} {p}" for name in self.fields
+                                if (p := text_problem(row, name)) is not None), None)
+                if problem is None:
+                    self.keys.append(key)
+                    self.rows.append({**row, "_key": key} if self.return_keys else row)
+                elif self.on_bad_row == "raise":
+                    field = problem.split("'")[1]
+                    raise BadRowError(self.query.source, key, field,
+                                      text_problem(row, field) or "")
+                else:
+                    self.stats.skipped += 1
+                    self.stats.skipped_keys.append(key)
+            if len(page) < page_size:
+                return
+            lower, inclusive = page[-1][0], False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self.rows[index]

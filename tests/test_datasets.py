@@ -1,0 +1,253 @@
+"""QueryDataset and CachedQueryDataset on every real backend: sharding, order, resume,
+bad rows, and how many rows each rank actually fetched."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import pytest
+from conftest import fill
+
+import llmtrain as lt
+from llmtrain.errors import BadRowError, ConfigError, DataChangedError
+
+
+def _rows(n: int, start: int = 0) -> list[dict[str, Any]]:
+    return [{"id": i, "instruction": f"instr {i}", "output": f"out {i}",
+             "lang": "en" if i % 4 else "fr"} for i in range(start, start + n)]
+
+
+def _select(uri: str, **filters: Any) -> lt.Query:
+    if uri.startswith("mongo"):
+        return lt.Collection("docs").find(filters or None)
+    table = lt.Table("docs")
+    for name, value in filters.items():
+        table = table.where(f"{name} = :{name}", **{name: value})
+    return table
+
+
+def _keys(rows: list[dict[str, Any]]) -> list[Any]:
+    return [r["_key"] for r in rows]
+
+
+def _dataset(db: Any, uri: str, **kwargs: Any) -> lt.CachedQueryDataset:
+    kwargs.setdefault("cache_size", 16)
+    return lt.CachedQueryDataset(db, kwargs.pop("select", _select(uri)),
+                                 ["instruction", "output"], return_keys=True, **kwargs)
+
+
+def test_shards_are_disjoint_equal_and_fetched_exactly(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(203))
+    db = lt.connect(any_uri)
+    per_rank = []
+    for rank in range(3):
+        ds = _dataset(db, any_uri, rank=rank, world_size=3, seed=7)
+        rows = list(ds)
+        assert len(rows) == len(ds) == 203 // 3
+        # each rank fetched its own rows and nothing else
+        assert ds.stats.rows_fetched == len(rows)
+        per_rank.append(_keys(rows))
+        for r in rows:
+            assert r["instruction"] == f"instr {r['_key']}"
+    union = collections.Counter(k for keys in per_rank for k in keys)
+    assert max(union.values()) == 1
+    assert len(union) == 203 - 203 % 3
+
+
+def test_filter_is_applied(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(100))
+    db = lt.connect(any_uri)
+    ds = _dataset(db, any_uri, select=_select(any_uri, lang="fr"), rank=0, world_size=1)
+    assert sorted(_keys(list(ds))) == list(range(0, 100, 4))
+
+
+def test_order_is_seeded_and_changes_per_epoch(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(100))
+    db = lt.connect(any_uri)
+    a = _dataset(db, any_uri, seed=3, rank=0, world_size=1)
+    b = _dataset(db, any_uri, seed=3, rank=0, world_size=1)
+    first = _keys(list(a))
+    assert first == _keys(list(b))
+    assert first != sorted(first)  # shuffled
+    a.set_epoch(1)
+    second = _keys(list(a))
+    assert sorted(second) == sorted(first) and second != first
+    # a completed pass moves on by itself: the next pass is epoch 2, not a replay
+    third = _keys(list(a))
+    assert a.epoch == 2 and third not in (first, second)
+    unshuffled = _dataset(db, any_uri, shuffle=False, rank=0, world_size=1)
+    assert _keys(list(unshuffled)) == sorted(first)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_continues_at_next_row(any_uri: str, num_workers: int) -> None:
+    fill(any_uri, "docs", _rows(150))
+    db = lt.connect(any_uri)
+    full = [k for batch in _dataset(db, any_uri, seed=1, rank=1, world_size=2).loader(
+        4, num_workers=num_workers) for k in _keys(batch)]
+    assert len(full) == 75
+
+    ds = _dataset(db, any_uri, seed=1, rank=1, world_size=2)
+    loader = ds.loader(4, num_workers=num_workers)
+    first: list[Any] = []
+    for batch in loader:
+        first += _keys(batch)
+        if len(first) >= 28:
+            break
+    state = loader.state_dict()
+    assert state["consumed"] == 28
+
+    # resume with another worker count, in a fresh dataset: exactly the rest, read once
+    fresh = _dataset(db, any_uri, seed=1, rank=1, world_size=2)
+    fresh.load_state_dict(state)
+    other_workers = 1 if num_workers == 0 else 0
+    rest: list[Any] = []
+    second_loader = fresh.loader(4, num_workers=other_workers)
+    for batch in second_loader:
+        rest += _keys(batch)
+        if len(rest) >= 20:
+            break
+    state2 = second_loader.state_dict()
+    assert first + rest == full[:48]
+    if other_workers == 0:
+        assert fresh.stats.rows_fetched <= 75 - 28  # consumed rows were not read again
+
+    # resume a second time
+    third = _dataset(db, any_uri, seed=1, rank=1, world_size=2)
+    third.load_state_dict(state2)
+    tail = [k for batch in third.loader(4) for k in _keys(batch)]
+    assert first + rest + tail == full
+
+
+def test_resume_exactly_at_epoch_boundary(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(40))
+    db = lt.connect(any_uri)
+    ds = _dataset(db, any_uri, seed=5, rank=0, world_size=1)
+    ds.set_epoch(0)
+    epoch0 = _keys(list(ds))
+    state = ds.state_dict()
+    assert (state["epoch"], state["consumed"]) == (1, 0)
+
+    reference = _dataset(db, any_uri, seed=5, rank=0, world_size=1)
+    reference.set_epoch(1)
+    epoch1 = _keys(list(reference))
+
+    resumed = _dataset(db, any_uri, seed=5, rank=0, world_size=1)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)
+    assert _keys(list(resumed)) == epoch1 != epoch0
+
+
+def test_state_loaded_after_iter_is_honoured(sqlite_uri: str) -> None:
+    fill(sqlite_uri, "docs", _rows(30))
+    db = lt.connect(sqlite_uri)
+    ds = _dataset(db, sqlite_uri, rank=0, world_size=1)
+    full = _keys(list(_dataset(db, sqlite_uri, rank=0, world_size=1)))
+    state = {**ds.state_dict(), "consumed": 10}
+    it = iter(ds)
+    ds.load_state_dict(state)
+    assert _keys(list(it)) == full[10:]
+
+
+def test_changed_rows_refuse_resume_unless_allowed(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(50))
+    db = lt.connect(any_uri)
+    ds = _dataset(db, any_uri, rank=0, world_size=1)
+    it = iter(ds)
+    for _ in range(10):
+        next(it)
+    state = ds.state_dict()
+    fill(any_uri, "docs", _rows(5, start=1000)) if any_uri.startswith("mongo") else \
+        _insert_sql(any_uri, 1000)
+    fresh = _dataset(db, any_uri, rank=0, world_size=1)
+    with pytest.raises(DataChangedError, match="row count 50 -> 5[15]"):
+        fresh.load_state_dict(state)
+    fresh.load_state_dict(state, allow_changed_data=True)
+    assert fresh.state_dict()["consumed"] == 10
+
+
+def _insert_sql(uri: str, key: int) -> None:
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sql_engine
+
+    with sql_engine(uri).begin() as conn:
+        conn.execute(sa.text("INSERT INTO docs (id, instruction, output, lang) "
+                             "VALUES (:i, 'x', 'y', 'en')"), {"i": key})
+
+
+def test_resume_refuses_a_different_layout(sqlite_uri: str) -> None:
+    fill(sqlite_uri, "docs", _rows(20))
+    db = lt.connect(sqlite_uri)
+    state = _dataset(db, sqlite_uri, rank=0, world_size=2).state_dict()
+    with pytest.raises(ConfigError, match="world_size=2"):
+        _dataset(db, sqlite_uri, rank=0, world_size=4).load_state_dict(state)
+
+
+def test_bad_rows_raise_with_row_and_field_or_are_skipped(any_uri: str) -> None:
+    rows = _rows(20)
+    rows[3]["output"] = None
+    rows[7]["instruction"] = 42 if any_uri.startswith("mongo") else None
+    fill(any_uri, "docs", rows)
+    db = lt.connect(any_uri)
+    ds = _dataset(db, any_uri, shuffle=False, rank=0, world_size=1)
+    with pytest.raises(BadRowError) as err:
+        list(ds)
+    assert err.value.key == 3 and err.value.field == "output"
+    assert "docs" in str(err.value) and "'output' is null" in str(err.value)
+
+    skipping = _dataset(db, any_uri, shuffle=False, on_bad_row="skip", rank=0, world_size=1)
+    keys = _keys(list(skipping))
+    assert keys == [k for k in range(20) if k not in (3, 7)]
+    assert skipping.stats.skipped == 2 and skipping.stats.skipped_keys == [3, 7]
+
+
+def test_mongo_nested_fields_and_missing(tmp_path: Any) -> None:
+    uri = "mongomock://localhost/nested"
+    from llmtrain.backends.engines import mongo_database
+
+    coll = mongo_database(uri)["chats"]
+    coll.insert_many([{"_id": i, "meta": {"prompt": f"p{i}"}, "answer": f"a{i}"}
+                      for i in range(10)] + [{"_id": 10, "meta": {}, "answer": "x"}])
+    db = lt.connect(uri)
+    ds = lt.CachedQueryDataset(db, lt.Collection("chats").find(), ["meta.prompt", "answer"],
+                               shuffle=False, rank=0, world_size=1)
+    it = iter(ds)
+    assert next(it) == {"meta.prompt": "p0", "answer": "a0"}
+    with pytest.raises(BadRowError, match="key 10.*'meta.prompt' is missing"):
+        list(it)
+
+
+def test_query_dataset_reads_all(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(57))
+    db = lt.connect(any_uri)
+    ds = lt.QueryDataset(db, _select(any_uri, lang="en"), ["instruction"], page_size=10)
+    assert len(ds) == 57 - 15
+    assert ds[0] == {"instruction": "instr 1"}
+    assert ds.stats.rows_fetched == len(ds)
+
+
+def test_table_without_unique_key_is_a_clear_error(sqlite_uri: str) -> None:
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sql_engine
+
+    with sql_engine(sqlite_uri).begin() as conn:
+        conn.execute(sa.text("CREATE TABLE nokey (a TEXT, b TEXT)"))
+    db = lt.connect(sqlite_uri)
+    with pytest.raises(lt.QueryError, match="no primary key.*key='column'"):
+        len(lt.CachedQueryDataset(db, lt.Table("nokey"), ["a"]))
+
+
+def test_raw_sql_join(sql_uri: str) -> None:
+    fill(sql_uri, "docs", _rows(30))
+    fill(sql_uri, "labels", [{"id": i, "label": f"L{i}"} for i in range(0, 30, 2)])
+    db = lt.connect(sql_uri)
+    query = lt.sql("SELECT d.id AS doc_id, d.instruction, l.label FROM docs d "
+                   "JOIN labels l ON l.id = d.id WHERE d.lang = :lang", key="doc_id", lang="en")
+    ds = lt.CachedQueryDataset(db, query, ["instruction", "label"], shuffle=False,
+                               return_keys=True, cache_size=4, rank=0, world_size=1)
+    rows = list(ds)
+    assert _keys(rows) == [i for i in range(0, 30, 2) if i % 4]
+    assert rows[0] == {"instruction": "instr 2", "label": "L2", "_key": 2}
