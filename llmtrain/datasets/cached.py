@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -39,6 +40,23 @@ class ReadStats:
     statements: int = 0
     skipped: int = 0
     skipped_keys: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Window:
+    """One fetched window in visit order, kept as columns so the hot loops stay in C.
+
+    ``rows`` holds each row, ``None`` (skipped bad row) or a BadRowError (raised when the
+    row is reached). ``clean``: every row passed the field checks, so there is neither.
+    """
+
+    positions: Sequence[int]  # index of each row in the rank's epoch sequence
+    keys: list[Key]
+    rows: list[Any]
+    clean: bool
+
+    def __iter__(self) -> Iterator[Positioned]:
+        return zip(self.positions, self.keys, self.rows)
 
 
 def key_repr(key: Key) -> str:
@@ -160,14 +178,29 @@ class CachedQueryDataset(IterableDataset):
     def __iter__(self) -> Iterator[Row]:
         epoch, start = self._begin_pass()
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for pos, key, row in self.positioned(epoch, start, worker, workers, chunk=1):
-            if info is None:
-                self._consumed = pos + 1
-            if row is not None:
-                yield {**row, "_key": key} if self.return_keys else row
-        if info is None:
+        if info is not None:  # a DataLoader worker: positions are the loader's business
+            for _, key, row in self.positioned(epoch, start, info.id, info.num_workers,
+                                               chunk=1):
+                if row is not None:
+                    yield {**row, "_key": key} if self.return_keys else row
+            return
+        windows = self._windows(epoch, start, 0, 1, chunk=1)
+        try:
+            for window in windows:
+                if window.clean and not self.return_keys:  # the hot loop
+                    for pos, row in zip(window.positions, window.rows):
+                        self._consumed = pos + 1  # per row, so state_dict() stays exact
+                        yield row
+                    continue
+                for pos, key, row in window:
+                    if isinstance(row, BadRowError):  # raised where the row is reached
+                        raise row
+                    self._consumed = pos + 1
+                    if row is not None:
+                        yield {**row, "_key": key} if self.return_keys else row
             self._consumed, self._completed = len(self), True
+        finally:
+            windows.close()  # stops the prefetch thread now, even on an error or a break
 
     def loader(self, batch_size: int, *, num_workers: int = 0, collate_fn: Any = None,
                **kwargs: Any) -> Any:
@@ -180,20 +213,34 @@ class CachedQueryDataset(IterableDataset):
     def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
                    chunk: int) -> Iterator[Positioned]:
         """This worker's rows from ``start`` on; a skipped bad row comes as ``None``."""
+        windows = self._windows(epoch, start, worker, workers, chunk=chunk)
+        try:
+            for window in windows:
+                if window.clean:
+                    yield from window
+                    continue
+                for item in window:
+                    if isinstance(item[2], BadRowError):  # raised where the row is reached
+                        raise item[2]
+                    yield item
+        finally:
+            windows.close()
+
+    def _windows(self, epoch: int, start: int, worker: int, workers: int, *,
+                 chunk: int) -> Iterator[_Window]:
+        """This worker's windows from ``start`` on, in order (fetched one ahead if asked)."""
         scan = self.scan()
         pieces = rank_pieces(scan.count, self.cache_size, seed=self.seed, epoch=epoch,
                              shuffle=self.shuffle, world_size=self.world_size, rank=self.rank,
                              drop_remainder=self.drop_remainder)
         slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers,
                                chunk=chunk)
-        windows = self._prefetched(slices) if self.prefetch else map(self._fetch, slices)
-        for window in windows:
-            for item in window:
-                if isinstance(item[2], BadRowError):  # raised where the row is reached
-                    raise item[2]
-                yield item
+        if self.prefetch:
+            yield from self._prefetched(slices)
+        else:
+            yield from map(self._fetch, slices)
 
-    def _prefetched(self, slices: list[WorkerSlice]) -> Iterator[list[Positioned]]:
+    def _prefetched(self, slices: list[WorkerSlice]) -> Iterator[_Window]:
         """Fetch window i+1 on a thread while window i is consumed."""
         ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         stop = threading.Event()
@@ -241,13 +288,19 @@ class CachedQueryDataset(IterableDataset):
             self.stats.statements += 1
         return lower
 
-    def _fetch(self, ws: WorkerSlice) -> list[Positioned]:
+    def _fetch(self, ws: WorkerSlice) -> _Window:
         piece, backend = ws.piece, self.db.backend
         lower = self._piece_lower_key(piece)
+        positions: Sequence[int]
         if ws.whole:
             rows = backend.fetch_rows(self.query, self.fields, lower, len(piece))
             self.stats.statements += 1
-            by_position = rows
+            self.stats.rows_fetched += len(rows)
+            if len(rows) != len(piece):
+                raise self._changed(piece, len(rows))
+            # a whole slice picks every row, in piece.order: index by it in one C pass
+            visited = list(map(rows.__getitem__, piece.order))
+            positions = range(ws.offset, ws.offset + len(piece))
         else:
             keys = backend.fetch_keys(self.query, lower, len(piece))
             self.stats.keys_fetched += len(keys)
@@ -257,21 +310,29 @@ class CachedQueryDataset(IterableDataset):
             wanted = [keys[piece.order[p]] for p in ws.picks]
             found = dict(backend.fetch_by_keys(self.query, self.fields, wanted))
             self.stats.statements += 1
-            rows = [(k, found[k]) for k in wanted if k in found]
-            by_position = None
-        self.stats.rows_fetched += len(rows)
-        out: list[Positioned] = []
-        if by_position is not None:
-            if len(by_position) != len(piece):
-                raise self._changed(piece, len(by_position))
-            pairs = ((ws.offset + p, by_position[piece.order[p]]) for p in ws.picks)
-        else:
-            if len(rows) != len(ws.picks):
-                raise self._changed(piece, len(rows))
-            pairs = zip((ws.offset + p for p in ws.picks), rows)
-        for pos, (key, row) in pairs:
-            out.append((pos, key, self._checked(key, row)))
-        return out
+            visited = [(k, found[k]) for k in wanted if k in found]
+            self.stats.rows_fetched += len(visited)
+            if len(visited) != len(ws.picks):
+                raise self._changed(piece, len(visited))
+            positions = [ws.offset + p for p in ws.picks]
+        keys = list(map(itemgetter(0), visited))
+        values = list(map(itemgetter(1), visited))
+        if self._all_text(values):
+            return _Window(positions, keys, values, True)
+        return _Window(positions, keys, [self._checked(k, r) for k, r in zip(keys, values)],
+                       False)
+
+    def _all_text(self, rows: list[Row]) -> bool:
+        """True when ``text_problem`` finds nothing in any row: its checks, a field at a time
+        over the whole window at C speed. Any doubt leaves it to the per-row ``_checked``."""
+        try:
+            for name in self.fields:
+                texts = list(map(itemgetter(name), rows))  # KeyError: a row lacks it
+                if not all(map(str.isascii, texts)):  # TypeError: None or not a str
+                    "".join(texts).encode("utf-8")  # UnicodeEncodeError: a lone surrogate
+        except (KeyError, TypeError, UnicodeEncodeError):
+            return False
+        return True
 
     def _checked(self, key: Key, row: Row) -> Any:
         for name in self.fields:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from llmtrain.datasets.cached import CachedQueryDataset, Positioned
@@ -60,8 +61,11 @@ class QueryDataLoader:
         epoch, start = ds._begin_pass()
         ds.scan()  # once here, so workers inherit it instead of each scanning again
         view = _PositionedView(ds, epoch, start, self.batch_size)
+        # a private generator: starting an iterator must not draw from the global RNG, or a
+        # resumed run (which starts one mid-training) would see different dropout masks
+        kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
         loader = DataLoader(view, batch_size=self.batch_size, num_workers=self.num_workers,
-                            collate_fn=self._collate, **self.kwargs)
+                            collate_fn=self._collate, **kwargs)
         self.last_keys: list[Any] = []
         for last, keys, batch in loader:
             ds._consumed = last + 1

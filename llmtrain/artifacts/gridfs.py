@@ -1,0 +1,157 @@
+"""Content-addressed artifacts in GridFS, in the MongoDB metadata database.
+
+Each write gets its own GridFS ``_id`` and carries the artifact id as its ``filename``, which a
+unique index guards. GridFS inserts the file document only after the last chunk, so a reader
+never sees a partial artifact; a writer that loses a race removes only its own chunks.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, BinaryIO, cast
+
+from pymongo.errors import PyMongoError
+
+from llmtrain.artifacts.local import CHUNK, TREE, ContentAddressedStore, HashingReader
+from llmtrain.backends.engines import mongo_database
+from llmtrain.errors import ArtifactCorruptError, StoreError
+from llmtrain.metadata.base import TABLE_PREFIX
+from llmtrain.uri import redact_uri, scheme_of
+
+COLLECTION = f"{TABLE_PREFIX}artifacts"  # GridFS adds .files and .chunks
+_mongomock_lock = threading.Lock()
+_mongomock_enabled = False
+
+
+def _enable_mongomock_gridfs() -> None:
+    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that, once."""
+    global _mongomock_enabled
+    with _mongomock_lock:
+        if not _mongomock_enabled:
+            import mongomock.gridfs
+
+            mongomock.gridfs.enable_gridfs_integration()
+            _mongomock_enabled = True
+
+
+class GridFSArtifactStore(ContentAddressedStore):
+    """Artifacts in ``_llmtrain_artifacts.files`` / ``.chunks`` of the metadata database."""
+
+    def __init__(self, metadata_uri: str) -> None:
+        self._uri = metadata_uri
+        self._where = redact_uri(metadata_uri)
+        self._index_ready = False
+
+    def __repr__(self) -> str:
+        return f"GridFSArtifactStore({self._where!r})"
+
+    def _db(self) -> Any:
+        if scheme_of(self._uri) == "mongomock":
+            _enable_mongomock_gridfs()
+        db = mongo_database(self._uri)
+        if not self._index_ready:
+            try:
+                db[f"{COLLECTION}.files"].create_index("filename", unique=True,
+                                                       name="llmtrain_artifact_id")
+            except PyMongoError as exc:
+                raise self._error("preparing", exc) from exc
+            self._index_ready = True
+        return db
+
+    def _fs(self) -> Any:
+        import gridfs
+
+        return gridfs.GridFS(self._db(), collection=COLLECTION)
+
+    def _error(self, what: str, exc: Exception) -> StoreError:
+        return StoreError(f"GridFS artifacts in {self._where}: {what} failed: "
+                          f"{type(exc).__name__}: {exc}")
+
+    def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
+        try:
+            doc: dict[str, Any] | None = self._db()[f"{COLLECTION}.files"].find_one(
+                {"filename": artifact_id})
+            return doc
+        except PyMongoError as exc:
+            raise self._error(f"looking up {artifact_id}", exc) from exc
+
+    def _has(self, artifact_id: str) -> bool:
+        return self._file_doc(artifact_id) is not None
+
+    def _save(self, artifact_id: str, source: BinaryIO) -> None:
+        import gridfs
+
+        fs = self._fs()
+        grid_in = fs.new_file(filename=artifact_id)
+        try:
+            reader = HashingReader(source)
+            while chunk := reader.read(CHUNK):
+                grid_in.write(chunk)
+            reader.check(artifact_id)
+            grid_in.close()
+        except gridfs.errors.FileExists:
+            self._drop_chunks(grid_in._id)  # another writer stored the same content first
+        except BaseException as exc:
+            self._drop_chunks(grid_in._id)
+            if isinstance(exc, PyMongoError):
+                raise self._error(f"storing {artifact_id}", exc) from exc
+            raise
+
+    def _drop_chunks(self, file_id: Any) -> None:
+        with suppress(PyMongoError):  # orphaned chunks are invisible; a crash leaves the same
+            self._db()[f"{COLLECTION}.chunks"].delete_many({"files_id": file_id})
+
+    def _open(self, artifact_id: str) -> BinaryIO:
+        doc = self._file_doc(artifact_id)
+        if doc is None:
+            raise StoreError(f"artifact {artifact_id} not found in {self._where} (GridFS)")
+        try:
+            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id,
+                                              self._error))
+        except PyMongoError as exc:
+            raise self._error(f"reading {artifact_id}", exc) from exc
+
+    def _remove(self, artifact_id: str) -> None:
+        doc = self._file_doc(artifact_id)
+        if doc is not None:
+            try:
+                self._fs().delete(doc["_id"])  # the file document first, then its chunks
+            except PyMongoError as exc:
+                raise self._error(f"deleting {artifact_id}", exc) from exc
+
+    def _tree_ids(self) -> list[str]:
+        try:
+            docs = self._db()[f"{COLLECTION}.files"].find(
+                {"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
+            return sorted(d["filename"] for d in docs)
+        except PyMongoError as exc:
+            raise self._error("listing folder artifacts", exc) from exc
+
+
+class _GridReader(io.RawIOBase):
+    """A GridOut whose damaged chunks surface as ArtifactCorruptError, like a bad hash."""
+
+    def __init__(self, grid_out: Any, artifact_id: str,
+                 error: Callable[[str, Exception], StoreError]) -> None:
+        super().__init__()
+        self._grid_out, self._id, self._error = grid_out, artifact_id, error
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        import gridfs
+
+        try:
+            return bytes(self._grid_out.read(-1 if size is None else size))
+        except gridfs.errors.CorruptGridFile as exc:
+            raise ArtifactCorruptError(f"artifact {self._id} is corrupt: {exc}") from exc
+        except PyMongoError as exc:
+            raise self._error(f"reading {self._id}", exc) from exc
+
+    def close(self) -> None:
+        self._grid_out.close()
+        super().close()

@@ -1,0 +1,27 @@
+"""Where components and runs are recorded: ``open_metadata(uri)`` picks SQL or MongoDB."""
+
+from __future__ import annotations
+
+from llmtrain.metadata.base import (
+    CheckpointRecord,
+    ComponentRecord,
+    MetadataStore,
+    MetricRecord,
+    RunRecord,
+    RunStatus,
+)
+from llmtrain.uri import is_mongo_uri
+
+__all__ = ["CheckpointRecord", "ComponentRecord", "MetadataStore", "MetricRecord",
+           "RunRecord", "RunStatus", "open_metadata"]
+
+
+def open_metadata(uri: str) -> MetadataStore:
+    """A store on ``uri``; nothing connects until the first call."""
+    if is_mongo_uri(uri):
+        from llmtrain.metadata.mongo import MongoMetadataStore
+
+        return MongoMetadataStore(uri)
+    from llmtrain.metadata.sql import SQLMetadataStore
+
+    return SQLMetadataStore(uri)

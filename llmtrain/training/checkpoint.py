@@ -1,0 +1,161 @@
+"""Checkpoints: written to a folder, sealed with a manifest, then stored as one artifact.
+
+A checkpoint counts only once its artifact is complete *and* recorded on the run, so a
+process killed mid-write leaves at most unreferenced blobs, never a checkpoint that looks
+good. Loading verifies every file against the manifest; weights load only from safetensors
+and ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmtrain.errors import CheckpointError, StoreError
+from llmtrain.metadata.base import CheckpointRecord
+from llmtrain.training.strategies.base import Strategy
+
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+FORMAT = 1
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(),
+                             "python": json.dumps(random.getstate()),
+                             "numpy": json.dumps(_numpy_state())}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _numpy_state() -> list[Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return [kind, keys.tolist(), pos, has_gauss, gauss]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = json.loads(state["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = json.loads(state["numpy"])
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Checkpointer:
+    """Saves and restores the full training state of one run through the artifact store."""
+
+    def __init__(self, db: Any, run_id: str, strategy: Strategy, *,
+                 keep: int | None, workdir: Path) -> None:
+        self.db, self.run_id, self.strategy, self.keep = db, run_id, strategy, keep
+        self.workdir = workdir
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
+             ) -> CheckpointRecord | None:
+        """Collective: every rank calls it. Returns the record on rank 0."""
+        s = self.strategy
+        folder = Path(s.broadcast_object(
+            str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}")))
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = s.trainable_state_dict(model)  # gathers shards: all ranks take part
+        s.save_optimizer(model, optimizer, folder)
+        torch.save(rng_state(), folder / f"rng_rank{s.rank}.pt")
+        s.barrier()
+        record = None
+        if s.is_main:
+            try:
+                save_file(weights, str(folder / "weights.safetensors"))
+                torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+                (folder / STATE).write_text(json.dumps({**state, "format": FORMAT,
+                                                        "world_size": s.world_size}))
+                files = {p.relative_to(folder).as_posix(): sha256_file(p)
+                         for p in sorted(folder.rglob("*")) if p.is_file()}
+                (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
+                artifact = self.db.artifacts.put_dir(folder)
+                record = self.db.metadata.add_checkpoint(
+                    self.run_id, state["step"], artifact,
+                    {"epoch": state["epoch"], "world_size": s.world_size})
+                self._prune()
+            except (OSError, StoreError) as exc:
+                raise CheckpointError(f"could not save the checkpoint at step {state['step']}: "
+                                      f"{exc}; the previous checkpoint is intact") from exc
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        s.barrier()
+        return record
+
+    def _prune(self) -> None:
+        if self.keep is None:
+            return
+        records = self.db.metadata.list_checkpoints(self.run_id)
+        for old in records[:-self.keep]:
+            self.db.metadata.remove_checkpoint(self.run_id, old.step)
+            if not any(r.artifact_id == old.artifact_id
+                       for r in self.db.metadata.list_checkpoints(self.run_id)):
+                self.db.artifacts.delete(old.artifact_id)
+
+    # -- load ------------------------------------------------------------------------------
+    def latest(self) -> CheckpointRecord | None:
+        records = self.db.metadata.list_checkpoints(self.run_id)
+        return records[-1] if records else None
+
+    def find(self, checkpoint: str) -> CheckpointRecord:
+        for record in self.db.metadata.list_checkpoints(self.run_id):
+            if checkpoint in (record.artifact_id, str(record.step)):
+                return record
+        raise CheckpointError(f"run {self.run_id} has no checkpoint {checkpoint!r}")
+
+    def restore(self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
+                ) -> dict[str, Any]:
+        """Load weights, optimizer, scheduler and RNG; return the saved trainer state."""
+        s = self.strategy
+        folder = Path(tempfile.mkdtemp(prefix="llmtrain-restore-", dir=self.workdir))
+        try:
+            self.db.artifacts.get_dir(record.artifact_id, folder / "ckpt")
+            folder = folder / "ckpt"
+            verify(folder)
+            state = json.loads((folder / STATE).read_text())
+            if state.get("world_size") != s.world_size:
+                raise CheckpointError(
+                    f"checkpoint at step {record.step} was written by {state.get('world_size')}"
+                    f" process(es); resume it with the same world size, not {s.world_size}")
+            s.load_trainable_state_dict(model, load_file(str(folder / "weights.safetensors")))
+            s.load_optimizer(model, optimizer, folder)
+            scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+            set_rng_state(torch.load(folder / f"rng_rank{s.rank}.pt", weights_only=True))
+            return state
+        finally:
+            shutil.rmtree(folder.parent if folder.name == "ckpt" else folder, ignore_errors=True)
+
+
+def verify(folder: Path) -> None:
+    """Every file listed in the manifest is present and matches its sha256."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{folder} has no {MANIFEST}: the checkpoint is incomplete")
+    manifest = json.loads(manifest_path.read_text())
+    for rel, digest in manifest["files"].items():
+        path = folder / rel
+        if not path.is_file() or sha256_file(path) != digest:
+            raise CheckpointError(f"checkpoint file {rel} is missing or corrupt")

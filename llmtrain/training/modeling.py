@@ -1,0 +1,140 @@
+"""Loading the base model and tokenizer, and wrapping the model with a PEFT adapter."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from llmtrain.errors import ConfigError
+from llmtrain.training.args import LoraArguments, ModelArguments
+
+log = logging.getLogger("llmtrain.training")
+
+# The attention and MLP projections of common decoder architectures.
+_DEFAULT_TARGETS: dict[str, list[str]] = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a GPU that has it, else float32 (CPUs train reliably in fp32)."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(args: ModelArguments) -> Any:
+    """The tokenizer, with a pad token: the model's own, else EOS.
+
+    Padding never needs its own id here: labels are masked by position (-100), so a real
+    EOS inside a response is still trained even when it shares the pad id.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_name_or_path, revision=args.revision,
+                                        trust_remote_code=args.trust_remote_code)
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ConfigError(f"tokenizer of {args.model_name_or_path!r} has neither a pad nor "
+                              "an EOS token; the model could not learn to stop")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def quantization_config(args: ModelArguments, compute_dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if args.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    storage = _DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)
+
+
+def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = True) -> Any:
+    """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = resolve_dtype(args.torch_dtype, device)
+    kwargs: dict[str, Any] = {"revision": args.revision,
+                              "trust_remote_code": args.trust_remote_code, "dtype": dtype}
+    if args.attn_implementation:
+        kwargs["attn_implementation"] = args.attn_implementation
+    if quantize and args.bits:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError("bits=4/8 needs bitsandbytes: pip install 'llmtrain[qlora]'") \
+                from exc
+        compute = resolve_dtype(args.bnb_4bit_compute_dtype, device)
+        kwargs["quantization_config"] = quantization_config(args, compute)
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
+    if not (quantize and args.bits):
+        model.to(device)
+    return model
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """Leaf names of the model's linear layers (what ``target_modules`` may name)."""
+    names = set()
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if isinstance(module, torch.nn.Linear) or kind in {"Linear4bit", "Linear8bitLt", "Conv1D"}:
+            names.add(name.rsplit(".", 1)[-1])
+    names.discard("lm_head")
+    return sorted(names)
+
+
+def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
+    """The configured targets, checked against the model, or the architecture's default."""
+    available = linear_module_names(model)
+    if lora.target_modules == "all-linear":
+        return "all-linear"
+    targets = lora.target_modules
+    if targets is None:
+        targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
+        if targets is None:
+            return "all-linear"
+        targets = [t for t in targets if t in available] or "all-linear"
+        return targets
+    missing = [t for t in targets if t not in available]
+    if missing:
+        raise ConfigError(f"lora_args.target_modules {missing} match no linear layer of "
+                          f"{model.config.model_type}; its linear layers are {available}")
+    return list(targets)
+
+
+def apply_adapter(model: Any, lora: LoraArguments, *, quantized: bool,
+                  gradient_checkpointing: bool) -> Any:
+    """Wrap ``model`` with a LoRA/DoRA adapter (PEFT); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if quantized:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    config = LoraConfig(
+        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+        target_modules=target_modules_for(model, lora), bias=lora.bias, use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

@@ -1,0 +1,295 @@
+"""One training run, as every process executes it: setup -> train -> finish -> cleanup.
+
+The loop in :meth:`FitRun.train` reads top to bottom; the strategy, the batches, the
+checkpointer and the stores are collaborators handed in, never base classes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmtrain.errors import CheckpointError
+from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.training.checkpoint import Checkpointer
+from llmtrain.training.data import TrainBatches, make_collate, to_device
+from llmtrain.training.modeling import apply_adapter, load_model, load_tokenizer
+from llmtrain.training.strategies.base import Strategy
+
+log = logging.getLogger("llmtrain.training")
+TRACE_ENV = "LLMTRAIN_TRACE_KEYS"  # a path: every step appends the keys it trained on
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Summed next-token loss over target tokens (normalised by the caller, across ranks)."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    logits = model(**inputs, use_cache=False).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class FitRun:
+    """Everything one process needs to train one run of a trainer."""
+
+    def __init__(self, trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
+                 resume: bool | str = False) -> None:
+        self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
+        self.config = trainer.config
+        self.resume = resume
+        self.targs, self.dargs = self.config.training_args, self.config.data_args
+        self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
+        self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
+        self.history: list[dict[str, float]] = []
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        s, cfg = self.strategy, self.config
+        s.launch()
+        seed_everything(self.targs.seed)
+        self.tokenizer = load_tokenizer(cfg.model_args)
+        model = load_model(cfg.model_args, s.device)
+        if cfg.lora_args is not None:
+            model = apply_adapter(model, cfg.lora_args, quantized=bool(cfg.model_args.bits),
+                                  gradient_checkpointing=self.targs.gradient_checkpointing)
+        elif self.targs.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
+                                                                               False})
+        self.model, self.optimizer = s.setup(model, self._make_optimizer)
+        self.base_model = model
+
+        fit = cfg.fit
+        self.formatter = Formatter(
+            self.tokenizer, None if self.dargs.chat_template else cfg.prompt_template,
+            chat_template=self.dargs.chat_template, max_length=self.dargs.max_length,
+            train_on_inputs=self.dargs.train_on_inputs, x_field=fit.X, y_field=fit.Y)
+        select = fit.query()
+        collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
+        self.batches = TrainBatches(
+            self.db, select, [fit.X, fit.Y], self.dargs,
+            batch_size=self.targs.per_device_train_batch_size, seed=self.targs.seed,
+            rank=s.rank, world_size=s.world_size, collate=collate)
+        self.total_steps = self._total_steps()
+        self.scheduler = self._make_scheduler()
+        self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
+                                         workdir=self.workdir)
+        if self.resume:
+            self._restore()
+
+    def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
+        t = self.targs
+        kwargs = {"lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2),
+                  "eps": t.adam_epsilon, "weight_decay": t.weight_decay}
+        if t.optim == "adamw_torch":
+            return torch.optim.AdamW(params, **kwargs)
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return cls(params, **kwargs)
+
+    def _total_steps(self) -> int:
+        if self.targs.max_steps > 0:
+            return self.targs.max_steps
+        per_epoch = -(-self.batches.batches_per_epoch() // self.targs.gradient_accumulation_steps)
+        return max(1, per_epoch * self.targs.num_train_epochs)
+
+    def _make_scheduler(self) -> Any:
+        from transformers import get_scheduler
+
+        t = self.targs
+        warmup = t.warmup_steps or int(t.warmup_ratio * self.total_steps)
+        return get_scheduler(t.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
+                             num_training_steps=self.total_steps)
+
+    def _restore(self) -> None:
+        ck = self.checkpointer
+        record = ck.latest() if self.resume in (True, "latest") else ck.find(str(self.resume))
+        if record is None:
+            if self.resume not in (True, "latest"):
+                raise CheckpointError(f"run {self.run_id} has no checkpoint to resume from")
+            log.info("run %s has no checkpoint yet: starting from the first step", self.run_id)
+            return
+        state = ck.restore(record, self.model, self.optimizer, self.scheduler)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.history = state.get("history", [])
+        self.batches.load_state_dict(state["dataset"],
+                                     allow_changed_data=self.dargs.allow_changed_data)
+        self.start_epoch = self.batches.dataset.epoch
+        if self.strategy.is_main:
+            log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step,
+                     self.start_epoch)
+
+    # -- the loop --------------------------------------------------------------------------
+    def train(self) -> None:
+        s, t = self.strategy, self.targs
+        accum = t.gradient_accumulation_steps
+        endless = t.max_steps > 0
+        stream = self.batches.epochs(self.start_epoch, None if endless else t.num_train_epochs)
+        progress = self._progress()
+        self.model.train()
+        started, tokens_at_start = time.perf_counter(), self.tokens_seen
+
+        while self.step < self.total_steps:
+            # 1. the next accumulation group, the same size on every rank
+            group = [to_device(b, s.device) for _, b in _take(stream, accum)]
+            size = int(s.all_reduce(torch.tensor(len(group)), "min"))
+            if size == 0:
+                break
+            group = group[:size]
+            targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
+            scale = s.world_size / targets.clamp(min=1).item()
+
+            # 2. forward/backward, loss normalised by the target tokens of the whole step
+            total_loss = 0.0
+            for i, batch in enumerate(group):
+                with s.accumulate(self.model, sync=i == size - 1), self._autocast():
+                    loss = loss_sum(self.model, batch)
+                s.backward(self.model, loss * scale)
+                total_loss += loss.item()
+
+            # 3. optimizer step
+            grad_norm = s.optimizer_step(self.model, self.optimizer, t.max_grad_norm)
+            self.scheduler.step()
+            self.step += 1
+            step_tokens = int(s.all_reduce(sum(b["num_tokens"] for b in group)))
+            self.tokens_seen += step_tokens
+            self._trace([k for b in group for k in b["keys"]])
+
+            # 4. bookkeeping: metrics, progress, evaluation, checkpoints
+            loss_value = float(s.all_reduce(torch.tensor(total_loss))) / targets.clamp(min=1).item()
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            metrics = {"loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
+                       "grad_norm": grad_norm, "tokens": float(self.tokens_seen),
+                       "tokens_per_s": (self.tokens_seen - tokens_at_start) / elapsed}
+            self.history.append({"step": self.step, "loss": loss_value})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}",
+                                     tok_s=f"{metrics['tokens_per_s']:.0f}")
+            if self.step % t.logging_steps == 0 or self.step == self.total_steps:
+                self._log(metrics)
+            if t.eval_steps and self.step % t.eval_steps == 0:
+                self._log({"eval_loss": self.evaluate()})
+            if t.save_steps and self.step % t.save_steps == 0:
+                self.save_checkpoint()
+        if progress is not None:
+            progress.close()
+
+    def _autocast(self) -> Any:
+        mp = self.targs.mixed_precision
+        if self.strategy.device.type != "cuda" or mp == "no":
+            return nullcontext()
+        if mp == "auto":
+            mp = "bf16" if torch.cuda.is_bf16_supported() else "no"
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
+        return torch.autocast("cuda", dtype=dtype) if dtype else nullcontext()
+
+    def _progress(self) -> Any:
+        if not (self.targs.progress_bar and self.strategy.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                    desc=f"fit {self.trainer.identifier}")
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if self.strategy.is_main:
+            self.db.metadata.log_metrics(self.run_id, self.step, metrics)
+
+    def _trace(self, keys: list[str]) -> None:
+        path = os.environ.get(TRACE_ENV)
+        if path:
+            with open(f"{path}.rank{self.strategy.rank}", "a") as fh:
+                fh.write(json.dumps({"step": self.step, "keys": keys}) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    # -- evaluation --------------------------------------------------------------------------
+    def evaluate(self) -> float:
+        """Mean token loss on the eval selection or the held-out fraction."""
+        from llmtrain.datasets import CachedQueryDataset
+
+        fit, s = self.config.fit, self.strategy
+        select = fit.eval_query() or fit.query()
+        held = fit.eval_query() is None
+        if held and self.dargs.eval_fraction <= 0:
+            return float("nan")
+        ds = CachedQueryDataset(self.db, select, [fit.X, fit.Y], cache_size=self.dargs.cache_size,
+                                shuffle=False, rank=s.rank, world_size=s.world_size,
+                                drop_remainder=False, on_bad_row=self.dargs.on_bad_row,
+                                return_keys=True)
+        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
+                               select.source, keep_eval=held)
+        if not held:
+            collate.eval_fraction = 0.0
+        total, count, seen = torch.zeros(()), torch.zeros(()), 0
+        self.model.eval()
+        with torch.no_grad():
+            for batch in ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate):
+                if batch is None:
+                    continue
+                batch = to_device(batch, s.device)
+                with self._autocast():
+                    total += loss_sum(self.model, batch).float().cpu()
+                count += batch["num_target_tokens"].float().cpu()
+                seen += len(batch["keys"])
+                if seen >= self.dargs.max_eval_rows:
+                    break
+        self.model.train()
+        total, count = s.all_reduce(total), s.all_reduce(count)
+        return float(total / count.clamp(min=1))
+
+    # -- saving ------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.batches.dataset.epoch,
+                "tokens_seen": self.tokens_seen, "dataset": self.batches.state_dict(),
+                "run_id": self.run_id, "history": self.history[-1000:]}
+
+    def save_checkpoint(self) -> Any:
+        return self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state())
+
+    def save_adapter(self) -> str | None:
+        """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""
+        weights = self.strategy.trainable_state_dict(self.model)
+        artifact = None
+        if self.strategy.is_main:
+            folder = self.workdir / "final"
+            inner = self.strategy.unwrap(self.model)
+            inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+            if self.config.lora_args is None:
+                self.tokenizer.save_pretrained(folder)
+            artifact = self.db.artifacts.put_dir(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+        self.strategy.barrier()
+        return artifact
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.strategy.teardown()
+
+
+def _take(stream: Any, n: int) -> list[Any]:
+    out = []
+    for item in stream:
+        out.append(item)
+        if len(out) == n:
+            break
+    return out

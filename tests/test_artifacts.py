@@ -1,0 +1,356 @@
+"""Artifact stores: a local folder and GridFS (on mongomock), content-addressed and verified."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pickle
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmtrain.artifacts import LocalArtifactStore, open_artifacts
+from llmtrain.artifacts.base import ArtifactStore
+from llmtrain.artifacts.gridfs import COLLECTION, GridFSArtifactStore
+from llmtrain.artifacts.local import ContentAddressedStore, manifest_bytes
+from llmtrain.backends.engines import mongo_database
+from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
+
+BAD_IDS = ["sha256:../../etc/passwd", "sha256:" + "a" * 63 + "/", "tree:..", "../x", "",
+           "sha256:" + "A" * 64, "sha256:" + "g" * 64, "sha256:" + "a" * 65, "blob:" + "a" * 64,
+           "sha256:" + "a" * 64 + "\n", "tree:" + "a" * 62 + "/.."]
+
+
+@pytest.fixture(params=["local", "gridfs"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    if request.param == "local":
+        return open_artifacts(tmp_path / "artifacts", metadata_uri="sqlite:///unused.db")
+    return open_artifacts("gridfs", metadata_uri=f"mongomock://localhost/a_{uuid.uuid4().hex}")
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> LocalArtifactStore:
+    return LocalArtifactStore(tmp_path / "artifacts")
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A checkpoint-like folder: nested, binary, empty and duplicate-content files."""
+    root = tmp_path / "ckpt"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "adapter.safetensors").write_bytes(os.urandom(3 * 1024 * 1024 + 7))  # > 1 chunk
+    (root / "config.json").write_text('{"r": 8}')
+    (root / "sub" / "same.json").write_text('{"r": 8}')
+    (root / "sub" / "deeper" / "empty").write_bytes(b"")
+    (root / "sub" / "ünïcode name.txt").write_text("ok")
+    return root
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def all_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def corrupt(store: ArtifactStore, artifact_id: str) -> None:
+    """Flip one byte of the stored content behind the store's back."""
+    if isinstance(store, LocalArtifactStore):
+        path = store._path(artifact_id)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    assert isinstance(store, GridFSArtifactStore)
+    db = mongo_database(store._uri)
+    file_id = db[f"{COLLECTION}.files"].find_one({"filename": artifact_id})["_id"]
+    chunk = db[f"{COLLECTION}.chunks"].find_one({"files_id": file_id, "n": 0})
+    data = bytearray(chunk["data"])
+    data[0] ^= 0xFF
+    db[f"{COLLECTION}.chunks"].update_one({"_id": chunk["_id"]}, {"$set": {"data": bytes(data)}})
+
+
+def store_raw(store: ArtifactStore, artifact_id: str, data: bytes) -> None:
+    """Write content under an id through the store's primitive, as a crafted store would."""
+    import io
+
+    assert isinstance(store, ContentAddressedStore)
+    store._save(artifact_id, io.BytesIO(data))
+
+
+# -- round trips ----------------------------------------------------------------------------------
+def test_open_artifacts_dispatch(tmp_path: Path) -> None:
+    assert isinstance(open_artifacts(tmp_path, metadata_uri="sqlite:///x.db"), LocalArtifactStore)
+    assert isinstance(open_artifacts(str(tmp_path), metadata_uri="mongomock://h/db"),
+                      LocalArtifactStore)
+    assert isinstance(open_artifacts("gridfs", metadata_uri="mongomock://h/db"),
+                      GridFSArtifactStore)
+    with pytest.raises(ConfigError, match="needs a MongoDB metadata database"):
+        open_artifacts("gridfs", metadata_uri="postgresql://u:secret@h/db")
+
+
+def test_bytes_round_trip_and_dedup(store: ArtifactStore) -> None:
+    data = b"\x00weights\xff" * 1000
+    artifact_id = store.put_bytes(data)
+    assert artifact_id == "sha256:" + hashlib.sha256(data).hexdigest()
+    assert store.put(data) == artifact_id == store.put_bytes(data)
+    assert store.exists(artifact_id) and store.get_bytes(artifact_id) == data
+    assert pickle.loads(pickle.dumps(store)).get_bytes(artifact_id) == data  # for workers
+    assert store.get_bytes(store.put_bytes(b"")) == b""
+    assert not store.exists("sha256:" + "0" * 64)
+    with pytest.raises(StoreError, match="not found"):
+        store.get_bytes("sha256:" + "0" * 64)
+
+
+def test_file_round_trip(store: ArtifactStore, tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    data = os.urandom(2 * 1024 * 1024 + 3)
+    path.write_bytes(data)
+    artifact_id = store.put(path)
+    assert artifact_id == store.put_file(str(path)) == store.put_bytes(data)
+    assert store.get_bytes(artifact_id) == data
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.put_file(tmp_path / "missing")
+
+
+def test_folder_round_trip(store: ArtifactStore, folder: Path, tmp_path: Path) -> None:
+    tree_id = store.put(folder)
+    assert tree_id.startswith("tree:") and store.exists(tree_id)
+    assert store.put_dir(folder) == tree_id
+    copy = tmp_path / "copy"  # same content elsewhere: same id
+    os.rename(folder, copy)
+    assert store.put_dir(copy) == tree_id
+    out = store.get_dir(tree_id, tmp_path / "restored" / "here")
+    assert out == tmp_path / "restored" / "here"
+    assert snapshot(out) == snapshot(copy)
+    empty = tmp_path / "empty_dest"
+    empty.mkdir()
+    assert snapshot(store.get_dir(tree_id, empty)) == snapshot(copy)
+    assert [p.name for p in (tmp_path / "restored").iterdir()] == ["here"]  # no staging left
+
+
+def test_get_dir_refuses_a_non_empty_destination(store: ArtifactStore, folder: Path,
+                                                 tmp_path: Path) -> None:
+    tree_id = store.put_dir(folder)
+    dest = tmp_path / "busy"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    with pytest.raises(StoreError, match="not an empty folder"):
+        store.get_dir(tree_id, dest)
+    assert all_files(dest) == ["keep.txt"]
+    with pytest.raises(StoreError, match="is a blob, not a folder"):
+        store.get_dir(store.put_bytes(b"x"), tmp_path / "blob")
+
+
+def test_empty_folder_round_trip(store: ArtifactStore, tmp_path: Path) -> None:
+    (tmp_path / "nothing").mkdir()
+    tree_id = store.put_dir(tmp_path / "nothing")
+    assert store.get_dir(tree_id, tmp_path / "out").is_dir()
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+# -- integrity ------------------------------------------------------------------------------------
+def test_corrupt_blob_is_detected(store: ArtifactStore) -> None:
+    artifact_id = store.put_bytes(b"precious weights" * 100)
+    corrupt(store, artifact_id)
+    with pytest.raises(ArtifactCorruptError, match=artifact_id):
+        store.get_bytes(artifact_id)
+
+
+def test_corrupt_file_in_a_folder_fails_get_dir_and_leaves_nothing(
+        store: ArtifactStore, folder: Path, tmp_path: Path) -> None:
+    tree_id = store.put_dir(folder)
+    blob_id = store.put_file(folder / "sub" / "ünïcode name.txt")
+    corrupt(store, blob_id)
+    with pytest.raises(ArtifactCorruptError, match=blob_id):
+        store.get_dir(tree_id, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if ".partial" in p.name] == []
+
+
+def test_corrupt_manifest_is_detected(store: ArtifactStore, folder: Path, tmp_path: Path) -> None:
+    tree_id = store.put_dir(folder)
+    corrupt(store, tree_id)
+    with pytest.raises(ArtifactCorruptError, match=tree_id):
+        store.get_dir(tree_id, tmp_path / "out")
+    store.delete(tree_id)  # a corrupt tree can still be deleted (its blobs are kept)
+    assert not store.exists(tree_id)
+    assert store.exists(store.put_file(folder / "config.json"))
+
+
+@pytest.mark.parametrize("bad_id", BAD_IDS)
+def test_crafted_ids_are_refused(store: ArtifactStore, bad_id: str, tmp_path: Path) -> None:
+    for call in (store.get_bytes, store.exists, store.delete,
+                 lambda i: store.get_dir(i, tmp_path / "out")):
+        with pytest.raises(StoreError, match="invalid artifact id"):
+            call(bad_id)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("relpath", ["../evil.txt", "/tmp/evil.txt", "a/../../evil.txt", "a//b",
+                                     "./a", "a\\..\\evil.txt", ""])
+def test_crafted_manifest_paths_are_refused(store: ArtifactStore, relpath: str,
+                                            tmp_path: Path) -> None:
+    blob_id = store.put_bytes(b"payload")
+    manifest = manifest_bytes({"ok.txt": blob_id, relpath: blob_id})
+    tree_id = "tree:" + hashlib.sha256(manifest).hexdigest()
+    store_raw(store, tree_id, manifest)
+    with pytest.raises(StoreError, match="unsafe path"):
+        store.get_dir(tree_id, tmp_path / "out" / "dest")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "evil.txt").exists()
+
+
+def test_manifest_that_names_a_tree_or_junk_is_refused(store: ArtifactStore,
+                                                       tmp_path: Path) -> None:
+    for manifest in (manifest_bytes({"x": "tree:" + "0" * 64}), b"not json",
+                     b'{"format": 2, "files": {}}'):
+        tree_id = "tree:" + hashlib.sha256(manifest).hexdigest()
+        store_raw(store, tree_id, manifest)
+        with pytest.raises(StoreError):
+            store.get_dir(tree_id, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_file_that_changes_while_stored_is_not_published(store: ArtifactStore,
+                                                           tmp_path: Path) -> None:
+    import io
+
+    claimed = "sha256:" + hashlib.sha256(b"original").hexdigest()
+    with pytest.raises(StoreError, match="changed while it was being stored"):
+        store._save(claimed, io.BytesIO(b"tampered"))  # type: ignore[attr-defined]
+    assert not store.exists(claimed)
+
+
+# -- deletion -------------------------------------------------------------------------------------
+def test_delete_tree_keeps_blobs_other_trees_use(store: ArtifactStore, tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "shared.bin").write_bytes(b"shared")
+    (b / "shared.bin").write_bytes(b"shared")
+    (a / "only_a.bin").write_bytes(b"only a")
+    (b / "only_b.bin").write_bytes(b"only b")
+    tree_a, tree_b = store.put_dir(a), store.put_dir(b)
+    shared, only_a = store.put_bytes(b"shared"), store.put_bytes(b"only a")
+    with pytest.raises(StoreError, match="is part of tree:"):
+        store.delete(shared)
+    store.delete(tree_a)
+    assert not store.exists(tree_a) and not store.exists(only_a)
+    assert store.exists(shared) and store.exists(tree_b)
+    assert snapshot(store.get_dir(tree_b, tmp_path / "out")) == snapshot(b)
+    store.delete(tree_a)  # gone already: no-op
+    store.delete(tree_b)
+    assert not store.exists(shared)
+    loose = store.put_bytes(b"loose")
+    store.delete(loose)
+    assert not store.exists(loose)
+
+
+def test_local_layout_is_content_addressed(local: LocalArtifactStore, folder: Path) -> None:
+    blob_id = local.put_bytes(b"abc")
+    hexdigest = blob_id.split(":")[1]
+    assert (local.root / "blobs" / hexdigest[:2] / hexdigest[2:]).read_bytes() == b"abc"
+    tree_id = local.put_dir(folder)
+    hexdigest = tree_id.split(":")[1]
+    manifest = (local.root / "trees" / hexdigest[:2] / hexdigest[2:]).read_bytes()
+    assert hashlib.sha256(manifest).hexdigest() == hexdigest
+    assert sorted(json.loads(manifest)["files"]) == all_files(folder)
+
+
+# -- failures while writing (local folder) --------------------------------------------------------
+def leftovers(root: Path) -> list[str]:
+    return [p for p in all_files(root) if Path(p).name.startswith(".tmp-")] if root.exists() \
+        else []
+
+
+def test_failed_rename_leaves_no_blob_and_no_temp(local: LocalArtifactStore,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    local.put_bytes(b"first")  # the folders exist already
+
+    def broken_replace(*_args: Any, **_kwargs: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(StoreError, match="Input/output error"):
+        local.put_bytes(b"second")
+    monkeypatch.undo()
+    assert not local.exists("sha256:" + hashlib.sha256(b"second").hexdigest())
+    assert leftovers(local.root) == []
+    assert len(all_files(local.root / "blobs")) == 1
+
+
+def test_disk_full_gives_a_clear_store_error(local: LocalArtifactStore, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(_fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    (tmp_path / "f.bin").write_bytes(b"big" * 1000)
+    with pytest.raises(StoreError, match=r"No space left on device \(disk full\?\)"):
+        local.put_file(tmp_path / "f.bin")
+    monkeypatch.undo()
+    assert leftovers(local.root) == [] and all_files(local.root / "blobs") == []
+
+
+def test_root_that_is_a_file_gives_store_error(tmp_path: Path) -> None:
+    (tmp_path / "not_a_dir").write_text("x")
+    store = LocalArtifactStore(tmp_path / "not_a_dir")
+    with pytest.raises(StoreError, match="cannot write artifacts under"):
+        store.put_bytes(b"data")
+    assert (tmp_path / "not_a_dir").read_text() == "x"
+    assert not store.exists("sha256:" + hashlib.sha256(b"data").hexdigest())
+
+
+def test_failed_get_dir_leaves_no_partial_folder(local: LocalArtifactStore, folder: Path,
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    tree_id = local.put_dir(folder)
+    real_open = open
+    calls = {"n": 0}
+
+    def flaky_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode == "xb":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", flaky_open)
+    with pytest.raises(StoreError, match="No space left"):
+        local.get_dir(tree_id, tmp_path / "out")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["artifacts", "ckpt"]
+
+
+# -- gridfs specifics -----------------------------------------------------------------------------
+@pytest.fixture
+def gridfs_store() -> Iterator[GridFSArtifactStore]:
+    yield GridFSArtifactStore(f"mongomock://localhost/g_{uuid.uuid4().hex}")
+
+
+def test_gridfs_writer_that_loses_a_race_removes_only_its_chunks(
+        gridfs_store: GridFSArtifactStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writers of the same content: the second's file document hits the unique index."""
+    data = os.urandom(600_000)  # several GridFS chunks
+    first = gridfs_store.put_bytes(data)
+    monkeypatch.setattr(GridFSArtifactStore, "_has", lambda self, artifact_id: False)
+    assert gridfs_store.put_bytes(data) == first
+    monkeypatch.undo()
+    db = mongo_database(gridfs_store._uri)
+    file_ids = [d["_id"] for d in db[f"{COLLECTION}.files"].find()]
+    assert len(file_ids) == 1
+    assert {c["files_id"] for c in db[f"{COLLECTION}.chunks"].find()} == set(file_ids)
+    assert gridfs_store.get_bytes(first) == data
+
+
+def test_gridfs_lives_in_the_metadata_database(gridfs_store: GridFSArtifactStore) -> None:
+    gridfs_store.put_bytes(b"x")
+    names = set(mongo_database(gridfs_store._uri).list_collection_names())
+    assert {f"{COLLECTION}.files", f"{COLLECTION}.chunks"} <= names

@@ -1,0 +1,218 @@
+"""LLMTrainer end to end on a SQLite file with a tiny local model: QLoRA/DoRA layers, learning,
+exact resume, replay, stock loading of the adapter and the merged model, config errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fill
+from safetensors.torch import load_file
+
+import llmtrain as lt
+from llmtrain.errors import ConfigError, DataChangedError
+from llmtrain.testing import tiny_model
+
+TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
+COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Any:
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [{"id": i, "instruction": f"What is color number {i % 8}?",
+                        "output": COLORS[i % 8], "lang": "en" if i < 48 else "fr"}
+                       for i in range(64)])
+    return lt.connect(uri, artifacts=tmp_path / "artifacts")
+
+
+def _trainer(tiny: Path, name: str = "sft", **kwargs: Any) -> lt.LLMTrainer:
+    options: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2,
+                               "lora_r": 8, "progress_bar": False, "logging_steps": 1}
+    options.update(kwargs)
+    return lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **options)
+
+
+def _fit(trainer: lt.LLMTrainer, db: Any, **kwargs: Any) -> Any:
+    return trainer.fit(X="instruction", Y="output", db=db,
+                       select=lt.Table("docs").where("lang = :l", l="en"), **kwargs)
+
+
+def _adapter(db: Any, model: Any, tmp_path: Path) -> dict[str, torch.Tensor]:
+    folder = tmp_path / f"adapter-{model.identifier}-{model.version}"
+    db.artifacts.get_dir(model.record.adapter, folder)
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_fit_records_trainer_run_metrics_and_model(tiny: Path, db: Any) -> None:
+    model = _fit(_trainer(tiny), db)
+    assert db.show("trainer") == ["sft"] and db.show("model") == ["sft"]
+    (run,) = db.metadata.list_runs("trainer", "sft")
+    assert run.status == "completed" and run.info["steps"] == 6
+    assert run.info["query"] == lt.Table("docs").where("lang = :l", l="en").to_dict()
+    assert run.info["X"] == "instruction" and "torch" in run.info["versions"]
+    metrics = db.metadata.get_metrics(run.run_id)
+    assert [m.step for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "lr", "tokens", "tokens_per_s", "grad_norm"} <= set(metrics[0].values)
+    assert model.record.run_id == run.run_id
+    assert db.load("model", "sft").record == model.record
+
+
+def test_qlora_4bit_and_dora_use_real_bitsandbytes_and_peft_layers(tiny: Path, db: Any) -> None:
+    import bitsandbytes as bnb
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    from llmtrain.training.run import FitRun
+    from llmtrain.training.strategies import make_strategy
+
+    trainer = _trainer(tiny, "qdora", bits=4, qlora=True, use_dora=True, max_steps=2)
+    model = _fit(trainer, db)
+    run = FitRun(trainer, db, "probe", make_strategy("single"))
+    run.setup()
+    try:
+        layer = run.model.base_model.model.model.layers[0].self_attn.q_proj
+        assert isinstance(layer, LoraLinear4bit)
+        assert isinstance(layer.base_layer, bnb.nn.Linear4bit)
+        assert layer.base_layer.weight.quant_state.quant_type == "nf4"
+        assert "default" in layer.lora_magnitude_vector  # DoRA's magnitude
+    finally:
+        run.cleanup()
+    weights = _adapter(db, model, Path(db.artifacts.root).parent)
+    assert any("lora_magnitude_vector" in k for k in weights)
+
+
+def test_tiny_model_learns_the_table(tiny: Path, db: Any) -> None:
+    trainer = _trainer(tiny, "learn", max_steps=80, batch_size=8, lora_r=16,
+                       learning_rate=2e-2, lora_dropout=0.0, logging_steps=10)
+    model = _fit(trainer, db)
+    history = model.record.history
+    first, last = history[0]["loss"], history[-1]["loss"]
+    assert last < first * 0.2, (first, last)
+    answers = model.generate([f"What is color number {i}?" for i in range(8)], max_new_tokens=4)
+    assert sum(a.strip() == c for a, c in zip(answers, COLORS)) >= 7, answers
+
+
+def test_resume_after_interruption_gives_the_same_adapter(tiny: Path, db: Any, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    options = {"max_steps": 10, "save_steps": 3, "lora_dropout": 0.1, "batch_size": 4}
+    reference = _fit(_trainer(tiny, "straight", **options), db)
+
+    from llmtrain.training import run as run_module
+
+    original = run_module.FitRun.save_checkpoint
+
+    def crash_after_step_6(self: Any) -> Any:
+        record = original(self)
+        if self.step == 6:
+            raise KeyboardInterrupt("simulated crash")
+        return record
+
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(_trainer(tiny, "crashy", **options), db)
+    (failed,) = db.metadata.list_runs("trainer", "crashy")
+    assert failed.status == "failed" and "simulated crash" in failed.error
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
+
+    resumed = _fit(_trainer(tiny, "crashy", **options), db, resume=True)
+    (run,) = db.metadata.list_runs("trainer", "crashy")
+    assert run.status == "completed" and resumed.record.run_id == failed.run_id
+    a, b = _adapter(db, reference, tmp_path), _adapter(db, resumed, tmp_path)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+    steps = [m.step for m in db.metadata.get_metrics(run.run_id)]
+    assert steps == sorted(steps) and steps[-1] == 10
+
+
+def test_replay_loads_the_same_trainer_and_fits(tiny: Path, db: Any) -> None:
+    trainer = _trainer(tiny, "replay", max_steps=2)
+    _fit(trainer, db)
+    again = db.load("trainer", "replay")
+    assert again == trainer and again.config.fit.X == "instruction"
+    assert again.config.fit.select == trainer.config.fit.select
+    again.fit()
+    runs = db.metadata.list_runs("trainer", "replay")
+    assert [r.status for r in runs] == ["completed", "completed"]
+    assert runs[0].info["data_fingerprint"] == runs[1].info["data_fingerprint"]
+    assert db.show("trainer", "replay") == [0]  # the same recipe is not stored twice
+
+
+def test_replay_refuses_changed_rows_unless_allowed(tiny: Path, db: Any) -> None:
+    _fit(_trainer(tiny, "drift", max_steps=1), db)
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sql_engine
+
+    with sql_engine(db.secret_uri()).begin() as conn:
+        conn.execute(sa.text("DELETE FROM docs WHERE id = 5"))
+    again = db.load("trainer", "drift")
+    with pytest.raises(DataChangedError, match="changed since trainer 'drift'"):
+        again.fit()
+    again.fit(allow_changed_data=True)
+
+
+def test_saved_adapter_and_merged_model_load_with_stock_libraries(tiny: Path, db: Any,
+                                                                  tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = _fit(_trainer(tiny, "export", max_steps=4), db)
+    ours, tokenizer = model.load(device="cpu")
+    ids = tokenizer(["What is color number 2?"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+
+    adapter_dir = tmp_path / "adapter"
+    db.artifacts.get_dir(model.record.adapter, adapter_dir)
+    assert (adapter_dir / "adapter_config.json").is_file()
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), adapter_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(stock.eval()(input_ids=ids).logits, expected)
+        base = AutoModelForCausalLM.from_pretrained(tiny)(input_ids=ids).logits
+    assert not torch.allclose(base, expected)  # the adapter does change the model
+
+    merged_dir = tmp_path / "merged"
+    model.merge(merged_dir)
+    assert db.load("model", "export").record.merged is not None
+    assert any(p.suffix == ".safetensors" for p in merged_dir.iterdir())
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"learning_rate": 0}, "learning_rate"),
+    ({"lora_r": 0}, "lora_args.r"),
+    ({"bits": 3}, "model_args.bits"),
+    ({"warmup": 3}, "unknown option 'warmup'"),
+    ({"max_steps": "many"}, "max_steps"),
+    ({"lora_args": None, "bits": 4}, "only an adapter can train"),
+])
+def test_bad_configs_are_rejected_naming_the_field(tiny: Path, kwargs: dict[str, Any],
+                                                   message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        lt.LLMTrainer("bad", model=tiny, prompt_template=TEMPLATE, **kwargs)
+
+
+@pytest.mark.parametrize(("template", "message"), [
+    ("Q: {X}", r"\{Y\}"), ("Q: {X} {Z} A: {Y}", "Z"), ("Q: {X} A: {Y} end", "after"),
+])
+def test_bad_templates_are_rejected(tiny: Path, template: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        lt.LLMTrainer("bad", model=tiny, prompt_template=template)
+
+
+def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> None:
+    trainer = _trainer(tiny, "targets", target_modules=["query"])
+    with pytest.raises(ConfigError, match=r"match no linear layer.*q_proj"):
+        _fit(trainer, db)
+    (run,) = db.metadata.list_runs("trainer", "targets")
+    assert run.status == "failed"
