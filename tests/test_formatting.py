@@ -1,0 +1,408 @@
+"""Templates, rows -> token ids/labels, padding and packing (with exact per-example losses)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.formatting import (
+    IGNORE_INDEX,
+    Example,
+    Formatter,
+    PackedCollator,
+    PromptTemplate,
+    mask_dtype_for,
+    pack_examples,
+    pad_collate,
+    padding_efficiency,
+)
+from llmtrain.testing import tiny_model
+
+TEMPLATE = "### Question:\n{X}\n### Answer:\n{Y}"
+PACK = 96  # packed row length for the loss tests: 9 examples -> 4 rows, the last padded
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tok(llama_path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(llama_path)
+
+
+def trained(example: Example) -> list[int]:
+    return [label for label in example.labels if label != IGNORE_INDEX]
+
+
+# -- templates -------------------------------------------------------------------------------
+def test_template_renders_prompt_and_response() -> None:
+    t = PromptTemplate("{{json}} Q: {X}\nA: {Y}")
+    assert t.prompt("2+2?") == "{json} Q: 2+2?\nA: "
+    assert t.render("{X}", "4") == ("{json} Q: {X}\nA: ", "4")  # values are not re-parsed
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("Q: {X}\nA:", r"\{Y\} exactly once"),
+    ("A: {Y}", r"\{X\} exactly once"),
+    ("{X} {X} {Y}", r"\{X\} exactly once"),
+    ("{X} {Z} {Y}", r"unknown placeholder \{Z\}"),
+    ("{X} {} {Y}", r"unknown placeholder \{\}"),
+    ("{X} {Y}\n### End", r"'\\n### End' follows it"),
+    ("{X} {Y}}}", r"'\}' follows it"),
+    ("{Y} {X}", r"\{X\} follows it"),
+    ("{X} {Y!r}", "no format spec"),
+    ("{X} { {Y}", "malformed"),
+])
+def test_template_errors(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        PromptTemplate(text)
+
+
+# -- rows -> examples ------------------------------------------------------------------------
+def test_labels_mask_the_prompt_and_train_response_and_eos(tok: Any) -> None:
+    fmt = Formatter(tok, TEMPLATE)
+    x, y = "What is the capital of France?", " Paris, on the Seine."
+    ex = fmt.format({"X": x, "Y": y}, key=42)
+    prompt = fmt.prompt_ids(x)
+    assert prompt[0] == tok.bos_token_id
+    assert prompt == tok(PromptTemplate(TEMPLATE).prompt(x))["input_ids"]  # as served
+    n = len(prompt)
+    assert ex.key == 42 and not ex.truncated
+    assert ex.input_ids[:n] == prompt
+    assert ex.labels[:n] == [IGNORE_INDEX] * n
+    assert ex.labels[n:] == ex.input_ids[n:]
+    assert ex.input_ids[n:] == tok(y, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tok.decode(trained(ex)) == y + tok.eos_token
+    assert ex.num_target_tokens == len(ex) - n
+
+
+def test_train_on_inputs_trains_everything(tok: Any) -> None:
+    ex = Formatter(tok, TEMPLATE, train_on_inputs=True).format({"X": "a", "Y": "b"})
+    assert ex.labels == ex.input_ids
+    assert ex.num_target_tokens == len(ex) - 1
+
+
+def test_empty_strings(tok: Any) -> None:
+    fmt = Formatter(tok, TEMPLATE)
+    ex = fmt.format({"X": "q", "Y": ""})
+    assert trained(ex) == [tok.eos_token_id]  # an empty answer still teaches to stop
+    ex = fmt.format({"X": "", "Y": "a"})
+    assert ex.input_ids[:len(fmt.prompt_ids(""))] == fmt.prompt_ids("")
+    assert tok.decode(trained(ex)) == "a" + tok.eos_token
+
+
+def test_batch_equals_single_rows(tok: Any) -> None:
+    fmt = Formatter(tok, TEMPLATE)
+    texts = [("Héllo wörld", " 你好"), ("emoji 🙂?", " yes 🙂"), ("", ""), ("a\tb\nc", " ok")]
+    rows = [(i, {"X": x, "Y": y}) for i, (x, y) in enumerate(texts)]
+    assert fmt.format_batch(rows) == [fmt.format(row, key=key) for key, row in rows]
+    assert fmt.format_batch([]) == []
+    with pytest.MonkeyPatch.context() as patch:  # the tokenizer(...) fallback agrees
+        patch.setattr("llmtrain.formatting.tokenize._backend_encoder", lambda tokenizer: None)
+        slow = Formatter(tok, TEMPLATE)
+    assert slow._backend is None
+    assert slow.format_batch(rows) == fmt.format_batch(rows)
+
+
+def test_truncation_cuts_the_prompt_from_the_left(tok: Any) -> None:
+    x = "one two three four five six seven eight nine ten eleven twelve"
+    y = " done"
+    full = Formatter(tok, TEMPLATE).format({"X": x, "Y": y})
+    response = trained(full)
+    limit = len(full) - 5
+    ex = Formatter(tok, TEMPLATE, max_length=limit).format({"X": x, "Y": y})
+    assert ex.truncated and len(ex) == limit
+    assert ex.input_ids[0] == tok.bos_token_id  # BOS kept
+    assert ex.input_ids[1:] == full.input_ids[6:]  # the prompt's end, then the whole response
+    assert trained(ex) == response and response[-1] == tok.eos_token_id
+    exact = Formatter(tok, TEMPLATE, max_length=len(full)).format({"X": x, "Y": y})
+    assert exact == full
+
+
+def test_truncation_cuts_an_overlong_response_from_the_right_without_eos(tok: Any) -> None:
+    y = " one two three four five six seven eight nine ten"
+    fmt = Formatter(tok, TEMPLATE, max_length=8, min_prompt_tokens=2)
+    ex = fmt.format({"X": "long question text", "Y": y})
+    response_ids = tok(y, add_special_tokens=False)["input_ids"]
+    prompt = fmt.prompt_ids("long question text")
+    assert ex.truncated and len(ex) == 8
+    assert ex.input_ids[:3] == [tok.bos_token_id, *prompt[-2:]]  # BOS + min_prompt_tokens
+    assert ex.input_ids[3:] == response_ids[:5] == trained(ex)
+    assert tok.eos_token_id not in ex.input_ids  # the answer was cut: do not teach to stop there
+    with pytest.raises(ConfigError, match="no room"):
+        Formatter(tok, TEMPLATE, max_length=2, min_prompt_tokens=1)
+
+
+def test_chat_template_trains_the_reply_and_the_end_of_turn(tok: Any) -> None:
+    fmt = Formatter(tok, chat_template=True)
+    x, y = "What is two plus two?", "Four."
+    ex = fmt.format({"X": x, "Y": y}, key="k")
+    prompt = fmt.prompt_ids(x)
+    assert ex.input_ids[:len(prompt)] == prompt  # training prefix == inference prompt
+    assert tok.decode(trained(ex)) == y + tok.eos_token
+    assert trained(ex)[-1] == tok.eos_token_id
+    assert ex.labels[-1] == IGNORE_INDEX  # the template's newline after the turn is not trained
+    empty = fmt.format({"X": x, "Y": ""})
+    assert trained(empty) == [tok.eos_token_id]
+    everything = Formatter(tok, chat_template=True, train_on_inputs=True).format({"X": x, "Y": y})
+    assert everything.labels == everything.input_ids == ex.input_ids
+    cut = Formatter(tok, chat_template=True, max_length=12).format({"X": x, "Y": y})
+    assert cut.truncated and len(cut) == 12 and cut.input_ids[0] == tok.bos_token_id
+    assert trained(cut) == trained(ex)  # the untrained tail and the prompt's start went first
+
+
+def test_chat_template_problems_are_config_errors(llama_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    tok.chat_template = tok.chat_template.replace(
+        "{{ eos_token }}{% endgeneration %}", "{% endgeneration %}{{ eos_token }}")
+    with pytest.raises(ConfigError, match="never learn to stop"):
+        Formatter(tok, chat_template=True)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    with pytest.raises(ConfigError, match="generation"):
+        Formatter(tok, chat_template=True)
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="no chat template"):
+        Formatter(tok, chat_template=True)
+    with pytest.raises(ConfigError, match="exactly one"):
+        Formatter(tok)
+    with pytest.raises(ConfigError, match="exactly one"):
+        Formatter(tok, TEMPLATE, chat_template=True)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("field", ["X", "Y"])
+@pytest.mark.parametrize(("value", "problem"), [
+    (None, "is null"), (5, "type int"), (["a"], "type list"),
+    ("ok \ud800", "cannot be encoded as UTF-8"), (b"bytes", "type bytes")])
+def test_bad_rows(tok: Any, chat: bool, field: str, value: object, problem: str) -> None:
+    fmt = Formatter(tok, chat_template=True) if chat else Formatter(tok, TEMPLATE)
+    row = {"X": "fine", "Y": "fine", field: value}
+    with pytest.raises(BadRowError, match=problem) as info:
+        fmt.format_batch([(1, {"X": "a", "Y": "b"}), (7, row)], source="questions")
+    assert (info.value.source, info.value.key, info.value.field) == ("questions", 7, field)
+    assert f"key 7: field {field!r}" in str(info.value)
+
+
+def test_missing_field_is_a_bad_row(tok: Any) -> None:
+    with pytest.raises(BadRowError, match="'Y' is missing"):
+        Formatter(tok, TEMPLATE).format({"X": "a"}, key=3)
+
+
+# -- padding ---------------------------------------------------------------------------------
+def test_pad_collate(tok: Any) -> None:
+    examples = [Example([5, 6, 7], [IGNORE_INDEX, 6, 7]), Example([8, 9], [IGNORE_INDEX, 9])]
+    batch = pad_collate(examples, pad_id=2, pad_to_multiple_of=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 2], [8, 9, 2, 2]]
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100], [-100, 9, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    assert batch["num_target_tokens"].item() == 3
+
+
+# -- packing: per-example loss packed == unpacked --------------------------------------------
+def _examples(tok: Any) -> list[Example]:
+    rows = [("What is the capital of France?", " Paris."),
+            ("Translate to French: good morning", " Bonjour, comment allez-vous ?"),
+            ("2+2", " 4"),
+            ("Write a haiku about the sea.", " Waves fold into foam, salt wind over grey water."),
+            ("Hi", ""),
+            ("Summarize: the database stores every row with a key.", " Rows have keys.")]
+    plain = Formatter(tok, TEMPLATE).format_batch([(i, {"X": x, "Y": y})
+                                                  for i, (x, y) in enumerate(rows)])
+    # Examples trained on their inputs too: their first label is a real token id, which a
+    # packed row must ignore (it would be predicted from the previous example's last token).
+    inputs = Formatter(tok, TEMPLATE, train_on_inputs=True).format_batch(
+        [(10 + i, {"X": x, "Y": y}) for i, (x, y) in enumerate(rows[:3])])
+    return plain + inputs
+
+
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq-1]`` loss of predicting token t+1 at position t (0 where ignored)."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:],
+                           ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _unpacked_losses(model: Any, examples: list[Example], pad_id: int) -> torch.Tensor:
+    batch = pad_collate(examples, pad_id)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    losses = _token_losses(logits, batch["labels"])
+    return losses.sum(1) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+
+
+def _packed_losses(model: Any, examples: list[Example], collator: PackedCollator,
+                   **forward: Any) -> torch.Tensor:
+    """Per-example losses of ``examples`` packed by ``collator``, in input order."""
+    batch = collator(examples)
+    inputs = {"input_ids": batch["input_ids"], **forward}
+    logits = model(**inputs).logits
+    losses = _token_losses(logits, batch["labels"])
+    out = {}
+    for row, packed in enumerate(pack_examples(examples, collator.max_length)):
+        start = 0
+        for e in packed:
+            end = start + len(e)
+            targets = sum(label != IGNORE_INDEX for label in e.labels[1:])
+            out[e.key] = losses[row, start:end - 1].sum() / targets
+            start = end
+    return torch.stack([out[e.key] for e in examples])
+
+
+@pytest.fixture(scope="session")
+def gqa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama-gqa", num_kv_heads=2)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("heads", ["mha", "gqa"])
+def test_packed_loss_equals_unpacked_loss(llama_path: Path, gqa_path: Path, tok: Any,
+                                          attn: str, heads: str) -> None:
+    path = llama_path if heads == "mha" else gqa_path
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
+    examples = _examples(tok)
+    collator = PackedCollator(PACK, tok.pad_token_id, mask_dtype=mask_dtype_for(model))
+    rows = pack_examples(examples, PACK)
+    assert len(rows) < len(examples) and max(map(len, rows)) >= 3  # really packed
+    assert sum(len(e) for e in rows[-1]) < max(sum(map(len, r)) for r in rows)  # and padded
+    with torch.no_grad():
+        expected = _unpacked_losses(model, examples, tok.pad_token_id)
+        batch = collator(examples)
+        forward = {k: batch[k] for k in ("attention_mask", "position_ids")}
+        got = _packed_losses(model, examples, collator, **forward)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        # The model's own loss (mean over every target token) agrees too; this also checks
+        # that the first label of each packed example is ignored.
+        padded = pad_collate(examples, tok.pad_token_id)
+        loss_padded = model(**{k: padded[k] for k in ("input_ids", "attention_mask",
+                                                      "labels")}).loss
+        loss_packed = model(**{k: batch[k] for k in ("input_ids", "attention_mask",
+                                                     "position_ids", "labels")}).loss
+        torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
+        assert batch["num_target_tokens"] == padded["num_target_tokens"]
+        # The default additive float32 mask is right for both kernels as well.
+        additive = PackedCollator(PACK, tok.pad_token_id)(examples)
+        got = _packed_losses(model, examples, collator, attention_mask=additive["attention_mask"],
+                             position_ids=additive["position_ids"])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: str) -> None:
+    """Negative controls: without the block mask the losses differ, so the test above can fail."""
+    model = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation=attn).eval()
+    examples = _examples(tok)
+    collator = PackedCollator(PACK, tok.pad_token_id)
+    with torch.no_grad():
+        expected = _unpacked_losses(model, examples, tok.pad_token_id)
+        batch = collator(examples)
+        naive = [
+            # restarting position_ids alone: transformers skips its packing detection when a
+            # cache exists, and config.use_cache=True creates one even for training
+            {"position_ids": batch["position_ids"]},
+            # a 2D all-ones mask (what a plain padding collator would pass)
+            {"position_ids": batch["position_ids"],
+             "attention_mask": (batch["input_ids"] != tok.pad_token_id).long()},
+        ]
+        if attn == "eager":  # a boolean 4D mask is *added* to eager scores: silently wrong
+            bool_mask = PackedCollator(PACK, tok.pad_token_id, mask_dtype=torch.bool)(examples)
+            naive.append({k: bool_mask[k] for k in ("attention_mask", "position_ids")})
+        for forward in naive:
+            got = _packed_losses(model, examples, collator, **forward)
+            assert (got - expected).abs().max() > 1e-2
+        # and with no cache transformers does detect packing from the position ids
+        got = _packed_losses(model, examples, collator, position_ids=batch["position_ids"],
+                             use_cache=False)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_dtype_for(llama_path: Path) -> None:
+    sdpa = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="sdpa")
+    eager = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="eager",
+                                                 dtype=torch.bfloat16)
+    assert mask_dtype_for(sdpa) == torch.bool
+    assert mask_dtype_for(eager) == torch.bfloat16
+    eager.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="eager"):
+        mask_dtype_for(eager)
+
+
+# -- packing: structure ----------------------------------------------------------------------
+PAD = -1
+
+
+def _synthetic(lengths: list[int], data: st.DataObject) -> list[Example]:
+    examples = []
+    for i, n in enumerate(lengths):
+        ids = [1000 * i + j for j in range(n)]  # unique per example, never PAD
+        trained_mask = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, trained_mask)]
+        examples.append(Example(ids, labels, key=i))
+    return examples
+
+
+@settings(max_examples=60, deadline=None)
+@given(max_length=st.integers(1, 48), multiple=st.sampled_from([None, 1, 4]),
+       data=st.data())
+def test_packed_collator_structure(max_length: int, multiple: int | None,
+                                   data: st.DataObject) -> None:
+    if multiple:
+        max_length = -(-max_length // multiple) * multiple
+    lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=12))
+    examples = _synthetic(lengths, data)
+    batch = PackedCollator(max_length, PAD, mask_dtype=torch.bool,
+                           pad_to_multiple_of=multiple)(examples)
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    mask = batch["attention_mask"]
+    rows, width = ids.shape
+    assert width <= max_length and mask.shape == (rows, 1, width, width)
+    if multiple:
+        assert width % multiple == 0
+    seen: dict[int, list[int]] = {}
+    for r in range(rows):
+        starts = [t for t in range(width) if pos[r, t] == 0] + [width]
+        segment = torch.empty(width, dtype=torch.long)
+        for n, (s, e) in enumerate(zip(starts, starts[1:])):
+            segment[s:e] = n
+            assert pos[r, s:e].tolist() == list(range(e - s))
+            if ids[r, s] == PAD:  # trailing padding: one block, never trained
+                assert e == width and (ids[r, s:] == PAD).all()
+                assert (labels[r, s:] == IGNORE_INDEX).all()
+                continue
+            key = ids[r, s].item() // 1000
+            assert key not in seen  # every example at most once ...
+            seen[key] = ids[r, s:e].tolist()
+            original = examples[key]
+            # ... and its labels intact, except the boundary one, which is ignored
+            assert labels[r, s:e].tolist() == [IGNORE_INDEX, *original.labels[1:]]
+        assert sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
+        allowed = (segment[:, None] == segment[None, :]) & torch.ones(
+            width, width, dtype=torch.bool).tril()
+        assert torch.equal(mask[r, 0], allowed)
+    assert seen == {e.key: e.input_ids for e in examples}  # ... and exactly once
+    assert batch["num_target_tokens"].item() == sum(e.num_target_tokens for e in examples)
+
+
+def test_packing_rejects_overlong_examples() -> None:
+    with pytest.raises(ConfigError, match="key 'k'"):
+        pack_examples([Example([1] * 5, [1] * 5, key="k")], 4)
+    with pytest.raises(ConfigError, match="multiple"):
+        PackedCollator(10, 0, pad_to_multiple_of=4)
+
+
+def test_padding_efficiency() -> None:
+    examples = [Example([1] * n, [1] * n) for n in (8, 2, 2, 4)]
+    eff = padding_efficiency(examples, max_length=8)
+    assert eff.tokens == 16
+    assert eff.padded == pytest.approx(16 / (4 * 8))
+    assert eff.packed == pytest.approx(16 / (2 * 8))  # rows [8] and [2, 2, 4]
+    per_batch = padding_efficiency(examples, max_length=8, batch_size=2)
+    assert per_batch.padded == pytest.approx(16 / (2 * 8 + 2 * 4))
+    assert per_batch.packed == pytest.approx(16 / (2 * 8 + 1 * 6))

@@ -1,0 +1,96 @@
+"""The tiny-model builder: loads through the real auto classes, consistent ids, idempotent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from llmtrain.errors import ConfigError
+from llmtrain.testing import tiny_model
+
+
+@pytest.fixture(scope="session")
+def llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A fixed name under the session's base temp: test_formatting.py's fixture reuses the build.
+    return tiny_model(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+def test_loads_through_auto_classes_with_consistent_special_tokens(llama_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(llama_path)
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert tok.is_fast
+    assert {tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token} == {
+        "<s>", "</s>", "<pad>", "<unk>"}
+    assert tok.pad_token_id != tok.eos_token_id
+    cfg = model.config
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (
+        tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    assert model.get_input_embeddings().num_embeddings == len(tok) == cfg.vocab_size
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (64, 2, 4)
+    assert tok("Hello world")["input_ids"][0] == tok.bos_token_id
+    assert tok.decode(tok("Hello world")["input_ids"], skip_special_tokens=True) == "Hello world"
+    assert "{% generation %}" in tok.chat_template
+
+
+def test_forward_on_a_padded_batch(llama_path: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(llama_path)
+    tok = AutoTokenizer.from_pretrained(llama_path)
+    batch = tok(["The quick brown fox", "Hi"], return_tensors="pt", padding=True)
+    assert (batch["input_ids"] == tok.pad_token_id).any()
+    out = model(**batch, labels=batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100))
+    assert out.logits.shape == (*batch["input_ids"].shape, len(tok))
+    assert torch.isfinite(out.loss)
+
+
+def test_idempotent_and_deterministic(llama_path: Path, tmp_path: Path) -> None:
+    before = {p.name: p.stat().st_mtime_ns for p in llama_path.iterdir()}
+    assert tiny_model(llama_path) == llama_path
+    assert {p.name: p.stat().st_mtime_ns for p in llama_path.iterdir()} == before
+
+    rng = torch.random.get_rng_state()
+    other = tiny_model(tmp_path / "again")
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the caller's RNG is left alone
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (other / name).read_bytes() == (llama_path / name).read_bytes(), name
+
+
+def test_different_arguments_rebuild(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path / "m", vocab_size=320, seed=0)
+    first = (path / "model.safetensors").read_bytes()
+    tiny_model(path, vocab_size=320, seed=1, corpus=["zyxwvut " * 50])
+    assert (path / "model.safetensors").read_bytes() != first
+    tok = AutoTokenizer.from_pretrained(path)
+    assert len(tok("zyxwvut", add_special_tokens=False)["input_ids"]) == 1  # learned from corpus
+
+
+@pytest.mark.parametrize("arch", ["opt", "qwen2"])
+def test_other_architectures(arch: str, tmp_path: Path) -> None:
+    path = tiny_model(tmp_path / arch, arch, vocab_size=320, hidden_size=32, num_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == arch
+    assert model.config.pad_token_id == tok.pad_token_id != tok.eos_token_id
+    out = model(**tok(["a b c", "d"], return_tensors="pt", padding=True))
+    assert out.logits.shape[-1] == len(tok)
+
+
+def test_grouped_query_attention(tmp_path: Path) -> None:
+    path = tiny_model(tmp_path / "gqa", num_kv_heads=2)
+    assert AutoModelForCausalLM.from_pretrained(path).config.num_key_value_heads == 2
+
+
+def test_refuses_bad_arguments_and_foreign_directories(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="arch"):
+        tiny_model(tmp_path / "x", "gpt9")
+    with pytest.raises(ConfigError, match="divisible"):
+        tiny_model(tmp_path / "x", hidden_size=30, num_heads=4)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "important.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="refusing"):
+        tiny_model(foreign)
+    assert (foreign / "important.txt").read_text() == "keep me"
