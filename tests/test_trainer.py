@@ -216,3 +216,35 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
         _fit(trainer, db)
     (run,) = db.metadata.list_runs("trainer", "targets")
     assert run.status == "failed"
+
+
+def test_packing_and_held_out_eval(tiny: Path, db: Any, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from llmtrain.training.data import held_out
+
+    trace = tmp_path / "keys"
+    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(trace))
+    trainer = _trainer(tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2,
+                       max_steps=4, batch_size=8)
+    _fit(trainer, db)
+    (run,) = db.metadata.list_runs("trainer", "packed")
+    evals = [m for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
+    assert [m.step for m in evals] == [2, 4]
+    assert all(0 < m.values["eval_loss"] < 20 for m in evals)
+    trained = [k for line in trace.with_name("keys.rank0").read_text().splitlines()
+               for k in json.loads(line)["keys"]]
+    held = {k for k in range(48) if held_out(k, 0.25)}
+    assert held and trained and not held & {int(k.split(":")[1]) for k in trained}
+
+
+def test_eval_select_is_recorded_and_scored(tiny: Path, db: Any) -> None:
+    trainer = _trainer(tiny, "evalsel", max_steps=2)
+    trainer.fit(X="instruction", Y="output", db=db,
+                select=lt.Table("docs").where("lang = :l", l="en"),
+                eval_select=lt.Table("docs").where("lang = :l", l="fr"))
+    (run,) = db.metadata.list_runs("trainer", "evalsel")
+    last = db.metadata.get_metrics(run.run_id)[-1]
+    assert "eval_loss" in last.values
+    assert db.load("trainer", "evalsel").config.fit.eval_select["params"] == {"l": "fr"}

@@ -192,6 +192,12 @@ class FitRun:
                 self.save_checkpoint()
         if progress is not None:
             progress.close()
+        if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
+            self._log({"eval_loss": self.evaluate()})
+
+    @property
+    def has_eval(self) -> bool:
+        return self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
 
     def _autocast(self) -> Any:
         mp = self.targs.mixed_precision
