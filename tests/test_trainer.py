@@ -248,3 +248,23 @@ def test_eval_select_is_recorded_and_scored(tiny: Path, db: Any) -> None:
     last = db.metadata.get_metrics(run.run_id)[-1]
     assert "eval_loss" in last.values
     assert db.load("trainer", "evalsel").config.fit.eval_select["params"] == {"l": "fr"}
+
+
+def test_empty_selection_is_a_clear_error(tiny: Path, db: Any) -> None:
+    with pytest.raises(lt.DataError, match="selects 0 row"):
+        _trainer(tiny, "empty").fit(X="instruction", Y="output", db=db,
+                                    select=lt.Table("docs").where("lang = :l", l="de"))
+
+
+def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: Any) -> None:
+    rows = lt.Table("docs").where("id = :i", i=1)
+    trainer = _trainer(tiny, "skipall", max_steps=50, on_bad_row="skip")
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sql_engine
+
+    with sql_engine(db.secret_uri()).begin() as conn:
+        conn.execute(sa.text("UPDATE docs SET output = NULL WHERE id = 1"))
+    trainer.fit(X="instruction", Y="output", db=db, select=rows)
+    (run,) = db.metadata.list_runs("trainer", "skipall")
+    assert run.status == "completed" and run.info["steps"] == 0

@@ -77,12 +77,18 @@ class TrainBatches:
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""
-        epoch = start_epoch
+        epoch, idle_epochs = start_epoch, 0
         while num_epochs is None or epoch < num_epochs:
             self.loader.set_epoch(epoch)
+            produced = False
             for batch in self.loader:
                 if batch is not None:
+                    produced = True
                     yield epoch, batch
+            # an epoch resumed at its end yields nothing; two in a row means no usable rows
+            idle_epochs = 0 if produced else idle_epochs + 1
+            if idle_epochs == 2:
+                return
             epoch += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtrain.errors import CheckpointError
+from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.data import TrainBatches, make_collate, to_device
@@ -87,6 +87,10 @@ class FitRun:
             self.db, select, [fit.X, fit.Y], self.dargs,
             batch_size=self.targs.per_device_train_batch_size, seed=self.targs.seed,
             rank=s.rank, world_size=s.world_size, collate=collate)
+        if len(self.batches.dataset) == 0:
+            count = self.batches.dataset.scan().count
+            raise DataError(f"{select.source} selects {count} row(s): too few to give each of "
+                            f"{s.world_size} process(es) one to train on")
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
         self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
