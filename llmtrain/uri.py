@@ -39,6 +39,8 @@ def redact_uri(uri: str) -> str:
             for k, v in parse_qsl(query, keep_blank_values=True)
         ]
         query = urlencode(pairs, safe="*")
+    if netloc == parts.netloc and query == parts.query:
+        return uri  # nothing secret; urlunsplit would turn sqlite:///x.db into sqlite:/x.db
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 

@@ -251,3 +251,20 @@ def test_raw_sql_join(sql_uri: str) -> None:
     rows = list(ds)
     assert _keys(rows) == [i for i in range(0, 30, 2) if i % 4]
     assert rows[0] == {"instruction": "instr 2", "label": "L2", "_key": 2}
+
+
+def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
+    fill(any_uri, "docs", _rows(100))
+    db = lt.connect(any_uri)
+    plain = lambda: lt.CachedQueryDataset(db, _select(any_uri), "instruction",  # noqa: E731
+                                          cache_size=32, seed=2, rank=0, world_size=1)
+    full = [r["instruction"] for r in plain()]
+    ds = plain()
+    it = iter(ds)
+    head = [next(it)["instruction"] for _ in range(45)]  # stops inside the second window
+    assert ds.state_dict()["consumed"] == 45
+    it.close()
+    assert ds.state_dict()["consumed"] == 45
+    fresh = plain()
+    fresh.load_state_dict(ds.state_dict())
+    assert head + [r["instruction"] for r in fresh] == full

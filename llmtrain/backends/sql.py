@@ -7,7 +7,9 @@ The row-reading SELECTs (``fetch_rows``, ``fetch_keys``) are the training hot pa
 built and compiled once per shape and, where SQLAlchemy would pass values through untouched,
 run on the DBAPI cursor of the checked-out connection, skipping per-call statement building
 and per-row ``Row`` objects. Anything else (type processors, expanding parameters, other
-dialects) takes the ordinary SQLAlchemy route, so results are the same either way.
+dialects) takes the ordinary SQLAlchemy route, so results are the same either way. On
+PostgreSQL these reads run in autocommit: one SELECT sees one snapshot either way, and it
+saves the BEGIN and ROLLBACK round trips around every page.
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ def _pairs_builder(width: int) -> Callable[..., list[tuple[Key, Row]]]:
 def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     """``(key, {field: value})`` from rows laid out as (key, *fields)."""
     return _pairs_builder(len(names))(rows, *names) if names else [(r[0], {}) for r in rows]
+
+
+def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
+    """SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost connection
+    (retrying it would only end in DatabaseUnavailableError, naming no row)."""
+    return conn.dialect.name == "sqlite" and "Could not decode to UTF-8" in str(exc.orig)
+
+
+def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]
+                  ) -> list[Any]:
+    """``stmt`` again with invalid UTF-8 kept as surrogate escapes: the rows' text checks then
+    reject (or skip) the row by key and field. Only on this error path: a Python
+    ``text_factory`` would slow every read."""
+    raw: Any = conn.connection.dbapi_connection
+    raw.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
+    try:
+        return list(conn.execute(stmt, params).all())
+    finally:
+        raw.text_factory = str
 
 
 class _Page:
@@ -139,7 +160,12 @@ class SQLBackend(DataBackend):
              ) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
-                return list(conn.execute(stmt, params or {}).all())
+                try:
+                    return list(conn.execute(stmt, params or {}).all())
+                except sa.exc.OperationalError as exc:
+                    if not _undecodable_text(conn, exc):
+                        raise
+                    return _lenient_rows(conn, stmt, params or {})
 
         return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
                                                                sa.exc.InterfaceError),
@@ -159,11 +185,19 @@ class SQLBackend(DataBackend):
         """Rows of ``page`` as tuples (or Rows): on the DBAPI cursor when that is exact."""
         def call() -> Sequence[Any]:
             with self.engine.connect() as conn:
-                if page.direct is not False:
-                    rows = self._run_direct(conn, page, values)
-                    if rows is not None:
-                        return rows
-                return conn.execute(page.stmt, values).all()
+                if conn.dialect.name == "postgresql":
+                    # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                try:
+                    if page.direct is not False:
+                        rows = self._run_direct(conn, page, values)
+                        if rows is not None:
+                            return rows
+                    return conn.execute(page.stmt, values).all()
+                except sa.exc.OperationalError as exc:
+                    if not _undecodable_text(conn, exc):
+                        raise
+                    return _lenient_rows(conn, page.stmt, values)
 
         return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
                                                                sa.exc.InterfaceError),
@@ -197,10 +231,11 @@ class SQLBackend(DataBackend):
         finally:
             cursor.close()
 
-    def _source(self, query: Query) -> _Source:
-        cached = self._sources.get(query.fingerprint())
+    def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
+        fingerprint = fingerprint or query.fingerprint()
+        cached = self._sources.get(fingerprint)
         if cached is None:
-            cached = self._sources[query.fingerprint()] = self._build(query)
+            cached = self._sources[fingerprint] = self._build(query)
         return cached
 
     def _build(self, query: Query) -> _Source:
@@ -289,7 +324,8 @@ class SQLBackend(DataBackend):
 
     def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None, limit: int,
                    *, inclusive: bool = True) -> list[tuple[Key, Row]]:
-        src, names = self._source(query), tuple(fields)
+        fingerprint, names = query.fingerprint(), tuple(fields)
+        src = self._source(query, fingerprint)
         cond = None if lower is None else (src.key >= lower if inclusive else src.key > lower)
         lower_type = None if cond is None else cond.right.type  # as SQLAlchemy typed it
 
@@ -300,19 +336,20 @@ class SQLBackend(DataBackend):
                 stmt = stmt.where(src.key >= bound if inclusive else src.key > bound)
             return stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
 
-        shape = ("rows", query.fingerprint(), names, inclusive, lower_type)
+        shape = ("rows", fingerprint, names, inclusive, lower_type)
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
         return _pairs(self._run_page("reading rows", self._page(shape, build), values), names)
 
     def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
-        src = self._source(query)
+        fingerprint = query.fingerprint()
+        src = self._source(query, fingerprint)
         lower_type = (src.key >= lower).right.type
 
         def build() -> sa.Select[Any]:
             return (src.select(src.key).where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
                     .order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer)))
 
-        page = self._page(("keys", query.fingerprint(), lower_type), build)
+        page = self._page(("keys", fingerprint, lower_type), build)
         return [r[0] for r in self._run_page("reading keys", page,
                                              {_LOWER: lower, _LIMIT: limit})]
 

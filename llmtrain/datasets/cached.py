@@ -42,21 +42,31 @@ class ReadStats:
     skipped_keys: list[Any] = field(default_factory=list)
 
 
+_KEY, _ROW = itemgetter(0), itemgetter(1)
+
+
 @dataclass
 class _Window:
     """One fetched window in visit order, kept as columns so the hot loops stay in C.
 
     ``rows`` holds each row, ``None`` (skipped bad row) or a BadRowError (raised when the
     row is reached). ``clean``: every row passed the field checks, so there is neither.
+    Keys are only read off ``pairs`` (the backend's ``(key, row)`` list, visited through
+    ``order`` when given) by the paths that need them.
     """
 
     positions: Sequence[int]  # index of each row in the rank's epoch sequence
-    keys: list[Key]
+    pairs: Sequence[tuple[Key, Row]]
+    order: Sequence[int] | None
     rows: list[Any]
     clean: bool
 
+    def keys(self) -> Iterator[Key]:
+        pairs = self.pairs if self.order is None else map(self.pairs.__getitem__, self.order)
+        return map(_KEY, pairs)
+
     def __iter__(self) -> Iterator[Positioned]:
-        return zip(self.positions, self.keys, self.rows)
+        return zip(self.positions, self.keys(), self.rows)
 
 
 def key_repr(key: Key) -> str:
@@ -97,6 +107,7 @@ class CachedQueryDataset(IterableDataset):
         self._rank, self._world = rank, world_size
         self._scan: KeyScan | None = None
         self._epoch, self._consumed, self._completed = 0, 0, False
+        self._live: tuple[int, Iterator[Row]] | None = None  # (window end, its row iterator)
         self.stats = ReadStats()
 
     # -- placement and size ----------------------------------------------------------------
@@ -130,12 +141,21 @@ class CachedQueryDataset(IterableDataset):
     # -- epochs and resume ------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order to follow; a new epoch starts at its first row."""
+        self._settle()
         if epoch != self._epoch:
             self._epoch, self._consumed = int(epoch), 0
         self._completed = False
 
+    @property
+    def consumed(self) -> int:
+        """Rows of this epoch handed to the caller so far (skipped bad rows included)."""
+        if self._live is not None:
+            end, rows = self._live
+            return end - rows.__length_hint__()
+        return self._consumed
+
     def state_dict(self) -> dict[str, Any]:
-        epoch, consumed = self._epoch, self._consumed
+        epoch, consumed = self._epoch, self.consumed
         if self._completed:
             epoch, consumed = epoch + 1, 0
         return {"format": STATE_FORMAT, "query": self.query.fingerprint(),
@@ -166,10 +186,16 @@ class CachedQueryDataset(IterableDataset):
             if not allow_changed_data:
                 raise DataChangedError(message + "; pass allow_changed_data=True to go on")
             log.warning("%s; continuing as asked", message)
+        self._live = None
         self._epoch, self._consumed, self._completed = state["epoch"], state["consumed"], False
         self._consumed = min(self._consumed, len(self))
 
+    def _settle(self) -> None:
+        """Fold a half-read window's position into ``_consumed``."""
+        self._consumed, self._live = self.consumed, None
+
     def _begin_pass(self) -> tuple[int, int]:
+        self._settle()
         if self._completed:
             self._epoch, self._consumed, self._completed = self._epoch + 1, 0, False
         return self._epoch, self._consumed
@@ -187,10 +213,12 @@ class CachedQueryDataset(IterableDataset):
         windows = self._windows(epoch, start, 0, 1, chunk=1)
         try:
             for window in windows:
-                if window.clean and not self.return_keys:  # the hot loop
-                    for pos, row in zip(window.positions, window.rows):
-                        self._consumed = pos + 1  # per row, so state_dict() stays exact
-                        yield row
+                if window.clean and not self.return_keys and isinstance(window.positions, range):
+                    # the hot loop runs in C; state_dict() reads the position off the iterator
+                    rows = iter(window.rows)
+                    self._live = (window.positions.stop, rows)
+                    yield from rows
+                    self._live, self._consumed = None, window.positions.stop
                     continue
                 for pos, key, row in window:
                     if isinstance(row, BadRowError):  # raised where the row is reached
@@ -200,6 +228,7 @@ class CachedQueryDataset(IterableDataset):
                         yield {**row, "_key": key} if self.return_keys else row
             self._consumed, self._completed = len(self), True
         finally:
+            self._settle()
             windows.close()  # stops the prefetch thread now, even on an error or a break
 
     def loader(self, batch_size: int, *, num_workers: int = 0, collate_fn: Any = None,
@@ -292,44 +321,45 @@ class CachedQueryDataset(IterableDataset):
         piece, backend = ws.piece, self.db.backend
         lower = self._piece_lower_key(piece)
         positions: Sequence[int]
+        order: Sequence[int] | None
         if ws.whole:
-            rows = backend.fetch_rows(self.query, self.fields, lower, len(piece))
+            pairs = backend.fetch_rows(self.query, self.fields, lower, len(piece))
             self.stats.statements += 1
-            self.stats.rows_fetched += len(rows)
-            if len(rows) != len(piece):
-                raise self._changed(piece, len(rows))
-            # a whole slice picks every row, in piece.order: index by it in one C pass
-            visited = list(map(rows.__getitem__, piece.order))
-            positions = range(ws.offset, ws.offset + len(piece))
+            self.stats.rows_fetched += len(pairs)
+            if len(pairs) != len(piece):
+                raise self._changed(piece, len(pairs))
+            # a whole slice takes every row in piece.order: index by it in one C pass
+            positions, order = range(ws.offset, ws.offset + len(piece)), piece.order()
+            rows = list(map(_ROW, map(pairs.__getitem__, order)))
         else:
             keys = backend.fetch_keys(self.query, lower, len(piece))
             self.stats.keys_fetched += len(keys)
             self.stats.statements += 1
             if len(keys) != len(piece):
                 raise self._changed(piece, len(keys))
-            wanted = [keys[piece.order[p]] for p in ws.picks]
+            visit, picks = piece.order(), ws.picks
+            wanted = [keys[visit[p]] for p in picks]
             found = dict(backend.fetch_by_keys(self.query, self.fields, wanted))
             self.stats.statements += 1
-            visited = [(k, found[k]) for k in wanted if k in found]
-            self.stats.rows_fetched += len(visited)
-            if len(visited) != len(ws.picks):
-                raise self._changed(piece, len(visited))
-            positions = [ws.offset + p for p in ws.picks]
-        keys = list(map(itemgetter(0), visited))
-        values = list(map(itemgetter(1), visited))
-        if self._all_text(values):
-            return _Window(positions, keys, values, True)
-        return _Window(positions, keys, [self._checked(k, r) for k, r in zip(keys, values)],
-                       False)
+            pairs = [(k, found[k]) for k in wanted if k in found]
+            self.stats.rows_fetched += len(pairs)
+            if len(pairs) != len(picks):
+                raise self._changed(piece, len(pairs))
+            positions, order = [ws.offset + p for p in picks], None
+            rows = list(map(_ROW, pairs))
+        window = _Window(positions, pairs, order, rows, self._all_text(rows))
+        if not window.clean:
+            window.rows = [self._checked(k, r) for k, r in zip(window.keys(), rows)]
+        return window
 
     def _all_text(self, rows: list[Row]) -> bool:
         """True when ``text_problem`` finds nothing in any row: its checks, a field at a time
         over the whole window at C speed. Any doubt leaves it to the per-row ``_checked``."""
         try:
             for name in self.fields:
-                texts = list(map(itemgetter(name), rows))  # KeyError: a row lacks it
+                texts = map(itemgetter(name), rows)  # KeyError: a row lacks the field
                 if not all(map(str.isascii, texts)):  # TypeError: None or not a str
-                    "".join(texts).encode("utf-8")  # UnicodeEncodeError: a lone surrogate
+                    "".join(map(itemgetter(name), rows)).encode("utf-8")  # lone surrogate
         except (KeyError, TypeError, UnicodeEncodeError):
             return False
         return True

@@ -9,6 +9,7 @@ epochs, so resuming needs only {epoch, rows consumed} and skips in O(1).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,15 +20,29 @@ _SALT_PIECE = 0x6C74_0002
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``start:stop`` (key order) of block ``block``, visited in ``order``."""
+    """Rows ``start:stop`` (key order) of block ``block``, visited in ``order()``.
+
+    The visit order is computed when the piece is fetched, not kept: an epoch's plan stays a
+    few numbers per window however many rows it covers.
+    """
 
     block: int
     start: int
     stop: int
-    order: tuple[int, ...]  # a permutation of range(stop - start): the visit order
+    seed: int
+    epoch: int
+    shuffle: bool
 
     def __len__(self) -> int:
         return self.stop - self.start
+
+    def order(self) -> list[int]:
+        """A permutation of ``range(len(self))``: the in-piece positions in visit order."""
+        n = self.stop - self.start
+        if not self.shuffle:
+            return list(range(n))
+        rng = np.random.default_rng([self.seed, self.epoch, self.block, self.start, _SALT_PIECE])
+        return rng.permutation(n).tolist()
 
 
 def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
@@ -79,32 +94,35 @@ def rank_pieces(count: int, block_size: int, *, seed: int, epoch: int, shuffle: 
                 break
             s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
             if e > s:
-                pieces.append(_piece(int(order[i]), s, e, seed, epoch, shuffle))
+                pieces.append(Piece(int(order[i]), s, e, seed, epoch, shuffle))
     return pieces
-
-
-def _piece(block: int, start: int, stop: int, seed: int, epoch: int, shuffle: bool) -> Piece:
-    n = stop - start
-    if shuffle:
-        rng = np.random.default_rng([seed, epoch, block, start, _SALT_PIECE])
-        order = tuple(int(i) for i in rng.permutation(n))
-    else:
-        order = tuple(range(n))
-    return Piece(block, start, stop, order)
 
 
 @dataclass(frozen=True)
 class WorkerSlice:
-    """What one worker reads of a piece: in-piece positions (key order), in visit order,
-    each with its index in the rank's sequence."""
+    """What one worker reads of a piece: visit-order indices ``picks`` (into the piece's
+    order) from ``first`` on, each at ``offset + index`` in the rank's sequence."""
 
     piece: Piece
     offset: int  # index of the piece's first row in the rank's sequence
-    picks: tuple[int, ...]  # visit-order indices into piece.order this worker takes
+    first: int  # the first visit-order index this pass reads (resume may start mid-piece)
+    start: int  # the rank-sequence index the pass starts at
+    worker: int
+    num_workers: int
+    chunk: int
+
+    @property
+    def picks(self) -> Sequence[int]:
+        n = len(self.piece)
+        if self.num_workers == 1:
+            return range(self.first, n)
+        return [i for i in range(self.first, n)
+                if ((self.offset + i - self.start) // self.chunk) % self.num_workers
+                == self.worker]
 
     @property
     def whole(self) -> bool:
-        return len(self.picks) == len(self.piece)
+        return self.num_workers == 1 and self.first == 0
 
 
 def worker_slices(pieces: list[Piece], *, start: int, worker: int, num_workers: int,
@@ -121,9 +139,8 @@ def worker_slices(pieces: list[Piece], *, start: int, worker: int, num_workers: 
         n = len(piece)
         lo = max(start, offset)
         if lo < offset + n:
-            picks = tuple(i - offset for i in range(lo, offset + n)
-                          if ((i - start) // chunk) % num_workers == worker)
-            if picks:
-                out.append(WorkerSlice(piece, offset, picks))
+            ws = WorkerSlice(piece, offset, lo - offset, start, worker, num_workers, chunk)
+            if num_workers == 1 or ws.picks:
+                out.append(ws)
         offset += n
     return out
