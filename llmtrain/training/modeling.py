@@ -37,6 +37,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def check_model_path(name: str) -> None:
+    """A name that is clearly a local path must exist (else transformers asks the hub)."""
+    import os
+
+    local = name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name
+    if local and not os.path.isdir(os.path.expanduser(name)):
+        raise ConfigError(f"model_args.model_name_or_path: no model folder at {name!r}")
+
+
 def load_tokenizer(args: ModelArguments) -> Any:
     """The tokenizer, with a pad token: the model's own, else EOS.
 
@@ -45,6 +54,7 @@ def load_tokenizer(args: ModelArguments) -> Any:
     """
     from transformers import AutoTokenizer
 
+    check_model_path(args.model_name_or_path)
     tok = AutoTokenizer.from_pretrained(args.model_name_or_path, revision=args.revision,
                                         trust_remote_code=args.trust_remote_code)
     if tok.pad_token is None:

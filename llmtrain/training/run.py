@@ -6,6 +6,7 @@ checkpointer and the stores are collaborators handed in, never base classes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,7 @@ class FitRun:
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
         self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
         self.history: list[dict[str, float]] = []
+        self.last_grad_norm = 0.0
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -143,61 +146,65 @@ class FitRun:
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
-        s, t = self.strategy, self.targs
-        accum = t.gradient_accumulation_steps
-        endless = t.max_steps > 0
-        stream = self.batches.epochs(self.start_epoch, None if endless else t.num_train_epochs)
-        progress = self._progress()
+        t = self.targs
+        stream = self.batches.epochs(self.start_epoch,
+                                     None if t.max_steps > 0 else t.num_train_epochs)
         self.model.train()
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
-
-        while self.step < self.total_steps:
-            # 1. the next accumulation group, the same size on every rank
-            group = [to_device(b, s.device) for _, b in _take(stream, accum)]
-            size = int(s.all_reduce(torch.tensor(len(group)), "min"))
-            if size == 0:
-                break
-            group = group[:size]
-            targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
-            scale = s.world_size / targets.clamp(min=1).item()
-
-            # 2. forward/backward, loss normalised by the target tokens of the whole step
-            total_loss = 0.0
-            for i, batch in enumerate(group):
-                with s.accumulate(self.model, sync=i == size - 1), self._autocast():
-                    loss = loss_sum(self.model, batch)
-                s.backward(self.model, loss * scale)
-                total_loss += loss.item()
-
-            # 3. optimizer step
-            grad_norm = s.optimizer_step(self.model, self.optimizer, t.max_grad_norm)
-            self.scheduler.step()
-            self.step += 1
-            step_tokens = int(s.all_reduce(sum(b["num_tokens"] for b in group)))
-            self.tokens_seen += step_tokens
-            self._trace([k for b in group for k in b["keys"]])
-
-            # 4. bookkeeping: metrics, progress, evaluation, checkpoints
-            loss_value = float(s.all_reduce(torch.tensor(total_loss))) / targets.clamp(min=1).item()
-            elapsed = max(time.perf_counter() - started, 1e-9)
-            metrics = {"loss": loss_value, "lr": self.scheduler.get_last_lr()[0],
-                       "grad_norm": grad_norm, "tokens": float(self.tokens_seen),
-                       "tokens_per_s": (self.tokens_seen - tokens_at_start) / elapsed}
-            self.history.append({"step": self.step, "loss": loss_value})
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{metrics['lr']:.2e}",
-                                     tok_s=f"{metrics['tokens_per_s']:.0f}")
-            if self.step % t.logging_steps == 0 or self.step == self.total_steps:
-                self._log(metrics)
-            if t.eval_steps and self.step % t.eval_steps == 0:
-                self._log({"eval_loss": self.evaluate()})
-            if t.save_steps and self.step % t.save_steps == 0:
-                self.save_checkpoint()
-        if progress is not None:
-            progress.close()
+        with self._progress() as progress:
+            while self.step < self.total_steps:
+                group = self._next_group(stream)
+                if not group:
+                    break
+                loss = self._train_step(group)
+                rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
+                metrics = {"loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                           "grad_norm": self.last_grad_norm, "tokens": float(self.tokens_seen),
+                           "tokens_per_s": rate}
+                self.history.append({"step": self.step, "loss": loss})
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
+                                         tok_s=f"{rate:.0f}")
+                if self.step % t.logging_steps == 0 or self.step == self.total_steps:
+                    self._log(metrics)
+                if t.eval_steps and self.step % t.eval_steps == 0:
+                    self._log({"eval_loss": self.evaluate()})
+                if t.save_steps and self.step % t.save_steps == 0:
+                    self.save_checkpoint()
         if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
             self._log({"eval_loss": self.evaluate()})
+
+    def _next_group(self, stream: Iterator[tuple[int, Any]]) -> list[dict[str, Any]]:
+        """The next accumulation group, cut to the same size on every rank."""
+        s = self.strategy
+        group = [to_device(batch, s.device)
+                 for _, batch in itertools.islice(stream, self.targs.gradient_accumulation_steps)]
+        size = int(s.all_reduce(torch.tensor(len(group)), "min"))
+        return group[:size]
+
+    def _train_step(self, group: list[dict[str, Any]]) -> float:
+        """Forward/backward over the group, then one optimizer step; returns the mean loss.
+
+        The loss is normalised by the target tokens of the whole step on all ranks, so long
+        and short examples weigh the same whatever the accumulation or world size.
+        """
+        s = self.strategy
+        targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
+        targets = max(targets.item(), 1.0)
+        total = 0.0
+        for i, batch in enumerate(group):
+            with s.accumulate(self.model, sync=i == len(group) - 1), self._autocast():
+                loss = loss_sum(self.model, batch)
+            s.backward(self.model, loss * (s.world_size / targets))
+            total += loss.item()
+        self.last_grad_norm = s.optimizer_step(self.model, self.optimizer,
+                                               self.targs.max_grad_norm)
+        self.scheduler.step()
+        self.step += 1
+        self.tokens_seen += int(s.all_reduce(sum(b["num_tokens"] for b in group)))
+        self._trace([k for b in group for k in b["keys"]])
+        return float(s.all_reduce(torch.tensor(total))) / targets
 
     @property
     def has_eval(self) -> bool:
@@ -214,7 +221,7 @@ class FitRun:
 
     def _progress(self) -> Any:
         if not (self.targs.progress_bar and self.strategy.is_main):
-            return None
+            return nullcontext(None)
         from tqdm.auto import tqdm
 
         return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
@@ -295,11 +302,3 @@ class FitRun:
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.strategy.teardown()
 
-
-def _take(stream: Any, n: int) -> list[Any]:
-    out = []
-    for item in stream:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out

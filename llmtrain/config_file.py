@@ -1,0 +1,317 @@
+"""Config files for ``llmtrain fit``: YAML mirroring the argument models, plus overrides.
+
+A file has the trainer's sections (``model_args``, ``lora_args``, ``training_args``, ...)
+exactly as :class:`~llmtrain.LLMTrainer` takes them, and a ``data`` section saying which
+rows to train on. ``--training_args.learning_rate 1e-4`` style overrides are checked
+against the same schema, so a typo is an error naming the path, never a silent no-op.
+Every problem is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmtrain.errors import ConfigError, QueryError
+from llmtrain.queries import Collection, Query, RawSQL, Table
+from llmtrain.training.args import (
+    DataArguments,
+    DeepspeedConfig,
+    FSDPConfig,
+    LoraArguments,
+    ModelArguments,
+    TrainingArguments,
+    describe,
+)
+from llmtrain.training.spec import LauncherConfig
+from llmtrain.uri import scheme_of
+
+DB_ENV = "LLMTRAIN_DB_URI"
+
+#: Sections that are one of the argument models: overrides may name their fields.
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model_args": ModelArguments, "lora_args": LoraArguments,
+    "training_args": TrainingArguments, "data_args": DataArguments,
+    "deepspeed_config": DeepspeedConfig, "fsdp_config": FSDPConfig, "launcher": LauncherConfig}
+SCALARS = ("name", "db", "artifacts", "prompt_template")
+DATA_KEYS = ("X", "Y", "select", "eval_select")
+#: Every key a selection may have, in the stored form or the friendlier one.
+SELECT_KEYS = ("kind", "table", "collection", "sql", "name", "schema", "key", "where", "params",
+               "columns", "text", "filter", "projection", "allow_javascript")
+#: Fields holding free-form mappings: any key below them is allowed.
+_FREE_FORM = {"params", "filter", "projection", "raw"}
+
+
+# -- YAML ------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def parse_value(text: str) -> Any:
+    """An override value as YAML: ``1e-4`` -> float, ``true`` -> bool, ``null`` -> None,
+    ``[q_proj, v_proj]`` -> list; anything else stays a string."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return text
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file as a dict. Relative paths in it (a SQLite file, a model folder) are relative
+    to the working directory, as in SQLAlchemy and transformers; :func:`build_job` stores
+    them absolute."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping (name:, model_args:, data: ...), "
+                          f"not {type(data).__name__}")
+    return data
+
+
+# -- overrides --------------------------------------------------------------------------------
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked."""
+    out: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like "
+                              "--training_args.learning_rate 1e-4")
+        path, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"override --{path} needs a value")
+            value = args[i + 1]
+            i += 1
+        check_path(path)
+        out.append((path, parse_value(value)))
+        i += 1
+    return out
+
+
+def check_path(path: str) -> None:
+    """ConfigError naming ``path`` unless it addresses a known option of the schema."""
+    parts = path.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"unknown option --{path}: empty part in the dotted path")
+    head, rest = parts[0], parts[1:]
+    if head in SCALARS:
+        if rest:
+            raise ConfigError(f"unknown option --{path}: {head} is a single value")
+        return
+    if head in SECTIONS:
+        if rest:
+            _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
+            if len(rest) > 1 and rest[0] not in _FREE_FORM:
+                raise ConfigError(f"unknown option --{path}: {head}.{rest[0]} has no sub-options")
+        return
+    if head == "data":
+        if rest:
+            _check_key(path, rest[0], list(DATA_KEYS), "data")
+            if rest[0] in ("X", "Y") and len(rest) > 1:
+                raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
+            if len(rest) > 1:
+                _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
+                if len(rest) > 2 and rest[1] not in _FREE_FORM:
+                    raise ConfigError(f"unknown option --{path}: data.{rest[0]}.{rest[1]} has "
+                                      "no sub-options")
+        return
+    _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
+
+
+def _check_key(path: str, key: str, known: list[str], where: str) -> None:
+    if key in known:
+        return
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+    raise ConfigError(f"unknown option --{path}: {where} has no {key!r}{hint}")
+
+
+def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
+                    ) -> dict[str, Any]:
+    """A copy of ``config`` with each dotted path set (missing sections are created)."""
+    out = _copy(config)
+    for path, value in overrides:
+        node = out
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    return out
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# -- the file's schema --------------------------------------------------------------------
+class DataSection(BaseModel):
+    """Which rows: ``X`` and ``Y`` name fields, ``select`` (and ``eval_select``) the rows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    X: str = Field(min_length=1)
+    Y: str = Field(min_length=1)
+    select: dict[str, Any]
+    eval_select: dict[str, Any] | None = None
+
+
+class FitFile(BaseModel):
+    """The top level of a config file. The sections are validated by LLMTrainer itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    db: str | None = None
+    artifacts: str | None = None
+    prompt_template: str | None = None
+    model_args: dict[str, Any]
+    lora_args: dict[str, Any] | None = Field(default_factory=dict)  # null: full fine-tune
+    training_args: dict[str, Any] | None = None
+    data_args: dict[str, Any] | None = None
+    deepspeed_config: dict[str, Any] | None = None
+    fsdp_config: dict[str, Any] | None = None
+    launcher: dict[str, Any] | None = None
+    data: DataSection
+
+
+def build_query(spec: Any, where: str = "data.select") -> Query:
+    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one:
+    ``{table: docs, where: "lang = :l", params: {l: en}}``, ``{collection: docs, filter:
+    {...}}`` or ``{sql: "SELECT ...", key: id}``."""
+    if isinstance(spec, Query):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where} must be a mapping like {{table: docs}}, got {spec!r}")
+    spec = dict(spec)
+    unknown = sorted(set(spec) - set(SELECT_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; a selection has one of "
+                          "kind:, table:, collection: or sql:")
+    forms = [k for k in ("kind", "table", "collection", "sql") if k in spec]
+    if len(forms) != 1:
+        raise ConfigError(f"{where} needs exactly one of kind:, table:, collection: or sql:"
+                          + (f" (got {forms})" if forms else ""))
+    allowed = {"kind": set(SELECT_KEYS),
+               "table": {"table", "schema", "key", "where", "params", "columns"},
+               "collection": {"collection", "filter", "projection", "allow_javascript"},
+               "sql": {"sql", "key", "params"}}[forms[0]]
+    extra = sorted(set(spec) - allowed)
+    if extra:
+        raise ConfigError(f"{where}: {forms[0]}: does not take {extra}")
+    try:
+        if forms[0] == "kind":
+            return Query.from_dict(spec)
+        if forms[0] == "table":
+            return Table(spec["table"], schema=spec.get("schema"), key=spec.get("key"),
+                         where=spec.get("where"), params=spec.get("params"),
+                         columns=spec.get("columns"))
+        if forms[0] == "collection":
+            return Collection(spec["collection"], filter=spec.get("filter"),
+                              projection=spec.get("projection"),
+                              allow_javascript=bool(spec.get("allow_javascript", False)))
+        if "key" not in spec:
+            raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
+        return RawSQL(spec["sql"], key=spec["key"], params=spec.get("params"))
+    except (QueryError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclass
+class FitJob:
+    """A validated config file: what to build, where to connect, which rows to train on."""
+
+    config: FitFile
+    db_uri: str
+    select: Query
+    eval_select: Query | None
+
+    def trainer(self) -> Any:
+        from llmtrain.training.trainer import LLMTrainer
+
+        c = self.config
+        sections = {k: getattr(c, k) for k in ("model_args", "training_args", "data_args",
+                                                "deepspeed_config", "fsdp_config", "launcher")}
+        return LLMTrainer(c.name, prompt_template=c.prompt_template, lora_args=c.lora_args,
+                          **{k: v for k, v in sections.items() if v is not None})
+
+    def connect(self) -> Any:
+        from llmtrain.datalayer import connect
+
+        return connect(self.db_uri, artifacts=self.config.artifacts)
+
+
+def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> FitJob:
+    """Validate a (possibly overridden) config dict; the database comes from ``db:`` or,
+    when that is missing, the ``LLMTRAIN_DB_URI`` environment variable."""
+    env = os.environ if env is None else env
+    try:
+        parsed = FitFile.model_validate(dict(config))
+    except ValidationError as exc:
+        raise ConfigError(describe("config", exc)) from None
+    db_uri = parsed.db or env.get(DB_ENV)
+    if not db_uri:
+        raise ConfigError(f"config: no database; set db: (e.g. sqlite:///data.db) or the "
+                          f"{DB_ENV} environment variable")
+    select = build_query(parsed.data.select, "data.select")
+    eval_select = (build_query(parsed.data.eval_select, "data.eval_select")
+                   if parsed.data.eval_select is not None else None)
+    parsed.model_args = _absolute_model_path(parsed.model_args)
+    job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
+    job.trainer()  # validate every section now, before any connection is opened
+    return job
+
+
+def _absolute_model_path(model_args: dict[str, Any]) -> dict[str, Any]:
+    """A local model folder named relative to the working directory, made absolute: the
+    trainer is stored, and must replay from any directory."""
+    name = model_args.get("model_name_or_path")
+    if isinstance(name, str) and not Path(name).is_absolute() and Path(name).exists():
+        return {**model_args, "model_name_or_path": str(Path(name).resolve())}
+    return model_args
+
+
+def _absolute_sqlite(uri: str) -> str:
+    """``sqlite:///data.db`` -> ``sqlite:////abs/data.db``, for the same reason."""
+    head, sep, rest = uri.partition(":///")
+    if not sep or scheme_of(uri) != "sqlite":
+        return uri
+    file, qsep, query = rest.partition("?")
+    if not file or file == ":memory:" or file.startswith("file:") or Path(file).is_absolute():
+        return uri
+    return f"{head}:///{Path(file).resolve()}{qsep}{query}"
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (),
+             env: Mapping[str, str] | None = None) -> FitJob:
+    """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
+    config = apply_overrides(read_config(path), parse_overrides(overrides))
+    return build_job(config, env)

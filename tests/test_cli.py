@@ -1,0 +1,277 @@
+"""The ``llmtrain`` command: config files and overrides, fit/show/replay/merge on a real
+SQLite database with the tiny model, clean exit-2 errors naming the option, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmtrain import demo
+from llmtrain.cli import main
+from llmtrain.config_file import (
+    apply_overrides,
+    build_job,
+    build_query,
+    check_path,
+    load_job,
+    parse_overrides,
+    parse_value,
+)
+from llmtrain.errors import ConfigError
+from llmtrain.queries import Collection, RawSQL, Table
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "config.yaml"
+FAST = ["--name", "cli-test", "--training_args.max_steps", "4",
+        "--training_args.save_steps", "2", "--training_args.progress_bar", "false"]
+
+
+def llmtrain_command() -> list[str]:
+    """The installed console script, else the module (same code)."""
+    script = shutil.which("llmtrain")
+    return [script] if script else [sys.executable, "-m", "llmtrain.cli"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- config files, without training ------------------------------------------------------------
+def test_override_values_are_yaml() -> None:
+    assert parse_value("1e-4") == pytest.approx(1e-4)
+    assert parse_value("3") == 3 and parse_value("false") is False
+    assert parse_value("null") is None and parse_value("[q_proj, v_proj]") == ["q_proj", "v_proj"]
+    assert parse_value("lang = :l") == "lang = :l"
+    assert parse_overrides(["--training_args.learning_rate", "1e-4", "--lora_args=null",
+                            "--data.select.params.l", "fr"]) == [
+        ("training_args.learning_rate", pytest.approx(1e-4)), ("lora_args", None),
+        ("data.select.params.l", "fr")]
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("training_args.learnin_rate", "did you mean 'learning_rate'"),
+    ("trainig_args.learning_rate", "did you mean 'training_args'"),
+    ("lora_args.r.x", "has no sub-options"),
+    ("data.select.bogus", "data.select has no 'bogus'"),
+    ("name.first", "single value"),
+])
+def test_unknown_override_paths_are_named(path: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--{re.escape(path)}.*{message}"):
+        check_path(path)
+
+
+def test_overrides_create_missing_sections_and_leave_the_input_alone() -> None:
+    config = {"name": "a", "lora_args": None, "data": {"select": {"table": "docs"}}}
+    out = apply_overrides(config, [("lora_args.r", 4), ("data.select.params.l", "en")])
+    assert out["lora_args"] == {"r": 4} and out["data"]["select"]["params"] == {"l": "en"}
+    assert config["lora_args"] is None and "params" not in config["data"]["select"]
+
+
+def test_selection_forms() -> None:
+    assert build_query({"table": "docs", "where": "lang = :l", "params": {"l": "en"}}) == \
+        Table("docs").where("lang = :l", l="en")
+    assert build_query(Table("docs").to_dict()) == Table("docs")
+    assert build_query({"collection": "docs", "filter": {"lang": "en"}}) == \
+        Collection("docs").find({"lang": "en"})
+    assert build_query({"sql": "SELECT id, q FROM t", "key": "id"}) == \
+        RawSQL("SELECT id, q FROM t", key="id")
+    with pytest.raises(ConfigError, match="exactly one of"):
+        build_query({"table": "docs", "collection": "docs"})
+    with pytest.raises(ConfigError, match=r"collection: does not take \['where'\]"):
+        build_query({"collection": "docs", "where": "x"})
+    with pytest.raises(ConfigError, match="needs key"):
+        build_query({"sql": "SELECT 1"})
+
+
+def test_config_validation_names_the_field(tmp_path: Path) -> None:
+    job = load_job(CONFIG, ["--db", "sqlite:///x.db", "--lora_args", "null"])
+    assert job.trainer().config.lora_args is None  # null: full fine-tuning
+    assert job.select == Table("docs").where("lang = :l", l="en")
+    with pytest.raises(ConfigError, match="config.data.X"):
+        build_job({"name": "a", "db": "sqlite://", "model_args": {"model_name_or_path": "m"},
+                   "data": {"Y": "b", "select": {"table": "t"}}})
+    with pytest.raises(ConfigError, match="config.epochs: unknown option"):
+        build_job({"name": "a", "epochs": 3})
+    with pytest.raises(ConfigError, match="LLMTRAIN_DB_URI"):
+        build_job({"name": "a", "model_args": {"model_name_or_path": "m"},
+                   "data": {"X": "a", "Y": "b", "select": {"table": "t"}}}, env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_job(bad)
+
+
+# -- the command, end to end -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/config.yaml's working directory: ./llmtrain-demo/ with the demo table."""
+    root = tmp_path_factory.mktemp("cli")
+    demo.prepare(root / "llmtrain-demo")
+    return root
+
+
+@pytest.fixture(scope="module")
+def fitted(workdir: Path) -> str:
+    """Run ``llmtrain fit examples/config.yaml`` once; returns the database URI."""
+    cwd = Path.cwd()
+    os.chdir(workdir)
+    try:
+        assert main(["fit", str(CONFIG), *FAST]) == 0
+    finally:
+        os.chdir(cwd)
+    return f"sqlite:///{workdir / 'llmtrain-demo' / 'demo.db'}"
+
+
+def test_fit_from_yaml_with_overrides(fitted: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import llmtrain as lt
+
+    db = lt.connect(fitted)
+    trainer = db.load("trainer", "cli-test")
+    assert trainer.config.training_args.max_steps == 4
+    assert trainer.config.training_args.learning_rate == pytest.approx(2e-2)  # "2e-2" in YAML
+    assert trainer.config.lora_args.r == 16
+    (run,) = db.metadata.list_runs("trainer", "cli-test")
+    assert run.status == "completed" and run.info["steps"] == 4
+    assert run.info["query"] == Table("docs").where("lang = :l", l="en").to_dict()
+    assert [c.step for c in db.metadata.list_checkpoints(run.run_id)] == [2, 4]
+    db.close()
+
+
+def test_show_tables(fitted: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "show", "--db", fitted)
+    assert code == 0 and re.search(r"trainer\s+cli-test\s+0", out)
+    code, out, _ = run_cli(capsys, "show", "trainer", "--db", fitted)
+    assert code == 0 and re.search(r"cli-test\s+0\s+\d+\s+completed", out)
+    code, out, _ = run_cli(capsys, "show", "trainer", "cli-test", "--db", fitted)
+    assert "LoRA r=16" in out and "from table docs where lang = :l {'l': 'en'}" in out
+    assert re.search(r"[0-9a-f]{32}\s+cli-test v0\s+completed\s+4\s", out)
+    code, out, _ = run_cli(capsys, "show", "model", "cli-test", "--db", fitted)
+    assert code == 0 and re.search(r"^0\s+\S+ \S+\s+[0-9a-f]{32}\s+0\s+[\d.]+\s+tree:", out, re.M)
+    run_id = re.search(r"[0-9a-f]{32}", out).group(0)
+    code, out, _ = run_cli(capsys, "show", "run", run_id[:8], "--db", fitted)
+    assert code == 0 and f"run        {run_id}" in out
+    assert re.search(r"STEP\s+LOSS\s+LR", out) and "CHECKPOINT" in out
+
+
+def test_replay_and_merge(fitted: str, tmp_path: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import llmtrain as lt
+
+    code, out, _ = run_cli(capsys, "replay", "cli-test", "--db", fitted)
+    assert code == 0 and "replaying cli-test v0 on table docs" in out
+    assert re.search(r"completed, 4 steps, final loss", out)
+    db = lt.connect(fitted)
+    runs = db.metadata.list_runs("trainer", "cli-test")
+    assert [r.status for r in runs[-2:]] == ["completed", "completed"]
+    assert runs[-1].info["data_fingerprint"] == runs[-2].info["data_fingerprint"]
+
+    out_dir = tmp_path / "merged"
+    code, out, _ = run_cli(capsys, "merge", "cli-test", "--db", fitted, "--out", str(out_dir))
+    assert code == 0 and "stored merged model tree:" in out
+    assert db.load("model", "cli-test").record.merged is not None
+    merged = AutoModelForCausalLM.from_pretrained(out_dir)
+    ids = AutoTokenizer.from_pretrained(out_dir)(["What is 2 plus 2?"], return_tensors="pt")
+    with torch.no_grad():
+        assert merged(**ids).logits.shape[-1] == merged.config.vocab_size
+    code, _, err = run_cli(capsys, "merge", "cli-test", "--db", fitted, "--out", str(out_dir))
+    assert code == 2 and "already exists" in err
+    db.close()
+
+
+def test_missing_components_and_databases_fail_cleanly(fitted: str,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    code, _, err = run_cli(capsys, "replay", "nope", "--db", fitted)
+    assert code == 1 and "'nope'" in err and "Traceback" not in err
+    code, _, err = run_cli(capsys, "show", "trainer", "nope", "--db", fitted)
+    assert code == 1 and "known: cli-test" in err
+    monkeypatch.delenv("LLMTRAIN_DB_URI", raising=False)
+    code, _, err = run_cli(capsys, "show")
+    assert code == 2 and "--db" in err
+    code, _, err = run_cli(capsys, "show", "--bogus")
+    assert code == 2 and "unrecognized arguments: --bogus" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--training_args.learnin_rate", "1e-4"],
+     "unknown option --training_args.learnin_rate: TrainingArguments has no 'learnin_rate'"),
+    (["--training_args.learning_rate", "-1"], "LLMTrainer.training_args.learning_rate"),
+    (["--lora_args.r", "0"], "LLMTrainer.lora_args.r"),
+    (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
+    (["--training_args.learning_rate"], "needs a value"),
+])
+def test_bad_overrides_exit_2_naming_the_option(workdir: Path, args: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "fit", str(CONFIG), "--db", "sqlite://", *args)
+    assert code == 2 and message in err and "Traceback" not in err + out
+
+
+def test_subprocess_errors_are_clean_and_never_show_passwords(workdir: Path) -> None:
+    secret_db = "postgresql+psycopg://user:s3cret-pw@127.0.0.1:9/db"
+    result = subprocess.run(
+        [*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db, "--trainig_args.seed", "1"],
+        cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "did you mean 'training_args'" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run([*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db,
+                             "--data.X", "null"],
+                            cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "config.data.X" in result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+
+
+def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import fresh_database
+
+    databases = fresh_database("postgresql", tmp_path)
+    uri = next(databases)
+    try:
+        with_password = uri.replace("://postgres@", "://postgres:s3cret-pw@")
+        assert with_password != uri  # trust auth: the server ignores the password
+        code, out, err = run_cli(capsys, "show", "--db", with_password)
+        assert code == 0 and "postgres:***@" in out
+        assert "s3cret" not in out + err
+    finally:
+        from llmtrain.backends.engines import dispose_sql_engine
+
+        dispose_sql_engine(with_password)
+        next(databases, None)
+
+
+# -- the demo ------------------------------------------------------------------------------
+def test_demo_runs_and_reruns_in_the_same_folder(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "demo"
+    for _ in range(2):  # the second run starts over in the same folder
+        code, out, err = run_cli(capsys, "demo", "--dir", str(folder), "--steps", "6")
+        assert code == 0, err
+        for part in ("1. Data: table 'docs'", "80 rows, 48 in English", "2. Fine-tune",
+                     "3. Stored", "equal to the trainer that ran: True", "4. Generate",
+                     "5. Replay", "6. Where everything went", "Done in"):
+            assert part in out, part
+        first, last = map(float, re.search(r"loss fell from ([\d.]+) \(step 1\) to ([\d.]+)",
+                                           out).groups())
+        assert last < first
+        assert len(re.findall(r"[0-9a-f]{32}\s+completed\s+6\s", out)) == 2  # fit + replay
+        assert "fit demo-qa" in err  # the progress bar, with its loss/lr/tok_s postfix
+    assert {p.name for p in folder.iterdir()} == {".llmtrain-demo", "demo.db",
+                                                 "demo.db.artifacts", "tiny-llama"}
+
+
+def test_demo_refuses_a_folder_that_is_not_its_own(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "precious.txt").write_text("keep me")
+    code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path))
+    assert code == 2 and "not a demo folder" in err
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
