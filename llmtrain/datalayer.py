@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from llmtrain.artifacts.base import ArtifactStore
 from llmtrain.backends.base import DataBackend
+from llmtrain.backends.retry import RetryPolicy
 from llmtrain.components import Component, check_identifier, component_class
 from llmtrain.errors import ConfigError, StoreError
 from llmtrain.metadata.base import ComponentRecord, MetadataStore
@@ -42,7 +43,8 @@ class Datalayer:
     """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
 
     def __init__(self, uri: str, *, metadata_uri: str | None = None,
-                 artifacts: str | Path | ArtifactStore | None = None) -> None:
+                 artifacts: str | Path | ArtifactStore | None = None,
+                 retry: RetryPolicy | None = None) -> None:
         if not isinstance(uri, str) or "://" not in uri:
             raise ConfigError(f"connect() needs a database URI like sqlite:///data.db, "
                               f"got {redact_uri(str(uri))!r}")
@@ -51,6 +53,7 @@ class Datalayer:
         if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
             raise ConfigError("artifacts='gridfs' needs a MongoDB metadata database")
         self._artifacts_spec = artifacts
+        self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
         self._metadata: MetadataStore | None = None
         self._artifacts: ArtifactStore | None = artifacts if isinstance(
@@ -87,7 +90,7 @@ class Datalayer:
         if self._backend is None:
             from llmtrain.backends import open_backend
 
-            self._backend = open_backend(self._uri)
+            self._backend = open_backend(self._uri, retry=self.retry)
         return self._backend
 
     @property
@@ -165,10 +168,12 @@ class Datalayer:
 
 
 def connect(uri: str, *, metadata_uri: str | None = None,
-            artifacts: str | Path | ArtifactStore | None = None) -> Datalayer:
+            artifacts: str | Path | ArtifactStore | None = None,
+            retry: RetryPolicy | None = None) -> Datalayer:
     """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
 
     ``metadata_uri`` puts components and runs in another database (default: the same one).
-    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), or an ArtifactStore.
+    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), or an ArtifactStore. ``retry`` bounds
+    how long data reads wait out a lost connection before ``DatabaseUnavailableError``.
     """
-    return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts)
+    return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)

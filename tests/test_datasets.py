@@ -268,3 +268,15 @@ def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
     fresh = plain()
     fresh.load_state_dict(ds.state_dict())
     assert head + [r["instruction"] for r in fresh] == full
+
+
+def test_a_missing_column_fails_at_once_not_after_the_retry_budget(sqlite_uri: str) -> None:
+    import time
+
+    fill(sqlite_uri, "docs", _rows(10))
+    db = lt.connect(sqlite_uri)
+    query = lt.sql("SELECT id, nope FROM docs", key="id")
+    started = time.perf_counter()
+    with pytest.raises(lt.QueryError, match="no such column: nope"):
+        len(lt.CachedQueryDataset(db, query, "nope"))
+    assert time.perf_counter() - started < 1.0

@@ -9,11 +9,12 @@ from llmtrain.uri import is_mongo_uri
 __all__ = ["DataBackend", "Key", "KeyScan", "Row", "RetryPolicy", "open_backend"]
 
 
-def open_backend(uri: str) -> DataBackend:
+def open_backend(uri: str, *, retry: RetryPolicy | None = None) -> DataBackend:
+    """``retry``: how long a read waits out a lost connection (default ``RetryPolicy()``)."""
     if is_mongo_uri(uri):
         from llmtrain.backends.mongo import MongoBackend
 
-        return MongoBackend(uri)
+        return MongoBackend(uri, retry=retry)
     from llmtrain.backends.sql import SQLBackend
 
-    return SQLBackend(uri)
+    return SQLBackend(uri, retry=retry)

@@ -29,13 +29,20 @@ class RetryPolicy:
 
 
 def with_retry(call: Callable[[], T], *, policy: RetryPolicy, transient: tuple[type, ...],
-               reconnect: Callable[[], None], what: str, where: str) -> T:
-    """Run ``call``; on a transient fault reconnect, back off and try again."""
+               reconnect: Callable[[], None], what: str, where: str,
+               permanent: Callable[[BaseException], bool] = lambda exc: False) -> T:
+    """Run ``call``; on a transient fault reconnect, back off and try again.
+
+    ``permanent`` picks out errors of a transient type that no retry can cure (a missing
+    table, say), so they surface at once instead of after the whole budget.
+    """
     delays = policy.delays()
     for attempt in range(policy.attempts):
         try:
             return call()
         except transient as exc:
+            if permanent(exc):
+                raise
             if attempt == policy.attempts - 1:
                 raise DatabaseUnavailableError(
                     f"{what} on {where} failed after {policy.attempts} attempts: "

@@ -55,6 +55,18 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     return _pairs_builder(len(names))(rows, *names) if names else [(r[0], {}) for r in rows]
 
 
+_PERMANENT = ("no such table", "no such column", "syntax error", "unknown column",
+              "doesn't exist", "does not exist", "unknown table")
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """An OperationalError about the statement itself (SQLite and MySQL raise those as
+    OperationalError too): retrying cannot help, so it is reported at once."""
+    if getattr(exc, "connection_invalidated", False):
+        return False
+    return any(p in str(getattr(exc, "orig", exc)).lower() for p in _PERMANENT)
+
+
 def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
     """SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost connection
     (retrying it would only end in DatabaseUnavailableError, naming no row)."""
@@ -169,7 +181,8 @@ class SQLBackend(DataBackend):
 
         return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
                                                                sa.exc.InterfaceError),
-                          reconnect=self.reconnect, what=what, where=self.uri)
+                          reconnect=self.reconnect, what=what, where=self.uri,
+                          permanent=is_permanent)
 
     def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> _Page:
         """The compiled page for ``shape``. Bound types are keyed by identity (SQLAlchemy
@@ -201,7 +214,8 @@ class SQLBackend(DataBackend):
 
         return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
                                                                sa.exc.InterfaceError),
-                          reconnect=self.reconnect, what=what, where=self.uri)
+                          reconnect=self.reconnect, what=what, where=self.uri,
+                          permanent=is_permanent)
 
     @staticmethod
     def _run_direct(conn: sa.Connection, page: _Page, values: dict[str, Any]
@@ -235,7 +249,13 @@ class SQLBackend(DataBackend):
         fingerprint = fingerprint or query.fingerprint()
         cached = self._sources.get(fingerprint)
         if cached is None:
-            cached = self._sources[fingerprint] = self._build(query)
+            try:
+                cached = self._sources[fingerprint] = self._build(query)
+            except sa.exc.DBAPIError as exc:
+                if not is_permanent(exc):
+                    raise
+                raise QueryError(f"{query.source} cannot run on {self.uri}: "
+                                 f"{str(exc.orig).splitlines()[0]}") from None
         return cached
 
     def _build(self, query: Query) -> _Source:
@@ -251,7 +271,8 @@ class SQLBackend(DataBackend):
                 lambda: sa.Table(query.name, sa.MetaData(), schema=query.schema,
                                  autoload_with=self.engine),
                 policy=self.retry, transient=(sa.exc.OperationalError,),
-                reconnect=self.reconnect, what="reading the table schema", where=self.uri)
+                reconnect=self.reconnect, what="reading the table schema", where=self.uri,
+                permanent=is_permanent)
         except sa.exc.NoSuchTableError:
             raise QueryError(f"{query.source} does not exist in {self.uri}") from None
         if query.key is not None:
@@ -281,7 +302,7 @@ class SQLBackend(DataBackend):
         probe = with_retry(
             lambda: self._probe_columns(text), policy=self.retry,
             transient=(sa.exc.OperationalError,), reconnect=self.reconnect,
-            what="reading the query's columns", where=self.uri)
+            what="reading the query's columns", where=self.uri, permanent=is_permanent)
         if query.key not in probe:
             raise QueryError(f"{query.source}: key column {query.key!r} is not in its result "
                              f"columns {probe}")

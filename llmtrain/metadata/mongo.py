@@ -27,7 +27,15 @@ from llmtrain.metadata.base import (
     RunRecord,
     RunStatus,
 )
-from llmtrain.metadata.sql import MAX_TRIES, UTC, check_status, dumps, float_values, pause
+from llmtrain.metadata.sql import (
+    MAX_TRIES,
+    UTC,
+    check_status,
+    component_record,
+    dumps,
+    float_values,
+    pause,
+)
 from llmtrain.uri import redact_uri
 
 T = TypeVar("T")
@@ -262,9 +270,10 @@ def _where(**fields: Any) -> dict[str, Any]:
 
 
 def _component(doc: dict[str, Any]) -> ComponentRecord:
-    return ComponentRecord(type_id=doc["type_id"], identifier=doc["identifier"],
-                           version=doc["version"], created_at=as_utc(doc["created_at"]),
-                           payload=json.loads(doc["payload"]))
+    created = doc.get("created_at")
+    return component_record(doc.get("type_id"), doc.get("identifier"), doc.get("version"),
+                            as_utc(created) if isinstance(created, datetime) else created,
+                            doc.get("payload"))
 
 
 def _run(doc: dict[str, Any]) -> RunRecord:

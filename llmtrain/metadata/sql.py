@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, TypeVar, get_args
 
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
@@ -152,6 +153,34 @@ def dumps(value: Any, what: str) -> str:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise StoreError(f"{what} is not JSON-serialisable: {exc}") from None
+
+
+def loads(value: Any, what: str) -> Any:
+    """Stored JSON text back, or a StoreError: a value edited outside llmtrain (bytes, a
+    pickle, another type) is refused, never decoded as anything but JSON."""
+    if not isinstance(value, str):
+        raise StoreError(f"{what} is not JSON text but {type(value).__name__}; was it edited "
+                         "outside llmtrain?")
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise StoreError(f"{what} is not valid JSON ({exc}); was it edited outside "
+                         "llmtrain?") from None
+
+
+def component_record(type_id: Any, identifier: Any, version: Any, created_at: Any,
+                     payload: Any) -> ComponentRecord:
+    """A stored component as read back; StoreError if any part of it is not what llmtrain
+    writes (the payload must be a JSON object)."""
+    what = f"stored component {type_id!r} {identifier!r} v{version!r}"
+    data = loads(payload, f"{what}: its payload")
+    try:
+        return ComponentRecord(type_id=type_id, identifier=identifier, version=version,
+                               created_at=created_at, payload=data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise StoreError(f"{what} is not a valid record ({problems}); was it edited outside "
+                         "llmtrain?") from None
 
 
 def float_values(values: dict[str, Any]) -> dict[str, float]:
@@ -439,9 +468,8 @@ class SQLMetadataStore(MetadataStore):
 
 
 def _component(row: sa.RowMapping) -> ComponentRecord:
-    return ComponentRecord(type_id=row["type_id"], identifier=row["identifier"],
-                           version=row["version"], created_at=row["created_at"],
-                           payload=json.loads(row["payload"]))
+    return component_record(row["type_id"], row["identifier"], row["version"],
+                            row["created_at"], row["payload"])
 
 
 def _run(row: sa.RowMapping) -> RunRecord:

@@ -15,8 +15,26 @@ from llmtrain.errors import ConfigError
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-class _Args(BaseModel):
+class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
+    """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
+    as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
+    would make pydantic call it for nested models too and reword their errors.)"""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as exc:
+            raise ConfigError(describe(cls.__name__, exc)) from None
+
+
+class _Args(BaseModel, metaclass=_ArgsMeta):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(describe(type(self).__name__, exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

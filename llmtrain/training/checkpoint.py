@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import random
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmtrain.errors import CheckpointError, StoreError
@@ -140,13 +144,32 @@ class Checkpointer:
                 raise CheckpointError(
                     f"checkpoint at step {record.step} was written by {state.get('world_size')}"
                     f" process(es); resume it with the same world size, not {s.world_size}")
-            s.load_trainable_state_dict(model, load_file(str(folder / "weights.safetensors")))
-            s.load_optimizer(model, optimizer, folder)
-            scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-            set_rng_state(torch.load(folder / f"rng_rank{s.rank}.pt", weights_only=True))
+            with _refused("weights.safetensors", record.step):
+                weights = load_file(str(folder / "weights.safetensors"))
+            s.load_trainable_state_dict(model, weights)
+            with _refused("optimizer.pt", record.step):
+                s.load_optimizer(model, optimizer, folder)
+            with _refused("scheduler.pt", record.step):
+                scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+            with _refused(f"rng_rank{s.rank}.pt", record.step):
+                set_rng_state(torch.load(folder / f"rng_rank{s.rank}.pt", weights_only=True))
             return state
         finally:
             shutil.rmtree(folder.parent if folder.name == "ckpt" else folder, ignore_errors=True)
+
+
+@contextmanager
+def _refused(name: str, step: int) -> Iterator[None]:
+    """A file the safe loaders refuse (a pickle that would run code, not safetensors) is a
+    CheckpointError naming it, however well it matches the manifest."""
+    try:
+        yield
+    except (pickle.UnpicklingError, SafetensorError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "Unsupported global" in line),
+                      lines[0] if lines else type(exc).__name__)
+        raise CheckpointError(f"checkpoint at step {step}: {name} was refused by the safe "
+                              f"loader ({reason[:300]}); it was not written by llmtrain") from exc
 
 
 def verify(folder: Path) -> None:

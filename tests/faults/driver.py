@@ -1,0 +1,107 @@
+"""Runs one fit in a fresh process, for the kill -9 tests: ``python driver.py '<json>'``.
+
+The JSON names the database, the trainer options and, optionally, a ``hold`` point: when the
+fit reaches it the driver writes ``hold.marker`` and sleeps, so the parent can ``kill -9``
+it exactly there. Hold points: ``after-step`` (step N's keys are traced), ``mid-step`` (the
+forward pass of step N is done, its backward not), ``checkpoint-write`` (the artifact store
+is half-way through writing a file of the checkpoint at step N).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
+
+
+def hold(marker: Path, where: str) -> None:
+    """Tell the parent where we are, then wait for its SIGKILL."""
+    marker.write_text(where)
+    time.sleep(600)
+    raise SystemExit(f"was not killed at {where}")
+
+
+def install_hold(spec: dict[str, Any]) -> None:
+    from llmtrain.artifacts import local
+    from llmtrain.training import checkpoint, run
+
+    kind, at, marker = spec["kind"], int(spec["step"]), Path(spec["marker"])
+    traced = {"step": 0}
+    trace = run.FitRun._trace
+
+    def traced_step(self: Any, keys: list[str]) -> None:
+        trace(self, keys)
+        traced["step"] = self.step
+        if kind == "after-step" and self.step == at:
+            hold(marker, f"after step {at}")
+
+    run.FitRun._trace = traced_step  # type: ignore[method-assign]
+
+    if kind == "mid-step":
+        loss_sum = run.loss_sum
+
+        def forward_then_hold(model: Any, batch: dict[str, Any]) -> Any:
+            loss = loss_sum(model, batch)
+            if traced["step"] == at - 1:
+                hold(marker, f"in step {at}, between forward and backward")
+            return loss
+
+        run.loss_sum = forward_then_hold
+
+    if kind == "checkpoint-write":
+        saving = {"step": None}
+        save = checkpoint.Checkpointer.save
+
+        def note_step(self: Any, model: Any, optimizer: Any, scheduler: Any,
+                      state: dict[str, Any]) -> Any:
+            saving["step"] = state["step"]
+            return save(self, model, optimizer, scheduler, state)
+
+        checkpoint.Checkpointer.save = note_step  # type: ignore[method-assign]
+        store_save = local.LocalArtifactStore._save
+
+        class Trickle:
+            """8 KiB per read; on the third read (16 KiB already written) or on a tree's
+            first read, the process holds: the file is half-written."""
+
+            def __init__(self, raw: Any, artifact_id: str) -> None:
+                self.raw, self.reads, self.artifact_id = raw, 0, artifact_id
+
+            def read(self, size: int = -1) -> bytes:
+                self.reads += 1
+                if self.reads == 3 or self.artifact_id.startswith("tree:"):
+                    hold(marker, f"writing {self.artifact_id} of the checkpoint at step {at}")
+                return self.raw.read(8192)
+
+        def slow_save(self: Any, artifact_id: str, source: Any) -> None:
+            if saving["step"] == at:
+                source = Trickle(source, artifact_id)
+            store_save(self, artifact_id, source)
+
+        local.LocalArtifactStore._save = slow_save  # type: ignore[method-assign]
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    import torch
+
+    torch.set_num_threads(1)
+    import llmtrain as lt
+
+    if cfg.get("hold"):
+        install_hold(cfg["hold"])
+    db = lt.connect(cfg["uri"], artifacts=cfg["artifacts"])
+    trainer = lt.LLMTrainer(cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE,
+                            **cfg["options"])
+    model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"),
+                        resume=cfg.get("resume", False))
+    print("RESULT " + json.dumps({"run_id": model.record.run_id,
+                                  "adapter": model.record.adapter}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

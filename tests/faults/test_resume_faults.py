@@ -1,0 +1,211 @@
+"""What a resume meets: rows that changed since the checkpoint, and an artifact store that
+cannot take the next checkpoint (disk full, unwritable).
+
+Promises: changed rows stop a resume with a clear ``DataChangedError`` unless the caller opts
+in (``allow_changed_data``), then training goes on with a warning; a checkpoint that cannot be
+written fails the fit with a clear ``CheckpointError``, leaves no partial file, and the
+previous checkpoint stays intact and resumable (to the uninterrupted run's adapter, bit for
+bit).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import fill
+
+import llmtrain as lt
+from llmtrain.backends.engines import sql_engine
+from llmtrain.errors import CheckpointError, DataChangedError
+from llmtrain.training import run as run_module
+from llmtrain.training.checkpoint import verify
+
+from .helpers import adapter, assert_same_weights, doc_rows, trainer, warnings_of
+
+OPTIONS: dict[str, Any] = {"max_steps": 8, "save_steps": 2, "cache_size": 8}
+
+
+@dataclass
+class World:
+    db: Any
+    root: Path
+    reference: dict[str, Any]  # the uninterrupted run's adapter
+
+
+@pytest.fixture(scope="module")
+def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
+    root = tmp_path_factory.mktemp("resume-faults")
+    uri = f"sqlite:///{root / 'data.db'}"
+    fill(uri, "docs", doc_rows(32))
+    db = lt.connect(uri, artifacts=root / "artifacts")
+    model = trainer(tiny, "straight", **OPTIONS).fit(X="instruction", Y="output", db=db,
+                                                     select=lt.Table("docs"))
+    return World(db, root, adapter(db, model, root))
+
+
+def fit(world: World, tiny: Path, name: str, **kwargs: Any) -> Any:
+    return trainer(tiny, name, **OPTIONS).fit(X="instruction", Y="output", db=world.db,
+                                              select=lt.Table(f"docs_{name}"), **kwargs)
+
+
+def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    save = run_module.FitRun.save_checkpoint
+
+    def crash(self: Any) -> Any:
+        record = save(self)
+        if self.step == step:
+            raise KeyboardInterrupt(f"simulated crash after the checkpoint at step {step}")
+        return record
+
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash)
+
+
+# -- rows that changed between a run and its resume -------------------------------------------
+CHANGES = {
+    "row deleted": ("DELETE FROM {t} WHERE id = 5", "row count 32 -> 31"),
+    "row added": ("INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
+                  "row count 32 -> 33"),
+    "row re-keyed": ("UPDATE {t} SET id = 1005 WHERE id = 5",
+                     r"added, removed or re-keyed \(same count\)"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
+        world: World, tiny: Path, change: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    name = "changed" + str(list(CHANGES).index(change))
+    table = f"docs_{name}"
+    fill(world.db.secret_uri(), table, doc_rows(32))
+    crash_after_checkpoint(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        fit(world, tiny, name)
+    monkeypatch.undo()
+    (run,) = world.db.metadata.list_runs("trainer", name)
+    checkpoints = [c.step for c in world.db.metadata.list_checkpoints(run.run_id)]
+
+    statement, message = CHANGES[change]
+    with sql_engine(world.db.secret_uri()).begin() as conn:
+        conn.execute(sa.text(statement.format(t=table)))
+
+    with pytest.raises(DataChangedError, match=message) as refused:
+        fit(world, tiny, name, resume=True)
+    assert "allow_changed_data=True" in str(refused.value)
+    (run,) = world.db.metadata.list_runs("trainer", name)
+    assert run.status == "failed" and "DataChangedError" in (run.error or "")
+    # the refusal touched nothing: the checkpoints are the ones the crash left
+    assert [c.step for c in world.db.metadata.list_checkpoints(run.run_id)] == checkpoints
+
+    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(tmp_path / "trace"))
+    with warnings_of(caplog, "llmtrain.datasets") as warned:
+        model = fit(world, tiny, name, resume=True, allow_changed_data=True)
+    assert any("changed since the state was taken" in w and "continuing as asked" in w
+               for w in warned), warned
+    (run,) = world.db.metadata.list_runs("trainer", name)
+    assert run.status == "completed" and model.record.run_id == run.run_id
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "trace.rank0").read_text().splitlines()]
+    assert steps == list(range(max(checkpoints) + 1, OPTIONS["max_steps"] + 1))
+
+
+# -- a checkpoint the artifact store cannot take ----------------------------------------------
+class _FullDisk:
+    """A file whose writes stop with ENOSPC once ``room`` bytes are written."""
+
+    def __init__(self, raw: Any, room: int) -> None:
+        self.raw, self.room = raw, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            self.raw.write(data[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.raw.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.raw.close()
+
+
+class _StoreOs:
+    """``os`` as the local artifact store sees it, with the disk filling up once armed."""
+
+    def __init__(self, armed: dict[str, bool]) -> None:
+        self.armed = armed
+
+    def fdopen(self, fd: int, *args: Any, **kwargs: Any) -> Any:
+        raw = os.fdopen(fd, *args, **kwargs)
+        return _FullDisk(raw, room=1024) if self.armed["on"] else raw
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+FAULTS = {
+    "disk full mid-write": ("ENOSPC", r"disk full\?"),
+    "store unwritable": ("EACCES", "Permission denied"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_checkpoint_the_store_cannot_take_fails_clearly_and_the_last_one_resumes(
+        world: World, tiny: Path, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmtrain.artifacts import local
+
+    name = "store" + str(list(FAULTS).index(fault))
+    fill(world.db.secret_uri(), f"docs_{name}", doc_rows(32))
+    armed = {"on": False}
+    kind, message = FAULTS[fault]
+    if kind == "ENOSPC":
+        monkeypatch.setattr(local, "os", _StoreOs(armed))
+    else:
+        mkstemp = tempfile.mkstemp
+
+        def unwritable(*args: Any, **kwargs: Any) -> Any:
+            if armed["on"]:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES),
+                                      kwargs.get("dir"))
+            return mkstemp(*args, **kwargs)
+
+        monkeypatch.setattr(local.tempfile, "mkstemp", unwritable)
+    save = run_module.FitRun.save_checkpoint
+
+    def fill_the_disk_after_step_2(self: Any) -> Any:
+        armed["on"] = self.step > 2
+        return save(self)
+
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", fill_the_disk_after_step_2)
+    with pytest.raises(CheckpointError, match="checkpoint at step 4") as failed:
+        fit(world, tiny, name)
+    text = str(failed.value)
+    assert "the previous checkpoint is intact" in text
+    assert re.search(message, text), text
+    monkeypatch.undo()
+
+    db = world.db
+    (run,) = db.metadata.list_runs("trainer", name)
+    assert run.status == "failed" and "CheckpointError" in (run.error or "")
+    (last,) = db.metadata.list_checkpoints(run.run_id)
+    assert last.step == 2
+    assert not list(Path(db.artifacts.root).rglob(".tmp-*"))  # no partial file is left
+    verify(db.artifacts.get_dir(last.artifact_id, world.root / f"{name}-step2"))
+
+    resumed = fit(world, tiny, name, resume=True)
+    (run,) = db.metadata.list_runs("trainer", name)
+    assert run.status == "completed" and resumed.record.run_id == run.run_id
+    assert_same_weights(world.reference, adapter(db, resumed, world.root))
