@@ -322,3 +322,15 @@ def test_store_pickles_as_its_uri(store: MetadataStore) -> None:
     store.add_component("model", "m", {"a": 1})
     clone = pickle.loads(pickle.dumps(store))
     assert clone.get_component("model", "m").payload == {"a": 1}
+
+
+def test_a_run_that_completes_after_failing_has_no_error(any_uri: str) -> None:
+    from llmtrain.metadata import open_metadata
+
+    store = open_metadata(any_uri)
+    store.create_run("r1", "trainer", "t", 0, {})
+    assert store.update_run("r1", status="failed", error="boom").error == "boom"
+    assert store.update_run("r1", status="running").error is None
+    store.update_run("r1", status="failed", error="again")
+    assert store.update_run("r1", info={"x": 1}).error == "again"
+    assert store.update_run("r1", status="completed").error is None

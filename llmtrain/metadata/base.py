@@ -91,7 +91,8 @@ class MetadataStore(ABC):
     @abstractmethod
     def update_run(self, run_id: str, *, status: RunStatus | None = None,
                    info: dict[str, Any] | None = None, error: str | None = None) -> RunRecord:
-        """Set status/error; ``info`` keys are merged into the stored info."""
+        """Set status/error; ``info`` keys are merged into the stored info. Moving to
+        ``running`` or ``completed`` without an error clears the stored one."""
 
     @abstractmethod
     def get_run(self, run_id: str) -> RunRecord: ...

@@ -192,6 +192,8 @@ class MongoMetadataStore(MetadataStore):
                     changes["status"] = status
                 if error is not None:
                     changes["error"] = error
+                elif status in ("running", "completed"):
+                    changes["error"] = None  # a run going again, or done, carries no old failure
                 merged = {**record.info, **(info or {})}
                 stored = {**changes, "info": dumps(merged, f"run {run_id!r} info"),
                           "rev": doc.get("rev", 0) + 1}

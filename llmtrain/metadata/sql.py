@@ -392,6 +392,8 @@ class SQLMetadataStore(MetadataStore):
                 changes["status"] = status
             if error is not None:
                 changes["error"] = error
+            elif status in ("running", "completed"):
+                changes["error"] = None  # a run going again, or done, carries no old failure
             merged = {**record.info, **(info or {})}
             changes["info"] = dumps(merged, f"run {run_id!r} info")
             conn.execute(runs.update().where(runs.c.run_id == run_id).values(**changes))

@@ -83,9 +83,10 @@ class LLMTrainer:
                 model_args=groups["model_args"],
                 lora_args=None if full_finetune else groups["lora_args"],
                 training_args=groups["training_args"], data_args=groups["data_args"],
-                deepspeed_config=_as_dict(deepspeed_config) if deepspeed_config else None,
-                fsdp_config=_as_dict(fsdp_config) if fsdp_config else None,
-                launcher=_as_dict(launcher) if launcher else None)
+                # an empty dict asks for the defaults: only None means "not this strategy"
+                deepspeed_config=None if deepspeed_config is None else _as_dict(deepspeed_config),
+                fsdp_config=None if fsdp_config is None else _as_dict(fsdp_config),
+                launcher=None if launcher is None else _as_dict(launcher))
         except ValidationError as exc:
             raise ConfigError(describe("LLMTrainer", exc)) from None
         self.config = _checked(config)
@@ -127,7 +128,7 @@ class LLMTrainer:
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
         trained model component (``db.load("model", identifier)`` gives it back later).
         """
-        from llmtrain.training.launch import execute
+        from llmtrain.training.launch import execute, once_per_job
 
         db = db if db is not None else self.db
         if db is None:
@@ -147,9 +148,13 @@ class LLMTrainer:
             log.warning("%s; training anyway as asked", message)
         self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
         self.db = db
-        self._store(db)
-        run_id = self._run_for(db, resume)
+        # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
+        self.version, run_id = once_per_job(self._register, db, resume)
         return execute(self, db, run_id, resume=resume, merge=merge)
+
+    def _register(self, db: Any, resume: bool | str) -> tuple[int | None, str]:
+        self._store(db)
+        return self.version, self._run_for(db, resume)
 
     def _fit_spec(self, X: str | None, Y: str | None, db: Any, select: Query | None,  # noqa: N803
                   eval_select: Query | None) -> FitSpec:

@@ -1,0 +1,250 @@
+"""GPU check: QLoRA, DeepSpeed ZeRO-2 and FSDP2 through ``LLMTrainer.fit`` on a ~0.5B Llama.
+
+    python benchmarks/gpu_check.py [--workdir DIR] [--rows 3000] [--steps 30]
+        [--batch-size 4] [--only qlora,zero2,fsdp,fsdp_qlora]
+
+Needs CUDA; without it the script says so and exits 0 (nothing to check on this machine).
+
+What it does, all offline:
+
+1. Builds a Llama with random weights from a config (hidden 1280, 24 layers: ~0.48B
+   parameters, bf16) with the tokenizer of ``llmtrain.testing.tiny_model``, and a SQLite
+   database of ``--rows`` prompt/response rows of a few hundred tokens.
+2. Times a large bf16 matmul: the peak this GPU really reaches, the denominator of MFU.
+3. Trains each configuration in its own processes, on every visible GPU:
+   ``qlora`` (4-bit base + LoRA, one process), ``zero2`` (``deepspeed`` launcher, LoRA on a
+   bf16 base), ``fsdp`` (``torchrun``, FSDP2, LoRA on a bf16 base) and ``fsdp_qlora``
+   (FSDP2 on a 4-bit base stored as bf16, which llmtrain refuses on the CPU). Each script
+   instance calls ``fit()`` itself, so this also exercises the "script run by torchrun /
+   deepspeed" path.
+4. Prints per configuration: steady-state tokens/s (from the run's metrics, first steps
+   excluded), peak ``torch.cuda.max_memory_allocated`` (max over ranks), and MFU =
+   tokens/s x FLOPs per token / (GPUs x measured peak). FLOPs per token use the usual
+   ``6 N + 12 L h s`` (N parameters, L layers, h hidden size, s sequence length); LoRA skips
+   the frozen weights' gradients, so about 2/3 of that is work actually done.
+5. Correctness: with one GPU, ``fsdp_qlora`` and ``qlora`` see the same batches, so their
+   first losses must agree (bf16 tolerance); a mismatch means sharded 4-bit weights are
+   wrong on this GPU too. Exit status 0 when every configuration trained (and agreed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT = "GPU_CHECK_RESULT "
+CONFIGS = ("qlora", "zero2", "fsdp", "fsdp_qlora")
+TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
+ARCH = {"hidden_size": 1280, "intermediate_size": 3456, "num_hidden_layers": 24,
+        "num_attention_heads": 10, "num_key_value_heads": 10, "max_position_embeddings": 2048}
+WORDS = ("the model reads rows from a database and learns to answer questions about colors "
+         "numbers cities rivers planets music history science small large quickly slowly "
+         "because therefore however although every each some many few table key value "
+         "train evaluate adapter weight gradient token sequence batch step epoch")
+
+
+# -- setup (orchestrator) ---------------------------------------------------------------------
+def build_model(workdir: Path) -> Path:
+    """A random ~0.5B Llama saved like a hub checkpoint (once per workdir)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from llmtrain.testing import tiny_model
+
+    path = workdir / "llama-0.5b"
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model(workdir / "tiny"))
+    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+                         initializer_range=0.02, **ARCH)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.model_max_length = 1024
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def fill_database(workdir: Path, rows: int) -> str:
+    import sqlalchemy as sa
+
+    db_path = workdir / "data.db"
+    uri = f"sqlite:///{db_path}"
+    engine = sa.create_engine(uri)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE IF NOT EXISTS docs (id INTEGER PRIMARY KEY, "
+                             "instruction TEXT NOT NULL, output TEXT NOT NULL)"))
+        have = conn.execute(sa.text("SELECT COUNT(*) FROM docs")).scalar()
+        if have != rows:
+            rng, words = random.Random(0), WORDS.split()
+            conn.execute(sa.text("DELETE FROM docs"))
+            conn.execute(sa.text("INSERT INTO docs VALUES (:id, :instruction, :output)"), [
+                {"id": i,
+                 "instruction": " ".join(rng.choices(words, k=rng.randint(30, 90))) + "?",
+                 "output": " ".join(rng.choices(words, k=rng.randint(30, 120))) + "."}
+                for i in range(rows)])
+    engine.dispose()
+    return uri
+
+
+def matmul_tflops(n: int = 8192, iters: int = 50) -> float:
+    """Measured dense bf16 matmul rate of GPU 0, in TFLOP/s."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - started) / 1e12
+
+
+def command(name: str, gpus: int, workdir: Path, args: argparse.Namespace) -> list[str]:
+    from llmtrain.launchers import free_port
+
+    me = [str(Path(__file__).resolve()), "--one", name, "--workdir", str(workdir),
+          "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    if name == "qlora":
+        return [sys.executable, *me]
+    if name == "zero2":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus),
+                "--master_port", str(free_port()), *me]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
+            "--master_port", str(free_port()), *me]
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)")
+        return 0
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="llmtrain-gpu-check-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count()
+    print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)}, workdir {workdir}")
+    model_path = build_model(workdir)
+    fill_database(workdir, args.rows)
+    peak = matmul_tflops()
+    print(f"measured bf16 matmul: {peak:.1f} TFLOP/s per GPU")
+
+    results: dict[str, dict[str, Any]] = {}
+    ok = True
+    for name in args.only.split(","):
+        started = time.perf_counter()
+        proc = subprocess.run(command(name, gpus, workdir, args), capture_output=True,
+                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines()
+                 if line.startswith(RESULT)]
+        main = next((r for r in lines if r.get("rank") == 0 and "tokens_per_s" in r), None)
+        if proc.returncode != 0 or main is None:
+            ok = False
+            print(f"\n== {name}: FAILED (status {proc.returncode})\n"
+                  f"{(proc.stdout + proc.stderr)[-4000:]}")
+            continue
+        main["peak_mem_gib"] = max(r["peak_mem_gib"] for r in lines)
+        main["wall_s"] = time.perf_counter() - started
+        main["mfu"] = main["tokens_per_s"] * flops_per_token(model_path, main["seq_len"]) / (
+            main["world_size"] * peak * 1e12)
+        results[name] = main
+        print(f"== {name:<10} world {main['world_size']}  {main['tokens_per_s']:>9.0f} tok/s  "
+              f"peak {main['peak_mem_gib']:6.2f} GiB  MFU {100 * main['mfu']:5.1f}%  "
+              f"losses {[round(x, 3) for x in main['losses'][:3]]}  ({main['wall_s']:.0f} s)")
+    if gpus == 1 and {"qlora", "fsdp_qlora"} <= results.keys():
+        a, b = results["qlora"]["losses"][:3], results["fsdp_qlora"]["losses"][:3]
+        agree = all(abs(x - y) <= 2e-2 * abs(x) for x, y in zip(a, b))
+        ok &= agree
+        print(f"fsdp_qlora vs qlora first losses: {a} vs {b}: "
+              f"{'agree' if agree else 'MISMATCH (sharded 4-bit weights are wrong)'}")
+    (workdir / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+def flops_per_token(model_path: Path, seq_len: float) -> float:
+    """``6 N + 12 L h s``: weights forward and backward, plus attention over ``s`` tokens."""
+    from safetensors import safe_open
+
+    config = json.loads((model_path / "config.json").read_text())
+    params = 0
+    for shard in model_path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as fh:
+            params += sum(math.prod(fh.get_slice(k).get_shape()) for k in fh.keys())  # noqa: SIM118
+    return 6 * params + 12 * config["num_hidden_layers"] * config["hidden_size"] * seq_len
+
+
+# -- one configuration (every rank) ----------------------------------------------------------
+def train_one(name: str, args: argparse.Namespace) -> None:
+    import torch
+
+    import llmtrain as lt
+
+    workdir = Path(args.workdir)
+    db = lt.connect(f"sqlite:///{workdir / 'data.db'}", artifacts=workdir / "artifacts")
+    options: dict[str, Any] = {
+        "model": str(workdir / "llama-0.5b"), "prompt_template": TEMPLATE,
+        "max_steps": args.steps, "batch_size": args.batch_size, "learning_rate": 1e-4,
+        "lora_r": 16, "lora_dropout": 0.0, "max_length": 512, "logging_steps": 1,
+        "progress_bar": False, "mixed_precision": "bf16", "seed": 0}
+    qlora = {"bits": 4, "qlora": True, "bnb_4bit_compute_dtype": "bfloat16"}
+    options.update({
+        "qlora": qlora,
+        "zero2": {"deepspeed_config": {"stage": 2}},
+        "fsdp": {"fsdp_config": {"mixed_precision": "bf16"}},
+        "fsdp_qlora": {**qlora, "bnb_4bit_quant_storage": "bfloat16",
+                       "fsdp_config": {"mixed_precision": "bf16"}},
+    }[name])
+    torch.cuda.reset_peak_memory_stats()
+    model = lt.LLMTrainer(f"gpu-{name}", **options).fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs"))
+    rank = int(os.environ.get("RANK", 0))
+    result: dict[str, Any] = {"rank": rank, "config": name,
+                              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    if model is not None:  # rank 0
+        run = db.metadata.get_run(model.record.run_id)
+        metrics = db.metadata.get_metrics(run.run_id)
+        skip = min(5, len(metrics) - 2)
+        first, last = metrics[skip], metrics[-1]
+        seconds = (last.created_at - first.created_at).total_seconds()
+        result.update({
+            "world_size": run.info["world_size"], "strategy": run.info["strategy"],
+            "tokens_per_s": (last.values["tokens"] - first.values["tokens"]) / max(seconds,
+                                                                                    1e-9),
+            "seq_len": run.info["tokens"] / max(1, run.info["steps"]
+                                                * run.info["global_batch_size"]),
+            "losses": [m.values["loss"] for m in metrics]})
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--rows", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--only", default=",".join(CONFIGS))
+    parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
+    args = parser.parse_args()
+    if args.one:
+        train_one(args.one, args)
+        return 0
+    return orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Launchers: ``fit()`` on several processes (``torchrun`` or ``deepspeed``) from one call.
+
+``LLMTrainer(..., launcher=Launcher(kind="torchrun", num_processes=2))`` then ``fit()``
+stores the trainer and opens the run here, starts the workers, streams their output and
+returns the trained model. Each worker reloads the trainer by name and version from the
+metadata store and trains its shard of the rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from llmtrain.errors import DistributedError
+from llmtrain.launchers.command import WorkerCommand, build_command, free_port
+from llmtrain.launchers.process import WorkerJob
+from llmtrain.training.spec import LauncherConfig
+
+__all__ = ["DistributedError", "Launcher", "WorkerCommand", "build_command", "free_port",
+           "launch_workers"]
+
+#: How fit() starts its workers: ``kind`` (python, torchrun, deepspeed), ``num_processes``
+#: per node, ``num_nodes``, ``node_rank``, ``master_addr``, ``master_port`` (free if None),
+#: ``hostfile`` (deepspeed) and ``timeout_s`` for the whole job.
+Launcher = LauncherConfig
+
+
+def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
+                   merge: bool) -> Any:
+    """Train run ``run_id`` of the stored ``trainer`` in worker processes; return its model.
+
+    On failure the run is marked failed with the first failing rank's error, every worker
+    is gone, and DistributedError carries that error.
+    """
+    launcher = trainer.config.launcher
+    job_dir = Path(tempfile.mkdtemp(prefix="llmtrain-job-"))
+    try:
+        command = build_command(launcher, db, job_dir, trainer_id=trainer.identifier,
+                                version=trainer.version or 0, run_id=run_id, resume=resume,
+                                merge=merge)
+        job = WorkerJob(command.argv, command.env, job_dir, timeout_s=launcher.timeout_s)
+        try:
+            job.run()
+        except BaseException as exc:
+            _mark_failed(db, run_id, exc)
+            if isinstance(exc, DistributedError):
+                exc.pids = job.pids()  # type: ignore[attr-defined]
+            raise
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    model = db.load("model", trainer.identifier)
+    if model.record.run_id != run_id:
+        raise DistributedError(f"the workers finished, but the newest model "
+                               f"{trainer.identifier!r} comes from run {model.record.run_id}, "
+                               f"not {run_id}")
+    return model
+
+
+def _mark_failed(db: Any, run_id: str, exc: BaseException) -> None:
+    message = str(exc) if isinstance(exc, DistributedError) else f"{type(exc).__name__}: {exc}"
+    try:
+        db.metadata.update_run(run_id, status="failed", error=message[:4000])
+    except Exception:  # noqa: BLE001 - the job's error matters more
+        import logging
+
+        logging.getLogger("llmtrain.launchers").exception("could not mark run %s failed",
+                                                          run_id)

@@ -1,0 +1,103 @@
+"""The worker command line and its environment, kept apart on purpose.
+
+Everything secret (the database URIs with their passwords) travels in the environment,
+which other users cannot read; the command line, which ``ps`` shows everyone, carries only
+the trainer's name, version and the run id.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmtrain.errors import ConfigError
+from llmtrain.training.spec import LauncherConfig
+
+DB_ENV = "LLMTRAIN_DB_URI"
+METADATA_ENV = "LLMTRAIN_METADATA_URI"
+ARTIFACTS_ENV = "LLMTRAIN_ARTIFACTS"
+JOB_ENV = "LLMTRAIN_JOB_DIR"  # where workers write their pid and, on failure, the traceback
+WORKER_MODULE = "llmtrain.launchers.worker"
+
+
+@dataclass(frozen=True)
+class WorkerCommand:
+    argv: list[str]
+    env: dict[str, str]  # added to the parent's environment for the launcher and workers
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def artifacts_location(db: Any) -> str:
+    """A spec a worker can reopen the same artifact store from: a folder or ``gridfs``."""
+    from llmtrain.artifacts import LocalArtifactStore
+
+    spec = db.artifacts_spec
+    if spec == "gridfs":
+        return spec
+    if spec is not None:
+        return str(Path(spec).expanduser().absolute())
+    store = db.artifacts
+    if isinstance(store, LocalArtifactStore):
+        return str(store.root)
+    if type(store).__name__ == "GridFSArtifactStore":
+        return "gridfs"
+    raise ConfigError(f"worker processes cannot reopen the artifact store {store!r}: connect "
+                      "with artifacts= a folder or 'gridfs' to train with a launcher")
+
+
+def worker_env(db: Any, job_dir: Path) -> dict[str, str]:
+    return {DB_ENV: db.secret_uri(), METADATA_ENV: db.secret_metadata_uri(),
+            ARTIFACTS_ENV: artifacts_location(db), JOB_ENV: str(job_dir),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def worker_args(trainer_id: str, version: int, run_id: str, *, resume: bool | str,
+                merge: bool) -> list[str]:
+    args = ["--trainer", trainer_id, "--version", str(version), "--run-id", run_id,
+            "--resume", json.dumps(resume)]
+    return [*args, "--merge"] if merge else args
+
+
+def launcher_argv(launcher: LauncherConfig, port: int) -> list[str]:
+    """``torchrun`` or ``deepspeed`` (as ``python -m``, so this interpreter) up to the module."""
+    n = str(launcher.num_processes)
+    if launcher.kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n,
+                "--nnodes", str(launcher.num_nodes), "--node_rank", str(launcher.node_rank),
+                "--master_addr", launcher.master_addr, "--master_port", str(port),
+                "--max_restarts", "0", "-m"]
+    if launcher.kind == "deepspeed":
+        argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", n,
+                "--master_port", str(port)]
+        if launcher.hostfile:
+            argv += ["--hostfile", launcher.hostfile]
+        if launcher.num_nodes > 1:
+            argv += ["--num_nodes", str(launcher.num_nodes)]
+        if launcher.node_rank:  # this node only, started by the caller on every node
+            argv += ["--no_ssh", "--node_rank", str(launcher.node_rank)]
+        if launcher.hostfile or launcher.node_rank:
+            argv += ["--master_addr", launcher.master_addr]
+        return [*argv, "--module"]
+    raise ConfigError(f"launcher kind {launcher.kind!r} starts no worker processes")
+
+
+def build_command(launcher: LauncherConfig, db: Any, job_dir: Path, *, trainer_id: str,
+                  version: int, run_id: str, resume: bool | str, merge: bool) -> WorkerCommand:
+    port = launcher.master_port
+    if port is None:
+        if launcher.num_nodes > 1:
+            raise ConfigError("launcher.master_port must be set for several nodes: every "
+                              "node has to reach the same port")
+        port = free_port(launcher.master_addr)
+    argv = [*launcher_argv(launcher, port), WORKER_MODULE,
+            *worker_args(trainer_id, version, run_id, resume=resume, merge=merge)]
+    return WorkerCommand(argv, worker_env(db, job_dir))

@@ -1,0 +1,158 @@
+"""Running the launcher: stream its output, notice the first failing rank, leave nothing.
+
+The launcher starts in a session of its own, and every worker records its pid in the job
+folder (torchrun gives each worker yet another session), so on failure, timeout or Ctrl-C
+all of them are signalled by process group, then killed if they linger.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from llmtrain.errors import DistributedError
+
+POLL_S = 0.2
+GRACE_S = 3.0
+TAIL_LINES = 200
+
+
+def pid_file(job_dir: Path, rank: int | str) -> Path:
+    return job_dir / "pids" / f"rank{rank}"
+
+
+def error_file(job_dir: Path, rank: int | str) -> Path:
+    return job_dir / "errors" / f"rank{rank}.txt"
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has finished: it only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+class WorkerJob:
+    """One launcher process and the workers it starts."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], job_dir: Path, *,
+                 timeout_s: float | None = None, echo: IO[str] | None = None) -> None:
+        self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
+        self.echo = echo if echo is not None else sys.stdout
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.worker_pids: set[int] = set()
+        self.proc: subprocess.Popen[str] | None = None
+
+    def run(self) -> None:
+        """Start, wait; DistributedError (with the first failing rank's error) on failure."""
+        for sub in ("pids", "errors"):
+            (self.job_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True, bufsize=1)
+        reader = threading.Thread(target=self._stream, name="llmtrain-launcher-output",
+                                  daemon=True)
+        reader.start()
+        started = time.monotonic()
+        try:
+            while self.proc.poll() is None:
+                self._note_workers()
+                if self.first_error() is not None:
+                    break
+                if self.timeout_s and time.monotonic() - started > self.timeout_s:
+                    self.stop()
+                    raise DistributedError(f"the distributed job did not finish within "
+                                           f"{self.timeout_s:g} s and was stopped")
+                time.sleep(POLL_S)
+            self._note_workers()
+        finally:
+            self.stop()
+            reader.join(timeout=5)
+        failure = self.first_error()
+        if failure is not None:
+            rank, text = failure
+            err = DistributedError(f"rank {rank} failed: {text.strip().splitlines()[0]}\n{text}")
+            err.rank, err.details = rank, text  # type: ignore[attr-defined]
+            raise err
+        if self.proc.returncode != 0:
+            tail = "".join(list(self.tail)[-40:])
+            raise DistributedError(f"the launcher exited with status {self.proc.returncode} "
+                                   f"and no rank reported an error; its last output:\n{tail}")
+
+    def _stream(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line)
+            try:
+                self.echo.write(line)
+                self.echo.flush()
+            except (OSError, ValueError):  # a closed notebook stream must not stop draining
+                pass
+
+    def _note_workers(self) -> None:
+        for path in (self.job_dir / "pids").glob("rank*"):
+            try:
+                self.worker_pids.add(int(path.read_text().strip()))
+            except ValueError:  # being written
+                continue
+
+    def first_error(self) -> tuple[int, str] | None:
+        """The rank whose traceback was written first (later ones are usually its echo)."""
+        files = sorted((self.job_dir / "errors").glob("rank*.txt"),
+                       key=lambda p: p.stat().st_mtime_ns)
+        for path in files:
+            text = path.read_text(errors="replace")
+            if text.strip():
+                return int(path.name[4:-4]), text
+        return None
+
+    def pids(self) -> list[int]:
+        own = [self.proc.pid] if self.proc is not None else []
+        return own + sorted(self.worker_pids)
+
+    def stop(self) -> None:
+        """SIGTERM every process group involved, SIGKILL what is left after a grace period."""
+        self._note_workers()
+        if self.proc is not None and self.proc.poll() is not None and not any(
+                alive(p) for p in self.worker_pids):
+            return
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline and any(alive(p) for p in self.pids()):
+            if self.proc is not None:
+                self.proc.poll()  # reap the launcher
+            time.sleep(0.05)
+        self._signal(signal.SIGKILL)
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=GRACE_S)
+
+    def _signal(self, sig: int) -> None:
+        mine = os.getpgrp()
+        for pid in self.pids():
+            if not alive(pid):
+                continue
+            try:
+                group = os.getpgid(pid)
+                if group != mine:
+                    os.killpg(group, sig)
+                else:
+                    os.kill(pid, sig)
+            except ProcessLookupError:
+                continue

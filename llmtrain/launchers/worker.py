@@ -1,0 +1,66 @@
+"""``python -m llmtrain.launchers.worker``: one rank of a launched fit.
+
+It reconnects from the environment (the URIs never appear on the command line), loads the
+trainer by name and version from the metadata store, exactly as a replay would, and trains
+its share. On failure it writes its traceback to the job folder, where the parent finds
+which rank failed first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from llmtrain.launchers.command import ARTIFACTS_ENV, DB_ENV, JOB_ENV, METADATA_ENV
+from llmtrain.launchers.process import error_file, pid_file
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.launchers.worker")
+    parser.add_argument("--trainer", required=True)
+    parser.add_argument("--version", type=int, required=True)
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--resume", type=json.loads, default=False)
+    parser.add_argument("--merge", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=None,  # the deepspeed launcher's
+                        help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> None:
+    from llmtrain import connect
+    from llmtrain.training.launch import run_in_process, strategy_for
+
+    # popped: nothing this process starts (compilers, loader workers) inherits the secrets
+    db = connect(os.environ.pop(DB_ENV), metadata_uri=os.environ.pop(METADATA_ENV, None),
+                 artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None)
+    trainer = db.load("trainer", args.trainer, args.version)
+    run_in_process(trainer, db, args.run_id, strategy_for(trainer.config),
+                   resume=args.resume, merge=args.merge)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    rank = os.environ.get("RANK", "0")
+    job_dir = Path(os.environ[JOB_ENV]) if os.environ.get(JOB_ENV) else None
+    if job_dir is not None:
+        pid_file(job_dir, rank).write_text(str(os.getpid()))
+    try:
+        train(args)
+    except BaseException as exc:
+        text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
+        if job_dir is not None:
+            path = error_file(job_dir, rank)
+            path.with_suffix(".tmp").write_text(text)
+            path.with_suffix(".tmp").replace(path)  # whole, or not at all
+        print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""DeepSpeed ZeRO (``deepspeed.initialize``, never through accelerate).
+
+How the loop's calls map onto the engine:
+
+* ``gradient_accumulation_steps`` in the DeepSpeed config is the trainer's, so DeepSpeed's
+  ``train_batch_size`` is the real global batch, but the *boundary* is set explicitly:
+  ``accumulate(sync=...)`` calls ``engine.set_gradient_accumulation_boundary(sync)`` before
+  each micro-batch. A short last group (the data ran out) still ends with a real step,
+  which DeepSpeed's own micro-step counter would have missed.
+* ``backward`` is ``engine.backward(loss, scale_wrt_gas=False)``: the loop already divides
+  the loss by the target tokens of the whole step, so DeepSpeed must not divide again.
+* ``optimizer_step`` is one ``engine.step()`` per accumulation group: clipping (config
+  ``gradient_clipping``), the optimizer step and zeroing happen inside it.
+* The LR scheduler is the loop's own, built on the torch optimizer handed to DeepSpeed
+  (ZeRO keeps that optimizer's param_groups, so its ``lr`` is what is applied); DeepSpeed
+  gets no scheduler, so nothing steps it twice.
+* Checkpoints: ``engine.save_checkpoint`` / ``load_checkpoint`` on every rank (ZeRO's
+  partitioned fp32 master weights and optimizer state), next to the gathered adapter; the
+  engine's files are loaded with ``weights_only=True`` (DeepSpeed itself would unpickle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.training.args import DeepspeedConfig, TrainingArguments
+from llmtrain.training.strategies.ddp import ProcessGroupStrategy
+from llmtrain.training.strategies.fsdp import init_single_process_group
+from llmtrain.training.strategies.single import trainable_parameters
+
+_TAG = "state"  # one checkpoint per folder: the Checkpointer makes a folder per save
+_OWN_SECTIONS = ("optimizer", "scheduler")
+
+
+def load_raw(raw: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return copy.deepcopy(raw)
+    try:
+        return json.loads(Path(raw).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"deepspeed_config.raw: cannot read a JSON config from {raw!r}: "
+                          f"{exc}") from None
+
+
+def build_config(config: DeepspeedConfig, args: TrainingArguments, *, world_size: int,
+                 trainable_dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
+    """The DeepSpeed config: ``raw`` as given, else the stage and offload options; batch
+    sizes, accumulation and clipping filled from TrainingArguments where absent or "auto"."""
+    if config.raw is not None:
+        cfg = load_raw(config.raw)
+        present = [s for s in _OWN_SECTIONS if s in cfg]
+        if present:
+            raise ConfigError(f"deepspeed_config.raw has {present}: the trainer builds the "
+                              "optimizer and LR scheduler from training_args; remove them")
+    else:
+        zero: dict[str, Any] = {"stage": config.stage}
+        if config.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+        if config.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+        cfg = {"zero_optimization": zero}
+
+    def fill(key: str, value: Any) -> None:
+        if cfg.get(key, "auto") == "auto":
+            cfg[key] = value
+
+    micro, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    fill("train_micro_batch_size_per_gpu", micro)
+    fill("gradient_accumulation_steps", accum)
+    fill("train_batch_size", micro * accum * world_size)
+    fill("gradient_clipping", args.max_grad_norm or 0.0)
+    # DeepSpeed mixed precision (fp32 master weights) only when the trained weights are
+    # half precision (full fine-tuning of a bf16 model); LoRA adapters are already fp32.
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        section = cfg.setdefault(key, {})
+        if section.get("enabled", "auto") == "auto":
+            section["enabled"] = trainable_dtype == dtype
+    cfg.setdefault("zero_allow_untested_optimizer", True)  # the optimizer is training_args'
+    if cfg.get("zero_optimization", {}).get("offload_optimizer"):
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)  # the torch optimizer on CPU
+    cfg.setdefault("steps_per_print", 2**31 - 1)
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+def zero_stage(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def check_quantization(model: torch.nn.Module, stage: int) -> None:
+    quantized = any(type(m).__name__ in {"Linear4bit", "Linear8bitLt"} for m in model.modules())
+    if quantized and stage == 3:
+        # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
+        # the same update applied in a single process; ZeRO-2 matches it exactly.
+        raise ConfigError("QLoRA (bits=4/8) cannot train with DeepSpeed ZeRO stage 3 (it "
+                          "partitions the packed quantised weights and the results are wrong): "
+                          "use deepspeed_config stage 1 or 2, or drop bits")
+
+
+def _skip_cpu_shm_op() -> None:
+    """On the CPU, DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++
+    toolchain) used only by inference all-reduce; training never calls it."""
+    import deepspeed.ops as ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        ops.__compatible_ops__[builder.NAME] = False
+
+
+def _checkpoint_globals() -> list[Any]:
+    """The only classes DeepSpeed's ZeRO checkpoints pickle besides tensors and builtins."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _weights_only_loads(engine: Any) -> Iterator[None]:
+    """DeepSpeed unpickles its checkpoints with ``weights_only=False`` (any code could run);
+    like every other checkpoint file here, load them with ``weights_only=True`` instead,
+    allowing just DeepSpeed's own state classes."""
+    checkpoint_engine = engine.checkpoint_engine
+    allowed = _checkpoint_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+
+    checkpoint_engine.load = load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load  # the class's method again
+
+
+class DeepSpeed(ProcessGroupStrategy):
+    name = "deepspeed"
+
+    def __init__(self, config: DeepspeedConfig | None = None,
+                 training_args: TrainingArguments | None = None) -> None:
+        super().__init__()
+        self.config = config or DeepspeedConfig()
+        self.training_args = training_args or TrainingArguments()
+        self.stage = 0
+        self._set_local_rank = False
+
+    def launch(self) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        if self.device.type != "cuda":
+            _skip_cpu_shm_op()
+        if "LOCAL_RANK" not in os.environ:
+            # an unlaunched single process (a notebook): DeepSpeed reads LOCAL_RANK during
+            # the whole run; set until teardown, as elsewhere it means "a launched worker"
+            os.environ["LOCAL_RANK"] = str(self.local_rank)
+            self._set_local_rank = True
+        init_single_process_group(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def teardown(self) -> None:
+        import deepspeed.comm.comm as ds_comm
+
+        if ds_comm.is_initialized():
+            # DeepSpeed's own: it also drops the groups it cached, which would otherwise
+            # point at a destroyed world in the next run of this process
+            ds_comm.destroy_process_group()
+        elif dist.is_initialized():
+            dist.destroy_process_group()
+        if self._set_local_rank:
+            os.environ.pop("LOCAL_RANK", None)
+            self._set_local_rank = False
+
+    def setup(self, model: Any, make_optimizer: Callable[[list[torch.nn.Parameter]], Any]
+              ) -> tuple[Any, Any]:
+        import deepspeed
+
+        params = trainable_parameters(model)
+        if not params:
+            raise ConfigError("DeepSpeed: the model has no trainable parameter")
+        cfg = build_config(self.config, self.training_args, world_size=self.world_size,
+                           trainable_dtype=params[0].dtype, on_gpu=self.device.type == "cuda")
+        self.stage = zero_stage(cfg)
+        check_quantization(model, self.stage)
+        optimizer = make_optimizer(params)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+        # the torch optimizer: the loop's scheduler sets the lr ZeRO applies
+        return engine, optimizer
+
+    # -- the step --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
+        model.set_gradient_accumulation_boundary(sync)
+        yield
+
+    def backward(self, model: Any, loss: torch.Tensor) -> None:
+        model.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
+        model.step()  # clips to the config's gradient_clipping (= max_grad_norm)
+        norm = model.get_global_grad_norm()
+        return math.nan if norm is None else float(norm)
+
+    # -- state -----------------------------------------------------------------------------
+    def unwrap(self, model: Any) -> Any:
+        return model.module
+
+    def _gathered(self, model: Any, *, modifier_rank: int | None) -> Any:
+        """ZeRO-3 holds each rank's partition only: gather the trainable weights (all ranks)."""
+        if self.stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        params = trainable_parameters(self.unwrap(model))
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+
+    def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        with self._gathered(model, modifier_rank=None):
+            state = super().trainable_state_dict(model) if self.is_main else {}
+        return state
+
+    def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        # engine.load_checkpoint (load_optimizer) restores these too, with ZeRO's fp32
+        # master copies; loading them here as well keeps the weights right on their own.
+        with self._gathered(model, modifier_rank=0):
+            if self.stage != 3 or self.is_main:
+                super().load_trainable_state_dict(model, state)
+
+    def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        """Collective: each rank writes its ZeRO partitions into the (shared, local) folder."""
+        model.save_checkpoint(str(folder / "deepspeed"), tag=_TAG,
+                              exclude_frozen_parameters=True)
+
+    def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        with _weights_only_loads(model):
+            path, _ = model.load_checkpoint(str(folder / "deepspeed"), tag=_TAG,
+                                            load_module_strict=False,
+                                            load_optimizer_states=True,
+                                            load_lr_scheduler_states=False)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed found no engine checkpoint under {folder}")

@@ -1,0 +1,216 @@
+"""FSDP2: parameters sharded per tensor (``fully_shard``), one unit per decoder layer.
+
+Each decoder layer is its own unit (gathered just before it runs, freed after) and the root
+unit holds the rest (embeddings, head). Sharding is per parameter (DTensor), so a PEFT model
+with frozen base weights and trainable adapters needs no flattening tricks: frozen shards
+simply get no gradient and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.errors import ConfigError
+from llmtrain.training.args import FSDPConfig
+from llmtrain.training.strategies.ddp import ProcessGroupStrategy
+from llmtrain.training.strategies.single import trainable_parameters
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_LAYER_LISTS = ("layers", "h", "blocks", "decoder_layers")
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """A one-process group (in-memory store, no port), so FSDP2/DeepSpeed also run unlaunched."""
+    if dist.is_initialized() or "MASTER_ADDR" in os.environ:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: classes named by ``_no_split_modules``, else a ``layers`` list."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS \
+                and len(module) > 0:
+            return list(module)
+    return []
+
+
+def shard_model(model: torch.nn.Module, mesh: Any, *, mp_policy: Any = None,
+                offload_policy: Any = None, reshard_after_forward: bool = True) -> int:
+    """``fully_shard`` every decoder layer, then the root; returns how many layers.
+
+    Raises ConfigError when no layer is found or no parameter ended up sharded: a model
+    silently replicated on every rank would train, but with none of FSDP's memory savings.
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        options["offload_policy"] = offload_policy
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
+                          "(no _no_split_modules and no 'layers' module list)")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ConfigError(f"FSDP2 sharded no parameter of {type(model).__name__}")
+    return len(layers)
+
+
+def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse bitsandbytes weights FSDP2 cannot shard correctly here (see the messages)."""
+    kinds = {type(m).__name__ for m in model.modules()} & {"Linear4bit", "Linear8bitLt"}
+    if not kinds:
+        return
+    if "Linear8bitLt" in kinds:
+        raise ConfigError("FSDP2 cannot shard bitsandbytes 8-bit weights: use bits=4 on a GPU, "
+                          "deepspeed_config with stage 1 or 2, or drop bits")
+    if device.type != "cuda":
+        # Measured: a sharded 4-bit model returns a different loss on every forward with no
+        # update in between (the re-gathered packed weights are not the loaded ones).
+        raise ConfigError("QLoRA (bits=4) with FSDP2 does not work on the CPU: train it with "
+                          "deepspeed_config (stage 1 or 2: the 4-bit base stays replicated, the "
+                          "adapter's gradients and optimizer state are partitioned), or drop "
+                          "bits to shard an unquantised base with FSDP2")
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    storage = getattr(quant, "bnb_4bit_quant_storage", None)
+    compute = getattr(quant, "bnb_4bit_compute_dtype", None)
+    if isinstance(storage, str):
+        storage = getattr(torch, storage, None)
+    if storage is None or not storage.is_floating_point or storage != compute:
+        raise ConfigError(f"QLoRA with FSDP2 shards the packed 4-bit weights as tensors of the "
+                          f"compute dtype: set model_args.bnb_4bit_quant_storage to the compute "
+                          f"dtype ({compute}), not {storage}")
+
+
+class FSDP2(ProcessGroupStrategy):
+    name = "fsdp"
+
+    def __init__(self, config: FSDPConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or FSDPConfig()
+
+    def launch(self) -> None:
+        init_single_process_group(self.device)
+        super().launch()
+
+    def setup(self, model: Any, make_optimizer: Callable[[list[torch.nn.Parameter]], Any]
+              ) -> tuple[Any, Any]:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        check_quantization(model, self.device)
+        cfg = self.config
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = None
+        if cfg.mixed_precision != "no":
+            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.mixed_precision],
+                                      reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") \
+            if cfg.cpu_offload else None
+        shard_model(model, mesh, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=cfg.reshard_after_forward)
+        # after sharding: fully_shard replaced the parameters with DTensor ones
+        self._params = trainable_parameters(model)
+        return model, make_optimizer(self._params)
+
+    # -- the step --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
+        model.set_requires_gradient_sync(sync)  # off: keep unsharded grads, reduce later
+        yield
+
+    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
+        # clip_grad_norm_ reduces the DTensor shard norms into the global norm
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_grad_norm or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # -- state -----------------------------------------------------------------------------
+    def _named_state(self, model: Any) -> dict[str, Any]:
+        """Adapter (PEFT key names) or full state, as the model's (possibly DTensor) values."""
+        from peft import PeftModel, get_peft_model_state_dict
+
+        if isinstance(model, PeftModel):
+            return get_peft_model_state_dict(model)
+        return model.state_dict()
+
+    def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        """Collective: every rank gathers each tensor in the same order; rank 0 keeps them."""
+        from torch.distributed.tensor import DTensor
+
+        state, full = self._named_state(model), {}
+        for key in sorted(state):
+            value = state[key]
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                if local.device.type != self.device.type:  # offloaded shard: gather on device
+                    value = DTensor.from_local(local.to(self.device), value.device_mesh,
+                                               value.placements, shape=value.shape,
+                                               stride=value.stride())
+                value = value.full_tensor()
+            if self.is_main:
+                full[key] = value.detach().cpu().clone()
+        return full
+
+    def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
+        """Every rank holds the full tensors: each keeps its own shard (no communication)."""
+        from peft import PeftModel, set_peft_model_state_dict
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        current = self._named_state(model)
+        sharded: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            ref = current.get(key)
+            if isinstance(ref, DTensor):
+                local = value.to(device=ref.to_local().device, dtype=ref.dtype)
+                value = distribute_tensor(local, ref.device_mesh, ref.placements,
+                                          src_data_rank=None)
+            sharded[key] = value
+        if isinstance(model, PeftModel):
+            set_peft_model_state_dict(model, sharded)
+        else:
+            model.load_state_dict(sharded)
+
+    def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        """Collective: the full (unsharded) optimizer state, written by rank 0."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            torch.save(state, folder / "optimizer.pt")
+
+    def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        set_optimizer_state_dict(model, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,508 @@
+"""Distributed fine-tuning for real: 2 CPU processes over gloo, for DDP, FSDP2 and DeepSpeed
+ZeRO-2/3, started by torchrun or the deepspeed launcher.
+
+Nothing here trusts that a job "ran distributed": every rank writes a report (its rank, pid,
+local tensors and optimizer-state size) and a trace of the row keys it trained on, and the
+tests check that the ranks were distinct processes, read disjoint rows covering the
+selection, held the same weights (or complementary shards), and that the result equals a
+single-process run over the same global batches.
+
+Why the single-process reference can match exactly: with ``shuffle=False`` rank ``r`` reads
+a contiguous half of the rows, so a 2-rank step ``s`` trains on rows ``4s..4s+3`` of each
+half (micro-batch 2 x accumulation 2). The reference table holds the same rows re-keyed so
+that one process, reading in key order with micro-batch 4 x accumulation 2, sees exactly
+those 8 rows in step ``s``. The loss is normalised by the step's target tokens across
+ranks, so the gradients are the same sums, and with dropout 0 the updates agree up to
+floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fill
+from safetensors.torch import load_file
+
+import llmtrain as lt
+from llmtrain.errors import ConfigError, DistributedError
+from llmtrain.launchers import build_command
+from llmtrain.launchers.command import DB_ENV, METADATA_ENV
+from llmtrain.launchers.process import alive
+from llmtrain.launchers.report import REPORT_ENV
+from llmtrain.testing import tiny_model
+from llmtrain.training.run import TRACE_ENV
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
+COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
+SECRET = "hunter2-s3cret"
+N_ROWS, MICRO, ACCUM, WORLD = 32, 2, 2, 2
+STEPS = N_ROWS // (MICRO * ACCUM * WORLD)
+BAD_ID = 25  # rank 1 reads ids 16..31, 4 per step: id 25 comes in step 3
+OPTIONS: dict[str, Any] = {
+    "max_steps": STEPS, "batch_size": MICRO, "gradient_accumulation_steps": ACCUM,
+    "learning_rate": 5e-3, "max_grad_norm": 0.5, "lora_r": 4, "lora_dropout": 0.0,
+    "shuffle": False, "cache_size": 4, "save_steps": 2, "progress_bar": False,
+    "logging_steps": 1, "seed": 0}
+
+
+def _row(i: int) -> dict[str, Any]:
+    return {"id": i, "instruction": f"Item {i}: what is color number {i % 8}?",
+            "output": COLORS[(3 * i) % 8]}
+
+
+def _reference_id(i: int) -> int:
+    """Where row ``i`` goes so one process reads each 2-rank step's rows in that step."""
+    half = N_ROWS // 2
+    per_rank = MICRO * ACCUM
+    rank, pos = divmod(i, half)
+    step, offset = divmod(pos, per_rank)
+    return step * per_rank * WORLD + rank * per_rank + offset
+
+
+@dataclass
+class Env:
+    root: Path
+    uri: str
+    db: Any
+    tiny: Path
+    results: dict[str, Result] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    strategy: str
+    model: Any
+    adapter: dict[str, torch.Tensor]
+    reports: list[dict[str, Any]]
+    local: list[dict[str, torch.Tensor]]
+    traces: list[list[dict[str, Any]]]
+    run: Any
+    seconds: float
+    ps_lines: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    root = tmp_path_factory.mktemp("dist")
+    tiny = tiny_model(root / "llama")
+    # a secret in the URI: SQLite ignores unknown URI-filename parameters, redact_uri hides it
+    uri = f"sqlite:///file:{root / 'data.db'}?uri=true&token={SECRET}"
+    rows = [_row(i) for i in range(N_ROWS)]
+    fill(uri, "docs", rows)
+    fill(uri, "docs_reference", [{**r, "id": _reference_id(r["id"])} for r in rows])
+    for name in ("docs_bad", "docs_crash_fsdp", "docs_crash_zero3"):
+        fill(uri, name, [{**r, "output": None} if r["id"] == BAD_ID else r for r in rows],
+             text_columns=["output"])
+    db = lt.connect(uri, artifacts=root / "artifacts")
+    yield Env(root, uri, db, tiny)
+    db.close()
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _trainer(env: Env, name: str, **kwargs: Any) -> lt.LLMTrainer:
+    return lt.LLMTrainer(name, model=env.tiny, prompt_template=TEMPLATE,
+                         **{**OPTIONS, **kwargs})
+
+
+def _adapter(env: Env, model: Any) -> dict[str, torch.Tensor]:
+    folder = env.root / f"adapter-{model.identifier}-{model.version}"
+    if not folder.exists():
+        env.db.artifacts.get_dir(model.record.adapter, folder)
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+class PsWatcher:
+    """Samples ``ps`` while a job runs: the command lines anyone on the machine can see."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker, self.lines, self._stop = marker, set(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True,
+                                 text=True).stdout  # -ww: never cut a line short
+            self.lines.update(line for line in out.splitlines() if self.marker in line)
+            time.sleep(0.2)
+
+    def __enter__(self) -> PsWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -> Path:
+    """A user's script, run as ``deepspeed script.py``: every rank calls fit() itself."""
+    script = env.root / f"{name}.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os
+        import llmtrain as lt
+
+        db = lt.connect(os.environ["DIST_TEST_URI"], artifacts=os.environ["DIST_TEST_ART"])
+        trainer = lt.LLMTrainer({name!r}, model={str(env.tiny)!r}, prompt_template={TEMPLATE!r},
+                                **json.loads(os.environ["DIST_TEST_OPTIONS"]))
+        model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table({table!r}))
+        print("rank", os.environ["RANK"], "returned", model)
+    """))
+    return script
+
+
+def _train(env: Env, strategy: str) -> Result:
+    """One 2-process run (cached per module): launched from fit(), or `deepspeed script.py`."""
+    if strategy in env.results:
+        return env.results[strategy]
+    kwargs: dict[str, Any] = {
+        "ddp": {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)},
+        "fsdp": {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD),
+                 "fsdp_config": {}},
+        "zero2": {"launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD),
+                  "deepspeed_config": {"stage": 2}},
+        "zero3": {"deepspeed_config": {"stage": 3}},  # run by `deepspeed script.py`
+    }[strategy]
+    name = f"dist-{strategy}"
+    prefix = env.root / f"report-{strategy}"
+    trace = env.root / f"trace-{strategy}"
+    started = time.perf_counter()
+    with environ(**{REPORT_ENV: str(prefix), TRACE_ENV: str(trace)}), \
+            PsWatcher("llmtrain") as ps:
+        if strategy == "zero3":
+            script = _deepspeed_script(env, name, kwargs, "docs")
+            from llmtrain.launchers import free_port
+
+            options = json.dumps({**OPTIONS, "deepspeed_config": {"stage": 3}})
+            proc = subprocess.run(
+                [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD),
+                 "--master_port", str(free_port()), str(script)],
+                env={**os.environ, "DIST_TEST_URI": env.uri, "DIST_TEST_OPTIONS": options,
+                     "DIST_TEST_ART": str(env.root / "artifacts")},
+                capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert "rank 0 returned TrainedModel" in proc.stdout
+            assert "rank 1 returned None" in proc.stdout
+            model = env.db.load("model", name)
+        else:
+            model = _trainer(env, name, **kwargs).fit(X="instruction", Y="output", db=env.db,
+                                                      select=lt.Table("docs"))
+    seconds = time.perf_counter() - started
+    (run,) = env.db.metadata.list_runs("trainer", name)
+    result = Result(
+        strategy, model, _adapter(env, model),
+        [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)],
+        [load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD)],
+        [[json.loads(line) for line in Path(f"{trace}.rank{r}").read_text().splitlines()]
+         for r in range(WORLD)],
+        run, seconds, sorted(ps.lines))
+    env.results[strategy] = result
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(env: Env) -> Any:
+    """One process, micro-batch 4 x accumulation 2: the same 8 rows per step (see above)."""
+    trainer = _trainer(env, "dist-reference", batch_size=MICRO * WORLD)
+    with environ(**{TRACE_ENV: str(env.root / "trace-reference")}):
+        model = trainer.fit(X="instruction", Y="output", db=env.db,
+                            select=lt.Table("docs_reference"))
+    (run,) = env.db.metadata.list_runs("trainer", "dist-reference")
+    return model, _adapter(env, model), run
+
+
+def _peft_key(name: str) -> str:
+    return name.replace(".default.", ".")
+
+
+def _assemble(parts: list[torch.Tensor], shape: list[int]) -> torch.Tensor:
+    """Shards back into one tensor: FSDP2's dim-0 chunks and ZeRO-3's padded flat partitions
+    are both the row-major flattening split in order."""
+    numel = math.prod(shape)
+    return torch.cat([p.reshape(-1) for p in parts])[:numel].reshape(shape)
+
+
+# -- every strategy: real ranks, disjoint rows, weights in sync, the single-process result ----
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
+def test_two_ranks_train_like_one_process(env: Env, reference: Any, strategy: str) -> None:
+    result = _train(env, strategy)
+    expected_name = {"ddp": "ddp", "fsdp": "fsdp"}.get(strategy, "deepspeed")
+    sharded = strategy in ("fsdp", "zero3")
+
+    # the ranks were two distinct processes of one world of 2
+    reports = result.reports
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert [r["env_rank"] for r in reports] == ["0", "1"]
+    assert all(r["world_size"] == WORLD and r["strategy"] == expected_name for r in reports)
+    assert reports[0]["pid"] != reports[1]["pid"]
+    assert all(r["step"] == STEPS for r in reports)
+
+    # each rank read its own rows; together exactly the selection, once
+    keys = [[k for line in trace for k in line["keys"]] for trace in result.traces]
+    assert all(len(k) == N_ROWS // WORLD for k in keys)
+    assert not set(keys[0]) & set(keys[1])
+    assert sorted(keys[0] + keys[1]) == sorted(f"int:{i}" for i in range(N_ROWS))
+    assert [line["step"] for line in result.traces[1]] == list(range(1, STEPS + 1))
+
+    # the ranks hold the same weights (replicated) or complementary shards of them
+    adapter, (local0, local1) = result.adapter, result.local
+    assert {_peft_key(k) for k in local0} == set(adapter)
+    full_numel = sum(t.numel() for t in adapter.values())
+    for name in local0:
+        full = adapter[_peft_key(name)]
+        if sharded:
+            assert local0[name].numel() < full.numel(), f"{name} is not sharded"
+            torch.testing.assert_close(_assemble([local0[name], local1[name]],
+                                                 list(full.shape)), full, rtol=0, atol=0)
+        else:
+            assert local0[name].shape == full.shape
+            torch.testing.assert_close(local0[name], full, rtol=0, atol=0)
+            torch.testing.assert_close(local1[name], full, rtol=0, atol=0)
+    # Adam keeps 2 tensors per weight: all of them per rank when replicated, a part when not
+    optimizer = [r["optimizer_numel"] for r in reports]
+    if strategy == "ddp":
+        assert optimizer == [2 * full_numel] * WORLD
+    else:
+        assert all(n < 2 * full_numel for n in optimizer), optimizer
+        assert sum(optimizer) >= 2 * full_numel
+
+    # and the result is the single-process one over the same global batches
+    _, expected, ref_run = reference
+    assert expected.keys() == adapter.keys()
+    assert any(not torch.equal(v, torch.zeros_like(v)) for v in adapter.values())
+    for key in expected:
+        torch.testing.assert_close(adapter[key], expected[key], rtol=1e-4, atol=1e-5)
+
+    run = result.run
+    assert run.status == "completed" and result.model.record.run_id == run.run_id
+    assert run.info["world_size"] == WORLD and run.info["strategy"] == expected_name
+    assert run.info["global_batch_size"] == MICRO * ACCUM * WORLD \
+        == ref_run.info["global_batch_size"]
+    assert [c.step for c in env.db.metadata.list_checkpoints(run.run_id)] == [2, 4]
+    # per step: the same loss, and the same gradient norm before clipping (Adam hides a
+    # wrongly scaled gradient in the weights; the norm shows it)
+    metrics = env.db.metadata.get_metrics(run.run_id)
+    ref_metrics = env.db.metadata.get_metrics(ref_run.run_id)
+    for key in ("loss", "grad_norm"):
+        assert [m.values[key] for m in metrics] == pytest.approx(
+            [m.values[key] for m in ref_metrics], rel=1e-4), key
+
+
+def test_the_reference_run_clips_so_clipping_is_compared_too(env: Env, reference: Any) -> None:
+    _, _, ref_run = reference
+    norms = [m.values["grad_norm"] for m in env.db.metadata.get_metrics(ref_run.run_id)]
+    assert max(norms) > OPTIONS["max_grad_norm"], norms
+
+
+# -- secrets ----------------------------------------------------------------------------------
+def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
+    db = lt.connect("postgresql+psycopg://trainer:pa55-w0rd@db.internal:5432/corpus",
+                    artifacts=tmp_path / "artifacts")
+    for kind in ("torchrun", "deepspeed"):
+        command = build_command(lt.Launcher(kind=kind, num_processes=2), db, tmp_path,
+                                trainer_id="sft", version=3, run_id="abc123", resume=False,
+                                merge=False)
+        assert not any("pa55-w0rd" in arg for arg in command.argv)
+        assert command.env[DB_ENV] == db.secret_uri() and "pa55-w0rd" in command.env[DB_ENV]
+        assert command.env[METADATA_ENV] == db.secret_metadata_uri()
+        argv = command.argv
+        assert argv[argv.index("llmtrain.launchers.worker") + 1:] == [
+            "--trainer", "sft", "--version", "3", "--run-id", "abc123", "--resume", "false"]
+        assert argv[argv.index("--nproc_per_node" if kind == "torchrun" else "--num_gpus")
+                    + 1] == "2"
+
+
+def test_no_process_command_line_or_stored_record_shows_the_secret(env: Env) -> None:
+    result = _train(env, "ddp")
+    workers = [line for line in result.ps_lines if "llmtrain.launchers.worker" in line]
+    assert len(workers) >= WORLD, result.ps_lines  # we did look while the workers ran
+    assert result.run.run_id in workers[0]
+    assert not any(SECRET in line for line in result.ps_lines)
+    assert SECRET in env.uri and SECRET not in env.db.uri
+    stored = json.dumps([r.model_dump(mode="json") for r in
+                         env.db.metadata.list_components()]) + json.dumps(result.run.info)
+    assert SECRET not in stored
+    # scanned by another process: closing any descriptor of a SQLite file drops this
+    # process's POSIX locks on it, and its later writes would no longer reach the workers
+    files = [str(p) for p in env.root.glob("data.db*")]
+    scan = subprocess.run(["grep", "-cF", SECRET, *files], capture_output=True, text=True)
+    assert scan.returncode == 1, scan.stdout  # 1: no line matched in any file
+
+
+# -- failures -----------------------------------------------------------------------------------
+def _pgrep(pattern: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def test_a_failing_rank_fails_the_job_promptly_and_leaves_no_process(env: Env) -> None:
+    trainer = _trainer(env, "dist-fails",
+                       launcher=lt.Launcher(kind="torchrun", num_processes=WORLD))
+    started = time.perf_counter()
+    with pytest.raises(DistributedError, match=r"rank 1 failed: BadRowError") as info:
+        trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs_bad"))
+    elapsed = time.perf_counter() - started
+    assert elapsed < 120, elapsed
+    err = info.value
+    assert err.rank == 1 and f"key {BAD_ID}" in err.details and "Traceback" in err.details
+    assert len(err.pids) >= WORLD + 1  # the launcher and both workers
+    assert not [pid for pid in err.pids if alive(pid)]
+    (run,) = env.db.metadata.list_runs("trainer", "dist-fails")
+    assert not _pgrep(run.run_id)
+    assert run.status == "failed" and "rank 1 failed: BadRowError" in run.error
+
+
+def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> None:
+    """Workers in sessions of their own (as torchrun starts them) are found by their pid
+    files and killed with the launcher, here while they ignore SIGTERM."""
+    from llmtrain.launchers.process import WorkerJob
+
+    worker = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "open(os.path.join(sys.argv[1], 'pids', 'rank' + sys.argv[2]), 'w')"
+              ".write(str(os.getpid())); time.sleep(600)")
+    launcher = textwrap.dedent(f"""
+        import subprocess, sys, time
+        for rank in range(2):
+            subprocess.Popen([sys.executable, "-c", {worker!r}, sys.argv[1], str(rank)],
+                             start_new_session=True)
+        time.sleep(600)
+    """)
+    started = time.perf_counter()
+    with open(os.devnull, "w") as sink, \
+            pytest.raises(DistributedError, match="did not finish within 4 s"):
+        job = WorkerJob([sys.executable, "-c", launcher, str(tmp_path)], {}, tmp_path,
+                        timeout_s=4, echo=sink)
+        job.run()
+    assert time.perf_counter() - started < 15
+    assert len(job.worker_pids) == 2
+    assert not [pid for pid in job.pids() if alive(pid)]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])  # zero2: same engine checkpoint
+def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
+        env: Env, strategy: str) -> None:
+    """FSDP2 restores its full optimizer state into shards; ZeRO-3 reloads its engine
+    checkpoint (partitioned fp32 master weights and optimizer state)."""
+    uninterrupted = _train(env, strategy)
+    name, table = f"dist-resume-{strategy}", f"docs_crash_{strategy}"
+    kwargs: dict[str, Any] = (
+        {"fsdp_config": {}, "launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)}
+        if strategy == "fsdp" else
+        {"deepspeed_config": {"stage": int(strategy[-1])},
+         "launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD)})
+    trainer = _trainer(env, name, **kwargs)
+    select = lt.Table(table)
+    with pytest.raises(DistributedError, match="rank 1 failed"):
+        trainer.fit(X="instruction", Y="output", db=env.db, select=select)
+    (failed,) = env.db.metadata.list_runs("trainer", name)
+    assert failed.status == "failed"
+    assert [c.step for c in env.db.metadata.list_checkpoints(failed.run_id)] == [2]
+
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sql_engine
+
+    with sql_engine(env.uri).begin() as conn:  # the row is fixed; the keys did not change
+        conn.execute(sa.text(f"UPDATE {table} SET output = :o WHERE id = :i"),
+                     {"o": _row(BAD_ID)["output"], "i": BAD_ID})
+    resumed = trainer.fit(X="instruction", Y="output", db=env.db, select=select, resume=True)
+    (run,) = env.db.metadata.list_runs("trainer", name)
+    assert run.status == "completed" and resumed.record.run_id == failed.run_id
+    steps = [m.step for m in env.db.metadata.get_metrics(run.run_id)]
+    assert steps[-1] == STEPS and 3 in steps
+    adapter = _adapter(env, resumed)
+    assert adapter.keys() == uninterrupted.adapter.keys()
+    for key in adapter:
+        torch.testing.assert_close(adapter[key], uninterrupted.adapter[key], rtol=0, atol=0)
+
+
+# -- QLoRA -------------------------------------------------------------------------------------
+def test_qlora_with_zero2_matches_one_process(env: Env) -> None:
+    options = {"bits": 4, "qlora": True, "max_steps": 2}
+    single = _trainer(env, "dist-qlora-ref", batch_size=MICRO * WORLD, **options).fit(
+        X="instruction", Y="output", db=env.db, select=lt.Table("docs_reference"))
+    launched = _trainer(env, "dist-qlora-zero2", deepspeed_config={"stage": 2},
+                        launcher=lt.Launcher(kind="deepspeed", num_processes=WORLD),
+                        **options).fit(X="instruction", Y="output", db=env.db,
+                                       select=lt.Table("docs"))
+    expected, got = _adapter(env, single), _adapter(env, launched)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"fsdp_config": {}}, r"QLoRA \(bits=4\) with FSDP2 does not work on the CPU.*"
+                          r"deepspeed_config"),
+    ({"deepspeed_config": {"stage": 3}}, r"ZeRO stage 3.*use deepspeed_config stage 1 or 2"),
+])
+def test_qlora_combinations_that_cannot_work_are_refused(env: Env, kwargs: dict[str, Any],
+                                                         message: str) -> None:
+    name = "dist-refused-" + next(iter(kwargs)).split("_")[0]
+    trainer = _trainer(env, name, bits=4, qlora=True, max_steps=1, **kwargs)
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    (run,) = env.db.metadata.list_runs("trainer", name)
+    assert run.status == "failed"
+
+
+def test_deepspeed_raw_config_is_used_as_given_with_auto_values_filled() -> None:
+    from llmtrain.training.args import DeepspeedConfig, TrainingArguments
+    from llmtrain.training.strategies.deepspeed import build_config
+
+    raw = {"zero_optimization": {"stage": 2, "overlap_comm": False},
+           "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+           "bf16": {"enabled": "auto"}}
+    args = TrainingArguments(per_device_train_batch_size=3, gradient_accumulation_steps=5,
+                             max_grad_norm=0.7)
+    cfg = build_config(DeepspeedConfig(raw=raw), args, world_size=4,
+                       trainable_dtype=torch.float32, on_gpu=False)
+    assert cfg["zero_optimization"] == raw["zero_optimization"]
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
+            cfg["train_batch_size"], cfg["gradient_clipping"]) == (3, 5, 60, 0.7)
+    assert cfg["bf16"]["enabled"] is False
+    with pytest.raises(ConfigError, match="remove them"):
+        build_config(DeepspeedConfig(raw={**raw, "optimizer": {"type": "Adam"}}), args,
+                     world_size=1, trainable_dtype=torch.float32, on_gpu=False)
+
+
+def test_fsdp_and_deepspeed_also_train_unlaunched_in_one_process(env: Env) -> None:
+    """A notebook with no launcher: a one-process group, and no LOCAL_RANK left behind (it
+    would make a later fit() believe it is a launched worker)."""
+    for name, kwargs in [("fsdp", {"fsdp_config": {}}),
+                         ("zero2", {"deepspeed_config": {"stage": 2}}),
+                         ("zero3", {"deepspeed_config": {"stage": 3}})]:
+        model = _trainer(env, f"dist-alone-{name}", max_steps=2, save_steps=None, **kwargs).fit(
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        run = env.db.metadata.get_run(model.record.run_id)
+        assert run.status == "completed" and run.info["world_size"] == 1
+        assert run.info["strategy"] == ("fsdp" if name == "fsdp" else "deepspeed")
+        assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
