@@ -94,7 +94,7 @@ class CachedQueryDataset(IterableDataset):
                  cache_size: int = 1024, shuffle: bool = True, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  drop_remainder: bool = True, on_bad_row: str = "raise",
-                 return_keys: bool = False, prefetch: bool = True) -> None:
+                 return_keys: bool = False, prefetch: bool | None = None) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
         if not isinstance(cache_size, int) or cache_size < 1:
@@ -264,10 +264,18 @@ class CachedQueryDataset(IterableDataset):
                              drop_remainder=self.drop_remainder)
         slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers,
                                chunk=chunk)
-        if self.prefetch:
+        if self._should_prefetch():
             yield from self._prefetched(slices)
         else:
             yield from map(self._fetch, slices)
+
+    def _should_prefetch(self) -> bool:
+        """``prefetch=None``: fetch ahead from a server, whose replies the thread waits for
+        without the GIL; not from an embedded SQLite file, where the fetch is CPU work that
+        would only contend with the consumer (measured: 15-25% fewer rows/s)."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return not self.db.uri.startswith("sqlite")
 
     def _prefetched(self, slices: list[WorkerSlice]) -> Iterator[_Window]:
         """Fetch window i+1 on a thread while window i is consumed."""
