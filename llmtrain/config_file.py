@@ -31,7 +31,7 @@ from llmtrain.training.args import (
     TrainingArguments,
     describe,
 )
-from llmtrain.training.spec import LauncherConfig
+from llmtrain.training.spec import DataSelection, LauncherConfig
 from llmtrain.uri import scheme_of
 
 DB_ENV = "LLMTRAIN_DB_URI"
@@ -173,15 +173,7 @@ def _copy(value: Any) -> Any:
 
 
 # -- the file's schema --------------------------------------------------------------------
-class DataSection(BaseModel):
-    """Which rows: ``X`` and ``Y`` name fields, ``select`` (and ``eval_select``) the rows."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    X: str = Field(min_length=1)
-    Y: str = Field(min_length=1)
-    select: dict[str, Any]
-    eval_select: dict[str, Any] | None = None
+DataSection = DataSelection  # the file's ``data:`` section is exactly a data selection
 
 
 class FitFile(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 from bson import json_util
@@ -31,7 +32,7 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-class Query:
+class Query(ABC):
     """Base of every query: serialisation, fingerprint and registry by ``kind``."""
 
     kind: ClassVar[str]
@@ -42,20 +43,20 @@ class Query:
         Query._registry[cls.kind] = cls
 
     @property
+    @abstractmethod
     def source(self) -> str:
         """A human-readable name of where rows come from, used in error messages."""
-        raise NotImplementedError
 
     @property
     def is_mongo(self) -> bool:
         return False
 
-    def to_dict(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]: ...
 
     @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> Query:
-        raise NotImplementedError
+    @abstractmethod
+    def _from_fields(cls, data: dict[str, Any]) -> Query: ...
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Query:

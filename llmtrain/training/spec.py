@@ -17,8 +17,8 @@ from llmtrain.training.args import (
 )
 
 
-class FitSpec(BaseModel):
-    """The data a fit() trained on: enough to replay it on the same (or another) database."""
+class DataSelection(BaseModel):
+    """Which rows: ``X`` and ``Y`` name fields, ``select`` (and ``eval_select``) the rows."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -26,6 +26,11 @@ class FitSpec(BaseModel):
     Y: str = Field(min_length=1)
     select: dict[str, Any]
     eval_select: dict[str, Any] | None = None
+
+
+class FitSpec(DataSelection):
+    """The data a fit() trained on: enough to replay it on the same (or another) database."""
+
     db: str = Field(description="The database URI, password redacted.")
     data_fingerprint: str | None = None
 
