@@ -268,3 +268,22 @@ def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: 
     trainer.fit(X="instruction", Y="output", db=db, select=rows)
     (run,) = db.metadata.list_runs("trainer", "skipall")
     assert run.status == "completed" and run.info["steps"] == 0
+
+
+def test_8bit_base_with_paged_8bit_adamw(tiny: Path, db: Any) -> None:
+    import bitsandbytes as bnb
+
+    from llmtrain.training.run import FitRun
+    from llmtrain.training.strategies import make_strategy
+
+    trainer = _trainer(tiny, "eight", bits=8, qlora=True, optim="paged_adamw_8bit", max_steps=2)
+    model = _fit(trainer, db)
+    assert len(model.record.history) == 2
+    run = FitRun(trainer, db, "probe8", make_strategy("single"))
+    run.setup()
+    try:
+        layer = run.model.base_model.model.model.layers[0].mlp.up_proj
+        assert isinstance(layer.base_layer, bnb.nn.Linear8bitLt)
+        assert isinstance(run.optimizer, bnb.optim.PagedAdamW8bit)
+    finally:
+        run.cleanup()
