@@ -287,3 +287,11 @@ def test_8bit_base_with_paged_8bit_adamw(tiny: Path, db: Any) -> None:
         assert isinstance(run.optimizer, bnb.optim.PagedAdamW8bit)
     finally:
         run.cleanup()
+
+
+def test_dataloader_workers_do_not_change_what_is_trained(tiny: Path, db: Any) -> None:
+    options = {"max_steps": 5, "batch_size": 4, "lora_dropout": 0.0}
+    alone = _fit(_trainer(tiny, "workers0", **options), db)
+    workers = _fit(_trainer(tiny, "workers2", num_workers=2, **options), db)
+    assert [h["loss"] for h in alone.record.history] == \
+        [h["loss"] for h in workers.record.history]
