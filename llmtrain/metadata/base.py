@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from llmtrain.uri import redact_uri
+
 RunStatus = Literal["created", "running", "completed", "failed"]
 TABLE_PREFIX = "_llmtrain_"
 
@@ -63,8 +65,22 @@ class MetadataStore(ABC):
     """Versioned components plus the records of training runs.
 
     Versions start at 0 per (type_id, identifier) and are made unique by a unique index:
-    concurrent adds retry on conflict instead of reading then writing.
+    concurrent adds retry on conflict instead of reading then writing. A store pickles as
+    its URI and reconnects lazily; it only ever shows the URI redacted.
     """
+
+    def __init__(self, uri: str) -> None:
+        self._uri = uri
+        self._where = redact_uri(uri)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._where!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_uri": self._uri}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["_uri"])  # type: ignore[misc]
 
     @abstractmethod
     def add_component(self, type_id: str, identifier: str, payload: dict[str, Any]) -> int:

@@ -27,7 +27,7 @@ from llmtrain.metadata.base import (
     RunRecord,
     RunStatus,
 )
-from llmtrain.metadata.sql import (
+from llmtrain.metadata.records import (
     MAX_TRIES,
     UTC,
     check_status,
@@ -36,7 +36,6 @@ from llmtrain.metadata.sql import (
     float_values,
     pause,
 )
-from llmtrain.uri import redact_uri
 
 T = TypeVar("T")
 COMPONENTS = f"{TABLE_PREFIX}components"
@@ -66,19 +65,9 @@ class MongoMetadataStore(MetadataStore):
     """Components and runs in ``_llmtrain_*`` collections of the URI's database."""
 
     def __init__(self, uri: str) -> None:
-        self._uri = uri
-        self._where = redact_uri(uri)
+        super().__init__(uri)
         self._indexes_ready = False
         self._index_lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"MongoMetadataStore({self._where!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_uri": self._uri}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_uri"])  # type: ignore[misc]
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextmanager

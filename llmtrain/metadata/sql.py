@@ -8,16 +8,13 @@ string columns are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay dist
 from __future__ import annotations
 
 import json
-import random
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
-from typing import Any, TypeVar, get_args
+from datetime import datetime
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from pydantic import ValidationError
 from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
@@ -31,15 +28,20 @@ from llmtrain.metadata.base import (
     RunRecord,
     RunStatus,
 )
-from llmtrain.uri import redact_uri
+from llmtrain.metadata.records import (
+    MAX_TRIES,
+    UTC,
+    check_status,
+    component_record,
+    dumps,
+    float_values,
+    now_utc,
+    pause,
+)
 
 T = TypeVar("T")
-UTC = timezone.utc
-#: concurrent writers retry a lost race this many times (each try is one short transaction)
-MAX_TRIES = 50
 #: deadlocks and lock timeouts are retried this many times
 LOCK_TRIES = 5
-_RUN_STATUSES = frozenset(get_args(RunStatus))
 
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
@@ -143,60 +145,6 @@ def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
     return ddl
 
 
-def now_utc() -> datetime:
-    return datetime.now(UTC)
-
-
-def dumps(value: Any, what: str) -> str:
-    """JSON or a StoreError that says which value could not be stored."""
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise StoreError(f"{what} is not JSON-serialisable: {exc}") from None
-
-
-def loads(value: Any, what: str) -> Any:
-    """Stored JSON text back, or a StoreError: a value edited outside llmtrain (bytes, a
-    pickle, another type) is refused, never decoded as anything but JSON."""
-    if not isinstance(value, str):
-        raise StoreError(f"{what} is not JSON text but {type(value).__name__}; was it edited "
-                         "outside llmtrain?")
-    try:
-        return json.loads(value)
-    except ValueError as exc:
-        raise StoreError(f"{what} is not valid JSON ({exc}); was it edited outside "
-                         "llmtrain?") from None
-
-
-def component_record(type_id: Any, identifier: Any, version: Any, created_at: Any,
-                     payload: Any) -> ComponentRecord:
-    """A stored component as read back; StoreError if any part of it is not what llmtrain
-    writes (the payload must be a JSON object)."""
-    what = f"stored component {type_id!r} {identifier!r} v{version!r}"
-    data = loads(payload, f"{what}: its payload")
-    try:
-        return ComponentRecord(type_id=type_id, identifier=identifier, version=version,
-                               created_at=created_at, payload=data)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise StoreError(f"{what} is not a valid record ({problems}); was it edited outside "
-                         "llmtrain?") from None
-
-
-def float_values(values: dict[str, Any]) -> dict[str, float]:
-    try:
-        return {str(k): float(v) for k, v in values.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise StoreError(f"metric values must be a dict of numbers, got {values!r}: "
-                         f"{exc}") from None
-
-
-def check_status(status: str) -> None:
-    if status not in _RUN_STATUSES:
-        raise StoreError(f"run status {status!r} is invalid: use one of "
-                         f"{', '.join(sorted(_RUN_STATUSES))}")
-
-
 def _is_transient(exc: sa.exc.DBAPIError) -> bool:
     """Lock conflicts that a fresh transaction resolves (deadlock, busy SQLite file)."""
     orig = exc.orig
@@ -208,11 +156,6 @@ def _is_transient(exc: sa.exc.DBAPIError) -> bool:
     return "database is locked" in str(orig)  # SQLite
 
 
-def pause(attempt: int) -> None:
-    """A short random sleep, so racing writers do not collide again in lockstep."""
-    time.sleep(random.uniform(0.001, 0.005 * min(attempt + 1, 10)))
-
-
 class SQLMetadataStore(MetadataStore):
     """Components and runs in ``_llmtrain_*`` tables of a SQL database.
 
@@ -221,19 +164,9 @@ class SQLMetadataStore(MetadataStore):
     """
 
     def __init__(self, uri: str) -> None:
-        self._uri = uri
-        self._where = redact_uri(uri)
+        super().__init__(uri)
         self._schema_ready = False
         self._schema_lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"SQLMetadataStore({self._where!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_uri": self._uri}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_uri"])  # type: ignore[misc]
 
     # -- plumbing ---------------------------------------------------------------------------
     @contextmanager
