@@ -280,3 +280,14 @@ def test_a_missing_column_fails_at_once_not_after_the_retry_budget(sqlite_uri: s
     with pytest.raises(lt.QueryError, match="no such column: nope"):
         len(lt.CachedQueryDataset(db, query, "nope"))
     assert time.perf_counter() - started < 1.0
+
+
+def test_loader_can_hand_over_key_row_pairs(sqlite_uri: str) -> None:
+    fill(sqlite_uri, "docs", _rows(10))
+    db = lt.connect(sqlite_uri)
+    ds = lt.CachedQueryDataset(db, lt.Table("docs"), "output", shuffle=False, rank=0,
+                               world_size=1)
+    batches = list(ds.loader(4, with_keys=True))
+    assert batches[0] == [(0, {"output": "out 0"}), (1, {"output": "out 1"}),
+                          (2, {"output": "out 2"}), (3, {"output": "out 3"})]
+    assert [len(b) for b in batches] == [4, 4, 2]

@@ -232,12 +232,12 @@ class CachedQueryDataset(IterableDataset):
             windows.close()  # stops the prefetch thread now, even on an error or a break
 
     def loader(self, batch_size: int, *, num_workers: int = 0, collate_fn: Any = None,
-               **kwargs: Any) -> Any:
+               with_keys: bool = False, **kwargs: Any) -> Any:
         """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows."""
         from llmtrain.datasets.loader import QueryDataLoader
 
         return QueryDataLoader(self, batch_size, num_workers=num_workers,
-                               collate_fn=collate_fn, **kwargs)
+                               collate_fn=collate_fn, with_keys=with_keys, **kwargs)
 
     def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
                    chunk: int) -> Iterator[Positioned]:

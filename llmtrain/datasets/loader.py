@@ -26,15 +26,16 @@ class _PositionedView(IterableDataset):
 
 
 class QueryDataLoader:
-    """Batches of rows (a list of dicts, or ``collate_fn(rows)``).
+    """Batches of rows (a list of dicts, or ``collate_fn(rows)``); with ``with_keys`` the
+    rows come as ``(key, row)`` pairs, the shape the formatter takes, without copying them.
 
     Workers take turns batch by batch, so the rows arrive in the dataset's order for any
     ``num_workers`` and resuming with another worker count continues at the same row.
     """
 
     def __init__(self, dataset: CachedQueryDataset, batch_size: int, *, num_workers: int = 0,
-                 collate_fn: Callable[[list[dict[str, Any]]], Any] | None = None,
-                 **kwargs: Any) -> None:
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 with_keys: bool = False, **kwargs: Any) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         for banned in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last",
@@ -43,15 +44,19 @@ class QueryDataLoader:
                 raise ConfigError(f"QueryDataLoader does not take {banned}=: the dataset owns "
                                   "order and epochs (persistent workers would miss set_epoch)")
         self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
-        self.collate_fn = collate_fn
+        self.collate_fn, self.with_keys = collate_fn, with_keys
         self.kwargs = kwargs
 
-    def _collate(self, items: list[Positioned]) -> tuple[int, list[Any], Any]:
-        rows = [row if not self.dataset.return_keys else {**row, "_key": key}
-                for _, key, row in items if row is not None]
-        keys = [key for _, key, row in items if row is not None]
+    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any]:
+        """(last position, any rows?, the batch): skipped bad rows arrive as None."""
+        if self.with_keys:
+            rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
+        elif self.dataset.return_keys:
+            rows = [{**row, "_key": key} for _, key, row in items if row is not None]
+        else:
+            rows = [row for _, _, row in items if row is not None]
         last = max(pos for pos, _, _ in items)
-        return last, keys, (self.collate_fn(rows) if self.collate_fn else rows)
+        return last, bool(rows), (self.collate_fn(rows) if self.collate_fn else rows)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -66,11 +71,9 @@ class QueryDataLoader:
         kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
         loader = DataLoader(view, batch_size=self.batch_size, num_workers=self.num_workers,
                             collate_fn=self._collate, **kwargs)
-        self.last_keys: list[Any] = []
-        for last, keys, batch in loader:
+        for last, any_rows, batch in loader:
             ds._consumed = last + 1
-            self.last_keys = keys
-            if keys:
+            if any_rows:
                 yield batch
         ds._consumed, ds._completed = len(ds), True
 

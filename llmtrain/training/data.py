@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -25,37 +25,44 @@ def held_out(key: Any, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
+Split = Literal["train", "held_out", "all"]
+
+
 @dataclass
 class Collate:
-    """Rows -> tokenized, padded (or packed) batch; runs inside DataLoader workers."""
+    """(key, row) pairs -> tokenized, padded (or packed) batch; runs in DataLoader workers.
+
+    ``split`` keeps the rows outside the held-out fraction (training), inside it (its
+    evaluation), or every row (an eval selection of its own).
+    """
 
     formatter: Formatter
     pad_id: int
     source: str
     eval_fraction: float
     packer: PackedCollator | None
-    keep_eval: bool = False
+    split: Split = "train"
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-        pairs = [(r["_key"], r) for r in rows
-                 if held_out(r["_key"], self.eval_fraction) == self.keep_eval]
-        if not pairs:
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any] | None:
+        if self.split != "all":
+            keep_held = self.split == "held_out"
+            rows = [(k, r) for k, r in rows if held_out(k, self.eval_fraction) == keep_held]
+        if not rows:
             return None
-        examples = self.formatter.format_batch(pairs, source=self.source)
+        examples = self.formatter.format_batch(rows, source=self.source)
         batch = self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
         batch["num_tokens"] = torch.tensor(sum(len(e) for e in examples))
-        batch["keys"] = [key_repr(k) for k, _ in pairs]
+        batch["keys"] = [key_repr(k) for k, _ in rows]
         return batch
 
 
 def make_collate(formatter: Formatter, tokenizer: Any, model: Any, args: DataArguments,
-                 source: str, *, keep_eval: bool = False) -> Collate:
+                 source: str, *, split: Split = "train") -> Collate:
     packer = None
     if args.packing:
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id,
                                 mask_dtype=mask_dtype_for(model))
-    return Collate(formatter, tokenizer.pad_token_id, source, args.eval_fraction, packer,
-                   keep_eval)
+    return Collate(formatter, tokenizer.pad_token_id, source, args.eval_fraction, packer, split)
 
 
 class TrainBatches:
@@ -67,9 +74,9 @@ class TrainBatches:
         self.dataset = CachedQueryDataset(
             db, select, fields, cache_size=args.cache_size, shuffle=args.shuffle, seed=seed,
             rank=rank, world_size=world_size, drop_remainder=args.drop_remainder,
-            on_bad_row=args.on_bad_row, return_keys=True)
+            on_bad_row=args.on_bad_row)
         self.loader: QueryDataLoader = self.dataset.loader(
-            batch_size, num_workers=args.num_workers, collate_fn=collate)
+            batch_size, num_workers=args.num_workers, collate_fn=collate, with_keys=True)
         self.batch_size = batch_size
 
     def batches_per_epoch(self) -> int:

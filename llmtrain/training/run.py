@@ -251,16 +251,14 @@ class FitRun:
             return float("nan")
         ds = CachedQueryDataset(self.db, select, [fit.X, fit.Y], cache_size=self.dargs.cache_size,
                                 shuffle=False, rank=s.rank, world_size=s.world_size,
-                                drop_remainder=False, on_bad_row=self.dargs.on_bad_row,
-                                return_keys=True)
+                                drop_remainder=False, on_bad_row=self.dargs.on_bad_row)
         collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
-                               select.source, keep_eval=held)
-        if not held:
-            collate.eval_fraction = 0.0
+                               select.source, split="held_out" if held else "all")
         total, count, seen = torch.zeros(()), torch.zeros(()), 0
         self.model.eval()
         with torch.no_grad():
-            for batch in ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate):
+            for batch in ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
+                                   with_keys=True):
                 if batch is None:
                     continue
                 batch = to_device(batch, s.device)
