@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 TIMEOUT_S = 300  # each example takes well under a minute; a busy 2-core runner is slower
@@ -95,7 +93,6 @@ def test_mongo_example(tmp_path: Path) -> None:
 
 
 def test_qlora_dora_example(tmp_path: Path) -> None:
-    pytest.importorskip("bitsandbytes")
     out = run_example([sys.executable, str(EXAMPLES / "qlora_dora.py")], tmp_path).stdout
     assert "trained qdora for 3 steps" in out
     layers, dora = map(int, re.search(r"base layers in 4-bit: (\d+) \(nf4\); DoRA magnitude "
