@@ -295,3 +295,38 @@ def test_dataloader_workers_do_not_change_what_is_trained(tiny: Path, db: Any) -
     workers = _fit(_trainer(tiny, "workers2", num_workers=2, **options), db)
     assert [h["loss"] for h in alone.record.history] == \
         [h["loss"] for h in workers.record.history]
+
+
+def test_full_finetune_with_chat_template_checkpointing_and_retention(
+        tiny: Path, db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llmtrain.training.checkpoint import Checkpointer
+
+    saved: list[str] = []
+    original = Checkpointer.save
+
+    def remember(self: Any, *args: Any) -> Any:
+        record = original(self, *args)
+        saved.append(record.artifact_id)
+        return record
+
+    monkeypatch.setattr(Checkpointer, "save", remember)
+    trainer = lt.LLMTrainer("full", model=tiny, lora_args=None, chat_template=True,
+                            gradient_checkpointing=True, max_steps=3, save_steps=1,
+                            save_total_limit=1, batch_size=4, learning_rate=1e-3,
+                            progress_bar=False, lr_scheduler_type="cosine")
+    model = _fit(trainer, db)
+    assert model.record.full_model and model.record.chat_template
+    (run,) = db.metadata.list_runs("trainer", "full")
+    checkpoints = db.metadata.list_checkpoints(run.run_id)
+    assert [c.step for c in checkpoints] == [3]  # steps 1 and 2 were pruned...
+    assert len(saved) == 3 and [db.artifacts.exists(a) for a in saved] == [False, False, True]
+    loaded, _ = db.load("model", "full").load(device="cpu")
+    assert not hasattr(loaded, "peft_config")  # all weights, no adapter
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny)
+    changed = [n for n, p in loaded.named_parameters()
+               if not torch.equal(p, base.get_parameter(n))]
+    assert changed  # full fine-tuning moved the base weights themselves
+    answer = db.load("model", "full").generate("What is color number 1?", max_new_tokens=3)
+    assert isinstance(answer, str)
