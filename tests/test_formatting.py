@@ -182,8 +182,8 @@ def test_chat_template_problems_are_config_errors(llama_path: Path) -> None:
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("field", ["X", "Y"])
 @pytest.mark.parametrize(("value", "problem"), [
-    (None, "is null"), (5, "type int"), (["a"], "type list"),
-    ("ok \ud800", "cannot be encoded as UTF-8"), (b"bytes", "type bytes")])
+    (None, "is null"), (5, "is int, not a string"), (["a"], "is list, not a string"),
+    ("ok \ud800", "is not valid UTF-8"), (b"bytes", "is bytes, not a string")])
 def test_bad_rows(tok: Any, chat: bool, field: str, value: object, problem: str) -> None:
     fmt = Formatter(tok, chat_template=True) if chat else Formatter(tok, TEMPLATE)
     row = {"X": "fine", "Y": "fine", field: value}

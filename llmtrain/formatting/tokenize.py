@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
+from llmtrain.datasets.rows import text_problem
 from llmtrain.errors import BadRowError, ConfigError
 from llmtrain.formatting.template import PromptTemplate
 
@@ -63,25 +64,14 @@ class Example:
 
 
 def _check_text(row: object, field: str, key: object, source: str) -> str:
+    """The field's text, or BadRowError: the same rule the datasets apply."""
     if not isinstance(row, Mapping):
         raise BadRowError(source, key, field, f"cannot be read: the row is a "
                                               f"{type(row).__name__}, not a mapping")
-    if field not in row:
-        raise BadRowError(source, key, field, "is missing")
-    value = row[field]
-    if value is None:
-        raise BadRowError(source, key, field, "is null; expected text")
-    if not isinstance(value, str):
-        raise BadRowError(source, key, field, f"has type {type(value).__name__}; expected text "
-                                              f"(str)")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise BadRowError(source, key, field, f"holds text that cannot be encoded as UTF-8 "
-                                                  f"({exc.reason} at character {exc.start})"
-                              ) from None
-    return value
+    problem = text_problem(row, field)
+    if problem is not None:
+        raise BadRowError(source, key, field, problem)
+    return row[field]  # type: ignore[no-any-return]
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
