@@ -44,7 +44,9 @@ def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
         try:
             job.run()
         except BaseException as exc:
-            _mark_failed(db, run_id, exc)
+            from llmtrain.training.launch import mark_failed
+
+            mark_failed(db, run_id, exc)
             if isinstance(exc, DistributedError):
                 exc.pids = job.pids()  # type: ignore[attr-defined]
             raise
@@ -57,13 +59,3 @@ def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
                                f"not {run_id}")
     return model
 
-
-def _mark_failed(db: Any, run_id: str, exc: BaseException) -> None:
-    message = str(exc) if isinstance(exc, DistributedError) else f"{type(exc).__name__}: {exc}"
-    try:
-        db.metadata.update_run(run_id, status="failed", error=message[:4000])
-    except Exception:  # noqa: BLE001 - the job's error matters more
-        import logging
-
-        logging.getLogger("llmtrain.launchers").exception("could not mark run %s failed",
-                                                          run_id)

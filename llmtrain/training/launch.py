@@ -99,11 +99,18 @@ def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
         return model
     except BaseException as exc:
         if strategy.is_main:
-            try:
-                db.metadata.update_run(run_id, status="failed",
-                                       error=f"{type(exc).__name__}: {exc}"[:4000])
-            except Exception:  # noqa: BLE001 - the original error matters more
-                log.exception("could not mark run %s failed", run_id)
+            mark_failed(db, run_id, exc)
         raise
     finally:
         run.cleanup()
+
+
+def mark_failed(db: Any, run_id: str, exc: BaseException) -> None:
+    """Record ``exc`` on the run; a store that fails too must not hide the original error."""
+    from llmtrain.errors import DistributedError
+
+    message = str(exc) if isinstance(exc, DistributedError) else f"{type(exc).__name__}: {exc}"
+    try:
+        db.metadata.update_run(run_id, status="failed", error=message[:4000])
+    except Exception:  # noqa: BLE001 - the original error matters more
+        log.exception("could not mark run %s failed", run_id)
