@@ -1,0 +1,70 @@
+"""Where this process sits in the job: rank, world size, local rank and device, resolved once.
+
+The only module that reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``. The placement is resolved
+when a run (or a dataset used on its own) starts, then handed to the dataset and the
+strategy; nothing writes those variables as a signal.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from llmtrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One process's place: ``rank`` of ``world_size``, ``local_rank`` on its node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launched: bool = False  # started by torchrun/deepspeed (every rank runs the script)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} / world_size {self.world_size} is not a "
+                              "valid placement")
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Placement:
+        """The placement a launcher gave this process (torchrun, deepspeed), else (0, 1).
+
+        An initialised ``torch.distributed`` group wins over the variables.
+        """
+        env = os.environ if env is None else env
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+        launched = "LOCAL_RANK" in env and int(env.get("WORLD_SIZE", 1)) > 1
+        return cls(rank, world, int(env.get("LOCAL_RANK", 0)), launched)
+
+    @classmethod
+    def resolve(cls, rank: int | None = None, world_size: int | None = None) -> Placement:
+        """Explicit values win over the environment's (a dataset built for one rank)."""
+        found = cls.from_environment()
+        if rank is None and world_size is None:
+            return found
+        return replace(found, rank=found.rank if rank is None else rank,
+                       world_size=found.world_size if world_size is None else world_size)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def device(self) -> torch.device:
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
