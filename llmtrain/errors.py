@@ -11,6 +11,11 @@ class ConfigError(LlmtrainError, ValueError):
     """A configuration value, option or combination is invalid; the message names the field."""
 
 
+class DatabaseNotFoundError(ConfigError):
+    """The URI names a database that is not there (a mistyped SQLite path): reading never
+    creates one."""
+
+
 class QueryError(LlmtrainError, ValueError):
     """A query is malformed, unsafe, or cannot be paged (no usable unique key)."""
 

@@ -35,6 +35,7 @@ def fresh_database(kind: str, tmp_path: Any) -> Iterator[str]:
     """Yield the URI of a new, empty database of ``kind``; drop it afterwards."""
     name = f"lt_{uuid.uuid4().hex[:12]}"
     if kind == "sqlite":
+        (tmp_path / f"{name}.db").touch()  # an empty database, as on the servers
         yield f"sqlite:///{tmp_path / (name + '.db')}"
         return
     if kind == "mongomock":
@@ -100,7 +101,7 @@ def fill(uri: str, name: str, rows: list[dict[str, Any]], *, key: str = "id",
     table = sa.Table(name, meta, sa.Column(key, sa.Integer, primary_key=True,
                                            autoincrement=False),
                      *[sa.Column(c, t, nullable=True) for c, t in columns.items()])
-    engine = sql_engine(uri)
+    engine = sql_engine(uri, create=True)
     meta.create_all(engine)
     with engine.begin() as conn:
         for i in range(0, len(rows), 5000):

@@ -233,7 +233,7 @@ def test_table_without_unique_key_is_a_clear_error(sqlite_uri: str) -> None:
 
     from llmtrain.backends.engines import sql_engine
 
-    with sql_engine(sqlite_uri).begin() as conn:
+    with sql_engine(sqlite_uri, create=True).begin() as conn:
         conn.execute(sa.text("CREATE TABLE nokey (a TEXT, b TEXT)"))
     db = lt.connect(sqlite_uri)
     with pytest.raises(lt.QueryError, match="no primary key.*key='column'"):

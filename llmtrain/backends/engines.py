@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, DatabaseNotFoundError
 from llmtrain.uri import redact_uri, scheme_of
 
 _lock = threading.Lock()
@@ -26,9 +27,26 @@ def sqlalchemy_url(uri: str) -> str:
     return uri
 
 
-def sql_engine(uri: str) -> Any:
+def sqlite_path(uri: str) -> Path | None:
+    """The file a ``sqlite:///`` URI names; None for in-memory and ``file:`` URIs."""
+    if scheme_of(uri) != "sqlite" or ":///" not in uri:
+        return None
+    path, _, query = uri.split(":///", 1)[1].partition("?")
+    if not path or path == ":memory:" or path.startswith("file:") or "uri=true" in query:
+        return None
+    return Path(path).expanduser()
+
+
+def sql_engine(uri: str, *, create: bool = False) -> Any:
+    """The shared engine for ``uri``. A SQLite file that is not there is a
+    DatabaseNotFoundError unless ``create`` (a first write) asks for it to be made: a
+    mistyped path must not turn into a new empty database."""
     import sqlalchemy as sa
 
+    path = sqlite_path(uri)
+    if path is not None and not create and not path.exists():
+        raise DatabaseNotFoundError(f"no SQLite database at {path} ({redact_uri(uri)}): "
+                                    "check the path")
     key = (os.getpid(), uri)
     with _lock:
         engine = _engines.get(key)

@@ -7,58 +7,40 @@ nothing is pickled, and URIs are redacted before they arrive.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict
-
+from llmtrain.errors import ComponentNotFoundError, StoreError
+from llmtrain.metadata.records import (
+    MAX_TRIES,
+    UTC,
+    CheckpointRecord,
+    ComponentRecord,
+    MetricRecord,
+    RunRecord,
+    RunStatus,
+    check_status,
+    component_record,
+    dumps,
+    float_values,
+    loads,
+    now_utc,
+    pause,
+)
 from llmtrain.uri import redact_uri
 
-RunStatus = Literal["created", "running", "completed", "failed"]
+__all__ = ["TABLE_PREFIX", "CheckpointRecord", "ComponentRecord", "Conflict", "MetadataStore",
+           "MetricRecord", "RunRecord", "RunStatus"]
+T = TypeVar("T")
 TABLE_PREFIX = "_llmtrain_"
+class Conflict(Exception):
+    """A backend primitive's signal: another record already holds that unique key."""
 
 
-class ComponentRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type_id: str
-    identifier: str
-    version: int
-    created_at: datetime
-    payload: dict[str, Any]
-
-
-class RunRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str
-    type_id: str
-    identifier: str
-    version: int
-    status: RunStatus
-    created_at: datetime
-    updated_at: datetime
-    info: dict[str, Any]
-    error: str | None = None
-
-
-class MetricRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str
-    step: int
-    values: dict[str, float]
-    created_at: datetime
-
-
-class CheckpointRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str
-    step: int
-    artifact_id: str
-    created_at: datetime
-    info: dict[str, Any]
+#: a row as a backend primitive hands it back: column -> value, JSON columns still as text
+Row = Mapping[str, Any]
 
 
 class MetadataStore(ABC):
@@ -67,7 +49,16 @@ class MetadataStore(ABC):
     Versions start at 0 per (type_id, identifier) and are made unique by a unique index:
     concurrent adds retry on conflict instead of reading then writing. A store pickles as
     its URI and reconnects lazily; it only ever shows the URI redacted.
+
+    The rules live here, once: what a payload may be, how records are encoded and decoded,
+    which error a missing or duplicate record is, what a status change does to the stored
+    error. A backend supplies storage primitives only (the ``_``-methods below), never creates
+    its tables or collections when it is only read, and raises :class:`Conflict` when a unique
+    key is taken.
     """
+
+    #: the driver's exceptions that become a StoreError naming the operation
+    _driver_errors: tuple[type[BaseException], ...] = ()
 
     def __init__(self, uri: str) -> None:
         self._uri = uri
@@ -82,59 +73,248 @@ class MetadataStore(ABC):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["_uri"])  # type: ignore[misc]
 
-    @abstractmethod
+    # -- components ---------------------------------------------------------------------------
     def add_component(self, type_id: str, identifier: str, payload: dict[str, Any]) -> int:
         """Store a new version and return its number."""
+        if not isinstance(payload, dict):
+            raise StoreError(f"{type_id} {identifier!r}: payload must be a dict, "
+                             f"got {type(payload).__name__}")
+        text = dumps(payload, f"{type_id} {identifier!r} payload")
+        with self._errors(f"adding {type_id} {identifier!r}"):
+            return self._retry_conflicts(
+                lambda: self._insert_component(type_id, identifier, self._now(), text))
 
-    @abstractmethod
     def get_component(self, type_id: str, identifier: str,
                       version: int | None = None) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
+        with self._errors(f"reading {type_id} {identifier!r}"):
+            row = self._find_component(type_id, identifier, version)
+        if row is None:
+            which = "any version" if version is None else f"version {version}"
+            raise ComponentNotFoundError(
+                f"no {type_id} {identifier!r} ({which}) in {self._where}")
+        return _component(row)
 
-    @abstractmethod
     def list_components(self, type_id: str | None = None,
                         identifier: str | None = None) -> list[ComponentRecord]:
         """All matching records, ordered by type_id, identifier, version."""
+        with self._errors("listing components"):
+            rows = self._find_components(type_id, identifier)
+        # Sorted here: collations differ between databases, code points do not.
+        return sorted(map(_component, rows), key=lambda r: (r.type_id, r.identifier, r.version))
 
-    @abstractmethod
     def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
         """Remove one version (or all when version is None); return how many went."""
+        with self._errors(f"removing {type_id} {identifier!r}"):
+            return self._delete_components(type_id, identifier, version)
 
-    @abstractmethod
+    # -- runs ---------------------------------------------------------------------------------
     def create_run(self, run_id: str, type_id: str, identifier: str, version: int,
-                   info: dict[str, Any]) -> RunRecord: ...
+                   info: dict[str, Any]) -> RunRecord:
+        now = self._now()
+        record = RunRecord(run_id=run_id, type_id=type_id, identifier=identifier,
+                           version=version, status="created", created_at=now, updated_at=now,
+                           info=dict(info))
+        row = {**record.model_dump(exclude={"info"}), "info": dumps(record.info,
+                                                                    f"run {run_id!r} info")}
+        try:
+            with self._errors(f"creating run {run_id!r}"):
+                self._insert_run(row)
+        except Conflict:
+            raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
+        return record
 
-    @abstractmethod
     def update_run(self, run_id: str, *, status: RunStatus | None = None,
                    info: dict[str, Any] | None = None, error: str | None = None) -> RunRecord:
         """Set status/error; ``info`` keys are merged into the stored info. Moving to
         ``running`` or ``completed`` without an error clears the stored one."""
+        if status is not None:
+            check_status(status)
 
-    @abstractmethod
-    def get_run(self, run_id: str) -> RunRecord: ...
+        def change(row: Row) -> dict[str, Any]:
+            record = _run(row)
+            changes: dict[str, Any] = {"updated_at": self._now()}
+            if status is not None:
+                changes["status"] = status
+            if error is not None:
+                changes["error"] = error
+            elif status in ("running", "completed"):
+                changes["error"] = None  # a run going again, or done, carries no old failure
+            changes["info"] = dumps({**record.info, **(info or {})}, f"run {run_id!r} info")
+            return changes
 
-    @abstractmethod
+        with self._errors(f"updating run {run_id!r}"):
+            row = self._change_run(run_id, change)
+        if row is None:
+            raise StoreError(f"no run {run_id!r} in {self._where}")
+        return _run(row)
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._errors(f"reading run {run_id!r}"):
+            row = self._find_run(run_id)
+        if row is None:
+            raise StoreError(f"no run {run_id!r} in {self._where}")
+        return _run(row)
+
     def list_runs(self, type_id: str | None = None,
                   identifier: str | None = None) -> list[RunRecord]:
         """Oldest first."""
+        with self._errors("listing runs"):
+            return [_run(row) for row in self._find_runs(type_id, identifier)]
 
-    @abstractmethod
-    def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None: ...
+    def remove_run(self, run_id: str) -> None:
+        """Remove a run with its metrics and checkpoint records (not the checkpoints'
+        artifacts: :meth:`Datalayer.remove` deletes those). A missing run is a no-op."""
+        with self._errors(f"removing run {run_id!r}"):
+            self._delete_run(run_id)
 
-    @abstractmethod
+    # -- metrics and checkpoints ----------------------------------------------------------------
+    def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
+        text = dumps(float_values(values), f"run {run_id!r} metrics")
+        with self._errors(f"logging metrics of run {run_id!r}"):
+            self._insert_metrics({"run_id": run_id, "step": int(step), "values": text,
+                                  "created_at": self._now()})
+
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
         """Ordered by step, then insertion."""
+        with self._errors(f"reading metrics of run {run_id!r}"):
+            rows = self._find_metrics(run_id)
+        return [MetricRecord(run_id=r["run_id"], step=r["step"],
+                             values=loads(r["values"], f"metrics of run {run_id!r}"),
+                             created_at=as_utc(r["created_at"])) for r in rows]
 
-    @abstractmethod
     def add_checkpoint(self, run_id: str, step: int, artifact_id: str,
-                       info: dict[str, Any]) -> CheckpointRecord: ...
+                       info: dict[str, Any]) -> CheckpointRecord:
+        record = CheckpointRecord(run_id=run_id, step=step, artifact_id=artifact_id,
+                                  created_at=self._now(), info=dict(info))
+        row = {**record.model_dump(exclude={"info"}),
+               "info": dumps(record.info, f"checkpoint info of run {run_id!r}")}
+        try:
+            with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
+                self._insert_checkpoint(row)
+        except Conflict:
+            raise StoreError(f"run {run_id!r} already has a checkpoint at step "
+                             f"{step}") from None
+        return record
 
-    @abstractmethod
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
+        with self._errors(f"listing checkpoints of run {run_id!r}"):
+            rows = self._find_checkpoints(run_id)
+        return [CheckpointRecord(run_id=r["run_id"], step=r["step"],
+                                 artifact_id=r["artifact_id"],
+                                 created_at=as_utc(r["created_at"]),
+                                 info=loads(r["info"], f"checkpoint info of run {run_id!r}"))
+                for r in rows]
 
-    @abstractmethod
-    def remove_checkpoint(self, run_id: str, step: int) -> None: ...
+    def remove_checkpoint(self, run_id: str, step: int) -> None:
+        """Removing one that is not there is a no-op (retention may run twice)."""
+        with self._errors(f"removing checkpoint {step} of run {run_id!r}"):
+            self._delete_checkpoint(run_id, step)
 
     def close(self) -> None:
         """Release connections; the store reopens lazily if used again."""
+
+    # -- shared plumbing ------------------------------------------------------------------------
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """A driver error becomes one StoreError line naming the store and the operation."""
+        try:
+            yield
+        except self._driver_errors as exc:
+            detail = getattr(exc, "orig", None) or exc
+            raise StoreError(f"metadata store {self._where}: {what} failed: "
+                             f"{type(detail).__name__}: {detail}") from exc
+
+    def _retry_conflicts(self, fn: Callable[[], T]) -> T:
+        """Another writer took the same version first: read again and retry."""
+        for attempt in range(MAX_TRIES):
+            try:
+                return fn()
+            except Conflict:
+                if attempt == MAX_TRIES - 1:
+                    raise StoreError(f"metadata store {self._where}: lost the race for a new "
+                                     f"version {MAX_TRIES} times") from None
+                pause(attempt)
+        raise AssertionError("unreachable")
+
+    def _now(self) -> datetime:
+        return now_utc()
+
+    # -- backend primitives -------------------------------------------------------------------
+    # Rows carry the record's fields; payload/info/values are JSON text. A primitive that only
+    # reads returns nothing (None, []) when the tables or collections do not exist yet, and
+    # creates none of them.
+    @abstractmethod
+    def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
+                          payload: str) -> int:
+        """Insert version newest + 1 (0 for the first); Conflict if another writer took it."""
+
+    @abstractmethod
+    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
+        """The given version, or the newest when version is None."""
+
+    @abstractmethod
+    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]: ...
+
+    @abstractmethod
+    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int: ...
+
+    @abstractmethod
+    def _insert_run(self, row: Row) -> None:
+        """Conflict if the run_id is taken."""
+
+    @abstractmethod
+    def _change_run(self, run_id: str,
+                    change: Callable[[Row], dict[str, Any]]) -> Row | None:
+        """Atomically apply ``change(stored row)`` (the columns to set) and return the new
+        row; None if there is no such run. Concurrent changes must all take effect."""
+
+    @abstractmethod
+    def _find_run(self, run_id: str) -> Row | None: ...
+
+    @abstractmethod
+    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
+        """Oldest first."""
+
+    @abstractmethod
+    def _delete_run(self, run_id: str) -> None:
+        """The run, its metrics and its checkpoint records."""
+
+    @abstractmethod
+    def _insert_metrics(self, row: Row) -> None: ...
+
+    @abstractmethod
+    def _find_metrics(self, run_id: str) -> list[Row]:
+        """Ordered by step, then insertion."""
+
+    @abstractmethod
+    def _insert_checkpoint(self, row: Row) -> None:
+        """Conflict if the run already has a checkpoint at that step."""
+
+    @abstractmethod
+    def _find_checkpoints(self, run_id: str) -> list[Row]:
+        """Oldest step first."""
+
+    @abstractmethod
+    def _delete_checkpoint(self, run_id: str, step: int) -> None: ...
+
+
+def as_utc(value: datetime) -> datetime:
+    """Drivers hand back naive UTC (pymongo, mongomock) or aware times: always aware UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def _component(row: Row) -> ComponentRecord:
+    created = row.get("created_at")
+    return component_record(row.get("type_id"), row.get("identifier"), row.get("version"),
+                            as_utc(created) if isinstance(created, datetime) else created,
+                            row.get("payload"))
+
+
+def _run(row: Row) -> RunRecord:
+    run_id = row["run_id"]
+    return RunRecord(run_id=run_id, type_id=row["type_id"], identifier=row["identifier"],
+                     version=row["version"], status=row["status"],
+                     created_at=as_utc(row["created_at"]), updated_at=as_utc(row["updated_at"]),
+                     info=loads(row["info"], f"info of run {run_id!r}"), error=row.get("error"))

@@ -1,5 +1,6 @@
-"""How records are encoded for any metadata backend: JSON in and out (never pickle), UTC
-times, validated statuses and metric values, and the retry pause for racing writers."""
+"""The stored records and how any metadata backend encodes them: JSON in and out (never
+pickle), UTC times, validated statuses and metric values, and the retry pause for racing
+writers."""
 
 from __future__ import annotations
 
@@ -7,14 +8,59 @@ import json
 import random
 import time
 from datetime import datetime, timezone
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmtrain.errors import StoreError
-from llmtrain.metadata.base import ComponentRecord, RunStatus
 
 UTC = timezone.utc
+RunStatus = Literal["created", "running", "completed", "failed"]
+
+
+class ComponentRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type_id: str
+    identifier: str
+    version: int
+    created_at: datetime
+    payload: dict[str, Any]
+
+
+class RunRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    type_id: str
+    identifier: str
+    version: int
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+    info: dict[str, Any]
+    error: str | None = None
+
+
+class MetricRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    step: int
+    values: dict[str, float]
+    created_at: datetime
+
+
+class CheckpointRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    step: int
+    artifact_id: str
+    created_at: datetime
+    info: dict[str, Any]
+
+
 #: concurrent writers retry a lost race this many times (each try is one short transaction)
 MAX_TRIES = 50
 _RUN_STATUSES = frozenset(get_args(RunStatus))

@@ -1,16 +1,14 @@
 """The metadata store on any SQLAlchemy database (SQLite, PostgreSQL, MySQL/MariaDB).
 
-Core only, four ``_llmtrain_*`` tables created on first use; user tables are never touched.
+Core only, four ``_llmtrain_*`` tables created on first write; user tables are never touched.
 JSON goes in TEXT columns (LONGTEXT on MySQL) so every backend stores the same thing, and
 string columns are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay distinct there too.
 """
 
 from __future__ import annotations
 
-import json
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -18,26 +16,9 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
-from llmtrain.errors import ComponentNotFoundError, StoreError
-from llmtrain.metadata.base import (
-    TABLE_PREFIX,
-    CheckpointRecord,
-    ComponentRecord,
-    MetadataStore,
-    MetricRecord,
-    RunRecord,
-    RunStatus,
-)
-from llmtrain.metadata.records import (
-    MAX_TRIES,
-    UTC,
-    check_status,
-    component_record,
-    dumps,
-    float_values,
-    now_utc,
-    pause,
-)
+from llmtrain.errors import StoreError
+from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
+from llmtrain.metadata.records import UTC, pause
 
 T = TypeVar("T")
 #: deadlocks and lock timeouts are retried this many times
@@ -160,8 +141,12 @@ class SQLMetadataStore(MetadataStore):
     """Components and runs in ``_llmtrain_*`` tables of a SQL database.
 
     The engine comes from :func:`sql_engine` on every call (shared with the data backend,
-    one per process), so the store pickles as its URI and reopens lazily.
+    one per process), so the store pickles as its URI and reopens lazily. The tables are
+    created by the first write; a read of a database without them finds nothing, and a read of
+    a SQLite file that is not there is a DatabaseNotFoundError (it never creates the file).
     """
+
+    _driver_errors = (sa.exc.SQLAlchemyError,)
 
     def __init__(self, uri: str) -> None:
         super().__init__(uri)
@@ -169,24 +154,6 @@ class SQLMetadataStore(MetadataStore):
         self._schema_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------------
-    @contextmanager
-    def _errors(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except sa.exc.SQLAlchemyError as exc:
-            detail = getattr(exc, "orig", None) or exc
-            raise StoreError(f"metadata store {self._where}: {what} failed: "
-                             f"{type(detail).__name__}: {detail}") from exc
-
-    def _engine(self) -> sa.Engine:
-        engine = sql_engine(self._uri)
-        if not self._schema_ready:
-            with self._schema_lock:
-                if not self._schema_ready:
-                    self._create_schema(engine)
-                    self._schema_ready = True
-        return engine
-
     def _create_schema(self, engine: sa.Engine) -> None:
         """``checkfirst`` can race with another process creating the same table: retry."""
         for attempt in range(10):
@@ -200,47 +167,58 @@ class SQLMetadataStore(MetadataStore):
                                      f"{TABLE_PREFIX}* tables: {exc.orig}") from exc
                 pause(attempt)
 
-    def _read(self, what: str, fn: Callable[[sa.Connection], T]) -> T:
-        with self._errors(what):
-            engine = self._engine()
-            with engine.connect() as conn:
-                return fn(conn)
+    def _has_tables(self, conn: sa.Connection) -> bool:
+        if not self._schema_ready and sa.inspect(conn).has_table(components.name):
+            self._schema_ready = True  # another store or process created them
+        return self._schema_ready
 
-    def _write(self, what: str, fn: Callable[[sa.Connection], T], *,
-               retry_conflicts: bool = False) -> T:
-        """Run ``fn`` in one transaction. Retry a lost race on a unique key when asked
-        (another writer took the same version first) and, a few times, a lock conflict."""
-        with self._errors(what):
-            engine = self._engine()
-            conflicts = lock_failures = 0
-            while True:
-                try:
-                    with engine.connect() as conn:
-                        if engine.dialect.name == "sqlite":
-                            # Take the write lock up front: a deferred transaction that read
-                            # first cannot wait for the lock, it fails at once.
-                            conn.exec_driver_sql("BEGIN IMMEDIATE")
-                        result = fn(conn)
-                        conn.commit()
-                        return result
-                except sa.exc.IntegrityError:
-                    conflicts += 1
-                    if not retry_conflicts or conflicts >= MAX_TRIES:
-                        raise
-                    pause(conflicts)
-                except sa.exc.DBAPIError as exc:
-                    # SQLite reports "locked" only after its 60 s busy timeout: few retries.
-                    lock_failures += 1
-                    if not _is_transient(exc) or lock_failures >= LOCK_TRIES:
-                        raise
-                    pause(lock_failures)
+    def _read(self, empty: T, fn: Callable[[sa.Connection], T]) -> T:
+        """``fn`` on a connection, or ``empty`` when the tables do not exist (none created)."""
+        with sql_engine(self._uri).connect() as conn:
+            return fn(conn) if self._has_tables(conn) else empty
+
+    def _write(self, fn: Callable[[sa.Connection], T], *, creates: bool = True,
+               empty: T | None = None) -> T | None:
+        """Run ``fn`` in one transaction; a unique key another writer took is a Conflict, and
+        a lock conflict is retried a few times. A write that only deletes or updates
+        (``creates=False``) returns ``empty`` instead of creating the tables."""
+        engine = sql_engine(self._uri, create=creates)
+        if not self._schema_ready:
+            if not creates:
+                with engine.connect() as conn:
+                    if not self._has_tables(conn):
+                        return empty
+            with self._schema_lock:
+                if not self._schema_ready:
+                    self._create_schema(engine)
+                    self._schema_ready = True
+        lock_failures = 0
+        while True:
+            try:
+                with engine.connect() as conn:
+                    if engine.dialect.name == "sqlite":
+                        # Take the write lock up front: a deferred transaction that read
+                        # first cannot wait for the lock, it fails at once.
+                        conn.exec_driver_sql("BEGIN IMMEDIATE")
+                    result = fn(conn)
+                    conn.commit()
+                    return result
+            except sa.exc.IntegrityError as exc:
+                raise Conflict(str(exc.orig)) from exc
+            except sa.exc.DBAPIError as exc:
+                # SQLite reports "locked" only after its 60 s busy timeout: few retries.
+                lock_failures += 1
+                if not _is_transient(exc) or lock_failures >= LOCK_TRIES:
+                    raise
+                pause(lock_failures)
+
+    @staticmethod
+    def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
+        return [dict(r) for r in conn.execute(query).mappings()]
 
     # -- components ---------------------------------------------------------------------------
-    def add_component(self, type_id: str, identifier: str, payload: dict[str, Any]) -> int:
-        if not isinstance(payload, dict):
-            raise StoreError(f"{type_id} {identifier!r}: payload must be a dict, "
-                             f"got {type(payload).__name__}")
-        text = dumps(payload, f"{type_id} {identifier!r} payload")
+    def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
+                          payload: str) -> int:
         c = components.c
 
         def insert(conn: sa.Connection) -> int:
@@ -249,166 +227,92 @@ class SQLMetadataStore(MetadataStore):
             version = 0 if newest is None else int(newest) + 1
             conn.execute(components.insert().values(
                 type_id=type_id, identifier=identifier, version=version,
-                created_at=now_utc(), payload=text))
+                created_at=created_at, payload=payload))
             return version
 
-        return self._write(f"adding {type_id} {identifier!r}", insert, retry_conflicts=True)
+        return int(self._write(insert) or 0)
 
-    def get_component(self, type_id: str, identifier: str,
-                      version: int | None = None) -> ComponentRecord:
+    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
         c = components.c
         query = sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
         if version is None:
             query = query.order_by(c.version.desc()).limit(1)
         else:
             query = query.where(c.version == version)
-        row = self._read(f"reading {type_id} {identifier!r}",
-                         lambda conn: conn.execute(query).mappings().first())
-        if row is None:
-            which = "any version" if version is None else f"version {version}"
-            raise ComponentNotFoundError(
-                f"no {type_id} {identifier!r} ({which}) in {self._where}")
-        return _component(row)
+        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
 
-    def list_components(self, type_id: str | None = None,
-                        identifier: str | None = None) -> list[ComponentRecord]:
-        c = components.c
-        query = sa.select(components)
-        if type_id is not None:
-            query = query.where(c.type_id == type_id)
-        if identifier is not None:
-            query = query.where(c.identifier == identifier)
-        rows = self._read("listing components",
-                          lambda conn: conn.execute(query).mappings().all())
-        # Sorted here: collations differ between databases, code points do not.
-        records = [_component(r) for r in rows]
-        return sorted(records, key=lambda r: (r.type_id, r.identifier, r.version))
+    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]:
+        query = _filtered(components, type_id=type_id, identifier=identifier)
+        return self._read([], lambda conn: self._rows(conn, query))
 
-    def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
+    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int:
         c = components.c
         stmt = components.delete().where(c.type_id == type_id, c.identifier == identifier)
         if version is not None:
             stmt = stmt.where(c.version == version)
-        return self._write(f"removing {type_id} {identifier!r}",
-                           lambda conn: conn.execute(stmt).rowcount)
+        return int(self._write(lambda conn: conn.execute(stmt).rowcount, creates=False,
+                               empty=0) or 0)
 
     # -- runs ---------------------------------------------------------------------------------
-    def create_run(self, run_id: str, type_id: str, identifier: str, version: int,
-                   info: dict[str, Any]) -> RunRecord:
-        now = now_utc()
-        record = RunRecord(run_id=run_id, type_id=type_id, identifier=identifier,
-                           version=version, status="created", created_at=now, updated_at=now,
-                           info=dict(info))
-        text = dumps(record.info, f"run {run_id!r} info")
-        try:
-            self._write(f"creating run {run_id!r}", lambda conn: conn.execute(
-                runs.insert().values(**record.model_dump(exclude={"info"}), info=text)))
-        except StoreError as exc:
-            if isinstance(exc.__cause__, sa.exc.IntegrityError):
-                raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
-            raise
-        return record
+    def _insert_run(self, row: Row) -> None:
+        self._write(lambda conn: conn.execute(runs.insert().values(**row)))
 
-    def update_run(self, run_id: str, *, status: RunStatus | None = None,
-                   info: dict[str, Any] | None = None, error: str | None = None) -> RunRecord:
-        if status is not None:
-            check_status(status)
-
-        def update(conn: sa.Connection) -> RunRecord:
-            row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)
-                               .with_for_update()).mappings().first()
-            if row is None:
-                raise StoreError(f"no run {run_id!r} in {self._where}")
-            record = _run(row)
-            changes: dict[str, Any] = {"updated_at": now_utc()}
-            if status is not None:
-                changes["status"] = status
-            if error is not None:
-                changes["error"] = error
-            elif status in ("running", "completed"):
-                changes["error"] = None  # a run going again, or done, carries no old failure
-            merged = {**record.info, **(info or {})}
-            changes["info"] = dumps(merged, f"run {run_id!r} info")
+    def _change_run(self, run_id: str,
+                    change: Callable[[Row], dict[str, Any]]) -> Row | None:
+        def update(conn: sa.Connection) -> Row | None:
+            found = self._rows(conn, sa.select(runs).where(runs.c.run_id == run_id)
+                               .with_for_update())
+            if not found:
+                return None
+            changes = change(found[0])
             conn.execute(runs.update().where(runs.c.run_id == run_id).values(**changes))
-            return record.model_copy(update={**changes, "info": merged})
+            return {**found[0], **changes}
 
-        return self._write(f"updating run {run_id!r}", update)
+        return self._write(update, creates=False)
 
-    def get_run(self, run_id: str) -> RunRecord:
-        row = self._read(f"reading run {run_id!r}", lambda conn: conn.execute(
-            sa.select(runs).where(runs.c.run_id == run_id)).mappings().first())
-        if row is None:
-            raise StoreError(f"no run {run_id!r} in {self._where}")
-        return _run(row)
+    def _find_run(self, run_id: str) -> Row | None:
+        query = sa.select(runs).where(runs.c.run_id == run_id)
+        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
 
-    def list_runs(self, type_id: str | None = None,
-                  identifier: str | None = None) -> list[RunRecord]:
-        query = sa.select(runs).order_by(runs.c.seq)
-        if type_id is not None:
-            query = query.where(runs.c.type_id == type_id)
-        if identifier is not None:
-            query = query.where(runs.c.identifier == identifier)
-        rows = self._read("listing runs", lambda conn: conn.execute(query).mappings().all())
-        return [_run(r) for r in rows]
+    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
+        query = _filtered(runs, type_id=type_id, identifier=identifier).order_by(runs.c.seq)
+        return self._read([], lambda conn: self._rows(conn, query))
+
+    def _delete_run(self, run_id: str) -> None:
+        def delete(conn: sa.Connection) -> None:
+            for table in (checkpoints, metrics, runs):
+                conn.execute(table.delete().where(table.c.run_id == run_id))
+
+        self._write(delete, creates=False)
 
     # -- metrics and checkpoints ----------------------------------------------------------------
-    def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
-        text = dumps(float_values(values), f"run {run_id!r} metrics")
-        self._write(f"logging metrics of run {run_id!r}", lambda conn: conn.execute(
-            metrics.insert().values(run_id=run_id, step=int(step), metric_values=text,
-                                    created_at=now_utc())))
+    def _insert_metrics(self, row: Row) -> None:
+        values = {("metric_values" if k == "values" else k): v for k, v in row.items()}
+        self._write(lambda conn: conn.execute(metrics.insert().values(**values)))
 
-    def get_metrics(self, run_id: str) -> list[MetricRecord]:
+    def _find_metrics(self, run_id: str) -> list[Row]:
         query = (sa.select(metrics).where(metrics.c.run_id == run_id)
                  .order_by(metrics.c.step, metrics.c.id))
-        rows = self._read(f"reading metrics of run {run_id!r}",
-                          lambda conn: conn.execute(query).mappings().all())
-        return [MetricRecord(run_id=r["run_id"], step=r["step"],
-                             values=json.loads(r["metric_values"]),
-                             created_at=r["created_at"]) for r in rows]
+        rows = self._read([], lambda conn: self._rows(conn, query))
+        return [{**r, "values": r["metric_values"]} for r in rows]
 
-    def add_checkpoint(self, run_id: str, step: int, artifact_id: str,
-                       info: dict[str, Any]) -> CheckpointRecord:
-        record = CheckpointRecord(run_id=run_id, step=step, artifact_id=artifact_id,
-                                  created_at=now_utc(), info=dict(info))
-        text = dumps(record.info, f"checkpoint info of run {run_id!r}")
-        try:
-            self._write(f"adding checkpoint {step} of run {run_id!r}", lambda conn: conn.execute(
-                checkpoints.insert().values(**record.model_dump(exclude={"info"}), info=text)))
-        except StoreError as exc:
-            if isinstance(exc.__cause__, sa.exc.IntegrityError):
-                raise StoreError(f"run {run_id!r} already has a checkpoint at step "
-                                 f"{step}") from None
-            raise
-        return record
+    def _insert_checkpoint(self, row: Row) -> None:
+        self._write(lambda conn: conn.execute(checkpoints.insert().values(**row)))
 
-    def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
+    def _find_checkpoints(self, run_id: str) -> list[Row]:
         query = (sa.select(checkpoints).where(checkpoints.c.run_id == run_id)
                  .order_by(checkpoints.c.step))
-        rows = self._read(f"listing checkpoints of run {run_id!r}",
-                          lambda conn: conn.execute(query).mappings().all())
-        return [CheckpointRecord(run_id=r["run_id"], step=r["step"],
-                                 artifact_id=r["artifact_id"], created_at=r["created_at"],
-                                 info=json.loads(r["info"])) for r in rows]
+        return self._read([], lambda conn: self._rows(conn, query))
 
-    def remove_checkpoint(self, run_id: str, step: int) -> None:
-        """Removing one that is not there is a no-op (retention may run twice)."""
+    def _delete_checkpoint(self, run_id: str, step: int) -> None:
         stmt = checkpoints.delete().where(checkpoints.c.run_id == run_id,
                                           checkpoints.c.step == step)
-        self._write(f"removing checkpoint {step} of run {run_id!r}",
-                    lambda conn: conn.execute(stmt))
+        self._write(lambda conn: conn.execute(stmt), creates=False)
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
 
 
-def _component(row: sa.RowMapping) -> ComponentRecord:
-    return component_record(row["type_id"], row["identifier"], row["version"],
-                            row["created_at"], row["payload"])
-
-
-def _run(row: sa.RowMapping) -> RunRecord:
-    return RunRecord(run_id=row["run_id"], type_id=row["type_id"], identifier=row["identifier"],
-                     version=row["version"], status=row["status"], created_at=row["created_at"],
-                     updated_at=row["updated_at"], info=json.loads(row["info"]),
-                     error=row["error"])
+def _filtered(table: sa.Table, **equal: Any) -> sa.Select[Any]:
+    """SELECT * with ``column == value`` for every value that is not None."""
+    return sa.select(table).where(*(table.c[k] == v for k, v in equal.items() if v is not None))

@@ -120,7 +120,7 @@ WEIRD_COLUMNS = {"prompt": 'select "a"; DROP TABLE x; --', "answer": "order by",
 
 def test_hostile_table_and_column_names_are_quoted_and_nothing_is_dropped(
         sql_uri: str, tiny: Path, tmp_path: Path) -> None:
-    engine = sql_engine(sql_uri)
+    engine = sql_engine(sql_uri, create=True)
     meta = sa.MetaData()
     victim = sa.Table("x", meta, sa.Column("id", sa.Integer, primary_key=True))
     weird = sa.Table(WEIRD_TABLE, meta,
