@@ -8,12 +8,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from llmtrain.artifacts import check_artifacts_spec
 from llmtrain.artifacts.base import ArtifactStore
 from llmtrain.backends.base import DataBackend
 from llmtrain.backends.retry import RetryPolicy
 from llmtrain.components import Component, check_identifier, component_class
-from llmtrain.errors import ConfigError, StoreError
-from llmtrain.metadata.base import ComponentRecord, MetadataStore
+from llmtrain.errors import ComponentNotFoundError, ConfigError, StoreError
+from llmtrain.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
 
@@ -52,6 +53,8 @@ class Datalayer:
         self._metadata_uri = metadata_uri or uri
         if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
             raise ConfigError("artifacts='gridfs' needs a MongoDB metadata database")
+        if isinstance(artifacts, (str, Path)):
+            check_artifacts_spec(artifacts)
         self._artifacts_spec = artifacts
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
@@ -114,13 +117,21 @@ class Datalayer:
 
     # -- components ---------------------------------------------------------------------------
     def add(self, component: Component) -> int:
-        """Store a new version of ``component``; returns (and sets) its version."""
+        """Store ``component`` as a new version, unless the newest stored version has the same
+        payload (a repeated merge or save adds nothing); returns (and sets) its version."""
         if not isinstance(component, Component):
             raise StoreError(f"{type(component).__name__} is not a component "
                              "(needs type_id, identifier, to_dict and from_dict)")
         identifier = check_identifier(component.identifier)
-        version = self.metadata.add_component(component.type_id, identifier,
-                                              component.to_dict())
+        payload = component.to_dict()
+        try:
+            newest = self.metadata.get_component(component.type_id, identifier)
+        except ComponentNotFoundError:
+            newest = None
+        if newest is not None and newest.payload == payload:
+            version = newest.version
+        else:
+            version = self.metadata.add_component(component.type_id, identifier, payload)
         component.version = version  # type: ignore[attr-defined]
         return version
 
@@ -150,8 +161,54 @@ class Datalayer:
             return sorted({r.identifier for r in records})
         return [r.version for r in records]
 
-    def remove(self, type_id: str, identifier: str, version: int | None = None) -> int:
-        return self.metadata.remove_component(type_id, check_identifier(identifier), version)
+    def remove(self, type_id: str, identifier: str, version: int | None = None, *,
+               force: bool = False) -> int:
+        """Remove one version (or all); returns how many went.
+
+        A trainer that still has runs or models is refused, naming them; ``force=True``
+        removes them too: the runs with their metrics and checkpoints (and the checkpoints'
+        artifacts), and the models it produced (and their artifacts that nothing kept uses).
+        """
+        identifier = check_identifier(identifier)
+        runs, models = self._dependents(type_id, identifier, version)
+        if (runs or models) and not force:
+            what = [f"{len(runs)} run(s) ({', '.join(r.run_id for r in runs)})"] if runs else []
+            if models:
+                what.append(f"model {identifier!r} version(s) "
+                            f"{', '.join(str(m.version) for m in models)}")
+            raise StoreError(f"{type_id} {identifier!r} still has {' and '.join(what)}: remove "
+                             "those first, or pass force=True to remove them with it")
+        doomed: set[str] = set()
+        for run in runs:
+            doomed |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
+            self.metadata.remove_run(run.run_id)
+        for model in models:
+            doomed |= {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
+            self.metadata.remove_component("model", identifier, model.version)
+        removed = self.metadata.remove_component(type_id, identifier, version)
+        for artifact in sorted(doomed - self._artifacts_in_use() if doomed else ()):
+            self.artifacts.delete(artifact)
+        return removed
+
+    def _dependents(self, type_id: str, identifier: str,
+                    version: int | None) -> tuple[list[RunRecord], list[ComponentRecord]]:
+        """A trainer's runs and the model versions they produced (same identifier)."""
+        if type_id != "trainer":
+            return [], []
+        runs = [r for r in self.metadata.list_runs(type_id, identifier)
+                if version is None or r.version == version]
+        models = [m for m in self.metadata.list_components("model", identifier)
+                  if version is None or m.payload.get("trainer_version") == version]
+        return runs, models
+
+    def _artifacts_in_use(self) -> set[str]:
+        """Artifacts that remaining models and checkpoints still point at (content ids can be
+        shared, so one trainer's removal must not delete another's)."""
+        used = {a for m in self.metadata.list_components("model")
+                for a in (m.payload.get("adapter"), m.payload.get("merged")) if a}
+        for run in self.metadata.list_runs():
+            used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
+        return used
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

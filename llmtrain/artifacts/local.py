@@ -332,8 +332,8 @@ class LocalArtifactStore(ContentAddressedStore):
 
     @contextmanager
     def _tree_lock(self, exclusive: bool) -> Iterator[None]:
-        if fcntl is None:
-            yield
+        if fcntl is None or (not exclusive and not self.root.is_dir()):
+            yield  # a reader of a folder that is not there finds nothing: create nothing
             return
         self._mkdir(self.root)
         try:

@@ -89,9 +89,9 @@ def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
         model = None
         if strategy.is_main:
             model = TrainedModel.from_run(trainer, run_id, adapter, run.history)
+            if merge:  # before the first add: one fit, one model version
+                model.merge(store=False)
             db.add(model)
-            if merge:
-                model.merge()
             db.metadata.update_run(run_id, status="completed", info={
                 "steps": run.step, "tokens": run.tokens_seen, "artifact": adapter,
                 "model_version": model.version,

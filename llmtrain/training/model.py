@@ -9,13 +9,18 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict
 
 from llmtrain.components import register_component
 from llmtrain.errors import ConfigError
 from llmtrain.training.args import ModelArguments, build
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+    from llmtrain.formatting import Formatter
+    from llmtrain.training.trainer import LLMTrainer
 
 
 class ModelRecord(BaseModel):
@@ -41,15 +46,16 @@ class TrainedModel:
     def __init__(self, record: ModelRecord) -> None:
         self.record = record
         self.version: int | None = None
-        self.db: Any = None
+        self.db: Datalayer | None = None
         self._loaded: tuple[Any, Any] | None = None
+        self._formatter: Formatter | None = None
 
     @property
     def identifier(self) -> str:
         return self.record.identifier
 
     @classmethod
-    def from_run(cls, trainer: Any, run_id: str, artifact: str | None,
+    def from_run(cls, trainer: LLMTrainer, run_id: str, artifact: str | None,
                  history: list[dict[str, float]]) -> TrainedModel:
         cfg = trainer.config
         model = cls(ModelRecord(
@@ -67,14 +73,14 @@ class TrainedModel:
     def from_dict(cls, data: dict[str, Any]) -> TrainedModel:
         return cls(build(ModelRecord, data))  # type: ignore[arg-type]
 
-    def _attach(self, db: Any) -> None:
+    def _attach(self, db: Datalayer) -> None:
         self.db = db
 
     def __repr__(self) -> str:
         return f"TrainedModel({self.identifier!r}, version={self.version})"
 
     # -- loading -------------------------------------------------------------------------------
-    def _require_db(self) -> Any:
+    def _require_db(self) -> Datalayer:
         if self.db is None:
             raise ConfigError("this model is not attached to a database; use db.load('model', "
                               f"{self.identifier!r})")
@@ -108,13 +114,17 @@ class TrainedModel:
             self._loaded = (model, tokenizer)
         return self._loaded
 
-    def formatter(self) -> Any:
-        from llmtrain.formatting import Formatter
+    def formatter(self) -> Formatter:
+        """The training prompt format, built once per loaded model."""
+        if self._formatter is None:
+            from llmtrain.formatting import Formatter
 
-        _, tokenizer = self.load()
-        template = None if self.record.chat_template else self.record.prompt_template
-        return Formatter(tokenizer, template, chat_template=self.record.chat_template,
-                         max_length=self.record.max_length)
+            _, tokenizer = self.load()
+            template = None if self.record.chat_template else self.record.prompt_template
+            self._formatter = Formatter(tokenizer, template,
+                                        chat_template=self.record.chat_template,
+                                        max_length=self.record.max_length)
+        return self._formatter
 
     # -- inference -----------------------------------------------------------------------------
     def generate(self, X: str | list[str], *, max_new_tokens: int = 64,  # noqa: N803
@@ -137,12 +147,15 @@ class TrainedModel:
         return outputs[0] if isinstance(X, str) else outputs
 
     def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803
+        """The scikit-learn style name of :meth:`generate` (same arguments, same result)."""
         return self.generate(X, **kwargs)
 
     # -- export ----------------------------------------------------------------------------------
-    def merge(self, dest: str | Path | None = None) -> str:
+    def merge(self, dest: str | Path | None = None, *, store: bool = True) -> str:
         """Write the base model with the adapter merged in (safetensors) to the artifact store
-        (and to ``dest`` if given); record it on this component. Returns the artifact id."""
+        (and to ``dest`` if given); record it on this component and, with ``store``, store
+        that as a new version (fit(merge=True) merges before the model is first stored, so
+        one fit adds one version). Returns the artifact id."""
         import torch
         from peft import PeftModel
 
@@ -165,5 +178,6 @@ class TrainedModel:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.record = self.record.model_copy(update={"merged": artifact})
-        db.add(self)
+        if store:
+            db.add(self)
         return artifact
