@@ -55,11 +55,9 @@ def component_class(type_id: str) -> type[Any]:
 
 
 def _load_builtin_components() -> None:
-    """Import the modules that register the built-in component types."""
+    """Import the modules that register the built-in component types. An ImportError here is
+    real (a missing dependency) and surfaces as itself, never as "unknown component type"."""
     import importlib
 
     for module in ("llmtrain.training.trainer", "llmtrain.training.model"):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            continue
+        importlib.import_module(module)

@@ -13,7 +13,7 @@ from llmtrain.artifacts.base import ArtifactStore
 from llmtrain.backends.base import DataBackend
 from llmtrain.backends.retry import RetryPolicy
 from llmtrain.components import Component, check_identifier, component_class
-from llmtrain.errors import ComponentNotFoundError, ConfigError, StoreError
+from llmtrain.errors import ConfigError, StoreError
 from llmtrain.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
@@ -123,15 +123,8 @@ class Datalayer:
             raise StoreError(f"{type(component).__name__} is not a component "
                              "(needs type_id, identifier, to_dict and from_dict)")
         identifier = check_identifier(component.identifier)
-        payload = component.to_dict()
-        try:
-            newest = self.metadata.get_component(component.type_id, identifier)
-        except ComponentNotFoundError:
-            newest = None
-        if newest is not None and newest.payload == payload:
-            version = newest.version
-        else:
-            version = self.metadata.add_component(component.type_id, identifier, payload)
+        version = self.metadata.add_component(component.type_id, identifier,
+                                              component.to_dict(), unless_unchanged=True)
         component.version = version  # type: ignore[attr-defined]
         return version
 

@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 import llmtrain as lt
+from llmtrain.artifacts import LocalArtifactStore, open_artifacts
 from llmtrain.components import register_component
 from llmtrain.datalayer import default_artifact_dir
 from llmtrain.errors import ComponentNotFoundError, ConfigError, StoreError
@@ -109,3 +110,112 @@ def test_default_artifact_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
     assert default_artifact_dir("postgresql://u:p@db.example/prod") == \
         tmp_path / "home" / "artifacts" / "db.example-prod"
+
+
+def test_adding_an_unchanged_component_keeps_the_newest_version(any_uri: str,
+                                                                 tmp_path: Path) -> None:
+    db = lt.connect(any_uri, artifacts=tmp_path / "a")
+    note = Note("n", "same")
+    assert db.add(note) == 0
+    assert db.add(Note("n", "same")) == 0 and note.version == 0
+    assert db.add(Note("n", "changed")) == 1
+    assert db.add(Note("n", "same")) == 2  # equal to an older version, not the newest
+    assert db.show("note", "n") == [0, 1, 2]
+
+
+def _trainer_with_history(db: Any) -> dict[str, Any]:
+    """The records a fit leaves: trainer v0 and v1, a run of each with a checkpoint, and the
+    model versions they produced (v1 shares its adapter with v0's merge)."""
+    meta, art = db.metadata, db.artifacts
+    ids = {name: art.put_bytes(name.encode()) for name in
+           ("ckpt0", "ckpt1", "adapter0", "adapter1", "merged0", "other")}
+    for version in (0, 1):
+        meta.add_component("trainer", "t", {"recipe": version})
+        meta.create_run(f"run{version}", "trainer", "t", version, {})
+        meta.log_metrics(f"run{version}", 1, {"loss": 1.0})
+        meta.add_checkpoint(f"run{version}", 1, ids[f"ckpt{version}"], {})
+    meta.add_component("model", "t", {"adapter": ids["adapter0"], "trainer_version": 0})
+    meta.add_component("model", "t", {"adapter": ids["adapter0"], "merged": ids["merged0"],
+                                      "trainer_version": 0})
+    meta.add_component("model", "t", {"adapter": ids["adapter1"], "trainer_version": 1})
+    meta.add_component("model", "u", {"adapter": ids["other"], "trainer_version": 0})
+    return ids
+
+
+def test_removing_a_trainer_with_runs_or_models_is_refused_naming_them(
+        any_uri: str, tmp_path: Path) -> None:
+    db = lt.connect(any_uri, artifacts=tmp_path / "a")
+    _trainer_with_history(db)
+    with pytest.raises(StoreError, match=r"trainer 't' still has 2 run\(s\) \(run0, run1\) and "
+                                         r"model 't' version\(s\) 0, 1, 2.*force=True"):
+        db.remove("trainer", "t")
+    with pytest.raises(StoreError, match=r"1 run\(s\) \(run1\) and model 't' version\(s\) 2"):
+        db.remove("trainer", "t", version=1)
+    assert db.show("trainer", "t") == [0, 1] and len(db.metadata.list_runs()) == 2
+
+
+def test_force_removes_a_trainer_with_its_runs_checkpoints_and_models(
+        any_uri: str, tmp_path: Path) -> None:
+    db = lt.connect(any_uri, artifacts=tmp_path / "a")
+    ids = _trainer_with_history(db)
+    assert db.remove("trainer", "t", version=1, force=True) == 1
+    assert db.show("trainer", "t") == [0] and db.show("model", "t") == [0, 1]
+    assert [r.run_id for r in db.metadata.list_runs()] == ["run0"]
+    assert db.metadata.get_metrics("run1") == [] and db.metadata.list_checkpoints("run1") == []
+    assert not db.artifacts.exists(ids["ckpt1"]) and not db.artifacts.exists(ids["adapter1"])
+    assert db.artifacts.exists(ids["ckpt0"]) and db.artifacts.exists(ids["adapter0"])
+
+    assert db.remove("trainer", "t", force=True) == 1
+    assert db.show("trainer") == [] and db.show("model") == ["u"]
+    assert db.metadata.list_runs() == []
+    assert not any(db.artifacts.exists(ids[k]) for k in ("ckpt0", "adapter0", "merged0"))
+    assert db.artifacts.exists(ids["other"])  # another trainer's model keeps its artifact
+
+
+def test_removing_a_model_or_a_trainer_without_history_needs_no_force(sqlite_uri: str,
+                                                                      tmp_path: Path) -> None:
+    db = lt.connect(sqlite_uri, artifacts=tmp_path / "a")
+    db.metadata.add_component("trainer", "lonely", {})
+    db.metadata.add_component("model", "m", {"adapter": None, "trainer_version": 0})
+    assert db.remove("model", "m") == 1
+    assert db.remove("trainer", "lonely") == 1
+
+
+@pytest.mark.parametrize("spec", ["s3://bucket/prefix", "gs://b/p", "HTTPS://host/x"])
+def test_artifacts_url_with_an_unknown_scheme_is_a_config_error(spec: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    monkeypatch.chdir(tmp_path)
+    scheme = spec.split("://")[0]
+    with pytest.raises(ConfigError, match=f"no artifact store handles {scheme}://"):
+        lt.connect(f"sqlite:///{tmp_path / 'x.db'}", artifacts=spec)
+    with pytest.raises(ConfigError, match=f"artifacts='{spec}'"):
+        open_artifacts(spec, metadata_uri="sqlite:///x.db")
+    assert list(tmp_path.iterdir()) == []  # no folder named "s3:"
+
+
+def test_file_url_is_the_local_folder(tmp_path: Path) -> None:
+    store = open_artifacts(f"file://{tmp_path / 'art'}", metadata_uri="sqlite:///x.db")
+    assert isinstance(store, LocalArtifactStore) and store.root == tmp_path / "art"
+
+
+def test_a_failing_import_surfaces_instead_of_unknown_type(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A built-in component module that cannot import (a missing dependency) raises that
+    ImportError, not "unknown component type 'model'"."""
+    import sys
+
+    import llmtrain.components as components
+
+    monkeypatch.setattr(components, "_registry", {})
+    monkeypatch.delitem(sys.modules, "llmtrain.training.model", raising=False)
+    monkeypatch.setitem(sys.modules, "llmtrain.training.args", None)  # as if not installable
+    with pytest.raises(ImportError, match="llmtrain.training.args"):
+        components.component_class("model")
+
+
+def test_an_unknown_component_type_lists_the_known_ones() -> None:
+    from llmtrain.components import component_class
+
+    with pytest.raises(StoreError, match=r"unknown component type 'nope'; known: .*'model'"):
+        component_class("nope")

@@ -6,6 +6,7 @@ nothing is pickled, and URIs are redacted before they arrive.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -74,15 +75,20 @@ class MetadataStore(ABC):
         self.__init__(state["_uri"])  # type: ignore[misc]
 
     # -- components ---------------------------------------------------------------------------
-    def add_component(self, type_id: str, identifier: str, payload: dict[str, Any]) -> int:
-        """Store a new version and return its number."""
+    def add_component(self, type_id: str, identifier: str, payload: dict[str, Any], *,
+                      unless_unchanged: bool = False) -> int:
+        """Store a new version and return its number; with ``unless_unchanged``, return the
+        newest version instead when its payload equals ``payload`` (checked in the write)."""
         if not isinstance(payload, dict):
             raise StoreError(f"{type_id} {identifier!r}: payload must be a dict, "
                              f"got {type(payload).__name__}")
         text = dumps(payload, f"{type_id} {identifier!r} payload")
+        what = f"{type_id} {identifier!r} payload"
+        same = (lambda newest: loads(newest["payload"], what) == json.loads(text)) \
+            if unless_unchanged else None
         with self._errors(f"adding {type_id} {identifier!r}"):
             return self._retry_conflicts(
-                lambda: self._insert_component(type_id, identifier, self._now(), text))
+                lambda: self._insert_component(type_id, identifier, self._now(), text, same))
 
     def get_component(self, type_id: str, identifier: str,
                       version: int | None = None) -> ComponentRecord:
@@ -247,8 +253,9 @@ class MetadataStore(ABC):
     # creates none of them.
     @abstractmethod
     def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str) -> int:
-        """Insert version newest + 1 (0 for the first); Conflict if another writer took it."""
+                          payload: str, same: Callable[[Row], bool] | None) -> int:
+        """Insert version newest + 1 (0 for the first); Conflict if another writer took it.
+        When ``same(newest row)`` holds, insert nothing and return the newest version."""
 
     @abstractmethod
     def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:

@@ -71,8 +71,10 @@ class MongoMetadataStore(MetadataStore):
 
     # -- components ---------------------------------------------------------------------------
     def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str) -> int:
+                          payload: str, same: Callable[[Row], bool] | None) -> int:
         newest = self._find_component(type_id, identifier, None)
+        if newest is not None and same is not None and same(newest):
+            return int(newest["version"])
         version = 0 if newest is None else int(newest["version"]) + 1
         self._insert(COMPONENTS, {"type_id": type_id, "identifier": identifier,
                                   "version": version, "created_at": created_at,

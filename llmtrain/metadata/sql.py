@@ -218,13 +218,16 @@ class SQLMetadataStore(MetadataStore):
 
     # -- components ---------------------------------------------------------------------------
     def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str) -> int:
+                          payload: str, same: Callable[[Row], bool] | None) -> int:
         c = components.c
+        query = (sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
+                 .order_by(c.version.desc()).limit(1))
 
         def insert(conn: sa.Connection) -> int:
-            newest = conn.execute(sa.select(sa.func.max(c.version)).where(
-                c.type_id == type_id, c.identifier == identifier)).scalar()
-            version = 0 if newest is None else int(newest) + 1
+            newest = next(iter(self._rows(conn, query)), None)
+            if newest is not None and same is not None and same(newest):
+                return int(newest["version"])
+            version = 0 if newest is None else int(newest["version"]) + 1
             conn.execute(components.insert().values(
                 type_id=type_id, identifier=identifier, version=version,
                 created_at=created_at, payload=payload))
