@@ -42,17 +42,3 @@ def redact_uri(uri: str) -> str:
     if netloc == parts.netloc and query == parts.query:
         return uri  # nothing secret; urlunsplit would turn sqlite:///x.db into sqlite:/x.db
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-
-
-def secrets_in(uri: str) -> list[str]:
-    """The secret strings inside a URI (password, secret query values), for leak tests."""
-    if "://" not in uri:
-        return []
-    parts = urlsplit(uri)
-    found: list[str] = []
-    if parts.password:
-        found.append(parts.password)
-    for k, v in parse_qsl(parts.query, keep_blank_values=True):
-        if _SECRET_PARAMS.search(k) and v:
-            found.append(v)
-    return found
