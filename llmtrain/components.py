@@ -21,7 +21,9 @@ T = TypeVar("T")
 @runtime_checkable
 class Component(Protocol):
     type_id: ClassVar[str]
-    identifier: str
+
+    @property
+    def identifier(self) -> str: ...
 
     def to_dict(self) -> dict[str, Any]: ...
 

@@ -109,10 +109,10 @@ class Datalayer:
         if self._artifacts is None:
             from llmtrain.artifacts import open_artifacts
 
-            spec = self._artifacts_spec
-            if spec is None:
-                spec = default_artifact_dir(self._uri)
-            self._artifacts = open_artifacts(spec, metadata_uri=self._metadata_uri)
+            spec = self._artifacts_spec  # an ArtifactStore was set in __init__
+            folder = default_artifact_dir(self._uri) if spec is None else spec
+            assert not isinstance(folder, ArtifactStore)
+            self._artifacts = open_artifacts(folder, metadata_uri=self._metadata_uri)
         return self._artifacts
 
     # -- components ---------------------------------------------------------------------------

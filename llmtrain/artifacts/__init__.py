@@ -17,7 +17,9 @@ _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 def check_artifacts_spec(spec: str | Path) -> None:
     """A URL whose scheme no store handles (``s3://``) is refused, never taken for a folder
     named ``s3:``; ``file://`` is the local folder."""
-    match = _URL.match(spec) if isinstance(spec, str) else None
+    if not isinstance(spec, str):
+        return
+    match = _URL.match(spec)
     if match and match.group(1).lower() != "file":
         raise ConfigError(f"artifacts={redact_uri(spec)!r}: no artifact store handles "
                           f"{match.group(1)}:// URLs; use a folder, 'gridfs' or an ArtifactStore")

@@ -51,8 +51,9 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
 _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite autoincrements INTEGER only
 _JSON = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")  # TEXT caps at 64 KiB there
 # The mariadb:// dialect reads only mariadb_* options, mysql:// only mysql_* ones.
-_TABLE_KW = {f"{prefix}_{option}": value for prefix in ("mysql", "mariadb") for option, value in
-             {"engine": "InnoDB", "charset": "utf8mb4", "collate": "utf8mb4_bin"}.items()}
+_TABLE_KW: dict[str, Any] = {
+    f"{prefix}_{option}": value for prefix in ("mysql", "mariadb") for option, value in
+    {"engine": "InnoDB", "charset": "utf8mb4", "collate": "utf8mb4_bin"}.items()}
 
 schema = sa.MetaData()
 components = sa.Table(
@@ -296,7 +297,7 @@ class SQLMetadataStore(MetadataStore):
     def _find_metrics(self, run_id: str) -> list[Row]:
         query = (sa.select(metrics).where(metrics.c.run_id == run_id)
                  .order_by(metrics.c.step, metrics.c.id))
-        rows = self._read([], lambda conn: self._rows(conn, query))
+        rows: list[Row] = self._read([], lambda conn: self._rows(conn, query))
         return [{**r, "values": r["metric_values"]} for r in rows]
 
     def _insert_checkpoint(self, row: Row) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -41,7 +41,7 @@ class ModelRecord(BaseModel):
 
 @register_component
 class TrainedModel:
-    type_id = "model"
+    type_id: ClassVar[str] = "model"
 
     def __init__(self, record: ModelRecord) -> None:
         self.record = record
@@ -86,6 +86,11 @@ class TrainedModel:
                               f"{self.identifier!r})")
         return self.db
 
+    def _weights(self) -> str:
+        if self.record.adapter is None:
+            raise ConfigError(f"model {self.identifier!r} v{self.version} has no stored weights")
+        return self.record.adapter
+
     def load(self, device: str | None = None) -> tuple[Any, Any]:
         """``(model, tokenizer)``: the base model with the adapter, ready for generation."""
         if self._loaded is None:
@@ -97,7 +102,7 @@ class TrainedModel:
             dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             folder = Path(tempfile.mkdtemp(prefix="llmtrain-model-"))
             try:
-                db.artifacts.get_dir(self.record.adapter, folder / "weights")
+                db.artifacts.get_dir(self._weights(), folder / "weights")
                 if self.record.full_model:
                     args = self.record.base.model_copy(
                         update={"model_name_or_path": str(folder / "weights")})
@@ -166,7 +171,7 @@ class TrainedModel:
             raise ConfigError("this model was fully fine-tuned: there is no adapter to merge")
         folder = Path(tempfile.mkdtemp(prefix="llmtrain-merge-"))
         try:
-            db.artifacts.get_dir(self.record.adapter, folder / "adapter")
+            db.artifacts.get_dir(self._weights(), folder / "adapter")
             # merge into full-precision base weights, never into quantised ones
             base = load_model(self.record.base, torch.device("cpu"), quantize=False)
             merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
