@@ -48,11 +48,12 @@ class GridFSArtifactStore(ContentAddressedStore):
     def __repr__(self) -> str:
         return f"GridFSArtifactStore({self._where!r})"
 
-    def _db(self) -> Any:
+    def _db(self, *, write: bool = False) -> Any:
+        """The database; for a write, after the unique index exists (reads create nothing)."""
         if scheme_of(self._uri) == "mongomock":
             _enable_mongomock_gridfs()
         db = mongo_database(self._uri)
-        if not self._index_ready:
+        if write and not self._index_ready:
             try:
                 db[f"{COLLECTION}.files"].create_index("filename", unique=True,
                                                        name="llmtrain_artifact_id")
@@ -61,10 +62,10 @@ class GridFSArtifactStore(ContentAddressedStore):
             self._index_ready = True
         return db
 
-    def _fs(self) -> Any:
+    def _fs(self, *, write: bool = False) -> Any:
         import gridfs
 
-        return gridfs.GridFS(self._db(), collection=COLLECTION)
+        return gridfs.GridFS(self._db(write=write), collection=COLLECTION)
 
     def _error(self, what: str, exc: Exception) -> StoreError:
         return StoreError(f"GridFS artifacts in {self._where}: {what} failed: "
@@ -84,7 +85,7 @@ class GridFSArtifactStore(ContentAddressedStore):
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         import gridfs
 
-        fs = self._fs()
+        fs = self._fs(write=True)
         grid_in = fs.new_file(filename=artifact_id)
         try:
             reader = HashingReader(source)
