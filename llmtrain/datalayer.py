@@ -101,7 +101,9 @@ class Datalayer:
         if self._metadata is None:
             from llmtrain.metadata import open_metadata
 
-            self._metadata = open_metadata(self._metadata_uri)
+            # a separate metadata database may not exist yet: its first write creates it
+            self._metadata = open_metadata(self._metadata_uri,
+                                           missing_ok=self._metadata_uri != self._uri)
         return self._metadata
 
     @property

@@ -113,8 +113,10 @@ def test_a_separate_metadata_file_is_created_by_its_first_write(tmp_path: Path) 
     data = f"sqlite:///{tmp_path / 'data.db'}"
     fill(data, "docs", [{"id": 1, "text": "a"}])
     db = lt.connect(data, metadata_uri=f"sqlite:///{tmp_path / 'meta.db'}")
-    with pytest.raises(DatabaseNotFoundError, match="meta.db"):
-        db.show()
+    assert db.show() == [] and db.metadata.list_runs() == [] and db.remove("note", "n") == 0
+    with pytest.raises(ComponentNotFoundError):
+        db.load("note", "n")
+    assert not (tmp_path / "meta.db").exists()
     assert db.metadata.add_component("note", "n", {}) == 0
     assert (tmp_path / "meta.db").is_file() and db.show() == [
         {"type_id": "note", "identifier": "n"}

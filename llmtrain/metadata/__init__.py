@@ -16,12 +16,14 @@ __all__ = ["CheckpointRecord", "ComponentRecord", "MetadataStore", "MetricRecord
            "RunRecord", "RunStatus", "open_metadata"]
 
 
-def open_metadata(uri: str) -> MetadataStore:
-    """A store on ``uri``; nothing connects until the first call."""
+def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:
+    """A store on ``uri``; nothing connects until the first call. ``missing_ok``: a database
+    that is not there yet (a separate SQLite metadata file) reads as empty and is created by
+    the first write, instead of being a DatabaseNotFoundError."""
     if is_mongo_uri(uri):
         from llmtrain.metadata.mongo import MongoMetadataStore
 
-        return MongoMetadataStore(uri)
+        return MongoMetadataStore(uri, missing_ok=missing_ok)
     from llmtrain.metadata.sql import SQLMetadataStore
 
-    return SQLMetadataStore(uri)
+    return SQLMetadataStore(uri, missing_ok=missing_ok)

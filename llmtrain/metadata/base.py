@@ -36,6 +36,8 @@ __all__ = ["TABLE_PREFIX", "CheckpointRecord", "ComponentRecord", "Conflict", "M
            "MetricRecord", "RunRecord", "RunStatus"]
 T = TypeVar("T")
 TABLE_PREFIX = "_llmtrain_"
+
+
 class Conflict(Exception):
     """A backend primitive's signal: another record already holds that unique key."""
 
@@ -61,18 +63,19 @@ class MetadataStore(ABC):
     #: the driver's exceptions that become a StoreError naming the operation
     _driver_errors: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
         self._uri = uri
         self._where = redact_uri(uri)
+        self._missing_ok = missing_ok
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._where!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_uri": self._uri}
+        return {"_uri": self._uri, "_missing_ok": self._missing_ok}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_uri"])  # type: ignore[misc]
+        self.__init__(state["_uri"], missing_ok=state.get("_missing_ok", False))  # type: ignore[misc]
 
     # -- components ---------------------------------------------------------------------------
     def add_component(self, type_id: str, identifier: str, payload: dict[str, Any], *,
@@ -83,8 +86,8 @@ class MetadataStore(ABC):
             raise StoreError(f"{type_id} {identifier!r}: payload must be a dict, "
                              f"got {type(payload).__name__}")
         text = dumps(payload, f"{type_id} {identifier!r} payload")
-        what = f"{type_id} {identifier!r} payload"
-        same = (lambda newest: loads(newest["payload"], what) == json.loads(text)) \
+        stored = json.loads(text)  # as it reads back: tuples become lists
+        same = (lambda newest: loads(newest["payload"], f"{type_id} {identifier!r}") == stored) \
             if unless_unchanged else None
         with self._errors(f"adding {type_id} {identifier!r}"):
             return self._retry_conflicts(

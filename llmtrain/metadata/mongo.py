@@ -40,8 +40,8 @@ class MongoMetadataStore(MetadataStore):
 
     _driver_errors = (PyMongoError,)
 
-    def __init__(self, uri: str) -> None:
-        super().__init__(uri)
+    def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
+        super().__init__(uri, missing_ok=missing_ok)  # a missing database reads as empty anyway
         self._indexes_ready = False
         self._index_lock = threading.Lock()
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
-from llmtrain.backends.engines import dispose_sql_engine, sql_engine
+from llmtrain.backends.engines import dispose_sql_engine, sql_engine, sqlite_path
 from llmtrain.errors import StoreError
 from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
 from llmtrain.metadata.records import UTC, pause
@@ -144,13 +144,14 @@ class SQLMetadataStore(MetadataStore):
     The engine comes from :func:`sql_engine` on every call (shared with the data backend,
     one per process), so the store pickles as its URI and reopens lazily. The tables are
     created by the first write; a read of a database without them finds nothing, and a read of
-    a SQLite file that is not there is a DatabaseNotFoundError (it never creates the file).
+    a SQLite file that is not there is a DatabaseNotFoundError (it never creates the file)
+    unless ``missing_ok`` (a separate metadata file, created by its first write).
     """
 
     _driver_errors = (sa.exc.SQLAlchemyError,)
 
-    def __init__(self, uri: str) -> None:
-        super().__init__(uri)
+    def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
+        super().__init__(uri, missing_ok=missing_ok)
         self._schema_ready = False
         self._schema_lock = threading.Lock()
 
@@ -173,8 +174,15 @@ class SQLMetadataStore(MetadataStore):
             self._schema_ready = True  # another store or process created them
         return self._schema_ready
 
+    def _absent(self) -> bool:
+        """A SQLite file that is not there, and may not be yet (``missing_ok``)."""
+        path = sqlite_path(self._uri) if self._missing_ok else None
+        return path is not None and not path.exists()
+
     def _read(self, empty: T, fn: Callable[[sa.Connection], T]) -> T:
         """``fn`` on a connection, or ``empty`` when the tables do not exist (none created)."""
+        if self._absent():
+            return empty
         with sql_engine(self._uri).connect() as conn:
             return fn(conn) if self._has_tables(conn) else empty
 
@@ -183,6 +191,8 @@ class SQLMetadataStore(MetadataStore):
         """Run ``fn`` in one transaction; a unique key another writer took is a Conflict, and
         a lock conflict is retried a few times. A write that only deletes or updates
         (``creates=False``) returns ``empty`` instead of creating the tables."""
+        if not creates and self._absent():
+            return empty
         engine = sql_engine(self._uri, create=creates)
         if not self._schema_ready:
             if not creates:
