@@ -34,8 +34,10 @@ class Component(Protocol):
 def check_identifier(identifier: object) -> str:
     """Letters, digits and ``-_.``, not starting with a dot: safe as a file or key name."""
     if not isinstance(identifier, str) or not _IDENTIFIER.match(identifier) or ".." in identifier:
-        raise ConfigError(f"identifier {identifier!r} is invalid: use 1-128 letters, digits, "
-                          "'-', '_' or '.', starting with a letter or digit")
+        raise ConfigError(
+            f"identifier {identifier!r} is invalid: use 1-128 letters, digits, "
+            "'-', '_' or '.', starting with a letter or digit"
+        )
     return identifier
 
 
@@ -52,8 +54,9 @@ def component_class(type_id: str) -> type[Any]:
     try:
         return _registry[type_id]
     except KeyError:
-        raise StoreError(f"unknown component type {type_id!r}; known: {sorted(_registry)}") \
-            from None
+        raise StoreError(
+            f"unknown component type {type_id!r}; known: {sorted(_registry)}"
+        ) from None
 
 
 def _load_builtin_components() -> None:

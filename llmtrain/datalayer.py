@@ -43,12 +43,19 @@ def default_artifact_dir(uri: str) -> Path:
 class Datalayer:
     """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
 
-    def __init__(self, uri: str, *, metadata_uri: str | None = None,
-                 artifacts: str | Path | ArtifactStore | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self,
+        uri: str,
+        *,
+        metadata_uri: str | None = None,
+        artifacts: str | Path | ArtifactStore | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
         if not isinstance(uri, str) or "://" not in uri:
-            raise ConfigError(f"connect() needs a database URI like sqlite:///data.db, "
-                              f"got {redact_uri(str(uri))!r}")
+            raise ConfigError(
+                f"connect() needs a database URI like sqlite:///data.db, "
+                f"got {redact_uri(str(uri))!r}"
+            )
         self._uri = uri
         self._metadata_uri = metadata_uri or uri
         if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
@@ -59,8 +66,9 @@ class Datalayer:
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
         self._metadata: MetadataStore | None = None
-        self._artifacts: ArtifactStore | None = artifacts if isinstance(
-            artifacts, ArtifactStore) else None
+        self._artifacts: ArtifactStore | None = (
+            artifacts if isinstance(artifacts, ArtifactStore) else None
+        )
 
     # -- what is safe to show -------------------------------------------------------------
     @property
@@ -102,8 +110,9 @@ class Datalayer:
             from llmtrain.metadata import open_metadata
 
             # a separate metadata database may not exist yet: its first write creates it
-            self._metadata = open_metadata(self._metadata_uri,
-                                           missing_ok=self._metadata_uri != self._uri)
+            self._metadata = open_metadata(
+                self._metadata_uri, missing_ok=self._metadata_uri != self._uri
+            )
         return self._metadata
 
     @property
@@ -122,11 +131,14 @@ class Datalayer:
         """Store ``component`` as a new version, unless the newest stored version has the same
         payload (a repeated merge or save adds nothing); returns (and sets) its version."""
         if not isinstance(component, Component):
-            raise StoreError(f"{type(component).__name__} is not a component "
-                             "(needs type_id, identifier, to_dict and from_dict)")
+            raise StoreError(
+                f"{type(component).__name__} is not a component "
+                "(needs type_id, identifier, to_dict and from_dict)"
+            )
         identifier = check_identifier(component.identifier)
-        version = self.metadata.add_component(component.type_id, identifier,
-                                              component.to_dict(), unless_unchanged=True)
+        version = self.metadata.add_component(
+            component.type_id, identifier, component.to_dict(), unless_unchanged=True
+        )
         component.version = version  # type: ignore[attr-defined]
         return version
 
@@ -139,8 +151,10 @@ class Datalayer:
         try:
             obj = cls.from_dict(record.payload)
         except (ValidationError, ConfigError, TypeError, KeyError, ValueError) as exc:
-            raise StoreError(f"stored {record.type_id} {record.identifier!r} v{record.version} "
-                             f"is not a valid {cls.__name__}: {exc}") from None
+            raise StoreError(
+                f"stored {record.type_id} {record.identifier!r} v{record.version} "
+                f"is not a valid {cls.__name__}: {exc}"
+            ) from None
         obj.version = record.version
         if hasattr(obj, "_attach"):
             obj._attach(self)
@@ -156,8 +170,9 @@ class Datalayer:
             return sorted({r.identifier for r in records})
         return [r.version for r in records]
 
-    def remove(self, type_id: str, identifier: str, version: int | None = None, *,
-               force: bool = False) -> int:
+    def remove(
+        self, type_id: str, identifier: str, version: int | None = None, *, force: bool = False
+    ) -> int:
         """Remove one version (or all); returns how many went.
 
         A trainer that still has runs or models is refused, naming them; ``force=True``
@@ -169,10 +184,13 @@ class Datalayer:
         if (runs or models) and not force:
             what = [f"{len(runs)} run(s) ({', '.join(r.run_id for r in runs)})"] if runs else []
             if models:
-                what.append(f"model {identifier!r} version(s) "
-                            f"{', '.join(str(m.version) for m in models)}")
-            raise StoreError(f"{type_id} {identifier!r} still has {' and '.join(what)}: remove "
-                             "those first, or pass force=True to remove them with it")
+                what.append(
+                    f"model {identifier!r} version(s) {', '.join(str(m.version) for m in models)}"
+                )
+            raise StoreError(
+                f"{type_id} {identifier!r} still has {' and '.join(what)}: remove "
+                "those first, or pass force=True to remove them with it"
+            )
         doomed: set[str] = set()
         for run in runs:
             doomed |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
@@ -185,22 +203,33 @@ class Datalayer:
             self.artifacts.delete(artifact)
         return removed
 
-    def _dependents(self, type_id: str, identifier: str,
-                    version: int | None) -> tuple[list[RunRecord], list[ComponentRecord]]:
+    def _dependents(
+        self, type_id: str, identifier: str, version: int | None
+    ) -> tuple[list[RunRecord], list[ComponentRecord]]:
         """A trainer's runs and the model versions they produced (same identifier)."""
         if type_id != "trainer":
             return [], []
-        runs = [r for r in self.metadata.list_runs(type_id, identifier)
-                if version is None or r.version == version]
-        models = [m for m in self.metadata.list_components("model", identifier)
-                  if version is None or m.payload.get("trainer_version") == version]
+        runs = [
+            r
+            for r in self.metadata.list_runs(type_id, identifier)
+            if version is None or r.version == version
+        ]
+        models = [
+            m
+            for m in self.metadata.list_components("model", identifier)
+            if version is None or m.payload.get("trainer_version") == version
+        ]
         return runs, models
 
     def _artifacts_in_use(self) -> set[str]:
         """Artifacts that remaining models and checkpoints still point at (content ids can be
         shared, so one trainer's removal must not delete another's)."""
-        used = {a for m in self.metadata.list_components("model")
-                for a in (m.payload.get("adapter"), m.payload.get("merged")) if a}
+        used = {
+            a
+            for m in self.metadata.list_components("model")
+            for a in (m.payload.get("adapter"), m.payload.get("merged"))
+            if a
+        }
         for run in self.metadata.list_runs():
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
@@ -219,9 +248,13 @@ class Datalayer:
         return state
 
 
-def connect(uri: str, *, metadata_uri: str | None = None,
-            artifacts: str | Path | ArtifactStore | None = None,
-            retry: RetryPolicy | None = None) -> Datalayer:
+def connect(
+    uri: str,
+    *,
+    metadata_uri: str | None = None,
+    artifacts: str | Path | ArtifactStore | None = None,
+    retry: RetryPolicy | None = None,
+) -> Datalayer:
     """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
 
     ``metadata_uri`` puts components and runs in another database (default: the same one).

@@ -21,9 +21,19 @@ from llmtrain.artifacts.local import ContentAddressedStore, manifest_bytes
 from llmtrain.backends.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
 
-BAD_IDS = ["sha256:../../etc/passwd", "sha256:" + "a" * 63 + "/", "tree:..", "../x", "",
-           "sha256:" + "A" * 64, "sha256:" + "g" * 64, "sha256:" + "a" * 65, "blob:" + "a" * 64,
-           "sha256:" + "a" * 64 + "\n", "tree:" + "a" * 62 + "/.."]
+BAD_IDS = [
+    "sha256:../../etc/passwd",
+    "sha256:" + "a" * 63 + "/",
+    "tree:..",
+    "../x",
+    "",
+    "sha256:" + "A" * 64,
+    "sha256:" + "g" * 64,
+    "sha256:" + "a" * 65,
+    "blob:" + "a" * 64,
+    "sha256:" + "a" * 64 + "\n",
+    "tree:" + "a" * 62 + "/..",
+]
 
 
 @pytest.fixture(params=["local", "gridfs"])
@@ -52,8 +62,11 @@ def folder(tmp_path: Path) -> Path:
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def all_files(root: Path) -> list[str]:
@@ -88,10 +101,12 @@ def store_raw(store: ArtifactStore, artifact_id: str, data: bytes) -> None:
 # -- round trips ----------------------------------------------------------------------------------
 def test_open_artifacts_dispatch(tmp_path: Path) -> None:
     assert isinstance(open_artifacts(tmp_path, metadata_uri="sqlite:///x.db"), LocalArtifactStore)
-    assert isinstance(open_artifacts(str(tmp_path), metadata_uri="mongomock://h/db"),
-                      LocalArtifactStore)
-    assert isinstance(open_artifacts("gridfs", metadata_uri="mongomock://h/db"),
-                      GridFSArtifactStore)
+    assert isinstance(
+        open_artifacts(str(tmp_path), metadata_uri="mongomock://h/db"), LocalArtifactStore
+    )
+    assert isinstance(
+        open_artifacts("gridfs", metadata_uri="mongomock://h/db"), GridFSArtifactStore
+    )
     with pytest.raises(ConfigError, match="needs a MongoDB metadata database"):
         open_artifacts("gridfs", metadata_uri="postgresql://u:secret@h/db")
 
@@ -136,8 +151,9 @@ def test_folder_round_trip(store: ArtifactStore, folder: Path, tmp_path: Path) -
     assert [p.name for p in (tmp_path / "restored").iterdir()] == ["here"]  # no staging left
 
 
-def test_get_dir_refuses_a_non_empty_destination(store: ArtifactStore, folder: Path,
-                                                 tmp_path: Path) -> None:
+def test_get_dir_refuses_a_non_empty_destination(
+    store: ArtifactStore, folder: Path, tmp_path: Path
+) -> None:
     tree_id = store.put_dir(folder)
     dest = tmp_path / "busy"
     dest.mkdir()
@@ -165,7 +181,8 @@ def test_corrupt_blob_is_detected(store: ArtifactStore) -> None:
 
 
 def test_corrupt_file_in_a_folder_fails_get_dir_and_leaves_nothing(
-        store: ArtifactStore, folder: Path, tmp_path: Path) -> None:
+    store: ArtifactStore, folder: Path, tmp_path: Path
+) -> None:
     tree_id = store.put_dir(folder)
     blob_id = store.put_file(folder / "sub" / "ünïcode name.txt")
     corrupt(store, blob_id)
@@ -187,17 +204,24 @@ def test_corrupt_manifest_is_detected(store: ArtifactStore, folder: Path, tmp_pa
 
 @pytest.mark.parametrize("bad_id", BAD_IDS)
 def test_crafted_ids_are_refused(store: ArtifactStore, bad_id: str, tmp_path: Path) -> None:
-    for call in (store.get_bytes, store.exists, store.delete,
-                 lambda i: store.get_dir(i, tmp_path / "out")):
+    for call in (
+        store.get_bytes,
+        store.exists,
+        store.delete,
+        lambda i: store.get_dir(i, tmp_path / "out"),
+    ):
         with pytest.raises(StoreError, match="invalid artifact id"):
             call(bad_id)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("relpath", ["../evil.txt", "/tmp/evil.txt", "a/../../evil.txt", "a//b",
-                                     "./a", "a\\..\\evil.txt", ""])
-def test_crafted_manifest_paths_are_refused(store: ArtifactStore, relpath: str,
-                                            tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "relpath",
+    ["../evil.txt", "/tmp/evil.txt", "a/../../evil.txt", "a//b", "./a", "a\\..\\evil.txt", ""],
+)
+def test_crafted_manifest_paths_are_refused(
+    store: ArtifactStore, relpath: str, tmp_path: Path
+) -> None:
     blob_id = store.put_bytes(b"payload")
     manifest = manifest_bytes({"ok.txt": blob_id, relpath: blob_id})
     tree_id = "tree:" + hashlib.sha256(manifest).hexdigest()
@@ -207,10 +231,14 @@ def test_crafted_manifest_paths_are_refused(store: ArtifactStore, relpath: str,
     assert not (tmp_path / "out").exists() and not (tmp_path / "evil.txt").exists()
 
 
-def test_manifest_that_names_a_tree_or_junk_is_refused(store: ArtifactStore,
-                                                       tmp_path: Path) -> None:
-    for manifest in (manifest_bytes({"x": "tree:" + "0" * 64}), b"not json",
-                     b'{"format": 2, "files": {}}'):
+def test_manifest_that_names_a_tree_or_junk_is_refused(
+    store: ArtifactStore, tmp_path: Path
+) -> None:
+    for manifest in (
+        manifest_bytes({"x": "tree:" + "0" * 64}),
+        b"not json",
+        b'{"format": 2, "files": {}}',
+    ):
         tree_id = "tree:" + hashlib.sha256(manifest).hexdigest()
         store_raw(store, tree_id, manifest)
         with pytest.raises(StoreError):
@@ -218,8 +246,9 @@ def test_manifest_that_names_a_tree_or_junk_is_refused(store: ArtifactStore,
         assert not (tmp_path / "out").exists()
 
 
-def test_a_file_that_changes_while_stored_is_not_published(store: ArtifactStore,
-                                                           tmp_path: Path) -> None:
+def test_a_file_that_changes_while_stored_is_not_published(
+    store: ArtifactStore, tmp_path: Path
+) -> None:
     import io
 
     claimed = "sha256:" + hashlib.sha256(b"original").hexdigest()
@@ -266,12 +295,12 @@ def test_local_layout_is_content_addressed(local: LocalArtifactStore, folder: Pa
 
 # -- failures while writing (local folder) --------------------------------------------------------
 def leftovers(root: Path) -> list[str]:
-    return [p for p in all_files(root) if Path(p).name.startswith(".tmp-")] if root.exists() \
-        else []
+    return [p for p in all_files(root) if Path(p).name.startswith(".tmp-")] if root.exists() else []
 
 
-def test_failed_rename_leaves_no_blob_and_no_temp(local: LocalArtifactStore,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_rename_leaves_no_blob_and_no_temp(
+    local: LocalArtifactStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     local.put_bytes(b"first")  # the folders exist already
 
     def broken_replace(*_args: Any, **_kwargs: Any) -> None:
@@ -286,8 +315,9 @@ def test_failed_rename_leaves_no_blob_and_no_temp(local: LocalArtifactStore,
     assert len(all_files(local.root / "blobs")) == 1
 
 
-def test_disk_full_gives_a_clear_store_error(local: LocalArtifactStore, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_gives_a_clear_store_error(
+    local: LocalArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def full(_fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -308,9 +338,9 @@ def test_root_that_is_a_file_gives_store_error(tmp_path: Path) -> None:
     assert not store.exists("sha256:" + hashlib.sha256(b"data").hexdigest())
 
 
-def test_failed_get_dir_leaves_no_partial_folder(local: LocalArtifactStore, folder: Path,
-                                                 tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_get_dir_leaves_no_partial_folder(
+    local: LocalArtifactStore, folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tree_id = local.put_dir(folder)
     real_open = open
     calls = {"n": 0}
@@ -336,7 +366,8 @@ def gridfs_store() -> Iterator[GridFSArtifactStore]:
 
 
 def test_gridfs_writer_that_loses_a_race_removes_only_its_chunks(
-        gridfs_store: GridFSArtifactStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    gridfs_store: GridFSArtifactStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two writers of the same content: the second's file document hits the unique index."""
     data = os.urandom(600_000)  # several GridFS chunks
     first = gridfs_store.put_bytes(data)

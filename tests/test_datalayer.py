@@ -53,8 +53,10 @@ def test_add_load_show_remove(any_uri: str, tmp_path: Path) -> None:
     assert db.load("note", "greeting").fields.text == "hello again"
     loaded = db.load("note", "greeting", version=0)
     assert loaded.fields.text == "hello" and loaded.version == 0
-    assert db.show() == [{"type_id": "note", "identifier": "greeting"},
-                         {"type_id": "note", "identifier": "other"}]
+    assert db.show() == [
+        {"type_id": "note", "identifier": "greeting"},
+        {"type_id": "note", "identifier": "other"},
+    ]
     assert db.show("note") == ["greeting", "other"]
     assert db.show("note", "greeting") == [0, 1]
     assert db.remove("note", "greeting", version=1) == 1
@@ -86,16 +88,20 @@ def test_tampered_record_loads_as_an_error(sqlite_uri: str) -> None:
     db = lt.connect(sqlite_uri)
     db.add(Note("n", "t"))
     with sql_engine(sqlite_uri).begin() as conn:
-        conn.execute(sa.text("UPDATE _llmtrain_components SET payload = :p"),
-                     {"p": '{"identifier": "n", "text": "t", "evil": {"py/object": "os.system"}}'})
+        conn.execute(
+            sa.text("UPDATE _llmtrain_components SET payload = :p"),
+            {"p": '{"identifier": "n", "text": "t", "evil": {"py/object": "os.system"}}'},
+        )
     with pytest.raises(StoreError, match="not a valid Note"):
         db.load("note", "n")
 
 
 def test_uris_are_redacted() -> None:
     assert redact_uri("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
-    assert redact_uri("mongodb://h/db?authSource=admin&password=pw") == \
-        "mongodb://h/db?authSource=admin&password=***"
+    assert (
+        redact_uri("mongodb://h/db?authSource=admin&password=pw")
+        == "mongodb://h/db?authSource=admin&password=***"
+    )
     db = lt.connect("postgresql://u:s3cret@127.0.0.1/db")
     assert "s3cret" not in repr(db) and "s3cret" not in db.uri
 
@@ -108,12 +114,15 @@ def test_connect_rejects_a_non_uri() -> None:
 def test_default_artifact_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert default_artifact_dir(f"sqlite:///{tmp_path}/data.db") == tmp_path / "data.db.artifacts"
     monkeypatch.setenv("LLMTRAIN_HOME", str(tmp_path / "home"))
-    assert default_artifact_dir("postgresql://u:p@db.example/prod") == \
-        tmp_path / "home" / "artifacts" / "db.example-prod"
+    assert (
+        default_artifact_dir("postgresql://u:p@db.example/prod")
+        == tmp_path / "home" / "artifacts" / "db.example-prod"
+    )
 
 
-def test_adding_an_unchanged_component_keeps_the_newest_version(any_uri: str,
-                                                                 tmp_path: Path) -> None:
+def test_adding_an_unchanged_component_keeps_the_newest_version(
+    any_uri: str, tmp_path: Path
+) -> None:
     db = lt.connect(any_uri, artifacts=tmp_path / "a")
     note = Note("n", "same")
     assert db.add(note) == 0
@@ -127,27 +136,34 @@ def _trainer_with_history(db: Any) -> dict[str, Any]:
     """The records a fit leaves: trainer v0 and v1, a run of each with a checkpoint, and the
     model versions they produced (v1 shares its adapter with v0's merge)."""
     meta, art = db.metadata, db.artifacts
-    ids = {name: art.put_bytes(name.encode()) for name in
-           ("ckpt0", "ckpt1", "adapter0", "adapter1", "merged0", "other")}
+    ids = {
+        name: art.put_bytes(name.encode())
+        for name in ("ckpt0", "ckpt1", "adapter0", "adapter1", "merged0", "other")
+    }
     for version in (0, 1):
         meta.add_component("trainer", "t", {"recipe": version})
         meta.create_run(f"run{version}", "trainer", "t", version, {})
         meta.log_metrics(f"run{version}", 1, {"loss": 1.0})
         meta.add_checkpoint(f"run{version}", 1, ids[f"ckpt{version}"], {})
     meta.add_component("model", "t", {"adapter": ids["adapter0"], "trainer_version": 0})
-    meta.add_component("model", "t", {"adapter": ids["adapter0"], "merged": ids["merged0"],
-                                      "trainer_version": 0})
+    meta.add_component(
+        "model", "t", {"adapter": ids["adapter0"], "merged": ids["merged0"], "trainer_version": 0}
+    )
     meta.add_component("model", "t", {"adapter": ids["adapter1"], "trainer_version": 1})
     meta.add_component("model", "u", {"adapter": ids["other"], "trainer_version": 0})
     return ids
 
 
 def test_removing_a_trainer_with_runs_or_models_is_refused_naming_them(
-        any_uri: str, tmp_path: Path) -> None:
+    any_uri: str, tmp_path: Path
+) -> None:
     db = lt.connect(any_uri, artifacts=tmp_path / "a")
     _trainer_with_history(db)
-    with pytest.raises(StoreError, match=r"trainer 't' still has 2 run\(s\) \(run0, run1\) and "
-                                         r"model 't' version\(s\) 0, 1, 2.*force=True"):
+    with pytest.raises(
+        StoreError,
+        match=r"trainer 't' still has 2 run\(s\) \(run0, run1\) and "
+        r"model 't' version\(s\) 0, 1, 2.*force=True",
+    ):
         db.remove("trainer", "t")
     with pytest.raises(StoreError, match=r"1 run\(s\) \(run1\) and model 't' version\(s\) 2"):
         db.remove("trainer", "t", version=1)
@@ -155,7 +171,8 @@ def test_removing_a_trainer_with_runs_or_models_is_refused_naming_them(
 
 
 def test_force_removes_a_trainer_with_its_runs_checkpoints_and_models(
-        any_uri: str, tmp_path: Path) -> None:
+    any_uri: str, tmp_path: Path
+) -> None:
     db = lt.connect(any_uri, artifacts=tmp_path / "a")
     ids = _trainer_with_history(db)
     assert db.remove("trainer", "t", version=1, force=True) == 1
@@ -172,8 +189,9 @@ def test_force_removes_a_trainer_with_its_runs_checkpoints_and_models(
     assert db.artifacts.exists(ids["other"])  # another trainer's model keeps its artifact
 
 
-def test_removing_a_model_or_a_trainer_without_history_needs_no_force(sqlite_uri: str,
-                                                                      tmp_path: Path) -> None:
+def test_removing_a_model_or_a_trainer_without_history_needs_no_force(
+    sqlite_uri: str, tmp_path: Path
+) -> None:
     db = lt.connect(sqlite_uri, artifacts=tmp_path / "a")
     db.metadata.add_component("trainer", "lonely", {})
     db.metadata.add_component("model", "m", {"adapter": None, "trainer_version": 0})
@@ -182,9 +200,9 @@ def test_removing_a_model_or_a_trainer_without_history_needs_no_force(sqlite_uri
 
 
 @pytest.mark.parametrize("spec", ["s3://bucket/prefix", "gs://b/p", "HTTPS://host/x"])
-def test_artifacts_url_with_an_unknown_scheme_is_a_config_error(spec: str, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
+def test_artifacts_url_with_an_unknown_scheme_is_a_config_error(
+    spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     scheme = spec.split("://")[0]
     with pytest.raises(ConfigError, match=f"no artifact store handles {scheme}://"):
@@ -199,8 +217,7 @@ def test_file_url_is_the_local_folder(tmp_path: Path) -> None:
     assert isinstance(store, LocalArtifactStore) and store.root == tmp_path / "art"
 
 
-def test_a_failing_import_surfaces_instead_of_unknown_type(monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
+def test_a_failing_import_surfaces_instead_of_unknown_type(monkeypatch: pytest.MonkeyPatch) -> None:
     """A built-in component module that cannot import (a missing dependency) raises that
     ImportError, not "unknown component type 'model'"."""
     import sys

@@ -20,8 +20,12 @@ from llmtrain.metadata.mongo import MongoMetadataStore
 from llmtrain.metadata.sql import SQLMetadataStore
 from llmtrain.uri import is_mongo_uri
 
-OUR_TABLES = {"_llmtrain_components", "_llmtrain_runs", "_llmtrain_metrics",
-              "_llmtrain_checkpoints"}
+OUR_TABLES = {
+    "_llmtrain_components",
+    "_llmtrain_runs",
+    "_llmtrain_metrics",
+    "_llmtrain_checkpoints",
+}
 
 
 @pytest.fixture
@@ -42,8 +46,11 @@ def table_names(uri: str) -> set[str]:
 
 
 def recent(moment: datetime) -> bool:
-    return moment.tzinfo is not None and moment.utcoffset() == timedelta(0) and \
-        abs(datetime.now(timezone.utc) - moment) < timedelta(minutes=5)
+    return (
+        moment.tzinfo is not None
+        and moment.utcoffset() == timedelta(0)
+        and abs(datetime.now(timezone.utc) - moment) < timedelta(minutes=5)
+    )
 
 
 # -- components ---------------------------------------------------------------------------------
@@ -63,8 +70,12 @@ def test_versions_count_from_zero_and_newest_is_default(store: MetadataStore) ->
 
 
 def test_payload_round_trips_exactly(store: MetadataStore) -> None:
-    payload = {"text": "héllo ✓ 日本語 🤖", "nested": {"a": [1, 2.5, None, True]},
-               "mongo_query": {"$match": {"a.b": {"$gt": 1}}}, "big": "x" * 200_000}
+    payload = {
+        "text": "héllo ✓ 日本語 🤖",
+        "nested": {"a": [1, 2.5, None, True]},
+        "mongo_query": {"$match": {"a.b": {"$gt": 1}}},
+        "big": "x" * 200_000,
+    }
     version = store.add_component("dataset", "ds", payload)
     assert store.get_component("dataset", "ds", version).payload == payload
 
@@ -88,12 +99,22 @@ def test_missing_component_error_names_what_was_asked(store: MetadataStore) -> N
 
 
 def test_list_orders_and_filters(store: MetadataStore) -> None:
-    for type_id, identifier in [("model", "b"), ("dataset", "z"), ("model", "a"),
-                                ("model", "b"), ("model", "B")]:
+    for type_id, identifier in [
+        ("model", "b"),
+        ("dataset", "z"),
+        ("model", "a"),
+        ("model", "b"),
+        ("model", "B"),
+    ]:
         store.add_component(type_id, identifier, {"t": type_id})
     listed = [(r.type_id, r.identifier, r.version) for r in store.list_components()]
-    assert listed == [("dataset", "z", 0), ("model", "B", 0), ("model", "a", 0),
-                      ("model", "b", 0), ("model", "b", 1)]
+    assert listed == [
+        ("dataset", "z", 0),
+        ("model", "B", 0),
+        ("model", "a", 0),
+        ("model", "b", 0),
+        ("model", "b", 1),
+    ]
     assert [r.identifier for r in store.list_components("model")] == ["B", "a", "b", "b"]
     assert [r.version for r in store.list_components("model", "b")] == [0, 1]
     assert [r.type_id for r in store.list_components(identifier="z")] == ["dataset"]
@@ -126,8 +147,11 @@ def test_remove_one_version_or_all(store: MetadataStore) -> None:
 # -- runs, metrics, checkpoints -----------------------------------------------------------------
 def test_run_lifecycle(store: MetadataStore) -> None:
     created = store.create_run("r1", "trainer", "t", 2, {"seed": 1, "lr": 0.1})
-    assert (created.status, created.info, created.error) == ("created", {"seed": 1, "lr": 0.1},
-                                                             None)
+    assert (created.status, created.info, created.error) == (
+        "created",
+        {"seed": 1, "lr": 0.1},
+        None,
+    )
     assert recent(created.created_at) and created.updated_at == created.created_at
     assert store.get_run("r1") == created
     updated = store.update_run("r1", status="running", info={"lr": 0.2, "host": "a"})
@@ -181,7 +205,10 @@ def test_metrics_by_step_then_insertion(store: MetadataStore) -> None:
     store.log_metrics("other", 0, {"loss": 9.0})
     got = store.get_metrics("r")
     assert [(m.step, m.values) for m in got] == [
-        (1, {"loss": 1.0, "lr": 1.0}), (2, {"loss": 0.5}), (2, {"eval_loss": 0.7})]
+        (1, {"loss": 1.0, "lr": 1.0}),
+        (2, {"loss": 0.5}),
+        (2, {"eval_loss": 0.7}),
+    ]
     assert all(m.run_id == "r" and recent(m.created_at) for m in got)
     assert isinstance(got[0].values["lr"], float)
     with pytest.raises(StoreError, match="dict of numbers"):
@@ -201,7 +228,8 @@ def test_checkpoints(store: MetadataStore) -> None:
     store.add_checkpoint("other", 10, "tree:" + "0" * 64, {})
     listed = store.list_checkpoints("r")
     assert [(c.step, c.artifact_id, c.info) for c in listed] == [
-        (s, f"tree:{s:064x}", {"loss": s / 10}) for s in (10, 20, 30)]
+        (s, f"tree:{s:064x}", {"loss": s / 10}) for s in (10, 20, 30)
+    ]
     with pytest.raises(StoreError, match="already has a checkpoint at step 20"):
         store.add_checkpoint("r", 20, "tree:" + "1" * 64, {})
     store.remove_checkpoint("r", 20)
@@ -221,7 +249,9 @@ def test_schema_is_created_once_and_user_tables_are_untouched(any_uri: str) -> N
     assert [r.payload for r in first.list_components()] == [{"a": 1}, {"a": 2}]
     assert table_names(any_uri) >= OUR_TABLES | {"docs"}
     assert {t for t in table_names(any_uri) if not t.startswith("_llmtrain_")} <= {
-        "docs", "system.indexes"}
+        "docs",
+        "system.indexes",
+    }
     assert read_docs(any_uri) == rows
     first.close()
     second.close()
@@ -289,8 +319,7 @@ def test_concurrent_processes_get_unique_consecutive_versions(kind: str, tmp_pat
     try:
         ctx = multiprocessing.get_context("spawn")
         barrier, queue = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_add_in_process, args=(uri, barrier, queue))
-                 for _ in range(2)]
+        procs = [ctx.Process(target=_add_in_process, args=(uri, barrier, queue)) for _ in range(2)]
         for p in procs:
             p.start()
         results = [queue.get(timeout=120) for _ in procs]

@@ -21,8 +21,10 @@ def check_artifacts_spec(spec: str | Path) -> None:
         return
     match = _URL.match(spec)
     if match and match.group(1).lower() != "file":
-        raise ConfigError(f"artifacts={redact_uri(spec)!r}: no artifact store handles "
-                          f"{match.group(1)}:// URLs; use a folder, 'gridfs' or an ArtifactStore")
+        raise ConfigError(
+            f"artifacts={redact_uri(spec)!r}: no artifact store handles "
+            f"{match.group(1)}:// URLs; use a folder, 'gridfs' or an ArtifactStore"
+        )
 
 
 def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
@@ -30,11 +32,13 @@ def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
     check_artifacts_spec(spec)
     if isinstance(spec, str) and spec == "gridfs":
         if not is_mongo_uri(metadata_uri):
-            raise ConfigError(f"artifacts='gridfs' needs a MongoDB metadata database, not "
-                              f"{redact_uri(metadata_uri)}")
+            raise ConfigError(
+                f"artifacts='gridfs' needs a MongoDB metadata database, not "
+                f"{redact_uri(metadata_uri)}"
+            )
         from llmtrain.artifacts.gridfs import GridFSArtifactStore
 
         return GridFSArtifactStore(metadata_uri)
     if isinstance(spec, str) and spec.lower().startswith("file://"):
-        spec = spec[len("file://"):]
+        spec = spec[len("file://") :]
     return LocalArtifactStore(spec)

@@ -55,8 +55,9 @@ class GridFSArtifactStore(ContentAddressedStore):
         db = mongo_database(self._uri)
         if write and not self._index_ready:
             try:
-                db[f"{COLLECTION}.files"].create_index("filename", unique=True,
-                                                       name="llmtrain_artifact_id")
+                db[f"{COLLECTION}.files"].create_index(
+                    "filename", unique=True, name="llmtrain_artifact_id"
+                )
             except PyMongoError as exc:
                 raise self._error("preparing", exc) from exc
             self._index_ready = True
@@ -68,13 +69,15 @@ class GridFSArtifactStore(ContentAddressedStore):
         return gridfs.GridFS(self._db(write=write), collection=COLLECTION)
 
     def _error(self, what: str, exc: Exception) -> StoreError:
-        return StoreError(f"GridFS artifacts in {self._where}: {what} failed: "
-                          f"{type(exc).__name__}: {exc}")
+        return StoreError(
+            f"GridFS artifacts in {self._where}: {what} failed: {type(exc).__name__}: {exc}"
+        )
 
     def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
         try:
             doc: dict[str, Any] | None = self._db()[f"{COLLECTION}.files"].find_one(
-                {"filename": artifact_id})
+                {"filename": artifact_id}
+            )
             return doc
         except PyMongoError as exc:
             raise self._error(f"looking up {artifact_id}", exc) from exc
@@ -110,8 +113,7 @@ class GridFSArtifactStore(ContentAddressedStore):
         if doc is None:
             raise StoreError(f"artifact {artifact_id} not found in {self._where} (GridFS)")
         try:
-            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id,
-                                              self._error))
+            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self._error))
         except PyMongoError as exc:
             raise self._error(f"reading {artifact_id}", exc) from exc
 
@@ -126,7 +128,8 @@ class GridFSArtifactStore(ContentAddressedStore):
     def _tree_ids(self) -> list[str]:
         try:
             docs = self._db()[f"{COLLECTION}.files"].find(
-                {"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
+                {"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1}
+            )
             return sorted(d["filename"] for d in docs)
         except PyMongoError as exc:
             raise self._error("listing folder artifacts", exc) from exc
@@ -135,8 +138,9 @@ class GridFSArtifactStore(ContentAddressedStore):
 class _GridReader(io.RawIOBase):
     """A GridOut whose damaged chunks surface as ArtifactCorruptError, like a bad hash."""
 
-    def __init__(self, grid_out: Any, artifact_id: str,
-                 error: Callable[[str, Exception], StoreError]) -> None:
+    def __init__(
+        self, grid_out: Any, artifact_id: str, error: Callable[[str, Exception], StoreError]
+    ) -> None:
         super().__init__()
         self._grid_out, self._id, self._error = grid_out, artifact_id, error
 

@@ -45,24 +45,35 @@ def parse_id(artifact_id: object) -> tuple[str, str]:
     match = _ID.fullmatch(artifact_id) if isinstance(artifact_id, str) else None
     if match is None:
         shown = repr(artifact_id)[:100]
-        raise StoreError(f"invalid artifact id {shown}: expected 'sha256:<64 hex>' or "
-                         "'tree:<64 hex>'")
+        raise StoreError(
+            f"invalid artifact id {shown}: expected 'sha256:<64 hex>' or 'tree:<64 hex>'"
+        )
     return match.group(1), match.group(2)
 
 
 def check_relpath(relpath: object) -> str:
     """A manifest path: relative, ``/``-separated, no empty, ``.`` or ``..`` parts."""
-    if (not isinstance(relpath, str) or not relpath or "\\" in relpath or "\0" in relpath
-            or any(part in ("", ".", "..") for part in relpath.split("/"))):
-        raise StoreError(f"unsafe path {str(relpath)[:200]!r} in a folder artifact: paths "
-                         "must be relative, '/'-separated, without '.' or '..' parts")
+    if (
+        not isinstance(relpath, str)
+        or not relpath
+        or "\\" in relpath
+        or "\0" in relpath
+        or any(part in ("", ".", "..") for part in relpath.split("/"))
+    ):
+        raise StoreError(
+            f"unsafe path {str(relpath)[:200]!r} in a folder artifact: paths "
+            "must be relative, '/'-separated, without '.' or '..' parts"
+        )
     return relpath
 
 
 def manifest_bytes(files: dict[str, str]) -> bytes:
     """Canonical JSON, so the same folder content always gives the same tree id."""
-    return json.dumps({"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))},
-                      sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(
+        {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
 
 
 def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
@@ -71,8 +82,11 @@ def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
     except ValueError:
         manifest = None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
-            or not isinstance(files, dict)):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(files, dict)
+    ):
         raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
     for relpath, blob_id in files.items():
         check_relpath(relpath)
@@ -82,8 +96,10 @@ def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
 
 
 def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
-    return ArtifactCorruptError(f"artifact {artifact_id} is corrupt: its content now hashes "
-                                f"to {actual_hex[:16]}...; restore it from a copy or delete it")
+    return ArtifactCorruptError(
+        f"artifact {artifact_id} is corrupt: its content now hashes "
+        f"to {actual_hex[:16]}...; restore it from a copy or delete it"
+    )
 
 
 class HashingReader:
@@ -101,8 +117,10 @@ class HashingReader:
     def check(self, artifact_id: str) -> None:
         """Before publishing: the bytes read must still be the ones that were hashed."""
         if self._hash.hexdigest() != parse_id(artifact_id)[1]:
-            raise StoreError(f"the content of {artifact_id} changed while it was being "
-                             "stored (was the file modified?); nothing was stored")
+            raise StoreError(
+                f"the content of {artifact_id} changed while it was being "
+                "stored (was the file modified?); nothing was stored"
+            )
 
 
 def _file_digest(path: Path) -> str:
@@ -202,8 +220,7 @@ class ContentAddressedStore(ArtifactStore):
         files = parse_manifest(self.get_bytes(artifact_id), artifact_id)
         dest = Path(dest)
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise StoreError(f"cannot restore {artifact_id} into {dest}: it is not an empty "
-                             "folder")
+            raise StoreError(f"cannot restore {artifact_id} into {dest}: it is not an empty folder")
         staging = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
         try:
             staging.mkdir(parents=True)
@@ -243,8 +260,9 @@ class ContentAddressedStore(ArtifactStore):
             if kind == BLOB:
                 users = [t for t, files in others.items() if artifact_id in files.values()]
                 if users:
-                    raise StoreError(f"{artifact_id} is part of {users[0]}: delete the "
-                                     "folder artifact instead")
+                    raise StoreError(
+                        f"{artifact_id} is part of {users[0]}: delete the folder artifact instead"
+                    )
                 self._remove(artifact_id)
                 return
             try:

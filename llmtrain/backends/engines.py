@@ -15,8 +15,12 @@ _lock = threading.Lock()
 _engines: dict[tuple[int, str], Any] = {}
 _clients: dict[tuple[int, str], Any] = {}
 
-_DEFAULT_DRIVERS = {"postgresql": "postgresql+psycopg", "postgres": "postgresql+psycopg",
-                    "mysql": "mysql+pymysql", "mariadb": "mariadb+pymysql"}
+_DEFAULT_DRIVERS = {
+    "postgresql": "postgresql+psycopg",
+    "postgres": "postgresql+psycopg",
+    "mysql": "mysql+pymysql",
+    "mariadb": "mariadb+pymysql",
+}
 
 
 def sqlalchemy_url(uri: str) -> str:
@@ -45,8 +49,9 @@ def sql_engine(uri: str, *, create: bool = False) -> Any:
 
     path = sqlite_path(uri)
     if path is not None and not create and not path.exists():
-        raise DatabaseNotFoundError(f"no SQLite database at {path} ({redact_uri(uri)}): "
-                                    "check the path")
+        raise DatabaseNotFoundError(
+            f"no SQLite database at {path} ({redact_uri(uri)}): check the path"
+        )
     key = (os.getpid(), uri)
     with _lock:
         engine = _engines.get(key)
@@ -87,8 +92,9 @@ def dispose_sql_engine(uri: str) -> None:
 def mongo_database_name(uri: str) -> str:
     name = urlsplit(uri).path.lstrip("/").split("?", 1)[0]
     if not name:
-        raise ConfigError(f"{redact_uri(uri)}: the URI path must name the database "
-                          "(mongodb://host/dbname)")
+        raise ConfigError(
+            f"{redact_uri(uri)}: the URI path must name the database (mongodb://host/dbname)"
+        )
     return name
 
 
@@ -103,8 +109,9 @@ def mongo_client(uri: str) -> Any:
                 try:
                     import mongomock
                 except ImportError as exc:
-                    raise ConfigError("mongomock:// needs the mongomock package "
-                                      "(pip install 'llmtrain[dev]')") from exc
+                    raise ConfigError(
+                        "mongomock:// needs the mongomock package (pip install 'llmtrain[dev]')"
+                    ) from exc
                 client = mongomock.MongoClient()
             else:
                 import pymongo

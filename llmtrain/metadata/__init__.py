@@ -12,8 +12,15 @@ from llmtrain.metadata.base import (
 )
 from llmtrain.uri import is_mongo_uri
 
-__all__ = ["CheckpointRecord", "ComponentRecord", "MetadataStore", "MetricRecord",
-           "RunRecord", "RunStatus", "open_metadata"]
+__all__ = [
+    "CheckpointRecord",
+    "ComponentRecord",
+    "MetadataStore",
+    "MetricRecord",
+    "RunRecord",
+    "RunStatus",
+    "open_metadata",
+]
 
 
 def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:

@@ -32,8 +32,16 @@ from llmtrain.metadata.records import (
 )
 from llmtrain.uri import redact_uri
 
-__all__ = ["TABLE_PREFIX", "CheckpointRecord", "ComponentRecord", "Conflict", "MetadataStore",
-           "MetricRecord", "RunRecord", "RunStatus"]
+__all__ = [
+    "TABLE_PREFIX",
+    "CheckpointRecord",
+    "ComponentRecord",
+    "Conflict",
+    "MetadataStore",
+    "MetricRecord",
+    "RunRecord",
+    "RunStatus",
+]
 T = TypeVar("T")
 TABLE_PREFIX = "_llmtrain_"
 
@@ -78,34 +86,46 @@ class MetadataStore(ABC):
         self.__init__(state["_uri"], missing_ok=state.get("_missing_ok", False))  # type: ignore[misc]
 
     # -- components ---------------------------------------------------------------------------
-    def add_component(self, type_id: str, identifier: str, payload: dict[str, Any], *,
-                      unless_unchanged: bool = False) -> int:
+    def add_component(
+        self,
+        type_id: str,
+        identifier: str,
+        payload: dict[str, Any],
+        *,
+        unless_unchanged: bool = False,
+    ) -> int:
         """Store a new version and return its number; with ``unless_unchanged``, return the
         newest version instead when its payload equals ``payload`` (checked in the write)."""
         if not isinstance(payload, dict):
-            raise StoreError(f"{type_id} {identifier!r}: payload must be a dict, "
-                             f"got {type(payload).__name__}")
+            raise StoreError(
+                f"{type_id} {identifier!r}: payload must be a dict, got {type(payload).__name__}"
+            )
         text = dumps(payload, f"{type_id} {identifier!r} payload")
         stored = json.loads(text)  # as it reads back: tuples become lists
-        same = (lambda newest: loads(newest["payload"], f"{type_id} {identifier!r}") == stored) \
-            if unless_unchanged else None
+        same = (
+            (lambda newest: loads(newest["payload"], f"{type_id} {identifier!r}") == stored)
+            if unless_unchanged
+            else None
+        )
         with self._errors(f"adding {type_id} {identifier!r}"):
             return self._retry_conflicts(
-                lambda: self._insert_component(type_id, identifier, self._now(), text, same))
+                lambda: self._insert_component(type_id, identifier, self._now(), text, same)
+            )
 
-    def get_component(self, type_id: str, identifier: str,
-                      version: int | None = None) -> ComponentRecord:
+    def get_component(
+        self, type_id: str, identifier: str, version: int | None = None
+    ) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
         with self._errors(f"reading {type_id} {identifier!r}"):
             row = self._find_component(type_id, identifier, version)
         if row is None:
             which = "any version" if version is None else f"version {version}"
-            raise ComponentNotFoundError(
-                f"no {type_id} {identifier!r} ({which}) in {self._where}")
+            raise ComponentNotFoundError(f"no {type_id} {identifier!r} ({which}) in {self._where}")
         return _component(row)
 
-    def list_components(self, type_id: str | None = None,
-                        identifier: str | None = None) -> list[ComponentRecord]:
+    def list_components(
+        self, type_id: str | None = None, identifier: str | None = None
+    ) -> list[ComponentRecord]:
         """All matching records, ordered by type_id, identifier, version."""
         with self._errors("listing components"):
             rows = self._find_components(type_id, identifier)
@@ -118,14 +138,24 @@ class MetadataStore(ABC):
             return self._delete_components(type_id, identifier, version)
 
     # -- runs ---------------------------------------------------------------------------------
-    def create_run(self, run_id: str, type_id: str, identifier: str, version: int,
-                   info: dict[str, Any]) -> RunRecord:
+    def create_run(
+        self, run_id: str, type_id: str, identifier: str, version: int, info: dict[str, Any]
+    ) -> RunRecord:
         now = self._now()
-        record = RunRecord(run_id=run_id, type_id=type_id, identifier=identifier,
-                           version=version, status="created", created_at=now, updated_at=now,
-                           info=dict(info))
-        row = {**record.model_dump(exclude={"info"}), "info": dumps(record.info,
-                                                                    f"run {run_id!r} info")}
+        record = RunRecord(
+            run_id=run_id,
+            type_id=type_id,
+            identifier=identifier,
+            version=version,
+            status="created",
+            created_at=now,
+            updated_at=now,
+            info=dict(info),
+        )
+        row = {
+            **record.model_dump(exclude={"info"}),
+            "info": dumps(record.info, f"run {run_id!r} info"),
+        }
         try:
             with self._errors(f"creating run {run_id!r}"):
                 self._insert_run(row)
@@ -133,8 +163,14 @@ class MetadataStore(ABC):
             raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
         return record
 
-    def update_run(self, run_id: str, *, status: RunStatus | None = None,
-                   info: dict[str, Any] | None = None, error: str | None = None) -> RunRecord:
+    def update_run(
+        self,
+        run_id: str,
+        *,
+        status: RunStatus | None = None,
+        info: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> RunRecord:
         """Set status/error; ``info`` keys are merged into the stored info. Moving to
         ``running`` or ``completed`` without an error clears the stored one."""
         if status is not None:
@@ -165,8 +201,9 @@ class MetadataStore(ABC):
             raise StoreError(f"no run {run_id!r} in {self._where}")
         return _run(row)
 
-    def list_runs(self, type_id: str | None = None,
-                  identifier: str | None = None) -> list[RunRecord]:
+    def list_runs(
+        self, type_id: str | None = None, identifier: str | None = None
+    ) -> list[RunRecord]:
         """Oldest first."""
         with self._errors("listing runs"):
             return [_run(row) for row in self._find_runs(type_id, identifier)]
@@ -181,40 +218,59 @@ class MetadataStore(ABC):
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
         text = dumps(float_values(values), f"run {run_id!r} metrics")
         with self._errors(f"logging metrics of run {run_id!r}"):
-            self._insert_metrics({"run_id": run_id, "step": int(step), "values": text,
-                                  "created_at": self._now()})
+            self._insert_metrics(
+                {"run_id": run_id, "step": int(step), "values": text, "created_at": self._now()}
+            )
 
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
         """Ordered by step, then insertion."""
         with self._errors(f"reading metrics of run {run_id!r}"):
             rows = self._find_metrics(run_id)
-        return [MetricRecord(run_id=r["run_id"], step=r["step"],
-                             values=loads(r["values"], f"metrics of run {run_id!r}"),
-                             created_at=as_utc(r["created_at"])) for r in rows]
+        return [
+            MetricRecord(
+                run_id=r["run_id"],
+                step=r["step"],
+                values=loads(r["values"], f"metrics of run {run_id!r}"),
+                created_at=as_utc(r["created_at"]),
+            )
+            for r in rows
+        ]
 
-    def add_checkpoint(self, run_id: str, step: int, artifact_id: str,
-                       info: dict[str, Any]) -> CheckpointRecord:
-        record = CheckpointRecord(run_id=run_id, step=step, artifact_id=artifact_id,
-                                  created_at=self._now(), info=dict(info))
-        row = {**record.model_dump(exclude={"info"}),
-               "info": dumps(record.info, f"checkpoint info of run {run_id!r}")}
+    def add_checkpoint(
+        self, run_id: str, step: int, artifact_id: str, info: dict[str, Any]
+    ) -> CheckpointRecord:
+        record = CheckpointRecord(
+            run_id=run_id,
+            step=step,
+            artifact_id=artifact_id,
+            created_at=self._now(),
+            info=dict(info),
+        )
+        row = {
+            **record.model_dump(exclude={"info"}),
+            "info": dumps(record.info, f"checkpoint info of run {run_id!r}"),
+        }
         try:
             with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
                 self._insert_checkpoint(row)
         except Conflict:
-            raise StoreError(f"run {run_id!r} already has a checkpoint at step "
-                             f"{step}") from None
+            raise StoreError(f"run {run_id!r} already has a checkpoint at step {step}") from None
         return record
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
         with self._errors(f"listing checkpoints of run {run_id!r}"):
             rows = self._find_checkpoints(run_id)
-        return [CheckpointRecord(run_id=r["run_id"], step=r["step"],
-                                 artifact_id=r["artifact_id"],
-                                 created_at=as_utc(r["created_at"]),
-                                 info=loads(r["info"], f"checkpoint info of run {run_id!r}"))
-                for r in rows]
+        return [
+            CheckpointRecord(
+                run_id=r["run_id"],
+                step=r["step"],
+                artifact_id=r["artifact_id"],
+                created_at=as_utc(r["created_at"]),
+                info=loads(r["info"], f"checkpoint info of run {run_id!r}"),
+            )
+            for r in rows
+        ]
 
     def remove_checkpoint(self, run_id: str, step: int) -> None:
         """Removing one that is not there is a no-op (retention may run twice)."""
@@ -232,8 +288,9 @@ class MetadataStore(ABC):
             yield
         except self._driver_errors as exc:
             detail = getattr(exc, "orig", None) or exc
-            raise StoreError(f"metadata store {self._where}: {what} failed: "
-                             f"{type(detail).__name__}: {detail}") from exc
+            raise StoreError(
+                f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
+            ) from exc
 
     def _retry_conflicts(self, fn: Callable[[], T]) -> T:
         """Another writer took the same version first: read again and retry."""
@@ -242,8 +299,10 @@ class MetadataStore(ABC):
                 return fn()
             except Conflict:
                 if attempt == MAX_TRIES - 1:
-                    raise StoreError(f"metadata store {self._where}: lost the race for a new "
-                                     f"version {MAX_TRIES} times") from None
+                    raise StoreError(
+                        f"metadata store {self._where}: lost the race for a new "
+                        f"version {MAX_TRIES} times"
+                    ) from None
                 pause(attempt)
         raise AssertionError("unreachable")
 
@@ -255,8 +314,14 @@ class MetadataStore(ABC):
     # reads returns nothing (None, []) when the tables or collections do not exist yet, and
     # creates none of them.
     @abstractmethod
-    def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str, same: Callable[[Row], bool] | None) -> int:
+    def _insert_component(
+        self,
+        type_id: str,
+        identifier: str,
+        created_at: datetime,
+        payload: str,
+        same: Callable[[Row], bool] | None,
+    ) -> int:
         """Insert version newest + 1 (0 for the first); Conflict if another writer took it.
         When ``same(newest row)`` holds, insert nothing and return the newest version."""
 
@@ -275,8 +340,7 @@ class MetadataStore(ABC):
         """Conflict if the run_id is taken."""
 
     @abstractmethod
-    def _change_run(self, run_id: str,
-                    change: Callable[[Row], dict[str, Any]]) -> Row | None:
+    def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         """Atomically apply ``change(stored row)`` (the columns to set) and return the new
         row; None if there is no such run. Concurrent changes must all take effect."""
 
@@ -317,14 +381,25 @@ def as_utc(value: datetime) -> datetime:
 
 def _component(row: Row) -> ComponentRecord:
     created = row.get("created_at")
-    return component_record(row.get("type_id"), row.get("identifier"), row.get("version"),
-                            as_utc(created) if isinstance(created, datetime) else created,
-                            row.get("payload"))
+    return component_record(
+        row.get("type_id"),
+        row.get("identifier"),
+        row.get("version"),
+        as_utc(created) if isinstance(created, datetime) else created,
+        row.get("payload"),
+    )
 
 
 def _run(row: Row) -> RunRecord:
     run_id = row["run_id"]
-    return RunRecord(run_id=run_id, type_id=row["type_id"], identifier=row["identifier"],
-                     version=row["version"], status=row["status"],
-                     created_at=as_utc(row["created_at"]), updated_at=as_utc(row["updated_at"]),
-                     info=loads(row["info"], f"info of run {run_id!r}"), error=row.get("error"))
+    return RunRecord(
+        run_id=run_id,
+        type_id=row["type_id"],
+        identifier=row["identifier"],
+        version=row["version"],
+        status=row["status"],
+        created_at=as_utc(row["created_at"]),
+        updated_at=as_utc(row["updated_at"]),
+        info=loads(row["info"], f"info of run {run_id!r}"),
+        error=row.get("error"),
+    )

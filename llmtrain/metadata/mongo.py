@@ -70,15 +70,28 @@ class MongoMetadataStore(MetadataStore):
         return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
     # -- components ---------------------------------------------------------------------------
-    def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str, same: Callable[[Row], bool] | None) -> int:
+    def _insert_component(
+        self,
+        type_id: str,
+        identifier: str,
+        created_at: datetime,
+        payload: str,
+        same: Callable[[Row], bool] | None,
+    ) -> int:
         newest = self._find_component(type_id, identifier, None)
         if newest is not None and same is not None and same(newest):
             return int(newest["version"])
         version = 0 if newest is None else int(newest["version"]) + 1
-        self._insert(COMPONENTS, {"type_id": type_id, "identifier": identifier,
-                                  "version": version, "created_at": created_at,
-                                  "payload": payload})
+        self._insert(
+            COMPONENTS,
+            {
+                "type_id": type_id,
+                "identifier": identifier,
+                "version": version,
+                "created_at": created_at,
+                "payload": payload,
+            },
+        )
         return version
 
     def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
@@ -98,8 +111,7 @@ class MongoMetadataStore(MetadataStore):
     def _insert_run(self, row: Row) -> None:
         self._insert(RUNS, {**row, "rev": 0})
 
-    def _change_run(self, run_id: str,
-                    change: Callable[[Row], dict[str, Any]]) -> Row | None:
+    def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         """Compare-and-swap on a revision counter, so concurrent merges lose nothing."""
         coll = self._coll(RUNS)
         for attempt in range(MAX_TRIES):
@@ -108,8 +120,10 @@ class MongoMetadataStore(MetadataStore):
                 return None
             rev = doc.get("rev", 0)
             changes = {**change(doc), "rev": rev + 1}
-            if coll.update_one({"_id": doc["_id"], "rev": rev},
-                               {"$set": changes}).matched_count == 1:
+            if (
+                coll.update_one({"_id": doc["_id"], "rev": rev}, {"$set": changes}).matched_count
+                == 1
+            ):
                 return {**doc, **changes}
             pause(attempt)
         raise StoreError(f"run {run_id!r}: too many concurrent updates")

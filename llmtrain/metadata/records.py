@@ -82,42 +82,53 @@ def loads(value: Any, what: str) -> Any:
     """Stored JSON text back, or a StoreError: a value edited outside llmtrain (bytes, a
     pickle, another type) is refused, never decoded as anything but JSON."""
     if not isinstance(value, str):
-        raise StoreError(f"{what} is not JSON text but {type(value).__name__}; was it edited "
-                         "outside llmtrain?")
+        raise StoreError(
+            f"{what} is not JSON text but {type(value).__name__}; was it edited outside llmtrain?"
+        )
     try:
         return json.loads(value)
     except ValueError as exc:
-        raise StoreError(f"{what} is not valid JSON ({exc}); was it edited outside "
-                         "llmtrain?") from None
+        raise StoreError(
+            f"{what} is not valid JSON ({exc}); was it edited outside llmtrain?"
+        ) from None
 
 
-def component_record(type_id: Any, identifier: Any, version: Any, created_at: Any,
-                     payload: Any) -> ComponentRecord:
+def component_record(
+    type_id: Any, identifier: Any, version: Any, created_at: Any, payload: Any
+) -> ComponentRecord:
     """A stored component as read back; StoreError if any part of it is not what llmtrain
     writes (the payload must be a JSON object)."""
     what = f"stored component {type_id!r} {identifier!r} v{version!r}"
     data = loads(payload, f"{what}: its payload")
     try:
-        return ComponentRecord(type_id=type_id, identifier=identifier, version=version,
-                               created_at=created_at, payload=data)
+        return ComponentRecord(
+            type_id=type_id,
+            identifier=identifier,
+            version=version,
+            created_at=created_at,
+            payload=data,
+        )
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise StoreError(f"{what} is not a valid record ({problems}); was it edited outside "
-                         "llmtrain?") from None
+        raise StoreError(
+            f"{what} is not a valid record ({problems}); was it edited outside llmtrain?"
+        ) from None
 
 
 def float_values(values: dict[str, Any]) -> dict[str, float]:
     try:
         return {str(k): float(v) for k, v in values.items()}
     except (TypeError, ValueError, AttributeError) as exc:
-        raise StoreError(f"metric values must be a dict of numbers, got {values!r}: "
-                         f"{exc}") from None
+        raise StoreError(
+            f"metric values must be a dict of numbers, got {values!r}: {exc}"
+        ) from None
 
 
 def check_status(status: str) -> None:
     if status not in _RUN_STATUSES:
-        raise StoreError(f"run status {status!r} is invalid: use one of "
-                         f"{', '.join(sorted(_RUN_STATUSES))}")
+        raise StoreError(
+            f"run status {status!r} is invalid: use one of {', '.join(sorted(_RUN_STATUSES))}"
+        )
 
 
 def pause(attempt: int) -> None:

@@ -43,8 +43,7 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
             value = value.astimezone(UTC).replace(tzinfo=None)
         return value
 
-    def process_result_value(self, value: datetime | None,
-                             dialect: sa.Dialect) -> datetime | None:
+    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
         return None if value is None else value.replace(tzinfo=UTC)
 
 
@@ -52,12 +51,19 @@ _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite autoincreme
 _JSON = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")  # TEXT caps at 64 KiB there
 # The mariadb:// dialect reads only mariadb_* options, mysql:// only mysql_* ones.
 _TABLE_KW: dict[str, Any] = {
-    f"{prefix}_{option}": value for prefix in ("mysql", "mariadb") for option, value in
-    {"engine": "InnoDB", "charset": "utf8mb4", "collate": "utf8mb4_bin"}.items()}
+    f"{prefix}_{option}": value
+    for prefix in ("mysql", "mariadb")
+    for option, value in {
+        "engine": "InnoDB",
+        "charset": "utf8mb4",
+        "collate": "utf8mb4_bin",
+    }.items()
+}
 
 schema = sa.MetaData()
 components = sa.Table(
-    f"{TABLE_PREFIX}components", schema,
+    f"{TABLE_PREFIX}components",
+    schema,
     sa.Column("id", _ID, primary_key=True, autoincrement=True),
     sa.Column("type_id", sa.String(128), nullable=False),
     sa.Column("identifier", sa.String(255), nullable=False),
@@ -65,12 +71,14 @@ components = sa.Table(
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("payload", _JSON, nullable=False),
     # Inside CREATE TABLE (not a separate index) so no process ever sees the table without it.
-    sa.UniqueConstraint("type_id", "identifier", "version",
-                        name=f"uq_{TABLE_PREFIX}components_version"),
+    sa.UniqueConstraint(
+        "type_id", "identifier", "version", name=f"uq_{TABLE_PREFIX}components_version"
+    ),
     **_TABLE_KW,
 )
 runs = sa.Table(
-    f"{TABLE_PREFIX}runs", schema,
+    f"{TABLE_PREFIX}runs",
+    schema,
     sa.Column("seq", _ID, primary_key=True, autoincrement=True),
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("type_id", sa.String(128), nullable=False),
@@ -85,7 +93,8 @@ runs = sa.Table(
     **_TABLE_KW,
 )
 metrics = sa.Table(
-    f"{TABLE_PREFIX}metrics", schema,
+    f"{TABLE_PREFIX}metrics",
+    schema,
     sa.Column("id", _ID, primary_key=True, autoincrement=True),  # insertion order
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
@@ -95,7 +104,8 @@ metrics = sa.Table(
     **_TABLE_KW,
 )
 checkpoints = sa.Table(
-    f"{TABLE_PREFIX}checkpoints", schema,
+    f"{TABLE_PREFIX}checkpoints",
+    schema,
     sa.Column("id", _ID, primary_key=True, autoincrement=True),
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
@@ -165,8 +175,10 @@ class SQLMetadataStore(MetadataStore):
                 return
             except sa.exc.DBAPIError as exc:
                 if attempt == 9:
-                    raise StoreError(f"metadata store {self._where}: cannot create the "
-                                     f"{TABLE_PREFIX}* tables: {exc.orig}") from exc
+                    raise StoreError(
+                        f"metadata store {self._where}: cannot create the "
+                        f"{TABLE_PREFIX}* tables: {exc.orig}"
+                    ) from exc
                 pause(attempt)
 
     def _has_tables(self, conn: sa.Connection) -> bool:
@@ -186,8 +198,9 @@ class SQLMetadataStore(MetadataStore):
         with sql_engine(self._uri).connect() as conn:
             return fn(conn) if self._has_tables(conn) else empty
 
-    def _write(self, fn: Callable[[sa.Connection], T], *, creates: bool = True,
-               empty: T | None = None) -> T | None:
+    def _write(
+        self, fn: Callable[[sa.Connection], T], *, creates: bool = True, empty: T | None = None
+    ) -> T | None:
         """Run ``fn`` in one transaction; a unique key another writer took is a Conflict, and
         a lock conflict is retried a few times. A write that only deletes or updates
         (``creates=False``) returns ``empty`` instead of creating the tables."""
@@ -228,20 +241,36 @@ class SQLMetadataStore(MetadataStore):
         return [dict(r) for r in conn.execute(query).mappings()]
 
     # -- components ---------------------------------------------------------------------------
-    def _insert_component(self, type_id: str, identifier: str, created_at: datetime,
-                          payload: str, same: Callable[[Row], bool] | None) -> int:
+    def _insert_component(
+        self,
+        type_id: str,
+        identifier: str,
+        created_at: datetime,
+        payload: str,
+        same: Callable[[Row], bool] | None,
+    ) -> int:
         c = components.c
-        query = (sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
-                 .order_by(c.version.desc()).limit(1))
+        query = (
+            sa.select(components)
+            .where(c.type_id == type_id, c.identifier == identifier)
+            .order_by(c.version.desc())
+            .limit(1)
+        )
 
         def insert(conn: sa.Connection) -> int:
             newest = next(iter(self._rows(conn, query)), None)
             if newest is not None and same is not None and same(newest):
                 return int(newest["version"])
             version = 0 if newest is None else int(newest["version"]) + 1
-            conn.execute(components.insert().values(
-                type_id=type_id, identifier=identifier, version=version,
-                created_at=created_at, payload=payload))
+            conn.execute(
+                components.insert().values(
+                    type_id=type_id,
+                    identifier=identifier,
+                    version=version,
+                    created_at=created_at,
+                    payload=payload,
+                )
+            )
             return version
 
         return int(self._write(insert) or 0)
@@ -264,18 +293,19 @@ class SQLMetadataStore(MetadataStore):
         stmt = components.delete().where(c.type_id == type_id, c.identifier == identifier)
         if version is not None:
             stmt = stmt.where(c.version == version)
-        return int(self._write(lambda conn: conn.execute(stmt).rowcount, creates=False,
-                               empty=0) or 0)
+        return int(
+            self._write(lambda conn: conn.execute(stmt).rowcount, creates=False, empty=0) or 0
+        )
 
     # -- runs ---------------------------------------------------------------------------------
     def _insert_run(self, row: Row) -> None:
         self._write(lambda conn: conn.execute(runs.insert().values(**row)))
 
-    def _change_run(self, run_id: str,
-                    change: Callable[[Row], dict[str, Any]]) -> Row | None:
+    def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
-            found = self._rows(conn, sa.select(runs).where(runs.c.run_id == run_id)
-                               .with_for_update())
+            found = self._rows(
+                conn, sa.select(runs).where(runs.c.run_id == run_id).with_for_update()
+            )
             if not found:
                 return None
             changes = change(found[0])
@@ -305,8 +335,11 @@ class SQLMetadataStore(MetadataStore):
         self._write(lambda conn: conn.execute(metrics.insert().values(**values)))
 
     def _find_metrics(self, run_id: str) -> list[Row]:
-        query = (sa.select(metrics).where(metrics.c.run_id == run_id)
-                 .order_by(metrics.c.step, metrics.c.id))
+        query = (
+            sa.select(metrics)
+            .where(metrics.c.run_id == run_id)
+            .order_by(metrics.c.step, metrics.c.id)
+        )
         rows: list[Row] = self._read([], lambda conn: self._rows(conn, query))
         return [{**r, "values": r["metric_values"]} for r in rows]
 
@@ -314,13 +347,17 @@ class SQLMetadataStore(MetadataStore):
         self._write(lambda conn: conn.execute(checkpoints.insert().values(**row)))
 
     def _find_checkpoints(self, run_id: str) -> list[Row]:
-        query = (sa.select(checkpoints).where(checkpoints.c.run_id == run_id)
-                 .order_by(checkpoints.c.step))
+        query = (
+            sa.select(checkpoints)
+            .where(checkpoints.c.run_id == run_id)
+            .order_by(checkpoints.c.step)
+        )
         return self._read([], lambda conn: self._rows(conn, query))
 
     def _delete_checkpoint(self, run_id: str, step: int) -> None:
-        stmt = checkpoints.delete().where(checkpoints.c.run_id == run_id,
-                                          checkpoints.c.step == step)
+        stmt = checkpoints.delete().where(
+            checkpoints.c.run_id == run_id, checkpoints.c.step == step
+        )
         self._write(lambda conn: conn.execute(stmt), creates=False)
 
     def close(self) -> None:

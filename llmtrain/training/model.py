@@ -55,14 +55,24 @@ class TrainedModel:
         return self.record.identifier
 
     @classmethod
-    def from_run(cls, trainer: LLMTrainer, run_id: str, artifact: str | None,
-                 history: list[dict[str, float]]) -> TrainedModel:
+    def from_run(
+        cls, trainer: LLMTrainer, run_id: str, artifact: str | None, history: list[dict[str, float]]
+    ) -> TrainedModel:
         cfg = trainer.config
-        model = cls(ModelRecord(
-            identifier=trainer.identifier, base=cfg.model_args, adapter=artifact,
-            full_model=cfg.lora_args is None, prompt_template=cfg.prompt_template,
-            chat_template=cfg.data_args.chat_template, max_length=cfg.data_args.max_length,
-            run_id=run_id, trainer_version=trainer.version, history=history[-200:]))
+        model = cls(
+            ModelRecord(
+                identifier=trainer.identifier,
+                base=cfg.model_args,
+                adapter=artifact,
+                full_model=cfg.lora_args is None,
+                prompt_template=cfg.prompt_template,
+                chat_template=cfg.data_args.chat_template,
+                max_length=cfg.data_args.max_length,
+                run_id=run_id,
+                trainer_version=trainer.version,
+                history=history[-200:],
+            )
+        )
         model.db = trainer.db
         return model
 
@@ -82,8 +92,10 @@ class TrainedModel:
     # -- loading -------------------------------------------------------------------------------
     def _require_db(self) -> Datalayer:
         if self.db is None:
-            raise ConfigError("this model is not attached to a database; use db.load('model', "
-                              f"{self.identifier!r})")
+            raise ConfigError(
+                "this model is not attached to a database; use db.load('model', "
+                f"{self.identifier!r})"
+            )
         return self.db
 
     def _weights(self) -> str:
@@ -105,7 +117,8 @@ class TrainedModel:
                 db.artifacts.get_dir(self._weights(), folder / "weights")
                 if self.record.full_model:
                     args = self.record.base.model_copy(
-                        update={"model_name_or_path": str(folder / "weights")})
+                        update={"model_name_or_path": str(folder / "weights")}
+                    )
                     model, tokenizer = load_model(args, dev), load_tokenizer(args)
                 else:
                     from peft import PeftModel
@@ -126,14 +139,22 @@ class TrainedModel:
 
             _, tokenizer = self.load()
             template = None if self.record.chat_template else self.record.prompt_template
-            self._formatter = Formatter(tokenizer, template,
-                                        chat_template=self.record.chat_template,
-                                        max_length=self.record.max_length)
+            self._formatter = Formatter(
+                tokenizer,
+                template,
+                chat_template=self.record.chat_template,
+                max_length=self.record.max_length,
+            )
         return self._formatter
 
     # -- inference -----------------------------------------------------------------------------
-    def generate(self, X: str | list[str], *, max_new_tokens: int = 64,  # noqa: N803
-                 **generate_kwargs: Any) -> str | list[str]:
+    def generate(
+        self,
+        X: str | list[str],
+        *,
+        max_new_tokens: int = 64,  # noqa: N803
+        **generate_kwargs: Any,
+    ) -> str | list[str]:
         """Responses to ``X`` rendered with the training prompt; greedy unless told otherwise."""
         import torch
 
@@ -143,12 +164,16 @@ class TrainedModel:
         outputs = []
         for prompt in prompts:
             ids = torch.tensor([formatter.prompt_ids(prompt)], device=model.device)
-            kwargs = {"do_sample": False, "max_new_tokens": max_new_tokens,
-                      "pad_token_id": tokenizer.pad_token_id,
-                      "eos_token_id": tokenizer.eos_token_id, **generate_kwargs}
+            kwargs = {
+                "do_sample": False,
+                "max_new_tokens": max_new_tokens,
+                "pad_token_id": tokenizer.pad_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                **generate_kwargs,
+            }
             with torch.no_grad():
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-            outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+            outputs.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
         return outputs[0] if isinstance(X, str) else outputs
 
     def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803
