@@ -30,7 +30,7 @@ _LAZY = {
     "TrainedModel": "llmtrain.training.model",
     "DeepspeedConfig": "llmtrain.training.args",
     "FSDPConfig": "llmtrain.training.args",
-    "Launcher": "llmtrain.launchers",
+    "Launcher": "llmtrain.training.args",
 }
 
 __all__ = [

@@ -37,10 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    from llmtrain.config_file import SCALARS, SECTIONS
+
     fit = sub.add_parser("fit", allow_abbrev=False, help="fit a trainer described by a YAML file",
                          description="Fit the trainer a YAML file describes. Any option of the "
                          "file can be overridden: --training_args.learning_rate 1e-4, "
-                         "--lora_args null, --db URI (values are read as YAML).")
+                         "--lora_args null, --db URI (values are read as YAML). Sections: "
+                         f"{', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.")
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
     fit.add_argument("--resume", action="store_true", help="continue the newest run that "
                      "has checkpoints instead of starting a new one")
@@ -229,7 +232,7 @@ def _show_identifiers(db: Any, type_id: str) -> None:
         runs = db.metadata.list_runs("trainer", name)
         last = runs[-1] if runs else None
         if type_id == "trainer":
-            base = record.payload["model_args"]["model_name_or_path"]
+            base = _recipe(record.payload).model_args.model_name_or_path
         else:
             base = record.payload["base"]["model_name_or_path"]
         rows.append((name, _versions(versions[name]), len(runs), last.status if last else None,
@@ -243,14 +246,9 @@ def _show_trainer(db: Any, name: str) -> None:
         raise _not_found(db, "trainer", name)
     rows = []
     for r in records:
-        p = r.payload
-        lora = p.get("lora_args")
-        adapter = "full" if lora is None else ("DoRA" if lora.get("use_dora") else "LoRA") + \
-            f" r={lora.get('r')}"
-        if p["model_args"].get("bits"):
-            adapter += f", {p['model_args']['bits']}-bit"
-        rows.append((r.version, _when(r.created_at), p["model_args"]["model_name_or_path"],
-                     adapter, _selection(p.get("fit"))))
+        recipe = _recipe(r.payload)
+        rows.append((r.version, _when(r.created_at), recipe.model_args.model_name_or_path,
+                     recipe.method(), _selection(r.payload.get("fit"))))
     _say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
     _show_runs(db, name)
 
@@ -306,6 +304,13 @@ def _show_run(db: Any, run: Any) -> None:
     checkpoints = db.metadata.list_checkpoints(run.run_id)
     if checkpoints:
         _say("", table([(c.step, c.artifact_id) for c in checkpoints], ["step", "checkpoint"]))
+
+
+def _recipe(payload: dict[str, Any]) -> Any:
+    """A stored trainer record read through its schema (a bad record: ConfigError, exit 2)."""
+    from llmtrain.training.args import TrainerConfig, build
+
+    return build(TrainerConfig, payload, "trainer record")
 
 
 def _not_found(db: Any, type_id: str, name: str) -> LlmtrainError:

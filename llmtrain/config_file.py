@@ -1,10 +1,12 @@
 """Config files for ``llmtrain fit``: YAML mirroring the argument models, plus overrides.
 
-A file has the trainer's sections (``model_args``, ``lora_args``, ``training_args``, ...)
-exactly as :class:`~llmtrain.LLMTrainer` takes them, and a ``data`` section saying which
-rows to train on. ``--training_args.learning_rate 1e-4`` style overrides are checked
-against the same schema, so a typo is an error naming the path, never a silent no-op.
-Every problem is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
+A file has the trainer's options (the sections ``model_args``, ``lora_args``,
+``training_args``, ..., and ``prompt_template``) exactly as :class:`~llmtrain.LLMTrainer`
+takes them, and a ``data`` section saying which rows to train on. Which options exist is
+read off :class:`~llmtrain.training.args.TrainerConfig`, never listed here.
+``--training_args.learning_rate 1e-4`` style overrides are checked against the same schema,
+so a typo is an error naming the path, never a silent no-op. Every problem
+is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
 """
 
 from __future__ import annotations
@@ -18,31 +20,40 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Collection, Query, RawSQL, Table
-from llmtrain.training.args import (
-    DataArguments,
-    DeepspeedConfig,
-    FSDPConfig,
-    LoraArguments,
-    ModelArguments,
-    TrainingArguments,
-    describe,
-)
-from llmtrain.training.spec import DataSelection, LauncherConfig
+from llmtrain.training.args import TrainerConfig, describe
+from llmtrain.training.spec import DataSelection
 from llmtrain.uri import scheme_of
 
 DB_ENV = "LLMTRAIN_DB_URI"
 
+
+class _FileHead(BaseModel):
+    """What a file has besides the trainer's options: its name, where, and which rows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, description="The trainer's identifier.")
+    db: str | None = Field(None, description="Database URI; default: $LLMTRAIN_DB_URI.")
+    artifacts: str | None = Field(None, description="Artifact folder, or 'gridfs'.")
+    data: DataSelection = Field(description="X, Y and the rows (select, eval_select).")
+
+
+#: The top level of a file: its head plus every option of TrainerConfig, required where
+#: TrainerConfig requires it; the values are validated by LLMTrainer itself.
+FitFile = create_model(
+    "FitFile", __base__=_FileHead,
+    **{name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
+       for name in TrainerConfig.options()})  # type: ignore[call-overload]
+
 #: Sections that are one of the argument models: overrides may name their fields.
-SECTIONS: dict[str, type[BaseModel]] = {
-    "model_args": ModelArguments, "lora_args": LoraArguments,
-    "training_args": TrainingArguments, "data_args": DataArguments,
-    "deepspeed_config": DeepspeedConfig, "fsdp_config": FSDPConfig, "launcher": LauncherConfig}
-SCALARS = ("name", "db", "artifacts", "prompt_template")
-DATA_KEYS = ("X", "Y", "select", "eval_select")
+SECTIONS = TrainerConfig.sections()
+SCALARS = (*(k for k in _FileHead.model_fields if k != "data"),
+           *(k for k in TrainerConfig.options() if k not in SECTIONS))
+DATA_KEYS = tuple(DataSelection.model_fields)
 #: Every key a selection may have, in the stored form or the friendlier one.
 SELECT_KEYS = ("kind", "table", "collection", "sql", "name", "schema", "key", "where", "params",
                "columns", "text", "filter", "projection", "allow_javascript")
@@ -173,28 +184,6 @@ def _copy(value: Any) -> Any:
 
 
 # -- the file's schema --------------------------------------------------------------------
-DataSection = DataSelection  # the file's ``data:`` section is exactly a data selection
-
-
-class FitFile(BaseModel):
-    """The top level of a config file. The sections are validated by LLMTrainer itself."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    db: str | None = None
-    artifacts: str | None = None
-    prompt_template: str | None = None
-    model_args: dict[str, Any]
-    lora_args: dict[str, Any] | None = Field(default_factory=dict)  # null: full fine-tune
-    training_args: dict[str, Any] | None = None
-    data_args: dict[str, Any] | None = None
-    deepspeed_config: dict[str, Any] | None = None
-    fsdp_config: dict[str, Any] | None = None
-    launcher: dict[str, Any] | None = None
-    data: DataSection
-
-
 def build_query(spec: Any, where: str = "data.select") -> Query:
     """A query from its stored form (``kind: sql_table, ...``) or a friendlier one:
     ``{table: docs, where: "lang = :l", params: {l: en}}``, ``{collection: docs, filter:
@@ -241,7 +230,7 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
 class FitJob:
     """A validated config file: what to build, where to connect, which rows to train on."""
 
-    config: FitFile
+    config: Any  # a FitFile
     db_uri: str
     select: Query
     eval_select: Query | None
@@ -249,11 +238,11 @@ class FitJob:
     def trainer(self) -> Any:
         from llmtrain.training.trainer import LLMTrainer
 
-        c = self.config
-        sections = {k: getattr(c, k) for k in ("model_args", "training_args", "data_args",
-                                                "deepspeed_config", "fsdp_config", "launcher")}
-        return LLMTrainer(c.name, prompt_template=c.prompt_template, lora_args=c.lora_args,
-                          **{k: v for k, v in sections.items() if v is not None})
+        # only the options the file sets: a missing lora_args is the default adapter,
+        # lora_args: null is full fine-tuning
+        options = self.config.model_dump(include=set(TrainerConfig.options()),
+                                         exclude_unset=True)
+        return LLMTrainer(self.config.name, **options)
 
     def connect(self) -> Any:
         from llmtrain.datalayer import connect
@@ -276,7 +265,8 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     select = build_query(parsed.data.select, "data.select")
     eval_select = (build_query(parsed.data.eval_select, "data.eval_select")
                    if parsed.data.eval_select is not None else None)
-    parsed.model_args = _absolute_model_path(parsed.model_args)
+    if isinstance(parsed.model_args, dict):
+        parsed.model_args = _absolute_model_path(parsed.model_args)
     job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
     job.trainer()  # validate every section now, before any connection is opened
     return job
