@@ -447,5 +447,6 @@ def keyword_reference() -> str:
             if not _extra(field).get("flat"):
                 keyword = f"``{name}.{fname}``"
             lines.append(f"    {keyword}: {f.description}")
-    lines.append("``qlora=True``: ``bits=4`` unless bits is given (needs an adapter).")
+    lines.append("``qlora=``: True quantises the base to ``bits=4`` unless bits is given "
+                 "(QLoRA: needs the adapter).")
     return "\n".join(lines)
