@@ -104,10 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
-    handler = {"fit": cmd_fit, "show": cmd_show, "replay": cmd_replay, "merge": cmd_merge,
-               "demo": cmd_demo}[args.command]
+    handler = {"show": cmd_show, "replay": cmd_replay, "merge": cmd_merge, "demo": cmd_demo}
     try:
-        handler(args, extra) if args.command == "fit" else handler(args)
+        cmd_fit(args, extra) if args.command == "fit" else handler[args.command](args)
     except (ConfigError, QueryError) as exc:
         _error(exc)
         return 2

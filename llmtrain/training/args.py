@@ -12,7 +12,7 @@ adding its model here and one field to ``TrainerConfig``.
 from __future__ import annotations
 
 import typing
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,16 +31,20 @@ def _flat(alias: str) -> dict[str, Any]:
     return {"flat": alias}
 
 
-class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
-    """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
-    as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
-    would make pydantic call it for nested models too and reword their errors.)"""
+if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
+    from pydantic._internal._model_construction import ModelMetaclass as _ArgsMeta
+else:
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except ValidationError as exc:
-            raise ConfigError(describe(cls.__name__, exc)) from None
+    class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
+        """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
+        as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
+        would make pydantic call it for nested models too and reword their errors.)"""
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().__call__(*args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(describe(cls.__name__, exc)) from None
 
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
@@ -87,78 +91,78 @@ class ModelArguments(_Args):
         min_length=1, description="A hub id or a local model folder.",
         json_schema_extra=_flat("model"))
     bits: Literal[4, 8] | None = Field(
-        None, description="Quantise the frozen base weights with bitsandbytes (QLoRA).")
+        default=None, description="Quantise the frozen base weights with bitsandbytes (QLoRA).")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
-        "nf4", description="The 4-bit data type (bits=4).")
+        default="nf4", description="The 4-bit data type (bits=4).")
     bnb_4bit_use_double_quant: bool = Field(
-        True, description="Also quantise the quantisation constants (bits=4).")
+        default=True, description="Also quantise the quantisation constants (bits=4).")
     bnb_4bit_compute_dtype: Dtype = Field(
-        "auto", description="Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it.")
+        default="auto", description="Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it.")
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        "uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP.")
+        default="uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP.")
     torch_dtype: Dtype = Field(
-        "auto", description="Dtype of the unquantised weights; auto: bf16 where the GPU has it.")
+        default="auto", description="Dtype of the unquantised weights; auto: bf16 where the GPU has it.")
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        None, description="Attention kernel; None lets transformers choose.")
+        default=None, description="Attention kernel; None lets transformers choose.")
     trust_remote_code: bool = Field(
-        False, description="Run the model repository's own code (only for sources you trust).")
-    revision: str | None = Field(None, description="A hub branch, tag or commit.")
+        default=False, description="Run the model repository's own code (only for sources you trust).")
+    revision: str | None = Field(default=None, description="A hub branch, tag or commit.")
 
 
 class LoraArguments(_Args):
     """The adapter: LoRA, or DoRA with ``use_dora``."""
 
-    r: int = Field(8, ge=1, le=4096, description="Adapter rank.", json_schema_extra=_flat("lora_r"))
-    lora_alpha: float = Field(16, gt=0, description="Scale: the update is multiplied by alpha/r.")
-    lora_dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter's input.")
+    r: int = Field(default=8, ge=1, le=4096, description="Adapter rank.", json_schema_extra=_flat("lora_r"))
+    lora_alpha: float = Field(default=16, gt=0, description="Scale: the update is multiplied by alpha/r.")
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1, description="Dropout on the adapter's input.")
     target_modules: list[str] | Literal["all-linear"] | None = Field(
-        None, description="Default: the attention and MLP projections of the architecture.")
+        default=None, description="Default: the attention and MLP projections of the architecture.")
     bias: Literal["none", "all", "lora_only"] = Field(
-        "none", description="Which biases train along with the adapter.")
-    use_dora: bool = Field(False, description="DoRA: also learn each weight's magnitude.")
-    use_rslora: bool = Field(False, description="Scale by alpha/sqrt(r) (rank-stabilised LoRA).")
+        default="none", description="Which biases train along with the adapter.")
+    use_dora: bool = Field(default=False, description="DoRA: also learn each weight's magnitude.")
+    use_rslora: bool = Field(default=False, description="Scale by alpha/sqrt(r) (rank-stabilised LoRA).")
     modules_to_save: list[str] | None = Field(
-        None, description="Modules trained in full and stored with the adapter (e.g. lm_head).")
+        default=None, description="Modules trained in full and stored with the adapter (e.g. lm_head).")
 
 
 class TrainingArguments(_Args):
     """The optimisation loop."""
 
-    learning_rate: float = Field(2e-4, gt=0, le=1, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2.")
-    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    learning_rate: float = Field(default=2e-4, gt=0, le=1, description="Peak learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2.")
+    adam_epsilon: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
-        "adamw_torch", description="The optimizer; the 8-bit ones come from bitsandbytes.")
+        default="adamw_torch", description="The optimizer; the 8-bit ones come from bitsandbytes.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        "linear", description="Learning-rate schedule after the warmup.")
-    warmup_steps: int = Field(0, ge=0, description="Warmup length in optimizer steps.")
-    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Warmup as a share of all steps.")
+        default="linear", description="Learning-rate schedule after the warmup.")
+    warmup_steps: int = Field(default=0, ge=0, description="Warmup length in optimizer steps.")
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1, description="Warmup as a share of all steps.")
     num_train_epochs: int = Field(
-        1, ge=1, description="Passes over the rows (when max_steps is -1).",
+        default=1, ge=1, description="Passes over the rows (when max_steps is -1).",
         json_schema_extra=_flat("epochs"))
-    max_steps: int = Field(-1, description="Optimizer steps; -1 runs num_train_epochs.")
+    max_steps: int = Field(default=-1, description="Optimizer steps; -1 runs num_train_epochs.")
     per_device_train_batch_size: int = Field(
-        4, ge=1, description="Rows per micro-batch on each process.",
+        default=4, ge=1, description="Rows per micro-batch on each process.",
         json_schema_extra=_flat("batch_size"))
-    per_device_eval_batch_size: int = Field(8, ge=1, description="Rows per evaluation batch.")
+    per_device_eval_batch_size: int = Field(default=8, ge=1, description="Rows per evaluation batch.")
     gradient_accumulation_steps: int = Field(
-        1, ge=1, description="Micro-batches per optimizer step.")
+        default=1, ge=1, description="Micro-batches per optimizer step.")
     max_grad_norm: float | None = Field(
-        1.0, gt=0, description="Clip the gradient norm to this; None: no clipping.")
+        default=1.0, gt=0, description="Clip the gradient norm to this; None: no clipping.")
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 on a GPU that supports it, else full precision.")
+        default="auto", description="auto: bf16 on a GPU that supports it, else full precision.")
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward: less memory, more time.")
-    seed: int = Field(0, description="Seeds the adapter's initialisation, dropout and shuffle.")
-    logging_steps: int = Field(10, ge=1, description="Record the metrics every N steps.")
-    save_steps: int | None = Field(None, ge=1, description="Checkpoint every N steps.")
+        default=False, description="Recompute activations in backward: less memory, more time.")
+    seed: int = Field(default=0, description="Seeds the adapter's initialisation, dropout and shuffle.")
+    logging_steps: int = Field(default=10, ge=1, description="Record the metrics every N steps.")
+    save_steps: int | None = Field(default=None, ge=1, description="Checkpoint every N steps.")
     save_total_limit: int | None = Field(
-        2, ge=1, description="Checkpoints kept per run (the newest); None keeps all.")
+        default=2, ge=1, description="Checkpoints kept per run (the newest); None keeps all.")
     eval_steps: int | None = Field(
-        None, ge=1, description="Evaluate on the held-out rows every N steps.")
-    progress_bar: bool = Field(True, description="Show a tqdm bar on the main process.")
+        default=None, ge=1, description="Evaluate on the held-out rows every N steps.")
+    progress_bar: bool = Field(default=True, description="Show a tqdm bar on the main process.")
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -172,33 +176,33 @@ class TrainingArguments(_Args):
 class DataArguments(_Args):
     """From rows to token ids: template, truncation, packing, streaming, evaluation."""
 
-    max_length: int = Field(512, ge=8, description="Tokens per example; prompts cut from the left.")
-    train_on_inputs: bool = Field(False, description="Also train on prompt tokens.")
-    chat_template: bool = Field(False, description="Use the tokenizer's chat template.")
-    packing: bool = Field(False, description="Pack examples into rows; no cross-attention.")
-    cache_size: int = Field(1024, ge=1, description="Rows per database window.")
-    shuffle: bool = Field(True, description="Shuffle the rows each epoch (seeded, resumable).")
+    max_length: int = Field(default=512, ge=8, description="Tokens per example; prompts cut from the left.")
+    train_on_inputs: bool = Field(default=False, description="Also train on prompt tokens.")
+    chat_template: bool = Field(default=False, description="Use the tokenizer's chat template.")
+    packing: bool = Field(default=False, description="Pack examples into rows; no cross-attention.")
+    cache_size: int = Field(default=1024, ge=1, description="Rows per database window.")
+    shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded, resumable).")
     drop_remainder: bool = Field(
-        True, description="Drop the rows that do not fill a last batch on every rank.")
+        default=True, description="Drop the rows that do not fill a last batch on every rank.")
     on_bad_row: Literal["raise", "skip"] = Field(
-        "raise", description="A row with a missing or non-text field: fail, or skip it.")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
-    eval_fraction: float = Field(0.0, ge=0, lt=1,
+        default="raise", description="A row with a missing or non-text field: fail, or skip it.")
+    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes.")
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1,
                                  description="Hold out rows by key hash (stable across runs).")
-    max_eval_rows: int = Field(1000, ge=1, description="Held-out rows scored per evaluation.")
+    max_eval_rows: int = Field(default=1000, ge=1, description="Held-out rows scored per evaluation.")
     allow_changed_data: bool = Field(
-        False, description="Resume even if rows changed (fit(allow_changed_data=) wins).")
+        default=False, description="Resume even if rows changed (fit(allow_changed_data=) wins).")
 
 
 class DeepspeedConfig(_Args):
     """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
 
-    stage: Literal[1, 2, 3] = Field(2, description="ZeRO stage: 1 optimizer state, 2 + "
+    stage: Literal[1, 2, 3] = Field(default=2, description="ZeRO stage: 1 optimizer state, 2 + "
                                     "gradients, 3 + parameters partitioned.")
-    offload_optimizer: bool = Field(False, description="Keep the optimizer state on the CPU.")
-    offload_param: bool = Field(False, description="Keep the parameters on the CPU (stage 3).")
+    offload_optimizer: bool = Field(default=False, description="Keep the optimizer state on the CPU.")
+    offload_param: bool = Field(default=False, description="Keep the parameters on the CPU (stage 3).")
     raw: dict[str, Any] | str | None = Field(
-        None, description="A DeepSpeed JSON config (dict or path) used as given.")
+        default=None, description="A DeepSpeed JSON config (dict or path) used as given.")
 
     @model_validator(mode="after")
     def _offload(self) -> DeepspeedConfig:
@@ -220,26 +224,26 @@ class FSDPConfig(_Args):
     """FSDP2 (``fully_shard``) per decoder layer, with mixed precision and offload options."""
 
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="Dtype FSDP2 gathers parameters and reduces gradients in.")
-    cpu_offload: bool = Field(False, description="Keep the sharded parameters on the CPU.")
+        default="no", description="Dtype FSDP2 gathers parameters and reduces gradients in.")
+    cpu_offload: bool = Field(default=False, description="Keep the sharded parameters on the CPU.")
     reshard_after_forward: bool = Field(
-        True, description="Free gathered layers after forward (less memory, one more gather).")
+        default=True, description="Free gathered layers after forward (less memory, one more gather).")
 
 
 class Launcher(_Args):
     """How fit() starts its worker processes (``kind="python"``: in this process)."""
 
     kind: Literal["python", "torchrun", "deepspeed"] = Field(
-        "python", description="python (in process), torchrun or deepspeed.")
-    num_processes: int = Field(1, ge=1, description="Worker processes per node.")
-    num_nodes: int = Field(1, ge=1, description="Machines; each runs fit() with its node_rank.")
-    node_rank: int = Field(0, ge=0, description="This machine's index among num_nodes.")
-    master_addr: str = Field("127.0.0.1", description="Address of node 0, reachable by all.")
+        default="python", description="python (in process), torchrun or deepspeed.")
+    num_processes: int = Field(default=1, ge=1, description="Worker processes per node.")
+    num_nodes: int = Field(default=1, ge=1, description="Machines; each runs fit() with its node_rank.")
+    node_rank: int = Field(default=0, ge=0, description="This machine's index among num_nodes.")
+    master_addr: str = Field(default="127.0.0.1", description="Address of node 0, reachable by all.")
     master_port: int | None = Field(
-        None, ge=1, le=65535, description="Port on node 0; None: a free one (one node only).")
-    hostfile: str | None = Field(None, description="The deepspeed launcher's hostfile.")
+        default=None, ge=1, le=65535, description="Port on node 0; None: a free one (one node only).")
+    hostfile: str | None = Field(default=None, description="The deepspeed launcher's hostfile.")
     timeout_s: float | None = Field(
-        None, gt=0, description="Stop the whole job after this many seconds.")
+        default=None, gt=0, description="Stop the whole job after this many seconds.")
 
     @model_validator(mode="after")
     def _nodes(self) -> Launcher:
@@ -275,7 +279,7 @@ class TrainerConfig(_Args):
 
     identifier: str = Field(description="The trainer's name in the metadata store.")
     prompt_template: str | None = Field(
-        None, description="The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}').")
+        default=None, description="The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}').")
     model_args: ModelArguments = Field(
         description="The base model.", json_schema_extra={"flat": True})
     lora_args: LoraArguments | None = Field(
@@ -288,12 +292,12 @@ class TrainerConfig(_Args):
         default_factory=DataArguments, description="Rows to token ids, and evaluation.",
         json_schema_extra={"flat": True})
     deepspeed_config: DeepspeedConfig | None = Field(
-        None, description="Train with DeepSpeed ZeRO ({} for the defaults).")
+        default=None, description="Train with DeepSpeed ZeRO ({} for the defaults).")
     fsdp_config: FSDPConfig | None = Field(
-        None, description="Train with FSDP2 ({} for the defaults).")
+        default=None, description="Train with FSDP2 ({} for the defaults).")
     launcher: Launcher | None = Field(
-        None, description="Start worker processes (torchrun, deepspeed) from fit().")
-    fit: FitSpec | None = Field(None, description="The data of the last fit(), for replays.")
+        default=None, description="Start worker processes (torchrun, deepspeed) from fit().")
+    fit: FitSpec | None = Field(default=None, description="The data of the last fit(), for replays.")
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:

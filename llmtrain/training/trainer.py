@@ -151,11 +151,11 @@ class LLMTrainer:
                                            info={"allow_changed_data": allow_changed_data})
                     return run.run_id
             log.info("nothing to resume for %s: starting a new run", self.identifier)
-        run_id = uuid.uuid4().hex
+        run_id, fit = uuid.uuid4().hex, self.config.fit
+        assert fit is not None  # set by fit() before it registers
         db.metadata.create_run(run_id, self.type_id, self.identifier, self.version or 0, {
-            "config": self.to_dict(), "query": self.config.fit.select,
-            "X": self.config.fit.X, "Y": self.config.fit.Y,
-            "data_fingerprint": self.config.fit.data_fingerprint, "db": db.uri,
+            "config": self.to_dict(), "query": fit.select, "X": fit.X, "Y": fit.Y,
+            "data_fingerprint": fit.data_fingerprint, "db": db.uri,
             "versions": library_versions(), "allow_changed_data": allow_changed_data})
         return run_id
 
