@@ -37,17 +37,17 @@ class _FileHead(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, description="The trainer's identifier.")
-    db: str | None = Field(None, description="Database URI; default: $LLMTRAIN_DB_URI.")
-    artifacts: str | None = Field(None, description="Artifact folder, or 'gridfs'.")
+    db: str | None = Field(default=None, description="Database URI; default: $LLMTRAIN_DB_URI.")
+    artifacts: str | None = Field(default=None, description="Artifact folder, or 'gridfs'.")
     data: DataSelection = Field(description="X, Y and the rows (select, eval_select).")
 
 
 #: The top level of a file: its head plus every option of TrainerConfig, required where
 #: TrainerConfig requires it; the values are validated by LLMTrainer itself.
-FitFile = create_model(
-    "FitFile", __base__=_FileHead,
-    **{name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
-       for name in TrainerConfig.options()})  # type: ignore[call-overload]
+_OPTIONS: dict[str, Any] = {
+    name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
+    for name in TrainerConfig.options()}
+FitFile = create_model("FitFile", __base__=_FileHead, **_OPTIONS)
 
 #: Sections that are one of the argument models: overrides may name their fields.
 SECTIONS = TrainerConfig.sections()
@@ -254,8 +254,11 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     """Validate a (possibly overridden) config dict; the database comes from ``db:`` or,
     when that is missing, the ``LLMTRAIN_DB_URI`` environment variable."""
     env = os.environ if env is None else env
+    config = dict(config)
+    if isinstance(config.get("model_args"), dict):
+        config["model_args"] = _absolute_model_path(config["model_args"])
     try:
-        parsed = FitFile.model_validate(dict(config))
+        parsed = FitFile.model_validate(config)
     except ValidationError as exc:
         raise ConfigError(describe("config", exc)) from None
     db_uri = parsed.db or env.get(DB_ENV)
@@ -265,8 +268,6 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     select = build_query(parsed.data.select, "data.select")
     eval_select = (build_query(parsed.data.eval_select, "data.eval_select")
                    if parsed.data.eval_select is not None else None)
-    if isinstance(parsed.model_args, dict):
-        parsed.model_args = _absolute_model_path(parsed.model_args)
     job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
     job.trainer()  # validate every section now, before any connection is opened
     return job

@@ -196,7 +196,7 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
         data.setdefault("model_args", {}).setdefault("bits", 4)
     if "model_name_or_path" not in data.get("model_args", {}):
         raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
-    return build(TrainerConfig, data, "LLMTrainer")  # type: ignore[no-any-return]
+    return build(TrainerConfig, data, "LLMTrainer")
 
 
 def _nullable(name: str) -> bool:
@@ -205,7 +205,7 @@ def _nullable(name: str) -> bool:
 
 def _as_dict(value: Any) -> dict[str, Any]:
     if hasattr(value, "model_dump"):
-        return value.model_dump(exclude_unset=False)  # type: ignore[no-any-return]
+        return value.model_dump(exclude_unset=False)
     if isinstance(value, dict):
         return dict(value)
     raise ConfigError(f"expected an arguments model or a dict, got {type(value).__name__}")
