@@ -34,9 +34,25 @@ _LAZY = {
 }
 
 __all__ = [
-    "BadRowError", "CachedQueryDataset", "CheckpointError", "Collection", "ConfigError",
-    "DataChangedError", "DataError", "Datalayer", "LlmtrainError", "Query", "QueryDataLoader",
-    "QueryDataset", "QueryError", "RawSQL", "StoreError", "Table", "connect", "sql", *_LAZY,
+    "BadRowError",
+    "CachedQueryDataset",
+    "CheckpointError",
+    "Collection",
+    "ConfigError",
+    "DataChangedError",
+    "DataError",
+    "Datalayer",
+    "LlmtrainError",
+    "Query",
+    "QueryDataLoader",
+    "QueryDataset",
+    "QueryError",
+    "RawSQL",
+    "StoreError",
+    "Table",
+    "connect",
+    "sql",
+    *_LAZY,
 ]
 
 

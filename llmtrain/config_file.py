@@ -46,17 +46,34 @@ class _FileHead(BaseModel):
 #: TrainerConfig requires it; the values are validated by LLMTrainer itself.
 _OPTIONS: dict[str, Any] = {
     name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
-    for name in TrainerConfig.options()}
+    for name in TrainerConfig.options()
+}
 FitFile = create_model("FitFile", __base__=_FileHead, **_OPTIONS)
 
 #: Sections that are one of the argument models: overrides may name their fields.
 SECTIONS = TrainerConfig.sections()
-SCALARS = (*(k for k in _FileHead.model_fields if k != "data"),
-           *(k for k in TrainerConfig.options() if k not in SECTIONS))
+SCALARS = (
+    *(k for k in _FileHead.model_fields if k != "data"),
+    *(k for k in TrainerConfig.options() if k not in SECTIONS),
+)
 DATA_KEYS = tuple(DataSelection.model_fields)
 #: Every key a selection may have, in the stored form or the friendlier one.
-SELECT_KEYS = ("kind", "table", "collection", "sql", "name", "schema", "key", "where", "params",
-               "columns", "text", "filter", "projection", "allow_javascript")
+SELECT_KEYS = (
+    "kind",
+    "table",
+    "collection",
+    "sql",
+    "name",
+    "schema",
+    "key",
+    "where",
+    "params",
+    "columns",
+    "text",
+    "filter",
+    "projection",
+    "allow_javascript",
+)
 #: Fields holding free-form mappings: any key below them is allowed.
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
@@ -69,7 +86,8 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    list("-+0123456789"),
+)
 
 
 def parse_value(text: str) -> Any:
@@ -95,8 +113,9 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping (name:, model_args:, data: ...), "
-                          f"not {type(data).__name__}")
+        raise ConfigError(
+            f"{path} must hold a mapping (name:, model_args:, data: ...), not {type(data).__name__}"
+        )
     return data
 
 
@@ -108,8 +127,10 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like "
-                              "--training_args.learning_rate 1e-4")
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like "
+                "--training_args.learning_rate 1e-4"
+            )
         path, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
@@ -146,8 +167,9 @@ def check_path(path: str) -> None:
             if len(rest) > 1:
                 _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
                 if len(rest) > 2 and rest[1] not in _FREE_FORM:
-                    raise ConfigError(f"unknown option --{path}: data.{rest[0]}.{rest[1]} has "
-                                      "no sub-options")
+                    raise ConfigError(
+                        f"unknown option --{path}: data.{rest[0]}.{rest[1]} has no sub-options"
+                    )
         return
     _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
 
@@ -160,8 +182,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
     raise ConfigError(f"unknown option --{path}: {where} has no {key!r}{hint}")
 
 
-def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
-                    ) -> dict[str, Any]:
+def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted path set (missing sections are created)."""
     out = _copy(config)
     for path, value in overrides:
@@ -195,16 +216,22 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
     spec = dict(spec)
     unknown = sorted(set(spec) - set(SELECT_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; a selection has one of "
-                          "kind:, table:, collection: or sql:")
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; a selection has one of "
+            "kind:, table:, collection: or sql:"
+        )
     forms = [k for k in ("kind", "table", "collection", "sql") if k in spec]
     if len(forms) != 1:
-        raise ConfigError(f"{where} needs exactly one of kind:, table:, collection: or sql:"
-                          + (f" (got {forms})" if forms else ""))
-    allowed = {"kind": set(SELECT_KEYS),
-               "table": {"table", "schema", "key", "where", "params", "columns"},
-               "collection": {"collection", "filter", "projection", "allow_javascript"},
-               "sql": {"sql", "key", "params"}}[forms[0]]
+        raise ConfigError(
+            f"{where} needs exactly one of kind:, table:, collection: or sql:"
+            + (f" (got {forms})" if forms else "")
+        )
+    allowed = {
+        "kind": set(SELECT_KEYS),
+        "table": {"table", "schema", "key", "where", "params", "columns"},
+        "collection": {"collection", "filter", "projection", "allow_javascript"},
+        "sql": {"sql", "key", "params"},
+    }[forms[0]]
     extra = sorted(set(spec) - allowed)
     if extra:
         raise ConfigError(f"{where}: {forms[0]}: does not take {extra}")
@@ -212,13 +239,21 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
         if forms[0] == "kind":
             return Query.from_dict(spec)
         if forms[0] == "table":
-            return Table(spec["table"], schema=spec.get("schema"), key=spec.get("key"),
-                         where=spec.get("where"), params=spec.get("params"),
-                         columns=spec.get("columns"))
+            return Table(
+                spec["table"],
+                schema=spec.get("schema"),
+                key=spec.get("key"),
+                where=spec.get("where"),
+                params=spec.get("params"),
+                columns=spec.get("columns"),
+            )
         if forms[0] == "collection":
-            return Collection(spec["collection"], filter=spec.get("filter"),
-                              projection=spec.get("projection"),
-                              allow_javascript=bool(spec.get("allow_javascript", False)))
+            return Collection(
+                spec["collection"],
+                filter=spec.get("filter"),
+                projection=spec.get("projection"),
+                allow_javascript=bool(spec.get("allow_javascript", False)),
+            )
         if "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
         return RawSQL(spec["sql"], key=spec["key"], params=spec.get("params"))
@@ -240,8 +275,7 @@ class FitJob:
 
         # only the options the file sets: a missing lora_args is the default adapter,
         # lora_args: null is full fine-tuning
-        options = self.config.model_dump(include=set(TrainerConfig.options()),
-                                         exclude_unset=True)
+        options = self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
         return LLMTrainer(self.config.name, **options)
 
     def connect(self) -> Any:
@@ -263,11 +297,16 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
         raise ConfigError(describe("config", exc)) from None
     db_uri = parsed.db or env.get(DB_ENV)
     if not db_uri:
-        raise ConfigError(f"config: no database; set db: (e.g. sqlite:///data.db) or the "
-                          f"{DB_ENV} environment variable")
+        raise ConfigError(
+            f"config: no database; set db: (e.g. sqlite:///data.db) or the "
+            f"{DB_ENV} environment variable"
+        )
     select = build_query(parsed.data.select, "data.select")
-    eval_select = (build_query(parsed.data.eval_select, "data.eval_select")
-                   if parsed.data.eval_select is not None else None)
+    eval_select = (
+        build_query(parsed.data.eval_select, "data.eval_select")
+        if parsed.data.eval_select is not None
+        else None
+    )
     job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
     job.trainer()  # validate every section now, before any connection is opened
     return job
@@ -293,8 +332,11 @@ def _absolute_sqlite(uri: str) -> str:
     return f"{head}:///{Path(file).resolve()}{qsep}{query}"
 
 
-def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (),
-             env: Mapping[str, str] | None = None) -> FitJob:
+def load_job(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> FitJob:
     """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
     config = apply_overrides(read_config(path), parse_overrides(overrides))
     return build_job(config, env)

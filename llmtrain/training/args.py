@@ -19,8 +19,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmtrain.errors import ConfigError
 from llmtrain.training.spec import FitSpec
 
-__all__ = ["DataArguments", "DeepspeedConfig", "FSDPConfig", "Launcher", "LoraArguments",
-           "ModelArguments", "TrainerConfig", "TrainingArguments"]
+__all__ = [
+    "DataArguments",
+    "DeepspeedConfig",
+    "FSDPConfig",
+    "Launcher",
+    "LoraArguments",
+    "ModelArguments",
+    "TrainerConfig",
+    "TrainingArguments",
+]
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 _FLOATS = ("float32", "bfloat16", "float16")
@@ -88,41 +96,65 @@ class ModelArguments(_Args):
     """Which base model, and how to load it (quantisation, dtype, attention)."""
 
     model_name_or_path: str = Field(
-        min_length=1, description="A hub id or a local model folder.",
-        json_schema_extra=_flat("model"))
+        min_length=1,
+        description="A hub id or a local model folder.",
+        json_schema_extra=_flat("model"),
+    )
     bits: Literal[4, 8] | None = Field(
-        default=None, description="Quantise the frozen base weights with bitsandbytes (QLoRA).")
+        default=None, description="Quantise the frozen base weights with bitsandbytes (QLoRA)."
+    )
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
-        default="nf4", description="The 4-bit data type (bits=4).")
+        default="nf4", description="The 4-bit data type (bits=4)."
+    )
     bnb_4bit_use_double_quant: bool = Field(
-        default=True, description="Also quantise the quantisation constants (bits=4).")
+        default=True, description="Also quantise the quantisation constants (bits=4)."
+    )
     bnb_4bit_compute_dtype: Dtype = Field(
-        default="auto", description="Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it.")
+        default="auto", description="Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it."
+    )
     bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        default="uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP.")
+        default="uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP."
+    )
     torch_dtype: Dtype = Field(
-        default="auto", description="Dtype of the unquantised weights; auto: bf16 where the GPU has it.")
+        default="auto",
+        description="Dtype of the unquantised weights; auto: bf16 where the GPU has it.",
+    )
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        default=None, description="Attention kernel; None lets transformers choose.")
+        default=None, description="Attention kernel; None lets transformers choose."
+    )
     trust_remote_code: bool = Field(
-        default=False, description="Run the model repository's own code (only for sources you trust).")
+        default=False,
+        description="Run the model repository's own code (only for sources you trust).",
+    )
     revision: str | None = Field(default=None, description="A hub branch, tag or commit.")
 
 
 class LoraArguments(_Args):
     """The adapter: LoRA, or DoRA with ``use_dora``."""
 
-    r: int = Field(default=8, ge=1, le=4096, description="Adapter rank.", json_schema_extra=_flat("lora_r"))
-    lora_alpha: float = Field(default=16, gt=0, description="Scale: the update is multiplied by alpha/r.")
-    lora_dropout: float = Field(default=0.05, ge=0, lt=1, description="Dropout on the adapter's input.")
+    r: int = Field(
+        default=8, ge=1, le=4096, description="Adapter rank.", json_schema_extra=_flat("lora_r")
+    )
+    lora_alpha: float = Field(
+        default=16, gt=0, description="Scale: the update is multiplied by alpha/r."
+    )
+    lora_dropout: float = Field(
+        default=0.05, ge=0, lt=1, description="Dropout on the adapter's input."
+    )
     target_modules: list[str] | Literal["all-linear"] | None = Field(
-        default=None, description="Default: the attention and MLP projections of the architecture.")
+        default=None, description="Default: the attention and MLP projections of the architecture."
+    )
     bias: Literal["none", "all", "lora_only"] = Field(
-        default="none", description="Which biases train along with the adapter.")
+        default="none", description="Which biases train along with the adapter."
+    )
     use_dora: bool = Field(default=False, description="DoRA: also learn each weight's magnitude.")
-    use_rslora: bool = Field(default=False, description="Scale by alpha/sqrt(r) (rank-stabilised LoRA).")
+    use_rslora: bool = Field(
+        default=False, description="Scale by alpha/sqrt(r) (rank-stabilised LoRA)."
+    )
     modules_to_save: list[str] | None = Field(
-        default=None, description="Modules trained in full and stored with the adapter (e.g. lm_head).")
+        default=None,
+        description="Modules trained in full and stored with the adapter (e.g. lm_head).",
+    )
 
 
 class TrainingArguments(_Args):
@@ -134,34 +166,54 @@ class TrainingArguments(_Args):
     adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2.")
     adam_epsilon: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
-        default="adamw_torch", description="The optimizer; the 8-bit ones come from bitsandbytes.")
+        default="adamw_torch", description="The optimizer; the 8-bit ones come from bitsandbytes."
+    )
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        default="linear", description="Learning-rate schedule after the warmup.")
+        default="linear", description="Learning-rate schedule after the warmup."
+    )
     warmup_steps: int = Field(default=0, ge=0, description="Warmup length in optimizer steps.")
-    warmup_ratio: float = Field(default=0.0, ge=0, le=1, description="Warmup as a share of all steps.")
+    warmup_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Warmup as a share of all steps."
+    )
     num_train_epochs: int = Field(
-        default=1, ge=1, description="Passes over the rows (when max_steps is -1).",
-        json_schema_extra=_flat("epochs"))
+        default=1,
+        ge=1,
+        description="Passes over the rows (when max_steps is -1).",
+        json_schema_extra=_flat("epochs"),
+    )
     max_steps: int = Field(default=-1, description="Optimizer steps; -1 runs num_train_epochs.")
     per_device_train_batch_size: int = Field(
-        default=4, ge=1, description="Rows per micro-batch on each process.",
-        json_schema_extra=_flat("batch_size"))
-    per_device_eval_batch_size: int = Field(default=8, ge=1, description="Rows per evaluation batch.")
+        default=4,
+        ge=1,
+        description="Rows per micro-batch on each process.",
+        json_schema_extra=_flat("batch_size"),
+    )
+    per_device_eval_batch_size: int = Field(
+        default=8, ge=1, description="Rows per evaluation batch."
+    )
     gradient_accumulation_steps: int = Field(
-        default=1, ge=1, description="Micro-batches per optimizer step.")
+        default=1, ge=1, description="Micro-batches per optimizer step."
+    )
     max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="Clip the gradient norm to this; None: no clipping.")
+        default=1.0, gt=0, description="Clip the gradient norm to this; None: no clipping."
+    )
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        default="auto", description="auto: bf16 on a GPU that supports it, else full precision.")
+        default="auto", description="auto: bf16 on a GPU that supports it, else full precision."
+    )
     gradient_checkpointing: bool = Field(
-        default=False, description="Recompute activations in backward: less memory, more time.")
-    seed: int = Field(default=0, description="Seeds the adapter's initialisation, dropout and shuffle.")
+        default=False, description="Recompute activations in backward: less memory, more time."
+    )
+    seed: int = Field(
+        default=0, description="Seeds the adapter's initialisation, dropout and shuffle."
+    )
     logging_steps: int = Field(default=10, ge=1, description="Record the metrics every N steps.")
     save_steps: int | None = Field(default=None, ge=1, description="Checkpoint every N steps.")
     save_total_limit: int | None = Field(
-        default=2, ge=1, description="Checkpoints kept per run (the newest); None keeps all.")
+        default=2, ge=1, description="Checkpoints kept per run (the newest); None keeps all."
+    )
     eval_steps: int | None = Field(
-        default=None, ge=1, description="Evaluate on the held-out rows every N steps.")
+        default=None, ge=1, description="Evaluate on the held-out rows every N steps."
+    )
     progress_bar: bool = Field(default=True, description="Show a tqdm bar on the main process.")
 
     @model_validator(mode="after")
@@ -176,33 +228,50 @@ class TrainingArguments(_Args):
 class DataArguments(_Args):
     """From rows to token ids: template, truncation, packing, streaming, evaluation."""
 
-    max_length: int = Field(default=512, ge=8, description="Tokens per example; prompts cut from the left.")
+    max_length: int = Field(
+        default=512, ge=8, description="Tokens per example; prompts cut from the left."
+    )
     train_on_inputs: bool = Field(default=False, description="Also train on prompt tokens.")
     chat_template: bool = Field(default=False, description="Use the tokenizer's chat template.")
     packing: bool = Field(default=False, description="Pack examples into rows; no cross-attention.")
     cache_size: int = Field(default=1024, ge=1, description="Rows per database window.")
-    shuffle: bool = Field(default=True, description="Shuffle the rows each epoch (seeded, resumable).")
+    shuffle: bool = Field(
+        default=True, description="Shuffle the rows each epoch (seeded, resumable)."
+    )
     drop_remainder: bool = Field(
-        default=True, description="Drop the rows that do not fill a last batch on every rank.")
+        default=True, description="Drop the rows that do not fill a last batch on every rank."
+    )
     on_bad_row: Literal["raise", "skip"] = Field(
-        default="raise", description="A row with a missing or non-text field: fail, or skip it.")
+        default="raise", description="A row with a missing or non-text field: fail, or skip it."
+    )
     num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes.")
-    eval_fraction: float = Field(default=0.0, ge=0, lt=1,
-                                 description="Hold out rows by key hash (stable across runs).")
-    max_eval_rows: int = Field(default=1000, ge=1, description="Held-out rows scored per evaluation.")
+    eval_fraction: float = Field(
+        default=0.0, ge=0, lt=1, description="Hold out rows by key hash (stable across runs)."
+    )
+    max_eval_rows: int = Field(
+        default=1000, ge=1, description="Held-out rows scored per evaluation."
+    )
     allow_changed_data: bool = Field(
-        default=False, description="Resume even if rows changed (fit(allow_changed_data=) wins).")
+        default=False, description="Resume even if rows changed (fit(allow_changed_data=) wins)."
+    )
 
 
 class DeepspeedConfig(_Args):
     """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
 
-    stage: Literal[1, 2, 3] = Field(default=2, description="ZeRO stage: 1 optimizer state, 2 + "
-                                    "gradients, 3 + parameters partitioned.")
-    offload_optimizer: bool = Field(default=False, description="Keep the optimizer state on the CPU.")
-    offload_param: bool = Field(default=False, description="Keep the parameters on the CPU (stage 3).")
+    stage: Literal[1, 2, 3] = Field(
+        default=2,
+        description="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters partitioned.",
+    )
+    offload_optimizer: bool = Field(
+        default=False, description="Keep the optimizer state on the CPU."
+    )
+    offload_param: bool = Field(
+        default=False, description="Keep the parameters on the CPU (stage 3)."
+    )
     raw: dict[str, Any] | str | None = Field(
-        default=None, description="A DeepSpeed JSON config (dict or path) used as given.")
+        default=None, description="A DeepSpeed JSON config (dict or path) used as given."
+    )
 
     @model_validator(mode="after")
     def _offload(self) -> DeepspeedConfig:
@@ -224,42 +293,63 @@ class FSDPConfig(_Args):
     """FSDP2 (``fully_shard``) per decoder layer, with mixed precision and offload options."""
 
     mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        default="no", description="Dtype FSDP2 gathers parameters and reduces gradients in.")
+        default="no", description="Dtype FSDP2 gathers parameters and reduces gradients in."
+    )
     cpu_offload: bool = Field(default=False, description="Keep the sharded parameters on the CPU.")
     reshard_after_forward: bool = Field(
-        default=True, description="Free gathered layers after forward (less memory, one more gather).")
+        default=True,
+        description="Free gathered layers after forward (less memory, one more gather).",
+    )
 
 
 class Launcher(_Args):
     """How fit() starts its worker processes (``kind="python"``: in this process)."""
 
     kind: Literal["python", "torchrun", "deepspeed"] = Field(
-        default="python", description="python (in process), torchrun or deepspeed.")
+        default="python", description="python (in process), torchrun or deepspeed."
+    )
     num_processes: int = Field(default=1, ge=1, description="Worker processes per node.")
-    num_nodes: int = Field(default=1, ge=1, description="Machines; each runs fit() with its node_rank.")
+    num_nodes: int = Field(
+        default=1, ge=1, description="Machines; each runs fit() with its node_rank."
+    )
     node_rank: int = Field(default=0, ge=0, description="This machine's index among num_nodes.")
-    master_addr: str = Field(default="127.0.0.1", description="Address of node 0, reachable by all.")
+    master_addr: str = Field(
+        default="127.0.0.1", description="Address of node 0, reachable by all."
+    )
     master_port: int | None = Field(
-        default=None, ge=1, le=65535, description="Port on node 0; None: a free one (one node only).")
+        default=None,
+        ge=1,
+        le=65535,
+        description="Port on node 0; None: a free one (one node only).",
+    )
     hostfile: str | None = Field(default=None, description="The deepspeed launcher's hostfile.")
     timeout_s: float | None = Field(
-        default=None, gt=0, description="Stop the whole job after this many seconds.")
+        default=None, gt=0, description="Stop the whole job after this many seconds."
+    )
 
     @model_validator(mode="after")
     def _nodes(self) -> Launcher:
         problems = []
         if self.num_nodes > 1 and self.master_port is None:
-            problems.append("launcher.master_port must be set for several nodes: every node "
-                            "has to reach the same port")
+            problems.append(
+                "launcher.master_port must be set for several nodes: every node "
+                "has to reach the same port"
+            )
         if self.node_rank >= self.num_nodes:
-            problems.append(f"launcher.node_rank={self.node_rank} needs num_nodes > node_rank "
-                            f"(num_nodes={self.num_nodes})")
+            problems.append(
+                f"launcher.node_rank={self.node_rank} needs num_nodes > node_rank "
+                f"(num_nodes={self.num_nodes})"
+            )
         if self.kind == "python" and (self.num_processes > 1 or self.num_nodes > 1):
-            problems.append("launcher.kind='python' trains in this one process: use torchrun "
-                            "or deepspeed for num_processes or num_nodes above 1")
+            problems.append(
+                "launcher.kind='python' trains in this one process: use torchrun "
+                "or deepspeed for num_processes or num_nodes above 1"
+            )
         if self.hostfile is not None and self.kind != "deepspeed":
-            problems.append(f"launcher.hostfile is read by the deepspeed launcher only, not by "
-                            f"kind={self.kind!r}")
+            problems.append(
+                f"launcher.hostfile is read by the deepspeed launcher only, not by "
+                f"kind={self.kind!r}"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -279,31 +369,47 @@ class TrainerConfig(_Args):
 
     identifier: str = Field(description="The trainer's name in the metadata store.")
     prompt_template: str | None = Field(
-        default=None, description="The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}').")
+        default=None, description="The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."
+    )
     model_args: ModelArguments = Field(
-        description="The base model.", json_schema_extra={"flat": True})
+        description="The base model.", json_schema_extra={"flat": True}
+    )
     lora_args: LoraArguments | None = Field(
-        default_factory=LoraArguments, description="The adapter; None: full fine-tuning.",
-        json_schema_extra={"flat": True})
+        default_factory=LoraArguments,
+        description="The adapter; None: full fine-tuning.",
+        json_schema_extra={"flat": True},
+    )
     training_args: TrainingArguments = Field(
-        default_factory=TrainingArguments, description="The optimisation loop.",
-        json_schema_extra={"flat": True})
+        default_factory=TrainingArguments,
+        description="The optimisation loop.",
+        json_schema_extra={"flat": True},
+    )
     data_args: DataArguments = Field(
-        default_factory=DataArguments, description="Rows to token ids, and evaluation.",
-        json_schema_extra={"flat": True})
+        default_factory=DataArguments,
+        description="Rows to token ids, and evaluation.",
+        json_schema_extra={"flat": True},
+    )
     deepspeed_config: DeepspeedConfig | None = Field(
-        default=None, description="Train with DeepSpeed ZeRO ({} for the defaults).")
+        default=None, description="Train with DeepSpeed ZeRO ({} for the defaults)."
+    )
     fsdp_config: FSDPConfig | None = Field(
-        default=None, description="Train with FSDP2 ({} for the defaults).")
+        default=None, description="Train with FSDP2 ({} for the defaults)."
+    )
     launcher: Launcher | None = Field(
-        default=None, description="Start worker processes (torchrun, deepspeed) from fit().")
-    fit: FitSpec | None = Field(default=None, description="The data of the last fit(), for replays.")
+        default=None, description="Start worker processes (torchrun, deepspeed) from fit()."
+    )
+    fit: FitSpec | None = Field(
+        default=None, description="The data of the last fit(), for replays."
+    )
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
         """The argument groups by name: the file's sections, ``--section.field`` overrides."""
-        return {name: model for name, field in cls.model_fields.items()
-                if (model := _section_model(field.annotation)) is not None}
+        return {
+            name: model
+            for name, field in cls.model_fields.items()
+            if (model := _section_model(field.annotation)) is not None
+        }
 
     @classmethod
     def options(cls) -> list[str]:
@@ -322,8 +428,10 @@ class TrainerConfig(_Args):
                     if keyword is None:
                         continue
                     if keyword in out:
-                        raise TypeError(f"flat keyword {keyword!r} names both "
-                                        f"{out[keyword]} and {(section, name)}")
+                        raise TypeError(
+                            f"flat keyword {keyword!r} names both "
+                            f"{out[keyword]} and {(section, name)}"
+                        )
                     out[keyword] = (section, name)
         return out
 
@@ -335,13 +443,18 @@ class TrainerConfig(_Args):
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
         m = self.model_args
         if m.bits and self.lora_args is None:
-            problems.append(f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
-                            "frozen base model, which only an adapter can train; keep lora_args "
-                            "(QLoRA) or drop bits")
+            problems.append(
+                f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
+                "frozen base model, which only an adapter can train; keep lora_args "
+                "(QLoRA) or drop bits"
+            )
         problems += quantization_problems(
-            m.bits, fsdp=self.fsdp_config is not None, quant_storage=m.bnb_4bit_quant_storage,
+            m.bits,
+            fsdp=self.fsdp_config is not None,
+            quant_storage=m.bnb_4bit_quant_storage,
             deepspeed_stage=self.deepspeed_config.zero_stage if self.deepspeed_config else None,
-            compute_dtype=None if m.bnb_4bit_compute_dtype == "auto" else m.bnb_4bit_compute_dtype)
+            compute_dtype=None if m.bnb_4bit_compute_dtype == "auto" else m.bnb_4bit_compute_dtype,
+        )
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -351,8 +464,13 @@ class TrainerConfig(_Args):
         if chat and self.prompt_template is not None:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if self.prompt_template is None:
-            return [] if chat else ["prompt_template: needed (with {X} and {Y}) unless "
-                                    "data_args.chat_template=True"]
+            return (
+                []
+                if chat
+                else [
+                    "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
+                ]
+            )
         from llmtrain.formatting.template import PromptTemplate
 
         try:
@@ -368,10 +486,15 @@ class TrainerConfig(_Args):
         return text + (f", {self.model_args.bits}-bit" if self.model_args.bits else "")
 
 
-def quantization_problems(bits: int | None, *, deepspeed_stage: int | None = None,
-                          fsdp: bool = False, quant_storage: str | None = None,
-                          compute_dtype: str | None = None, cuda: bool | None = None
-                          ) -> list[str]:
+def quantization_problems(
+    bits: int | None,
+    *,
+    deepspeed_stage: int | None = None,
+    fsdp: bool = False,
+    quant_storage: str | None = None,
+    compute_dtype: str | None = None,
+    cuda: bool | None = None,
+) -> list[str]:
     """What a quantised base (``bits``) cannot do under a sharding strategy.
 
     The one home of these rules: ``TrainerConfig`` passes what the config knows when the
@@ -384,29 +507,39 @@ def quantization_problems(bits: int | None, *, deepspeed_stage: int | None = Non
     if deepspeed_stage == 3:
         # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
         # the same update applied in a single process; ZeRO-2 matches it exactly.
-        problems.append(f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot "
-                        "train with DeepSpeed ZeRO stage 3 (it partitions the packed quantised "
-                        "weights and the results are wrong): use deepspeed_config stage 1 or 2, "
-                        "or drop bits")
+        problems.append(
+            f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot "
+            "train with DeepSpeed ZeRO stage 3 (it partitions the packed quantised "
+            "weights and the results are wrong): use deepspeed_config stage 1 or 2, "
+            "or drop bits"
+        )
     if fsdp and bits == 8:
-        problems.append("model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes "
-                        "8-bit weights: use bits=4 on a GPU, deepspeed_config with stage 1 or "
-                        "2, or drop bits")
+        problems.append(
+            "model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes "
+            "8-bit weights: use bits=4 on a GPU, deepspeed_config with stage 1 or "
+            "2, or drop bits"
+        )
     elif fsdp:
         if cuda is False:
             # Measured: a sharded 4-bit model returns a different loss on every forward with
             # no update in between (the re-gathered packed weights are not the loaded ones).
-            problems.append("model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 "
-                            "does not work on the CPU: train it with deepspeed_config (stage 1 "
-                            "or 2: the 4-bit base stays replicated, the adapter's gradients and "
-                            "optimizer state are partitioned), or drop bits to shard an "
-                            "unquantised base with FSDP2")
-        if quant_storage is not None and (quant_storage not in _FLOATS or (
-                compute_dtype is not None and quant_storage != compute_dtype)):
-            problems.append(f"model_args.bnb_4bit_quant_storage={quant_storage!r} with "
-                            "fsdp_config: FSDP2 shards the packed 4-bit weights as tensors of "
-                            "the compute dtype: set it to model_args.bnb_4bit_compute_dtype "
-                            f"({compute_dtype or 'a float dtype, not auto'})")
+            problems.append(
+                "model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 "
+                "does not work on the CPU: train it with deepspeed_config (stage 1 "
+                "or 2: the 4-bit base stays replicated, the adapter's gradients and "
+                "optimizer state are partitioned), or drop bits to shard an "
+                "unquantised base with FSDP2"
+            )
+        if quant_storage is not None and (
+            quant_storage not in _FLOATS
+            or (compute_dtype is not None and quant_storage != compute_dtype)
+        ):
+            problems.append(
+                f"model_args.bnb_4bit_quant_storage={quant_storage!r} with "
+                "fsdp_config: FSDP2 shards the packed 4-bit weights as tensors of "
+                "the compute dtype: set it to model_args.bnb_4bit_compute_dtype "
+                f"({compute_dtype or 'a float dtype, not auto'})"
+            )
     return problems
 
 
@@ -451,6 +584,8 @@ def keyword_reference() -> str:
             if not _extra(field).get("flat"):
                 keyword = f"``{name}.{fname}``"
             lines.append(f"    {keyword}: {f.description}")
-    lines.append("``qlora=``: True quantises the base to ``bits=4`` unless bits is given "
-                 "(QLoRA: needs the adapter).")
+    lines.append(
+        "``qlora=``: True quantises the base to ``bits=4`` unless bits is given "
+        "(QLoRA: needs the adapter)."
+    )
     return "\n".join(lines)

@@ -22,7 +22,8 @@ class DataSelection(BaseModel):
     Y: str = Field(min_length=1, description="The field trained on as the response ({Y}).")
     select: dict[str, Any] = Field(description="The training rows: a stored query.")
     eval_select: dict[str, Any] | None = Field(
-        default=None, description="Evaluation rows; default: held-out rows (eval_fraction).")
+        default=None, description="Evaluation rows; default: held-out rows (eval_fraction)."
+    )
 
 
 class FitSpec(DataSelection):
@@ -30,7 +31,8 @@ class FitSpec(DataSelection):
 
     db: str = Field(description="The database URI, password redacted.")
     data_fingerprint: str | None = Field(
-        default=None, description="A hash of the selected keys, to notice changed rows on replay.")
+        default=None, description="A hash of the selected keys, to notice changed rows on replay."
+    )
 
     def query(self) -> Query:
         return Query.from_dict(self.select)

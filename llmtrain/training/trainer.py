@@ -63,10 +63,18 @@ class LLMTrainer:
         return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
 
     # -- training --------------------------------------------------------------------------
-    def fit(self, X: str | None = None, Y: str | None = None, db: Any = None,  # noqa: N803
-            select: Query | None = None, *, eval_select: Query | None = None,
-            resume: bool | str = False, merge: bool = False,
-            allow_changed_data: bool | None = None) -> Any:
+    def fit(
+        self,
+        X: str | None = None,
+        Y: str | None = None,
+        db: Any = None,  # noqa: N803
+        select: Query | None = None,
+        *,
+        eval_select: Query | None = None,
+        resume: bool | str = False,
+        merge: bool = False,
+        allow_changed_data: bool | None = None,
+    ) -> Any:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
 
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
@@ -81,18 +89,29 @@ class LLMTrainer:
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
         if allow_changed_data is not None and not isinstance(allow_changed_data, bool):
-            raise ConfigError(f"fit(allow_changed_data=) must be True or False, got "
-                              f"{allow_changed_data!r}")
-        allow = (self.config.data_args.allow_changed_data if allow_changed_data is None
-                 else allow_changed_data)
+            raise ConfigError(
+                f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
+            )
+        allow = (
+            self.config.data_args.allow_changed_data
+            if allow_changed_data is None
+            else allow_changed_data
+        )
         spec = self._fit_spec(X, Y, db, select, eval_select)
         replaying = X is None and select is None
         fingerprint = _data_fingerprint(db, spec, self.config.data_args)
-        if replaying and spec.data_fingerprint and spec.db == db.uri \
-                and spec.data_fingerprint != fingerprint and not resume:
-            message = (f"the rows of {spec.query().source} changed since trainer "
-                       f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
-                       f"{spec.data_fingerprint} -> {fingerprint})")
+        if (
+            replaying
+            and spec.data_fingerprint
+            and spec.db == db.uri
+            and spec.data_fingerprint != fingerprint
+            and not resume
+        ):
+            message = (
+                f"the rows of {spec.query().source} changed since trainer "
+                f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
+                f"{spec.data_fingerprint} -> {fingerprint})"
+            )
             if not allow:
                 raise DataChangedError(message + "; pass allow_changed_data=True to train anyway")
             log.warning("%s; training anyway as asked", message)
@@ -106,24 +125,39 @@ class LLMTrainer:
         self._store(db)
         return self.version, self._run_for(db, resume, allow)
 
-    def _fit_spec(self, X: str | None, Y: str | None, db: Any, select: Query | None,  # noqa: N803
-                  eval_select: Query | None) -> FitSpec:
+    def _fit_spec(
+        self,
+        X: str | None,
+        Y: str | None,
+        db: Any,
+        select: Query | None,  # noqa: N803
+        eval_select: Query | None,
+    ) -> FitSpec:
         if X is None and Y is None and select is None:
             if self.config.fit is None:
-                raise ConfigError("fit() needs X=, Y= and select= (only a trainer that was "
-                                  "fitted before can replay with no arguments)")
+                raise ConfigError(
+                    "fit() needs X=, Y= and select= (only a trainer that was "
+                    "fitted before can replay with no arguments)"
+                )
             return self.config.fit.model_copy(update={"db": db.uri})
         if X is None or Y is None or select is None:
             raise ConfigError("fit() needs all of X=, Y= and select=")
         if not isinstance(select, Query):
-            raise ConfigError(f"select= must be a llmtrain query (Table, sql, Collection), "
-                              f"got {type(select).__name__}")
+            raise ConfigError(
+                f"select= must be a llmtrain query (Table, sql, Collection), "
+                f"got {type(select).__name__}"
+            )
         if X == Y:
             raise ConfigError(f"X and Y name the same field {X!r}")
         if eval_select is not None and not isinstance(eval_select, Query):
             raise ConfigError("eval_select= must be a llmtrain query")
-        return FitSpec(X=X, Y=Y, select=select.to_dict(),
-                       eval_select=eval_select.to_dict() if eval_select else None, db=db.uri)
+        return FitSpec(
+            X=X,
+            Y=Y,
+            select=select.to_dict(),
+            eval_select=eval_select.to_dict() if eval_select else None,
+            db=db.uri,
+        )
 
     def _store(self, db: Any) -> None:
         """Add a new version only when the configuration differs from the newest one."""
@@ -145,18 +179,35 @@ class LLMTrainer:
             for run in reversed(db.metadata.list_runs(self.type_id, self.identifier)):
                 checkpoints = db.metadata.list_checkpoints(run.run_id)
                 wanted = resume in (True, "latest") or any(
-                    str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints)
+                    str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints
+                )
                 if checkpoints and wanted:
-                    db.metadata.update_run(run.run_id, status="running", error=None,
-                                           info={"allow_changed_data": allow_changed_data})
+                    db.metadata.update_run(
+                        run.run_id,
+                        status="running",
+                        error=None,
+                        info={"allow_changed_data": allow_changed_data},
+                    )
                     return run.run_id
             log.info("nothing to resume for %s: starting a new run", self.identifier)
         run_id, fit = uuid.uuid4().hex, self.config.fit
         assert fit is not None  # set by fit() before it registers
-        db.metadata.create_run(run_id, self.type_id, self.identifier, self.version or 0, {
-            "config": self.to_dict(), "query": fit.select, "X": fit.X, "Y": fit.Y,
-            "data_fingerprint": fit.data_fingerprint, "db": db.uri,
-            "versions": library_versions(), "allow_changed_data": allow_changed_data})
+        db.metadata.create_run(
+            run_id,
+            self.type_id,
+            self.identifier,
+            self.version or 0,
+            {
+                "config": self.to_dict(),
+                "query": fit.select,
+                "X": fit.X,
+                "Y": fit.Y,
+                "data_fingerprint": fit.data_fingerprint,
+                "db": db.uri,
+                "versions": library_versions(),
+                "allow_changed_data": allow_changed_data,
+            },
+        )
         return run_id
 
 
@@ -177,13 +228,16 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
             data[name] = value
     for name, value in options.items():
         if name not in flat:
-            raise ConfigError(f"unknown option {name!r}: not a keyword of LLMTrainer (see "
-                              "help(LLMTrainer) for the list)")
+            raise ConfigError(
+                f"unknown option {name!r}: not a keyword of LLMTrainer (see "
+                "help(LLMTrainer) for the list)"
+            )
         section, field = flat[name]
         if section in data and data[section] is None:
-            raise ConfigError(f"{name}= configures {section}, but {section}=None "
-                              + ("asks for full fine-tuning" if section == "lora_args"
-                                 else "turns it off"))
+            raise ConfigError(
+                f"{name}= configures {section}, but {section}=None "
+                + ("asks for full fine-tuning" if section == "lora_args" else "turns it off")
+            )
         group = data.setdefault(section, {})
         value = os.fspath(value) if isinstance(value, os.PathLike) else value
         if field in group and group[field] != value:
@@ -191,8 +245,10 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
         group[field] = value
     if qlora:
         if "lora_args" in data and data["lora_args"] is None:
-            raise ConfigError("qlora=True trains an adapter on a quantised model; it "
-                              "cannot be combined with lora_args=None")
+            raise ConfigError(
+                "qlora=True trains an adapter on a quantised model; it "
+                "cannot be combined with lora_args=None"
+            )
         data.setdefault("model_args", {}).setdefault("bits", 4)
     if "model_name_or_path" not in data.get("model_args", {}):
         raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
@@ -219,8 +275,9 @@ def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
 def _data_fingerprint(db: Any, spec: FitSpec, data: DataArguments) -> str:
     from llmtrain.datasets import CachedQueryDataset
 
-    return CachedQueryDataset(db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size,
-                              rank=0, world_size=1).data_fingerprint
+    return CachedQueryDataset(
+        db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size, rank=0, world_size=1
+    ).data_fingerprint
 
 
 LLMTrainer.__doc__ = f"{LLMTrainer.__doc__}\n{textwrap.indent(keyword_reference(), '    ')}"
