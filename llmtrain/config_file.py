@@ -34,12 +34,16 @@ DB_ENV = "LLMTRAIN_DB_URI"
 class _FileHead(BaseModel):
     """What a file has besides the trainer's options: its name, where, and which rows."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    name: str = Field(min_length=1, description="The trainer's identifier.")
-    db: str | None = Field(default=None, description="Database URI; default: $LLMTRAIN_DB_URI.")
-    artifacts: str | None = Field(default=None, description="Artifact folder, or 'gridfs'.")
-    data: DataSelection = Field(description="X, Y and the rows (select, eval_select).")
+    name: str = Field(min_length=1)
+    """The trainer's identifier."""
+    db: str | None = None
+    """Database URI; default: $LLMTRAIN_DB_URI."""
+    artifacts: str | None = None
+    """Artifact folder, or 'gridfs'."""
+    data: DataSelection
+    """X, Y and the rows (select, eval_select)."""
 
 
 #: The top level of a file: its head plus every option of TrainerConfig, required where

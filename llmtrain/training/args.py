@@ -56,7 +56,10 @@ else:
 
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # the docstring under each field is its description (shown by help(LLMTrainer))
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         try:
@@ -95,126 +98,98 @@ def describe(where: str, exc: ValidationError) -> str:
 class ModelArguments(_Args):
     """Which base model, and how to load it (quantisation, dtype, attention)."""
 
-    model_name_or_path: str = Field(
-        min_length=1,
-        description="A hub id or a local model folder.",
-        json_schema_extra=_flat("model"),
-    )
-    bits: Literal[4, 8] | None = Field(
-        default=None, description="Quantise the frozen base weights with bitsandbytes (QLoRA)."
-    )
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = Field(
-        default="nf4", description="The 4-bit data type (bits=4)."
-    )
-    bnb_4bit_use_double_quant: bool = Field(
-        default=True, description="Also quantise the quantisation constants (bits=4)."
-    )
-    bnb_4bit_compute_dtype: Dtype = Field(
-        default="auto", description="Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it."
-    )
-    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        default="uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP."
-    )
-    torch_dtype: Dtype = Field(
-        default="auto",
-        description="Dtype of the unquantised weights; auto: bf16 where the GPU has it.",
-    )
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        default=None, description="Attention kernel; None lets transformers choose."
-    )
-    trust_remote_code: bool = Field(
-        default=False,
-        description="Run the model repository's own code (only for sources you trust).",
-    )
-    revision: str | None = Field(default=None, description="A hub branch, tag or commit.")
+    model_name_or_path: str = Field(min_length=1, json_schema_extra=_flat("model"))
+    """A hub id or a local model folder."""
+    bits: Literal[4, 8] | None = None
+    """Quantise the frozen base weights with bitsandbytes (QLoRA)."""
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type (bits=4)."""
+    bnb_4bit_use_double_quant: bool = True
+    """Also quantise the quantisation constants (bits=4)."""
+    bnb_4bit_compute_dtype: Dtype = "auto"
+    """Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it."""
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
+    """Set to the compute dtype to shard 4-bit weights with FSDP."""
+    torch_dtype: Dtype = "auto"
+    """Dtype of the unquantised weights; auto: bf16 where the GPU has it."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    """Attention kernel; None lets transformers choose."""
+    trust_remote_code: bool = False
+    """Run the model repository's own code (only for sources you trust)."""
+    revision: str | None = None
+    """A hub branch, tag or commit."""
 
 
 class LoraArguments(_Args):
     """The adapter: LoRA, or DoRA with ``use_dora``."""
 
-    r: int = Field(
-        default=8, ge=1, le=4096, description="Adapter rank.", json_schema_extra=_flat("lora_r")
-    )
-    lora_alpha: float = Field(
-        default=16, gt=0, description="Scale: the update is multiplied by alpha/r."
-    )
-    lora_dropout: float = Field(
-        default=0.05, ge=0, lt=1, description="Dropout on the adapter's input."
-    )
-    target_modules: list[str] | Literal["all-linear"] | None = Field(
-        default=None, description="Default: the attention and MLP projections of the architecture."
-    )
-    bias: Literal["none", "all", "lora_only"] = Field(
-        default="none", description="Which biases train along with the adapter."
-    )
-    use_dora: bool = Field(default=False, description="DoRA: also learn each weight's magnitude.")
-    use_rslora: bool = Field(
-        default=False, description="Scale by alpha/sqrt(r) (rank-stabilised LoRA)."
-    )
-    modules_to_save: list[str] | None = Field(
-        default=None,
-        description="Modules trained in full and stored with the adapter (e.g. lm_head).",
-    )
+    r: int = Field(default=8, ge=1, le=4096, json_schema_extra=_flat("lora_r"))
+    """Adapter rank."""
+    lora_alpha: float = Field(default=16, gt=0)
+    """Scale: the update is multiplied by alpha/r."""
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] | Literal["all-linear"] | None = None
+    """Default: the attention and MLP projections of the architecture."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train along with the adapter."""
+    use_dora: bool = False
+    """DoRA: also learn each weight's magnitude."""
+    use_rslora: bool = False
+    """Scale by alpha/sqrt(r) (rank-stabilised LoRA)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and stored with the adapter (e.g. lm_head)."""
 
 
 class TrainingArguments(_Args):
     """The optimisation loop."""
 
-    learning_rate: float = Field(default=2e-4, gt=0, le=1, description="Peak learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    adam_beta1: float = Field(default=0.9, ge=0, lt=1, description="AdamW beta1.")
-    adam_beta2: float = Field(default=0.999, ge=0, lt=1, description="AdamW beta2.")
-    adam_epsilon: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = Field(
-        default="adamw_torch", description="The optimizer; the 8-bit ones come from bitsandbytes."
-    )
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = Field(
-        default="linear", description="Learning-rate schedule after the warmup."
-    )
-    warmup_steps: int = Field(default=0, ge=0, description="Warmup length in optimizer steps.")
-    warmup_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="Warmup as a share of all steps."
-    )
-    num_train_epochs: int = Field(
-        default=1,
-        ge=1,
-        description="Passes over the rows (when max_steps is -1).",
-        json_schema_extra=_flat("epochs"),
-    )
-    max_steps: int = Field(default=-1, description="Optimizer steps; -1 runs num_train_epochs.")
-    per_device_train_batch_size: int = Field(
-        default=4,
-        ge=1,
-        description="Rows per micro-batch on each process.",
-        json_schema_extra=_flat("batch_size"),
-    )
-    per_device_eval_batch_size: int = Field(
-        default=8, ge=1, description="Rows per evaluation batch."
-    )
-    gradient_accumulation_steps: int = Field(
-        default=1, ge=1, description="Micro-batches per optimizer step."
-    )
-    max_grad_norm: float | None = Field(
-        default=1.0, gt=0, description="Clip the gradient norm to this; None: no clipping."
-    )
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        default="auto", description="auto: bf16 on a GPU that supports it, else full precision."
-    )
-    gradient_checkpointing: bool = Field(
-        default=False, description="Recompute activations in backward: less memory, more time."
-    )
-    seed: int = Field(
-        default=0, description="Seeds the adapter's initialisation, dropout and shuffle."
-    )
-    logging_steps: int = Field(default=10, ge=1, description="Record the metrics every N steps.")
-    save_steps: int | None = Field(default=None, ge=1, description="Checkpoint every N steps.")
-    save_total_limit: int | None = Field(
-        default=2, ge=1, description="Checkpoints kept per run (the newest); None keeps all."
-    )
-    eval_steps: int | None = Field(
-        default=None, ge=1, description="Evaluate on the held-out rows every N steps."
-    )
-    progress_bar: bool = Field(default=True, description="Show a tqdm bar on the main process.")
+    learning_rate: float = Field(default=2e-4, gt=0, le=1)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_epsilon: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    """The optimizer; the 8-bit ones come from bitsandbytes."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule after the warmup."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Warmup length in optimizer steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Warmup as a share of all steps."""
+    num_train_epochs: int = Field(default=1, ge=1, json_schema_extra=_flat("epochs"))
+    """Passes over the rows (when max_steps is -1)."""
+    max_steps: int = -1
+    """Optimizer steps; -1 runs num_train_epochs."""
+    per_device_train_batch_size: int = Field(default=4, ge=1, json_schema_extra=_flat("batch_size"))
+    """Rows per micro-batch on each process."""
+    per_device_eval_batch_size: int = Field(default=8, ge=1)
+    """Rows per evaluation batch."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the gradient norm to this; None: no clipping."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, else full precision."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, more time."""
+    seed: int = 0
+    """Seeds the adapter's initialisation, dropout and shuffle."""
+    logging_steps: int = Field(default=10, ge=1)
+    """Record the metrics every N steps."""
+    save_steps: int | None = Field(default=None, ge=1)
+    """Checkpoint every N steps."""
+    save_total_limit: int | None = Field(default=2, ge=1)
+    """Checkpoints kept per run (the newest); None keeps all."""
+    eval_steps: int | None = Field(default=None, ge=1)
+    """Evaluate on the held-out rows every N steps."""
+    progress_bar: bool = True
+    """Show a tqdm bar on the main process."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -228,50 +203,43 @@ class TrainingArguments(_Args):
 class DataArguments(_Args):
     """From rows to token ids: template, truncation, packing, streaming, evaluation."""
 
-    max_length: int = Field(
-        default=512, ge=8, description="Tokens per example; prompts cut from the left."
-    )
-    train_on_inputs: bool = Field(default=False, description="Also train on prompt tokens.")
-    chat_template: bool = Field(default=False, description="Use the tokenizer's chat template.")
-    packing: bool = Field(default=False, description="Pack examples into rows; no cross-attention.")
-    cache_size: int = Field(default=1024, ge=1, description="Rows per database window.")
-    shuffle: bool = Field(
-        default=True, description="Shuffle the rows each epoch (seeded, resumable)."
-    )
-    drop_remainder: bool = Field(
-        default=True, description="Drop the rows that do not fill a last batch on every rank."
-    )
-    on_bad_row: Literal["raise", "skip"] = Field(
-        default="raise", description="A row with a missing or non-text field: fail, or skip it."
-    )
-    num_workers: int = Field(default=0, ge=0, description="DataLoader worker processes.")
-    eval_fraction: float = Field(
-        default=0.0, ge=0, lt=1, description="Hold out rows by key hash (stable across runs)."
-    )
-    max_eval_rows: int = Field(
-        default=1000, ge=1, description="Held-out rows scored per evaluation."
-    )
-    allow_changed_data: bool = Field(
-        default=False, description="Resume even if rows changed (fit(allow_changed_data=) wins)."
-    )
+    max_length: int = Field(default=512, ge=8)
+    """Tokens per example; prompts cut from the left."""
+    train_on_inputs: bool = False
+    """Also train on prompt tokens."""
+    chat_template: bool = False
+    """Use the tokenizer's chat template."""
+    packing: bool = False
+    """Pack examples into rows; no cross-attention."""
+    cache_size: int = Field(default=1024, ge=1)
+    """Rows per database window."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch (seeded, resumable)."""
+    drop_remainder: bool = True
+    """Drop the rows that do not fill a last batch on every rank."""
+    on_bad_row: Literal["raise", "skip"] = "raise"
+    """A row with a missing or non-text field: fail, or skip it."""
+    num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes."""
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """Hold out rows by key hash (stable across runs)."""
+    max_eval_rows: int = Field(default=1000, ge=1)
+    """Held-out rows scored per evaluation."""
+    allow_changed_data: bool = False
+    """Resume even if rows changed (fit(allow_changed_data=) wins)."""
 
 
 class DeepspeedConfig(_Args):
     """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
 
-    stage: Literal[1, 2, 3] = Field(
-        default=2,
-        description="ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters partitioned.",
-    )
-    offload_optimizer: bool = Field(
-        default=False, description="Keep the optimizer state on the CPU."
-    )
-    offload_param: bool = Field(
-        default=False, description="Keep the parameters on the CPU (stage 3)."
-    )
-    raw: dict[str, Any] | str | None = Field(
-        default=None, description="A DeepSpeed JSON config (dict or path) used as given."
-    )
+    stage: Literal[1, 2, 3] = 2
+    """ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters partitioned."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state on the CPU."""
+    offload_param: bool = False
+    """Keep the parameters on the CPU (stage 3)."""
+    raw: dict[str, Any] | str | None = None
+    """A DeepSpeed JSON config (dict or path) used as given."""
 
     @model_validator(mode="after")
     def _offload(self) -> DeepspeedConfig:
@@ -292,40 +260,33 @@ class DeepspeedConfig(_Args):
 class FSDPConfig(_Args):
     """FSDP2 (``fully_shard``) per decoder layer, with mixed precision and offload options."""
 
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        default="no", description="Dtype FSDP2 gathers parameters and reduces gradients in."
-    )
-    cpu_offload: bool = Field(default=False, description="Keep the sharded parameters on the CPU.")
-    reshard_after_forward: bool = Field(
-        default=True,
-        description="Free gathered layers after forward (less memory, one more gather).",
-    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Dtype FSDP2 gathers parameters and reduces gradients in."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters on the CPU."""
+    reshard_after_forward: bool = True
+    """Free gathered layers after forward (less memory, one more gather)."""
 
 
 class Launcher(_Args):
     """How fit() starts its worker processes (``kind="python"``: in this process)."""
 
-    kind: Literal["python", "torchrun", "deepspeed"] = Field(
-        default="python", description="python (in process), torchrun or deepspeed."
-    )
-    num_processes: int = Field(default=1, ge=1, description="Worker processes per node.")
-    num_nodes: int = Field(
-        default=1, ge=1, description="Machines; each runs fit() with its node_rank."
-    )
-    node_rank: int = Field(default=0, ge=0, description="This machine's index among num_nodes.")
-    master_addr: str = Field(
-        default="127.0.0.1", description="Address of node 0, reachable by all."
-    )
-    master_port: int | None = Field(
-        default=None,
-        ge=1,
-        le=65535,
-        description="Port on node 0; None: a free one (one node only).",
-    )
-    hostfile: str | None = Field(default=None, description="The deepspeed launcher's hostfile.")
-    timeout_s: float | None = Field(
-        default=None, gt=0, description="Stop the whole job after this many seconds."
-    )
+    kind: Literal["python", "torchrun", "deepspeed"] = "python"
+    """python (in process), torchrun or deepspeed."""
+    num_processes: int = Field(default=1, ge=1)
+    """Worker processes per node."""
+    num_nodes: int = Field(default=1, ge=1)
+    """Machines; each runs fit() with its node_rank."""
+    node_rank: int = Field(default=0, ge=0)
+    """This machine's index among num_nodes."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, reachable by all."""
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port on node 0; None: a free one (one node only)."""
+    hostfile: str | None = None
+    """The deepspeed launcher's hostfile."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Stop the whole job after this many seconds."""
 
     @model_validator(mode="after")
     def _nodes(self) -> Launcher:
@@ -367,40 +328,32 @@ class TrainerConfig(_Args):
     #: written by fit() from its X, Y and select arguments
     RECORD_ONLY: ClassVar[tuple[str, ...]] = ("identifier", "fit")
 
-    identifier: str = Field(description="The trainer's name in the metadata store.")
-    prompt_template: str | None = Field(
-        default=None, description="The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."
-    )
-    model_args: ModelArguments = Field(
-        description="The base model.", json_schema_extra={"flat": True}
-    )
+    identifier: str
+    """The trainer's name in the metadata store."""
+    prompt_template: str | None = None
+    """The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."""
+    model_args: ModelArguments = Field(json_schema_extra={"flat": True})
+    """The base model."""
     lora_args: LoraArguments | None = Field(
-        default_factory=LoraArguments,
-        description="The adapter; None: full fine-tuning.",
-        json_schema_extra={"flat": True},
+        default_factory=LoraArguments, json_schema_extra={"flat": True}
     )
+    """The adapter; None: full fine-tuning."""
     training_args: TrainingArguments = Field(
-        default_factory=TrainingArguments,
-        description="The optimisation loop.",
-        json_schema_extra={"flat": True},
+        default_factory=TrainingArguments, json_schema_extra={"flat": True}
     )
+    """The optimisation loop."""
     data_args: DataArguments = Field(
-        default_factory=DataArguments,
-        description="Rows to token ids, and evaluation.",
-        json_schema_extra={"flat": True},
+        default_factory=DataArguments, json_schema_extra={"flat": True}
     )
-    deepspeed_config: DeepspeedConfig | None = Field(
-        default=None, description="Train with DeepSpeed ZeRO ({} for the defaults)."
-    )
-    fsdp_config: FSDPConfig | None = Field(
-        default=None, description="Train with FSDP2 ({} for the defaults)."
-    )
-    launcher: Launcher | None = Field(
-        default=None, description="Start worker processes (torchrun, deepspeed) from fit()."
-    )
-    fit: FitSpec | None = Field(
-        default=None, description="The data of the last fit(), for replays."
-    )
+    """Rows to token ids, and evaluation."""
+    deepspeed_config: DeepspeedConfig | None = None
+    """Train with DeepSpeed ZeRO ({} for the defaults)."""
+    fsdp_config: FSDPConfig | None = None
+    """Train with FSDP2 ({} for the defaults)."""
+    launcher: Launcher | None = None
+    """Start worker processes (torchrun, deepspeed) from fit()."""
+    fit: FitSpec | None = None
+    """The data of the last fit(), for replays."""
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
@@ -464,13 +417,10 @@ class TrainerConfig(_Args):
         if chat and self.prompt_template is not None:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if self.prompt_template is None:
-            return (
-                []
-                if chat
-                else [
-                    "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
-                ]
+            needed = (
+                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
             )
+            return [] if chat else [needed]
         from llmtrain.formatting.template import PromptTemplate
 
         try:

@@ -16,23 +16,25 @@ from llmtrain.queries import Query
 class DataSelection(BaseModel):
     """Which rows: ``X`` and ``Y`` name fields, ``select`` (and ``eval_select``) the rows."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    X: str = Field(min_length=1, description="The field rendered as the prompt ({X}).")
-    Y: str = Field(min_length=1, description="The field trained on as the response ({Y}).")
-    select: dict[str, Any] = Field(description="The training rows: a stored query.")
-    eval_select: dict[str, Any] | None = Field(
-        default=None, description="Evaluation rows; default: held-out rows (eval_fraction)."
-    )
+    X: str = Field(min_length=1)
+    """The field rendered as the prompt ({X})."""
+    Y: str = Field(min_length=1)
+    """The field trained on as the response ({Y})."""
+    select: dict[str, Any]
+    """The training rows: a stored query."""
+    eval_select: dict[str, Any] | None = None
+    """Evaluation rows; default: held-out rows (eval_fraction)."""
 
 
 class FitSpec(DataSelection):
     """The data a fit() trained on: enough to replay it on the same (or another) database."""
 
-    db: str = Field(description="The database URI, password redacted.")
-    data_fingerprint: str | None = Field(
-        default=None, description="A hash of the selected keys, to notice changed rows on replay."
-    )
+    db: str
+    """The database URI, password redacted."""
+    data_fingerprint: str | None = None
+    """A hash of the selected keys, to notice changed rows on replay."""
 
     def query(self) -> Query:
         return Query.from_dict(self.select)
