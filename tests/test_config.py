@@ -155,7 +155,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"launcher": {"kind": "torchrun", "num_nodes": 2}}, "launcher.master_port must be set"),
     (
         {"launcher": {"kind": "torchrun", "num_nodes": 2, "node_rank": 2, "master_port": 29500}},
-        "launcher.node_rank=2 needs num_nodes > node_rank",
+        "launcher.node_rank=2 needs num_nodes=2 above it",
     ),
     ({"launcher": {"num_processes": 2}}, "launcher.kind='python' trains in this one process"),
     ({"launcher": {"kind": "torchrun", "hostfile": "hosts"}}, "launcher.hostfile"),

@@ -19,17 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from llmtrain.errors import ConfigError
 from llmtrain.training.spec import FitSpec
 
-__all__ = [
-    "DataArguments",
-    "DeepspeedConfig",
-    "FSDPConfig",
-    "Launcher",
-    "LoraArguments",
-    "ModelArguments",
-    "TrainerConfig",
-    "TrainingArguments",
-]
-
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 _FLOATS = ("float32", "bfloat16", "float16")
 
@@ -290,29 +279,28 @@ class Launcher(_Args):
 
     @model_validator(mode="after")
     def _nodes(self) -> Launcher:
-        problems = []
-        if self.num_nodes > 1 and self.master_port is None:
-            problems.append(
-                "launcher.master_port must be set for several nodes: every node "
-                "has to reach the same port"
-            )
-        if self.node_rank >= self.num_nodes:
-            problems.append(
-                f"launcher.node_rank={self.node_rank} needs num_nodes > node_rank "
-                f"(num_nodes={self.num_nodes})"
-            )
-        if self.kind == "python" and (self.num_processes > 1 or self.num_nodes > 1):
-            problems.append(
-                "launcher.kind='python' trains in this one process: use torchrun "
-                "or deepspeed for num_processes or num_nodes above 1"
-            )
-        if self.hostfile is not None and self.kind != "deepspeed":
-            problems.append(
-                f"launcher.hostfile is read by the deepspeed launcher only, not by "
-                f"kind={self.kind!r}"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
+        several, kind = self.num_nodes > 1, self.kind
+        broken = [
+            (
+                several and self.master_port is None,
+                "launcher.master_port must be set for several nodes: every node has to reach it",
+            ),
+            (
+                self.node_rank >= self.num_nodes,
+                f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it",
+            ),
+            (
+                kind == "python" and (several or self.num_processes > 1),
+                "launcher.kind='python' "
+                "trains in this one process: use torchrun or deepspeed for several processes",
+            ),
+            (
+                self.hostfile is not None and kind != "deepspeed",
+                f"launcher.hostfile is read by the deepspeed launcher only, not kind={kind!r}",
+            ),
+        ]
+        if any(bad for bad, _ in broken):
+            raise ValueError("; ".join(message for bad, message in broken if bad))
         return self
 
 
