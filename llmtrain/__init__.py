@@ -30,13 +30,29 @@ _LAZY = {
     "TrainedModel": "llmtrain.training.model",
     "DeepspeedConfig": "llmtrain.training.args",
     "FSDPConfig": "llmtrain.training.args",
-    "Launcher": "llmtrain.launchers",
+    "Launcher": "llmtrain.training.args",
 }
 
 __all__ = [
-    "BadRowError", "CachedQueryDataset", "CheckpointError", "Collection", "ConfigError",
-    "DataChangedError", "DataError", "Datalayer", "LlmtrainError", "Query", "QueryDataLoader",
-    "QueryDataset", "QueryError", "RawSQL", "StoreError", "Table", "connect", "sql", *_LAZY,
+    "BadRowError",
+    "CachedQueryDataset",
+    "CheckpointError",
+    "Collection",
+    "ConfigError",
+    "DataChangedError",
+    "DataError",
+    "Datalayer",
+    "LlmtrainError",
+    "Query",
+    "QueryDataLoader",
+    "QueryDataset",
+    "QueryError",
+    "RawSQL",
+    "StoreError",
+    "Table",
+    "connect",
+    "sql",
+    *_LAZY,
 ]
 
 

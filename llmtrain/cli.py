@@ -32,55 +32,88 @@ def build_parser() -> argparse.ArgumentParser:
     from llmtrain import __version__
 
     parser = argparse.ArgumentParser(
-        prog="llmtrain", description="Fine-tune LLMs on rows streamed from SQL and MongoDB.",
-        epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="llmtrain",
+        description="Fine-tune LLMs on rows streamed from SQL and MongoDB.",
+        epilog=USAGE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"llmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    fit = sub.add_parser("fit", allow_abbrev=False, help="fit a trainer described by a YAML file",
-                         description="Fit the trainer a YAML file describes. Any option of the "
-                         "file can be overridden: --training_args.learning_rate 1e-4, "
-                         "--lora_args null, --db URI (values are read as YAML).")
+    from llmtrain.config_file import SCALARS, SECTIONS
+
+    fit = sub.add_parser(
+        "fit",
+        allow_abbrev=False,
+        help="fit a trainer described by a YAML file",
+        description="Fit the trainer a YAML file describes. Any option of the "
+        "file can be overridden: --training_args.learning_rate 1e-4, "
+        "--lora_args null, --db URI (values are read as YAML). Sections: "
+        f"{', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
+    )
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
-    fit.add_argument("--resume", action="store_true", help="continue the newest run that "
-                     "has checkpoints instead of starting a new one")
+    fit.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest run that has checkpoints instead of starting a new one",
+    )
     fit.add_argument("--merge", action="store_true", help="also store the merged model")
 
     show = sub.add_parser("show", help="list trainers, models and runs stored in a database")
     show.add_argument("type", nargs="?", choices=["trainer", "model", "run"])
-    show.add_argument("name", nargs="?", help="an identifier (for run: a trainer name or a run "
-                      "id, or its first characters)")
+    show.add_argument(
+        "name",
+        nargs="?",
+        help="an identifier (for run: a trainer name or a run id, or its first characters)",
+    )
     _db_options(show)
 
     replay = sub.add_parser("replay", help="fit a stored trainer again with its stored recipe")
     replay.add_argument("name", help="the trainer's identifier")
     replay.add_argument("--version", type=int, help="trainer version (default: the newest)")
-    replay.add_argument("--resume", action="store_true",
-                        help="continue its newest interrupted run instead")
-    replay.add_argument("--allow-changed-data", action="store_true",
-                        help="train even though the selected rows changed since the last fit")
+    replay.add_argument(
+        "--resume", action="store_true", help="continue its newest interrupted run instead"
+    )
+    replay.add_argument(
+        "--allow-changed-data",
+        action="store_true",
+        help="train even though the selected rows changed since the last fit",
+    )
     _db_options(replay)
 
     merge = sub.add_parser("merge", help="merge a trained adapter into its base model")
     merge.add_argument("name", help="the model's identifier")
     merge.add_argument("--version", type=int, help="model version (default: the newest)")
-    merge.add_argument("--out", type=Path, help="also write the merged model to this new "
-                       "folder (loadable with transformers' from_pretrained)")
+    merge.add_argument(
+        "--out",
+        type=Path,
+        help="also write the merged model to this new "
+        "folder (loadable with transformers' from_pretrained)",
+    )
     _db_options(merge)
 
     from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
 
     demo = sub.add_parser("demo", help="fine-tune a tiny model on a demo SQLite table")
-    demo.add_argument("--dir", type=Path, default=DEFAULT_DIR,
-                      help=f"where the database and model go (default: ./{DEFAULT_DIR})")
-    demo.add_argument("--steps", type=_positive, default=DEFAULT_STEPS,
-                      help=f"training steps (default: {DEFAULT_STEPS})")
+    demo.add_argument(
+        "--dir",
+        type=Path,
+        default=DEFAULT_DIR,
+        help=f"where the database and model go (default: ./{DEFAULT_DIR})",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_positive,
+        default=DEFAULT_STEPS,
+        help=f"training steps (default: {DEFAULT_STEPS})",
+    )
     return parser
 
 
 def _db_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=os.environ.get(DB_ENV),
-                        help=f"database URI (default: ${DB_ENV})")
+    parser.add_argument(
+        "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"
+    )
     parser.add_argument("--artifacts", help="artifact folder, if not the default one")
 
 
@@ -101,10 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
-    handler = {"fit": cmd_fit, "show": cmd_show, "replay": cmd_replay, "merge": cmd_merge,
-               "demo": cmd_demo}[args.command]
+    handler = {"show": cmd_show, "replay": cmd_replay, "merge": cmd_merge, "demo": cmd_demo}
     try:
-        handler(args, extra) if args.command == "fit" else handler(args)
+        cmd_fit(args, extra) if args.command == "fit" else handler[args.command](args)
     except (ConfigError, QueryError) as exc:
         _error(exc)
         return 2
@@ -140,11 +172,20 @@ def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
     job = load_job(args.config, overrides)
     trainer = job.trainer()
     db = job.connect()
-    _say(f"fitting {trainer.identifier} on {_query_text(job.select.to_dict())} in "
-         f"{redact_uri(job.db_uri)}")
+    _say(
+        f"fitting {trainer.identifier} on {_query_text(job.select.to_dict())} in "
+        f"{redact_uri(job.db_uri)}"
+    )
     try:
-        model = trainer.fit(job.config.data.X, job.config.data.Y, db, job.select,
-                            eval_select=job.eval_select, resume=args.resume, merge=args.merge)
+        model = trainer.fit(
+            job.config.data.X,
+            job.config.data.Y,
+            db,
+            job.select,
+            eval_select=job.eval_select,
+            resume=args.resume,
+            merge=args.merge,
+        )
         _report_fit(db, trainer, model)
     finally:
         db.close()
@@ -157,8 +198,9 @@ def cmd_replay(args: argparse.Namespace) -> None:
         fit = trainer.config.fit
         source = _query_text(fit.select) if fit else "?"
         _say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
-        model = trainer.fit(resume=args.resume,
-                            allow_changed_data=True if args.allow_changed_data else None)
+        model = trainer.fit(
+            resume=args.resume, allow_changed_data=True if args.allow_changed_data else None
+        )
         _report_fit(db, trainer, model)
     finally:
         db.close()
@@ -171,10 +213,12 @@ def _report_fit(db: Any, trainer: Any, model: Any) -> None:
     run = db.metadata.get_run(model.record.run_id)
     loss = run.info.get("final_loss")
     loss_text = f", final loss {loss:.4f}" if loss is not None else ""
-    _say(f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
-         f"stored trainer {trainer.identifier} v{trainer.version} and model "
-         f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
-         f"database {db.uri}; artifacts in {_artifact_location(db)}")
+    _say(
+        f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
+        f"stored trainer {trainer.identifier} v{trainer.version} and model "
+        f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
+        f"database {db.uri}; artifacts in {_artifact_location(db)}",
+    )
     if model.record.merged:
         _say(f"merged model: {model.record.merged}")
 
@@ -210,9 +254,13 @@ def _show_all(db: Any) -> None:
     versions: dict[tuple[str, str], list[int]] = {}
     for r in records:
         versions.setdefault((r.type_id, r.identifier), []).append(r.version)
-    _say(table([(t, i, _versions(v)) for (t, i), v in sorted(versions.items())],
-               ["type", "identifier", "versions"]),
-         f"{len(db.metadata.list_runs())} run(s): llmtrain show run")
+    _say(
+        table(
+            [(t, i, _versions(v)) for (t, i), v in sorted(versions.items())],
+            ["type", "identifier", "versions"],
+        ),
+        f"{len(db.metadata.list_runs())} run(s): llmtrain show run",
+    )
 
 
 def _show_identifiers(db: Any, type_id: str) -> None:
@@ -229,11 +277,19 @@ def _show_identifiers(db: Any, type_id: str) -> None:
         runs = db.metadata.list_runs("trainer", name)
         last = runs[-1] if runs else None
         if type_id == "trainer":
-            base = record.payload["model_args"]["model_name_or_path"]
+            base = _recipe(record.payload).model_args.model_name_or_path
         else:
             base = record.payload["base"]["model_name_or_path"]
-        rows.append((name, _versions(versions[name]), len(runs), last.status if last else None,
-                     last.info.get("final_loss") if last else None, base))
+        rows.append(
+            (
+                name,
+                _versions(versions[name]),
+                len(runs),
+                last.status if last else None,
+                last.info.get("final_loss") if last else None,
+                base,
+            )
+        )
     _say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
 
 
@@ -243,14 +299,16 @@ def _show_trainer(db: Any, name: str) -> None:
         raise _not_found(db, "trainer", name)
     rows = []
     for r in records:
-        p = r.payload
-        lora = p.get("lora_args")
-        adapter = "full" if lora is None else ("DoRA" if lora.get("use_dora") else "LoRA") + \
-            f" r={lora.get('r')}"
-        if p["model_args"].get("bits"):
-            adapter += f", {p['model_args']['bits']}-bit"
-        rows.append((r.version, _when(r.created_at), p["model_args"]["model_name_or_path"],
-                     adapter, _selection(p.get("fit"))))
+        recipe = _recipe(r.payload)
+        rows.append(
+            (
+                r.version,
+                _when(r.created_at),
+                recipe.model_args.model_name_or_path,
+                recipe.method(),
+                _selection(r.payload.get("fit")),
+            )
+        )
     _say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
     _show_runs(db, name)
 
@@ -263,11 +321,22 @@ def _show_model(db: Any, name: str) -> None:
     for r in records:
         p = r.payload
         history = p.get("history") or []
-        rows.append((r.version, _when(r.created_at), p["run_id"], p.get("trainer_version"),
-                     history[-1]["loss"] if history else None, p.get("adapter"),
-                     p.get("merged")))
-    _say(table(rows, ["version", "created", "run id", "trainer v", "final loss", "adapter",
-                      "merged"]))
+        rows.append(
+            (
+                r.version,
+                _when(r.created_at),
+                p["run_id"],
+                p.get("trainer_version"),
+                history[-1]["loss"] if history else None,
+                p.get("adapter"),
+                p.get("merged"),
+            )
+        )
+    _say(
+        table(
+            rows, ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
+        )
+    )
 
 
 def _show_runs(db: Any, name: str | None) -> None:
@@ -283,38 +352,72 @@ def _show_runs(db: Any, name: str | None) -> None:
     if not runs:
         _say(f"no runs in {db.uri} yet")
         return
-    _say(table([(r.run_id, f"{r.identifier} v{r.version}", r.status, r.info.get("steps"),
-                 r.info.get("final_loss"), _when(r.created_at)) for r in runs],
-               ["run id", "trainer", "status", "steps", "final loss", "started"]))
+    _say(
+        table(
+            [
+                (
+                    r.run_id,
+                    f"{r.identifier} v{r.version}",
+                    r.status,
+                    r.info.get("steps"),
+                    r.info.get("final_loss"),
+                    _when(r.created_at),
+                )
+                for r in runs
+            ],
+            ["run id", "trainer", "status", "steps", "final loss", "started"],
+        )
+    )
 
 
 def _show_run(db: Any, run: Any) -> None:
     info = run.info
-    _say(f"run        {run.run_id}",
-         f"trainer    {run.identifier} v{run.version}",
-         f"status     {run.status}" + (f": {run.error}" if run.error else ""),
-         f"data       {info.get('X')} -> {info.get('Y')} from {_query_text(info.get('query'))}",
-         f"database   {info.get('db')}",
-         f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
-         f"adapter    {info.get('artifact')}",
-         f"started    {_when(run.created_at)}, updated {_when(run.updated_at)}")
+    _say(
+        f"run        {run.run_id}",
+        f"trainer    {run.identifier} v{run.version}",
+        f"status     {run.status}" + (f": {run.error}" if run.error else ""),
+        f"data       {info.get('X')} -> {info.get('Y')} from {_query_text(info.get('query'))}",
+        f"database   {info.get('db')}",
+        f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
+        f"adapter    {info.get('artifact')}",
+        f"started    {_when(run.created_at)}, updated {_when(run.updated_at)}",
+    )
     metrics = [m for m in db.metadata.get_metrics(run.run_id) if "loss" in m.values]
     if metrics:
-        _say("", table([(m.step, m.values.get("loss"), m.values.get("lr"),
-                         m.values.get("tokens_per_s")) for m in metrics],
-                       ["step", "loss", "lr", "tokens/s"]))
+        _say(
+            "",
+            table(
+                [
+                    (m.step, m.values.get("loss"), m.values.get("lr"), m.values.get("tokens_per_s"))
+                    for m in metrics
+                ],
+                ["step", "loss", "lr", "tokens/s"],
+            ),
+        )
     checkpoints = db.metadata.list_checkpoints(run.run_id)
     if checkpoints:
         _say("", table([(c.step, c.artifact_id) for c in checkpoints], ["step", "checkpoint"]))
 
 
+def _recipe(payload: dict[str, Any]) -> Any:
+    """A stored trainer record read through its schema (a bad record: ConfigError, exit 2)."""
+    from llmtrain.training.args import TrainerConfig, build
+
+    return build(TrainerConfig, payload, "trainer record")
+
+
 def _not_found(db: Any, type_id: str, name: str) -> LlmtrainError:
     from llmtrain.errors import ComponentNotFoundError
 
-    known = sorted({r.identifier for r in db.metadata.list_components(
-        "trainer" if type_id == "run" else type_id)})
-    return ComponentNotFoundError(f"no {type_id} {name!r} in {db.uri}; known: "
-                                  f"{', '.join(known) or 'none'}")
+    known = sorted(
+        {
+            r.identifier
+            for r in db.metadata.list_components("trainer" if type_id == "run" else type_id)
+        }
+    )
+    return ComponentNotFoundError(
+        f"no {type_id} {name!r} in {db.uri}; known: {', '.join(known) or 'none'}"
+    )
 
 
 def _selection(fit: dict[str, Any] | None) -> str:
@@ -356,8 +459,10 @@ def cmd_merge(args: argparse.Namespace) -> None:
     db = _connect(args)
     try:
         model = db.load("model", args.name, args.version)
-        _say(f"merging the adapter of {model.identifier} v{model.version} into "
-             f"{model.record.base.model_name_or_path}")
+        _say(
+            f"merging the adapter of {model.identifier} v{model.version} into "
+            f"{model.record.base.model_name_or_path}"
+        )
         artifact = model.merge(out)
         _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
         if out is not None:

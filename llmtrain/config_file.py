@@ -1,10 +1,12 @@
 """Config files for ``llmtrain fit``: YAML mirroring the argument models, plus overrides.
 
-A file has the trainer's sections (``model_args``, ``lora_args``, ``training_args``, ...)
-exactly as :class:`~llmtrain.LLMTrainer` takes them, and a ``data`` section saying which
-rows to train on. ``--training_args.learning_rate 1e-4`` style overrides are checked
-against the same schema, so a typo is an error naming the path, never a silent no-op.
-Every problem is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
+A file has the trainer's options (the sections ``model_args``, ``lora_args``,
+``training_args``, ..., and ``prompt_template``) exactly as :class:`~llmtrain.LLMTrainer`
+takes them, and a ``data`` section saying which rows to train on. Which options exist is
+read off :class:`~llmtrain.training.args.TrainerConfig`, never listed here.
+``--training_args.learning_rate 1e-4`` style overrides are checked against the same schema,
+so a typo is an error naming the path, never a silent no-op. Every problem
+is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
 """
 
 from __future__ import annotations
@@ -18,34 +20,64 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Collection, Query, RawSQL, Table
-from llmtrain.training.args import (
-    DataArguments,
-    DeepspeedConfig,
-    FSDPConfig,
-    LoraArguments,
-    ModelArguments,
-    TrainingArguments,
-    describe,
-)
-from llmtrain.training.spec import DataSelection, LauncherConfig
+from llmtrain.training.args import TrainerConfig, describe
+from llmtrain.training.spec import DataSelection
 from llmtrain.uri import scheme_of
 
 DB_ENV = "LLMTRAIN_DB_URI"
 
+
+class _FileHead(BaseModel):
+    """What a file has besides the trainer's options: its name, where, and which rows."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """The trainer's identifier."""
+    db: str | None = None
+    """Database URI; default: $LLMTRAIN_DB_URI."""
+    artifacts: str | None = None
+    """Artifact folder, or 'gridfs'."""
+    data: DataSelection
+    """X, Y and the rows (select, eval_select)."""
+
+
+#: The top level of a file: its head plus every option of TrainerConfig, required where
+#: TrainerConfig requires it; the values are validated by LLMTrainer itself.
+_OPTIONS: dict[str, Any] = {
+    name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
+    for name in TrainerConfig.options()
+}
+FitFile = create_model("FitFile", __base__=_FileHead, **_OPTIONS)
+
 #: Sections that are one of the argument models: overrides may name their fields.
-SECTIONS: dict[str, type[BaseModel]] = {
-    "model_args": ModelArguments, "lora_args": LoraArguments,
-    "training_args": TrainingArguments, "data_args": DataArguments,
-    "deepspeed_config": DeepspeedConfig, "fsdp_config": FSDPConfig, "launcher": LauncherConfig}
-SCALARS = ("name", "db", "artifacts", "prompt_template")
-DATA_KEYS = ("X", "Y", "select", "eval_select")
+SECTIONS = TrainerConfig.sections()
+SCALARS = (
+    *(k for k in _FileHead.model_fields if k != "data"),
+    *(k for k in TrainerConfig.options() if k not in SECTIONS),
+)
+DATA_KEYS = tuple(DataSelection.model_fields)
 #: Every key a selection may have, in the stored form or the friendlier one.
-SELECT_KEYS = ("kind", "table", "collection", "sql", "name", "schema", "key", "where", "params",
-               "columns", "text", "filter", "projection", "allow_javascript")
+SELECT_KEYS = (
+    "kind",
+    "table",
+    "collection",
+    "sql",
+    "name",
+    "schema",
+    "key",
+    "where",
+    "params",
+    "columns",
+    "text",
+    "filter",
+    "projection",
+    "allow_javascript",
+)
 #: Fields holding free-form mappings: any key below them is allowed.
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
@@ -58,7 +90,8 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
+    list("-+0123456789"),
+)
 
 
 def parse_value(text: str) -> Any:
@@ -84,8 +117,9 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping (name:, model_args:, data: ...), "
-                          f"not {type(data).__name__}")
+        raise ConfigError(
+            f"{path} must hold a mapping (name:, model_args:, data: ...), not {type(data).__name__}"
+        )
     return data
 
 
@@ -97,8 +131,10 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like "
-                              "--training_args.learning_rate 1e-4")
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like "
+                "--training_args.learning_rate 1e-4"
+            )
         path, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(args) or args[i + 1].startswith("--"):
@@ -135,8 +171,9 @@ def check_path(path: str) -> None:
             if len(rest) > 1:
                 _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
                 if len(rest) > 2 and rest[1] not in _FREE_FORM:
-                    raise ConfigError(f"unknown option --{path}: data.{rest[0]}.{rest[1]} has "
-                                      "no sub-options")
+                    raise ConfigError(
+                        f"unknown option --{path}: data.{rest[0]}.{rest[1]} has no sub-options"
+                    )
         return
     _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
 
@@ -149,8 +186,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
     raise ConfigError(f"unknown option --{path}: {where} has no {key!r}{hint}")
 
 
-def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
-                    ) -> dict[str, Any]:
+def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted path set (missing sections are created)."""
     out = _copy(config)
     for path, value in overrides:
@@ -173,28 +209,6 @@ def _copy(value: Any) -> Any:
 
 
 # -- the file's schema --------------------------------------------------------------------
-DataSection = DataSelection  # the file's ``data:`` section is exactly a data selection
-
-
-class FitFile(BaseModel):
-    """The top level of a config file. The sections are validated by LLMTrainer itself."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    db: str | None = None
-    artifacts: str | None = None
-    prompt_template: str | None = None
-    model_args: dict[str, Any]
-    lora_args: dict[str, Any] | None = Field(default_factory=dict)  # null: full fine-tune
-    training_args: dict[str, Any] | None = None
-    data_args: dict[str, Any] | None = None
-    deepspeed_config: dict[str, Any] | None = None
-    fsdp_config: dict[str, Any] | None = None
-    launcher: dict[str, Any] | None = None
-    data: DataSection
-
-
 def build_query(spec: Any, where: str = "data.select") -> Query:
     """A query from its stored form (``kind: sql_table, ...``) or a friendlier one:
     ``{table: docs, where: "lang = :l", params: {l: en}}``, ``{collection: docs, filter:
@@ -206,16 +220,22 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
     spec = dict(spec)
     unknown = sorted(set(spec) - set(SELECT_KEYS))
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; a selection has one of "
-                          "kind:, table:, collection: or sql:")
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; a selection has one of "
+            "kind:, table:, collection: or sql:"
+        )
     forms = [k for k in ("kind", "table", "collection", "sql") if k in spec]
     if len(forms) != 1:
-        raise ConfigError(f"{where} needs exactly one of kind:, table:, collection: or sql:"
-                          + (f" (got {forms})" if forms else ""))
-    allowed = {"kind": set(SELECT_KEYS),
-               "table": {"table", "schema", "key", "where", "params", "columns"},
-               "collection": {"collection", "filter", "projection", "allow_javascript"},
-               "sql": {"sql", "key", "params"}}[forms[0]]
+        raise ConfigError(
+            f"{where} needs exactly one of kind:, table:, collection: or sql:"
+            + (f" (got {forms})" if forms else "")
+        )
+    allowed = {
+        "kind": set(SELECT_KEYS),
+        "table": {"table", "schema", "key", "where", "params", "columns"},
+        "collection": {"collection", "filter", "projection", "allow_javascript"},
+        "sql": {"sql", "key", "params"},
+    }[forms[0]]
     extra = sorted(set(spec) - allowed)
     if extra:
         raise ConfigError(f"{where}: {forms[0]}: does not take {extra}")
@@ -223,13 +243,21 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
         if forms[0] == "kind":
             return Query.from_dict(spec)
         if forms[0] == "table":
-            return Table(spec["table"], schema=spec.get("schema"), key=spec.get("key"),
-                         where=spec.get("where"), params=spec.get("params"),
-                         columns=spec.get("columns"))
+            return Table(
+                spec["table"],
+                schema=spec.get("schema"),
+                key=spec.get("key"),
+                where=spec.get("where"),
+                params=spec.get("params"),
+                columns=spec.get("columns"),
+            )
         if forms[0] == "collection":
-            return Collection(spec["collection"], filter=spec.get("filter"),
-                              projection=spec.get("projection"),
-                              allow_javascript=bool(spec.get("allow_javascript", False)))
+            return Collection(
+                spec["collection"],
+                filter=spec.get("filter"),
+                projection=spec.get("projection"),
+                allow_javascript=bool(spec.get("allow_javascript", False)),
+            )
         if "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
         return RawSQL(spec["sql"], key=spec["key"], params=spec.get("params"))
@@ -241,7 +269,7 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
 class FitJob:
     """A validated config file: what to build, where to connect, which rows to train on."""
 
-    config: FitFile
+    config: Any  # a FitFile
     db_uri: str
     select: Query
     eval_select: Query | None
@@ -249,11 +277,10 @@ class FitJob:
     def trainer(self) -> Any:
         from llmtrain.training.trainer import LLMTrainer
 
-        c = self.config
-        sections = {k: getattr(c, k) for k in ("model_args", "training_args", "data_args",
-                                                "deepspeed_config", "fsdp_config", "launcher")}
-        return LLMTrainer(c.name, prompt_template=c.prompt_template, lora_args=c.lora_args,
-                          **{k: v for k, v in sections.items() if v is not None})
+        # only the options the file sets: a missing lora_args is the default adapter,
+        # lora_args: null is full fine-tuning
+        options = self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
+        return LLMTrainer(self.config.name, **options)
 
     def connect(self) -> Any:
         from llmtrain.datalayer import connect
@@ -265,18 +292,25 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     """Validate a (possibly overridden) config dict; the database comes from ``db:`` or,
     when that is missing, the ``LLMTRAIN_DB_URI`` environment variable."""
     env = os.environ if env is None else env
+    config = dict(config)
+    if isinstance(config.get("model_args"), dict):
+        config["model_args"] = _absolute_model_path(config["model_args"])
     try:
-        parsed = FitFile.model_validate(dict(config))
+        parsed = FitFile.model_validate(config)
     except ValidationError as exc:
         raise ConfigError(describe("config", exc)) from None
     db_uri = parsed.db or env.get(DB_ENV)
     if not db_uri:
-        raise ConfigError(f"config: no database; set db: (e.g. sqlite:///data.db) or the "
-                          f"{DB_ENV} environment variable")
+        raise ConfigError(
+            f"config: no database; set db: (e.g. sqlite:///data.db) or the "
+            f"{DB_ENV} environment variable"
+        )
     select = build_query(parsed.data.select, "data.select")
-    eval_select = (build_query(parsed.data.eval_select, "data.eval_select")
-                   if parsed.data.eval_select is not None else None)
-    parsed.model_args = _absolute_model_path(parsed.model_args)
+    eval_select = (
+        build_query(parsed.data.eval_select, "data.eval_select")
+        if parsed.data.eval_select is not None
+        else None
+    )
     job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
     job.trainer()  # validate every section now, before any connection is opened
     return job
@@ -302,8 +336,11 @@ def _absolute_sqlite(uri: str) -> str:
     return f"{head}:///{Path(file).resolve()}{qsep}{query}"
 
 
-def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = (),
-             env: Mapping[str, str] | None = None) -> FitJob:
+def load_job(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> FitJob:
     """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
     config = apply_overrides(read_config(path), parse_overrides(overrides))
     return build_job(config, env)

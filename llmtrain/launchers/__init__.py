@@ -16,15 +16,10 @@ from typing import Any
 from llmtrain.errors import DistributedError
 from llmtrain.launchers.command import WorkerCommand, build_command, free_port
 from llmtrain.launchers.process import WorkerJob
-from llmtrain.training.spec import LauncherConfig
+from llmtrain.training.args import Launcher
 
 __all__ = ["DistributedError", "Launcher", "WorkerCommand", "build_command", "free_port",
            "launch_workers"]
-
-#: How fit() starts its workers: ``kind`` (python, torchrun, deepspeed), ``num_processes``
-#: per node, ``num_nodes``, ``node_rank``, ``master_addr``, ``master_port`` (free if None),
-#: ``hostfile`` (deepspeed) and ``timeout_s`` for the whole job.
-Launcher = LauncherConfig
 
 
 def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,

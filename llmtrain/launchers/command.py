@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.errors import ConfigError
-from llmtrain.training.spec import LauncherConfig
+from llmtrain.training.args import Launcher
 
 DB_ENV = "LLMTRAIN_DB_URI"
 METADATA_ENV = "LLMTRAIN_METADATA_URI"
@@ -67,7 +67,7 @@ def worker_args(trainer_id: str, version: int, run_id: str, *, resume: bool | st
     return [*args, "--merge"] if merge else args
 
 
-def launcher_argv(launcher: LauncherConfig, port: int) -> list[str]:
+def launcher_argv(launcher: Launcher, port: int) -> list[str]:
     """``torchrun`` or ``deepspeed`` (as ``python -m``, so this interpreter) up to the module."""
     n = str(launcher.num_processes)
     if launcher.kind == "torchrun":
@@ -90,13 +90,10 @@ def launcher_argv(launcher: LauncherConfig, port: int) -> list[str]:
     raise ConfigError(f"launcher kind {launcher.kind!r} starts no worker processes")
 
 
-def build_command(launcher: LauncherConfig, db: Any, job_dir: Path, *, trainer_id: str,
+def build_command(launcher: Launcher, db: Any, job_dir: Path, *, trainer_id: str,
                   version: int, run_id: str, resume: bool | str, merge: bool) -> WorkerCommand:
-    port = launcher.master_port
+    port = launcher.master_port  # set for several nodes: Launcher's validator sees to it
     if port is None:
-        if launcher.num_nodes > 1:
-            raise ConfigError("launcher.master_port must be set for several nodes: every "
-                              "node has to reach the same port")
         port = free_port(launcher.master_addr)
     argv = [*launcher_argv(launcher, port), WORKER_MODULE,
             *worker_args(trainer_id, version, run_id, resume=resume, merge=merge)]

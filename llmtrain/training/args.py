@@ -1,34 +1,54 @@
-"""The argument models: the one source of truth for what a trainer does.
+"""The argument models and :class:`TrainerConfig`: the one source of truth for what a trainer does.
 
-They are what is validated, stored in the metadata store, shown and replayed. Each rejects
-unknown keys and out-of-range values, naming the field.
+They are what is validated, stored in the metadata store, shown and replayed. Everything else
+is derived from them: ``LLMTrainer``'s flat keywords (every field of a ``flat`` section, plus
+the aliases its fields declare), the YAML file's sections, the CLI's ``--section.field``
+overrides, and the keyword reference in ``LLMTrainer``'s docstring. Each model rejects unknown
+keys and out-of-range values naming the field; ``TrainerConfig``'s validator refuses the
+combinations that cannot work, all problems in one ConfigError. Adding an argument group means
+adding its model here and one field to ``TrainerConfig``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import typing
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmtrain.errors import ConfigError
+from llmtrain.training.spec import FitSpec
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+_FLOATS = ("float32", "bfloat16", "float16")
 
 
-class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
-    """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
-    as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
-    would make pydantic call it for nested models too and reword their errors.)"""
+def _flat(alias: str) -> dict[str, Any]:
+    """Marks a field's extra flat keyword for ``LLMTrainer(...)`` (``lora_r=`` for ``r``)."""
+    return {"flat": alias}
 
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except ValidationError as exc:
-            raise ConfigError(describe(cls.__name__, exc)) from None
+
+if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
+    from pydantic._internal._model_construction import ModelMetaclass as _ArgsMeta
+else:
+
+    class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
+        """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
+        as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
+        would make pydantic call it for nested models too and reword their errors.)"""
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().__call__(*args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(describe(cls.__name__, exc)) from None
 
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    # the docstring under each field is its description (shown by help(LLMTrainer))
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         try:
@@ -44,81 +64,121 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
         return build(cls, data)
 
 
-def build(cls: type[_Args], data: dict[str, Any]) -> Any:
+def build(cls: type[BaseModel], data: dict[str, Any], where: str | None = None) -> Any:
     """Validate ``data`` into ``cls``, turning every problem into one ConfigError."""
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(describe(cls.__name__, exc)) from None
+        raise ConfigError(describe(where or cls.__name__, exc)) from None
 
 
 def describe(where: str, exc: ValidationError) -> str:
+    """Every problem, each naming its field: ``where.section.field: message``."""
     problems = []
     for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"]) or "(model)"
+        loc = ".".join(str(p) for p in err["loc"])
         message = "unknown option" if err["type"] == "extra_forbidden" else err["msg"]
-        problems.append(f"{where}.{field}: {message}")
+        # a cross-field rule names its fields in the message itself
+        message = message.removeprefix("Value error, ")
+        problems.append(f"{where}.{loc}: {message}" if loc else f"{where}: {message}")
     return "invalid configuration: " + "; ".join(problems)
 
 
 class ModelArguments(_Args):
     """Which base model, and how to load it (quantisation, dtype, attention)."""
 
-    model_name_or_path: str = Field(min_length=1)
-    bits: Literal[4, 8] | None = Field(
-        None, description="Quantise the frozen base weights with bitsandbytes (QLoRA).")
+    model_name_or_path: str = Field(min_length=1, json_schema_extra=_flat("model"))
+    """A hub id or a local model folder."""
+    bits: Literal[4, 8] | None = None
+    """Quantise the frozen base weights with bitsandbytes (QLoRA)."""
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type (bits=4)."""
     bnb_4bit_use_double_quant: bool = True
+    """Also quantise the quantisation constants (bits=4)."""
     bnb_4bit_compute_dtype: Dtype = "auto"
-    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = Field(
-        "uint8", description="Set to the compute dtype to shard 4-bit weights with FSDP.")
+    """Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it."""
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
+    """Set to the compute dtype to shard 4-bit weights with FSDP."""
     torch_dtype: Dtype = "auto"
+    """Dtype of the unquantised weights; auto: bf16 where the GPU has it."""
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    """Attention kernel; None lets transformers choose."""
     trust_remote_code: bool = False
+    """Run the model repository's own code (only for sources you trust)."""
     revision: str | None = None
+    """A hub branch, tag or commit."""
 
 
 class LoraArguments(_Args):
     """The adapter: LoRA, or DoRA with ``use_dora``."""
 
-    r: int = Field(8, ge=1, le=4096)
-    lora_alpha: float = Field(16, gt=0)
-    lora_dropout: float = Field(0.05, ge=0, lt=1)
-    target_modules: list[str] | Literal["all-linear"] | None = Field(
-        None, description="Default: the attention and MLP projections of the architecture.")
+    r: int = Field(default=8, ge=1, le=4096, json_schema_extra=_flat("lora_r"))
+    """Adapter rank."""
+    lora_alpha: float = Field(default=16, gt=0)
+    """Scale: the update is multiplied by alpha/r."""
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] | Literal["all-linear"] | None = None
+    """Default: the attention and MLP projections of the architecture."""
     bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train along with the adapter."""
     use_dora: bool = False
+    """DoRA: also learn each weight's magnitude."""
     use_rslora: bool = False
+    """Scale by alpha/sqrt(r) (rank-stabilised LoRA)."""
     modules_to_save: list[str] | None = None
+    """Modules trained in full and stored with the adapter (e.g. lm_head)."""
 
 
 class TrainingArguments(_Args):
     """The optimisation loop."""
 
-    learning_rate: float = Field(2e-4, gt=0, le=1)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_beta1: float = Field(0.9, ge=0, lt=1)
-    adam_beta2: float = Field(0.999, ge=0, lt=1)
-    adam_epsilon: float = Field(1e-8, gt=0)
+    learning_rate: float = Field(default=2e-4, gt=0, le=1)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_epsilon: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
     optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    """The optimizer; the 8-bit ones come from bitsandbytes."""
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0, le=1)
-    num_train_epochs: int = Field(1, ge=1)
-    max_steps: int = Field(-1, description="Optimizer steps; -1 runs num_train_epochs.")
-    per_device_train_batch_size: int = Field(4, ge=1)
-    per_device_eval_batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
-        "auto", description="auto: bf16 on a GPU that supports it, else full precision.")
+    """Learning-rate schedule after the warmup."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Warmup length in optimizer steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Warmup as a share of all steps."""
+    num_train_epochs: int = Field(default=1, ge=1, json_schema_extra=_flat("epochs"))
+    """Passes over the rows (when max_steps is -1)."""
+    max_steps: int = -1
+    """Optimizer steps; -1 runs num_train_epochs."""
+    per_device_train_batch_size: int = Field(default=4, ge=1, json_schema_extra=_flat("batch_size"))
+    """Rows per micro-batch on each process."""
+    per_device_eval_batch_size: int = Field(default=8, ge=1)
+    """Rows per evaluation batch."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the gradient norm to this; None: no clipping."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, else full precision."""
     gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, more time."""
     seed: int = 0
-    logging_steps: int = Field(10, ge=1)
-    save_steps: int | None = Field(None, ge=1, description="Checkpoint every N steps.")
-    save_total_limit: int | None = Field(2, ge=1)
-    eval_steps: int | None = Field(None, ge=1)
+    """Seeds the adapter's initialisation, dropout and shuffle."""
+    logging_steps: int = Field(default=10, ge=1)
+    """Record the metrics every N steps."""
+    save_steps: int | None = Field(default=None, ge=1)
+    """Checkpoint every N steps."""
+    save_total_limit: int | None = Field(default=2, ge=1)
+    """Checkpoints kept per run (the newest); None keeps all."""
+    eval_steps: int | None = Field(default=None, ge=1)
+    """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
+    """Show a tqdm bar on the main process."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -132,29 +192,43 @@ class TrainingArguments(_Args):
 class DataArguments(_Args):
     """From rows to token ids: template, truncation, packing, streaming, evaluation."""
 
-    max_length: int = Field(512, ge=8)
-    train_on_inputs: bool = Field(False, description="Also train on prompt tokens.")
-    chat_template: bool = Field(False, description="Use the tokenizer's chat template.")
-    packing: bool = Field(False, description="Pack examples into rows; no cross-attention.")
-    cache_size: int = Field(1024, ge=1, description="Rows per database window.")
+    max_length: int = Field(default=512, ge=8)
+    """Tokens per example; prompts cut from the left."""
+    train_on_inputs: bool = False
+    """Also train on prompt tokens."""
+    chat_template: bool = False
+    """Use the tokenizer's chat template."""
+    packing: bool = False
+    """Pack examples into rows; no cross-attention."""
+    cache_size: int = Field(default=1024, ge=1)
+    """Rows per database window."""
     shuffle: bool = True
+    """Shuffle the rows each epoch (seeded, resumable)."""
     drop_remainder: bool = True
+    """Drop the rows that do not fill a last batch on every rank."""
     on_bad_row: Literal["raise", "skip"] = "raise"
-    num_workers: int = Field(0, ge=0)
-    eval_fraction: float = Field(0.0, ge=0, lt=1,
-                                 description="Hold out rows by key hash (stable across runs).")
-    max_eval_rows: int = Field(1000, ge=1)
-    allow_changed_data: bool = Field(False, description="Resume even if rows changed.")
+    """A row with a missing or non-text field: fail, or skip it."""
+    num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes."""
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """Hold out rows by key hash (stable across runs)."""
+    max_eval_rows: int = Field(default=1000, ge=1)
+    """Held-out rows scored per evaluation."""
+    allow_changed_data: bool = False
+    """Resume even if rows changed (fit(allow_changed_data=) wins)."""
 
 
 class DeepspeedConfig(_Args):
     """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
 
     stage: Literal[1, 2, 3] = 2
+    """ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters partitioned."""
     offload_optimizer: bool = False
+    """Keep the optimizer state on the CPU."""
     offload_param: bool = False
-    raw: dict[str, Any] | str | None = Field(
-        None, description="A DeepSpeed JSON config (dict or path) used as given.")
+    """Keep the parameters on the CPU (stage 3)."""
+    raw: dict[str, Any] | str | None = None
+    """A DeepSpeed JSON config (dict or path) used as given."""
 
     @model_validator(mode="after")
     def _offload(self) -> DeepspeedConfig:
@@ -162,37 +236,294 @@ class DeepspeedConfig(_Args):
             raise ValueError("offload_param needs stage 3")
         return self
 
+    @property
+    def zero_stage(self) -> int | None:
+        """The stage that will run; None for a raw config file (read when the run starts)."""
+        if isinstance(self.raw, str):
+            return None
+        if self.raw is not None:
+            return int(self.raw.get("zero_optimization", {}).get("stage", 0))
+        return self.stage
+
 
 class FSDPConfig(_Args):
     """FSDP2 (``fully_shard``) per decoder layer, with mixed precision and offload options."""
 
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Dtype FSDP2 gathers parameters and reduces gradients in."""
     cpu_offload: bool = False
+    """Keep the sharded parameters on the CPU."""
     reshard_after_forward: bool = True
+    """Free gathered layers after forward (less memory, one more gather)."""
 
 
-# flat keyword -> (group, field) for LLMTrainer(..., learning_rate=..., lora_r=...)
-_GROUPS: dict[str, type[_Args]] = {"model_args": ModelArguments, "lora_args": LoraArguments,
-                                   "training_args": TrainingArguments,
-                                   "data_args": DataArguments}
-_ALIASES = {
-    "model": ("model_args", "model_name_or_path"),
-    "lora_r": ("lora_args", "r"),
-    "lora_dropout": ("lora_args", "lora_dropout"),
-    "lora_alpha": ("lora_args", "lora_alpha"),
-    "target_modules": ("lora_args", "target_modules"),
-    "use_dora": ("lora_args", "use_dora"),
-    "batch_size": ("training_args", "per_device_train_batch_size"),
-    "epochs": ("training_args", "num_train_epochs"),
-}
+class Launcher(_Args):
+    """How fit() starts its worker processes (``kind="python"``: in this process)."""
+
+    kind: Literal["python", "torchrun", "deepspeed"] = "python"
+    """python (in process), torchrun or deepspeed."""
+    num_processes: int = Field(default=1, ge=1)
+    """Worker processes per node."""
+    num_nodes: int = Field(default=1, ge=1)
+    """Machines; each runs fit() with its node_rank."""
+    node_rank: int = Field(default=0, ge=0)
+    """This machine's index among num_nodes."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, reachable by all."""
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port on node 0; None: a free one (one node only)."""
+    hostfile: str | None = None
+    """The deepspeed launcher's hostfile."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Stop the whole job after this many seconds."""
+
+    @model_validator(mode="after")
+    def _nodes(self) -> Launcher:
+        several, kind = self.num_nodes > 1, self.kind
+        broken = [
+            (
+                several and self.master_port is None,
+                "launcher.master_port must be set for several nodes: every node has to reach it",
+            ),
+            (
+                self.node_rank >= self.num_nodes,
+                f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it",
+            ),
+            (
+                kind == "python" and (several or self.num_processes > 1),
+                "launcher.kind='python' "
+                "trains in this one process: use torchrun or deepspeed for several processes",
+            ),
+            (
+                self.hostfile is not None and kind != "deepspeed",
+                f"launcher.hostfile is read by the deepspeed launcher only, not kind={kind!r}",
+            ),
+        ]
+        if any(bad for bad, _ in broken):
+            raise ValueError("; ".join(message for bad, message in broken if bad))
+        return self
 
 
-def flat_keyword_target(name: str) -> tuple[str, str]:
-    """Which argument model a flat keyword belongs to; ConfigError naming it if none."""
-    if name in _ALIASES:
-        return _ALIASES[name]
-    owners = [group for group, cls in _GROUPS.items() if name in cls.model_fields]
-    if len(owners) == 1:
-        return owners[0], name
-    raise ConfigError(f"unknown option {name!r}: it is not a field of ModelArguments, "
-                      "LoraArguments, TrainingArguments or DataArguments")
+class TrainerConfig(_Args):
+    """Everything a trainer is; stored as JSON, validated on the way back.
+
+    Sections marked ``flat`` lend their fields (and the aliases those declare) to
+    ``LLMTrainer``'s flat keywords; ``None`` for an optional section means "not used"
+    (``lora_args=None``: fine-tune every weight).
+    """
+
+    #: not options a user sets: the name is positional (``name:`` in a file), ``fit`` is
+    #: written by fit() from its X, Y and select arguments
+    RECORD_ONLY: ClassVar[tuple[str, ...]] = ("identifier", "fit")
+
+    identifier: str
+    """The trainer's name in the metadata store."""
+    prompt_template: str | None = None
+    """The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."""
+    model_args: ModelArguments = Field(json_schema_extra={"flat": True})
+    """The base model."""
+    lora_args: LoraArguments | None = Field(
+        default_factory=LoraArguments, json_schema_extra={"flat": True}
+    )
+    """The adapter; None: full fine-tuning."""
+    training_args: TrainingArguments = Field(
+        default_factory=TrainingArguments, json_schema_extra={"flat": True}
+    )
+    """The optimisation loop."""
+    data_args: DataArguments = Field(
+        default_factory=DataArguments, json_schema_extra={"flat": True}
+    )
+    """Rows to token ids, and evaluation."""
+    deepspeed_config: DeepspeedConfig | None = None
+    """Train with DeepSpeed ZeRO ({} for the defaults)."""
+    fsdp_config: FSDPConfig | None = None
+    """Train with FSDP2 ({} for the defaults)."""
+    launcher: Launcher | None = None
+    """Start worker processes (torchrun, deepspeed) from fit()."""
+    fit: FitSpec | None = None
+    """The data of the last fit(), for replays."""
+
+    @classmethod
+    def sections(cls) -> dict[str, type[_Args]]:
+        """The argument groups by name: the file's sections, ``--section.field`` overrides."""
+        return {
+            name: model
+            for name, field in cls.model_fields.items()
+            if (model := _section_model(field.annotation)) is not None
+        }
+
+    @classmethod
+    def options(cls) -> list[str]:
+        """Every top-level option a user sets: the sections and the scalars."""
+        return [name for name in cls.model_fields if name not in cls.RECORD_ONLY]
+
+    @classmethod
+    def flat_keywords(cls) -> dict[str, tuple[str, str]]:
+        """``LLMTrainer``'s flat keyword -> (section, field), derived from the fields."""
+        out: dict[str, tuple[str, str]] = {}
+        for section, model in cls.sections().items():
+            if not _extra(cls.model_fields[section]).get("flat"):
+                continue
+            for name, field in model.model_fields.items():
+                for keyword in (name, _extra(field).get("flat")):
+                    if keyword is None:
+                        continue
+                    if keyword in out:
+                        raise TypeError(
+                            f"flat keyword {keyword!r} names both "
+                            f"{out[keyword]} and {(section, name)}"
+                        )
+                    out[keyword] = (section, name)
+        return out
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainerConfig:
+        """The combinations that cannot work, refused when the trainer is built."""
+        problems = self._template_problems()
+        if self.deepspeed_config is not None and self.fsdp_config is not None:
+            problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
+        m = self.model_args
+        if m.bits and self.lora_args is None:
+            problems.append(
+                f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
+                "frozen base model, which only an adapter can train; keep lora_args "
+                "(QLoRA) or drop bits"
+            )
+        problems += quantization_problems(
+            m.bits,
+            fsdp=self.fsdp_config is not None,
+            quant_storage=m.bnb_4bit_quant_storage,
+            deepspeed_stage=self.deepspeed_config.zero_stage if self.deepspeed_config else None,
+            compute_dtype=None if m.bnb_4bit_compute_dtype == "auto" else m.bnb_4bit_compute_dtype,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _template_problems(self) -> list[str]:
+        chat = self.data_args.chat_template
+        if chat and self.prompt_template is not None:
+            return ["prompt_template and data_args.chat_template=True: give one, not both"]
+        if self.prompt_template is None:
+            needed = (
+                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
+            )
+            return [] if chat else [needed]
+        from llmtrain.formatting.template import PromptTemplate
+
+        try:
+            PromptTemplate(self.prompt_template)
+        except ConfigError as exc:
+            return [f"prompt_template: {exc}"]
+        return []
+
+    def method(self) -> str:
+        """What trains, for people: ``LoRA r=16``, ``DoRA r=8, 4-bit``, ``full``."""
+        lora = self.lora_args
+        text = "full" if lora is None else f"{'DoRA' if lora.use_dora else 'LoRA'} r={lora.r}"
+        return text + (f", {self.model_args.bits}-bit" if self.model_args.bits else "")
+
+
+def quantization_problems(
+    bits: int | None,
+    *,
+    deepspeed_stage: int | None = None,
+    fsdp: bool = False,
+    quant_storage: str | None = None,
+    compute_dtype: str | None = None,
+    cuda: bool | None = None,
+) -> list[str]:
+    """What a quantised base (``bits``) cannot do under a sharding strategy.
+
+    The one home of these rules: ``TrainerConfig`` passes what the config knows when the
+    trainer is built; the strategies pass, at run time, what only the machine knows (``cuda``,
+    the compute dtype "auto" became, the stage of a raw DeepSpeed file). None: not known yet.
+    """
+    if not bits:
+        return []
+    problems = []
+    if deepspeed_stage == 3:
+        # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
+        # the same update applied in a single process; ZeRO-2 matches it exactly.
+        problems.append(
+            f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot "
+            "train with DeepSpeed ZeRO stage 3 (it partitions the packed quantised "
+            "weights and the results are wrong): use deepspeed_config stage 1 or 2, "
+            "or drop bits"
+        )
+    if fsdp and bits == 8:
+        problems.append(
+            "model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes "
+            "8-bit weights: use bits=4 on a GPU, deepspeed_config with stage 1 or "
+            "2, or drop bits"
+        )
+    elif fsdp:
+        if cuda is False:
+            # Measured: a sharded 4-bit model returns a different loss on every forward with
+            # no update in between (the re-gathered packed weights are not the loaded ones).
+            problems.append(
+                "model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 "
+                "does not work on the CPU: train it with deepspeed_config (stage 1 "
+                "or 2: the 4-bit base stays replicated, the adapter's gradients and "
+                "optimizer state are partitioned), or drop bits to shard an "
+                "unquantised base with FSDP2"
+            )
+        if quant_storage is not None and (
+            quant_storage not in _FLOATS
+            or (compute_dtype is not None and quant_storage != compute_dtype)
+        ):
+            problems.append(
+                f"model_args.bnb_4bit_quant_storage={quant_storage!r} with "
+                "fsdp_config: FSDP2 shards the packed 4-bit weights as tensors of "
+                "the compute dtype: set it to model_args.bnb_4bit_compute_dtype "
+                f"({compute_dtype or 'a float dtype, not auto'})"
+            )
+    return problems
+
+
+def quantized_bits(model: Any) -> int | None:
+    """8 or 4 when the loaded model holds bitsandbytes layers (also a pre-quantised checkpoint)."""
+    kinds = {type(m).__name__ for m in model.modules()}
+    return 8 if "Linear8bitLt" in kinds else 4 if "Linear4bit" in kinds else None
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling of the argument models."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _extra(field: Any) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def _section_model(annotation: Any) -> type[_Args] | None:
+    """``LoraArguments | None`` -> LoraArguments; None for a scalar field."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, _Args):
+            return candidate
+    return None
+
+
+def keyword_reference() -> str:
+    """``LLMTrainer``'s keywords, generated from the schema (appended to its docstring)."""
+    flat = TrainerConfig.flat_keywords()
+    aliases = {target: k for k, target in flat.items() if k != target[1]}
+    lines = ["Keywords (generated from the argument models):", ""]
+    for name in TrainerConfig.options():
+        field = TrainerConfig.model_fields[name]
+        lines.append(f"``{name}=``: {field.description}")
+        model = TrainerConfig.sections().get(name)
+        if model is None:
+            continue
+        for fname, f in model.model_fields.items():
+            alias = aliases.get((name, fname))
+            keyword = f"``{fname}=``" + (f" (or ``{alias}=``)" if alias else "")
+            if not _extra(field).get("flat"):
+                keyword = f"``{name}.{fname}``"
+            lines.append(f"    {keyword}: {f.description}")
+    lines.append(
+        "``qlora=``: True quantises the base to ``bits=4`` unless bits is given "
+        "(QLoRA: needs the adapter)."
+    )
+    return "\n".join(lines)

@@ -137,8 +137,10 @@ class FitRun:
         state = ck.restore(record, self.model, self.optimizer, self.scheduler)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.history = state.get("history", [])
-        self.batches.load_state_dict(state["dataset"],
-                                     allow_changed_data=self.dargs.allow_changed_data)
+        # fit(allow_changed_data=) is this run's, recorded on it, not the trainer's recipe
+        allow = self.db.metadata.get_run(self.run_id).info.get(
+            "allow_changed_data", self.dargs.allow_changed_data)
+        self.batches.load_state_dict(state["dataset"], allow_changed_data=allow)
         self.start_epoch = self.batches.dataset.epoch
         if self.strategy.is_main:
             log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step,

@@ -4,33 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
+import typing
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
 from llmtrain.components import check_identifier, register_component
 from llmtrain.errors import ConfigError, DataChangedError
-from llmtrain.formatting import PromptTemplate
 from llmtrain.queries import Query
-from llmtrain.training.args import (
-    DataArguments,
-    DeepspeedConfig,
-    FSDPConfig,
-    LoraArguments,
-    ModelArguments,
-    TrainingArguments,
-    build,
-    describe,
-    flat_keyword_target,
-)
-from llmtrain.training.spec import FitSpec, LauncherConfig, TrainerConfig
+from llmtrain.training.args import DataArguments, TrainerConfig, build, keyword_reference
+from llmtrain.training.spec import FitSpec
 from llmtrain.versions import library_versions
 
 log = logging.getLogger("llmtrain.training")
-_DEFAULT = object()
-_GROUPS = {"model_args": ModelArguments, "lora_args": LoraArguments,
-           "training_args": TrainingArguments, "data_args": DataArguments}
 
 
 @register_component
@@ -39,57 +25,16 @@ class LLMTrainer:
 
     ``LLMTrainer("sft-v1", model="...", bits=4, qlora=True, prompt_template="...{X}...{Y}")``
     or the granular form with ``model_args=``, ``lora_args=``, ``training_args=`` and
-    ``data_args=``. Flat keywords map onto those models; ``lora_args=None`` fine-tunes all
-    weights.
+    ``data_args=`` (argument models or dicts). A flat keyword sets one field of those
+    sections; giving a field twice with different values is an error, and so is a keyword
+    that names no field. ``lora_args=None`` fine-tunes all weights. Bad values and
+    combinations that cannot work are refused here, before any data is read.
     """
 
     type_id = "trainer"
 
-    def __init__(self, identifier: str, *, model: str | None = None,
-                 prompt_template: str | None = None,
-                 model_args: ModelArguments | dict[str, Any] | None = None,
-                 lora_args: LoraArguments | dict[str, Any] | None = _DEFAULT,  # type: ignore[assignment]
-                 training_args: TrainingArguments | dict[str, Any] | None = None,
-                 data_args: DataArguments | dict[str, Any] | None = None,
-                 deepspeed_config: DeepspeedConfig | dict[str, Any] | None = None,
-                 fsdp_config: FSDPConfig | dict[str, Any] | None = None,
-                 launcher: LauncherConfig | dict[str, Any] | None = None,
-                 qlora: bool = False, **flat: Any) -> None:
-        groups: dict[str, dict[str, Any]] = {
-            "model_args": _as_dict(model_args), "training_args": _as_dict(training_args),
-            "data_args": _as_dict(data_args),
-            "lora_args": {} if lora_args is _DEFAULT else _as_dict(lora_args)}
-        full_finetune = lora_args is None
-        if model is not None:
-            flat["model"] = os.fspath(model) if isinstance(model, os.PathLike) else model
-        for name, value in flat.items():
-            group, field = flat_keyword_target(name)
-            if group == "lora_args" and full_finetune:
-                raise ConfigError(f"{name}= configures the adapter, but lora_args=None asks for "
-                                  "full fine-tuning")
-            if field in groups[group] and groups[group][field] != value:
-                raise ConfigError(f"{name}= is given twice (also in {group})")
-            groups[group][field] = value
-        if qlora:
-            if full_finetune:
-                raise ConfigError("qlora=True trains an adapter on a quantised model; it "
-                                  "cannot be combined with lora_args=None")
-            groups["model_args"].setdefault("bits", 4)
-        if "model_name_or_path" not in groups["model_args"]:
-            raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
-        try:
-            config = TrainerConfig(
-                identifier=check_identifier(identifier), prompt_template=prompt_template,
-                model_args=groups["model_args"],
-                lora_args=None if full_finetune else groups["lora_args"],
-                training_args=groups["training_args"], data_args=groups["data_args"],
-                # an empty dict asks for the defaults: only None means "not this strategy"
-                deepspeed_config=None if deepspeed_config is None else _as_dict(deepspeed_config),
-                fsdp_config=None if fsdp_config is None else _as_dict(fsdp_config),
-                launcher=None if launcher is None else _as_dict(launcher))
-        except ValidationError as exc:
-            raise ConfigError(describe("LLMTrainer", exc)) from None
-        self.config = _checked(config)
+    def __init__(self, identifier: str, **options: Any) -> None:
+        self.config: TrainerConfig = _config(identifier, options)
         self.version: int | None = None
         self.db: Any = None
 
@@ -103,9 +48,8 @@ class LLMTrainer:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LLMTrainer:
-        config = build(TrainerConfig, data)  # type: ignore[arg-type]
         trainer = cls.__new__(cls)
-        trainer.config, trainer.version, trainer.db = _checked(config), None, None
+        trainer.config, trainer.version, trainer.db = build(TrainerConfig, data), None, None
         return trainer
 
     def _attach(self, db: Any) -> None:
@@ -119,61 +63,101 @@ class LLMTrainer:
         return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
 
     # -- training --------------------------------------------------------------------------
-    def fit(self, X: str | None = None, Y: str | None = None, db: Any = None,  # noqa: N803
-            select: Query | None = None, *, eval_select: Query | None = None,
-            resume: bool | str = False, merge: bool = False,
-            allow_changed_data: bool | None = None) -> Any:
+    def fit(
+        self,
+        X: str | None = None,
+        Y: str | None = None,
+        db: Any = None,  # noqa: N803
+        select: Query | None = None,
+        *,
+        eval_select: Query | None = None,
+        resume: bool | str = False,
+        merge: bool = False,
+        allow_changed_data: bool | None = None,
+    ) -> Any:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
 
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
         trained model component (``db.load("model", identifier)`` gives it back later).
+        ``allow_changed_data=True`` trains even though the rows changed since the last fit
+        (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
+        the trainer's recipe (default: ``data_args.allow_changed_data``).
         """
         from llmtrain.training.launch import execute, once_per_job
 
         db = db if db is not None else self.db
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
+        if allow_changed_data is not None and not isinstance(allow_changed_data, bool):
+            raise ConfigError(
+                f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
+            )
+        allow = (
+            self.config.data_args.allow_changed_data
+            if allow_changed_data is None
+            else allow_changed_data
+        )
         spec = self._fit_spec(X, Y, db, select, eval_select)
         replaying = X is None and select is None
-        if allow_changed_data is not None:
-            self.config.data_args.allow_changed_data = allow_changed_data
         fingerprint = _data_fingerprint(db, spec, self.config.data_args)
-        if replaying and spec.data_fingerprint and spec.db == db.uri \
-                and spec.data_fingerprint != fingerprint and not resume:
-            message = (f"the rows of {spec.query().source} changed since trainer "
-                       f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
-                       f"{spec.data_fingerprint} -> {fingerprint})")
-            if not self.config.data_args.allow_changed_data:
+        if (
+            replaying
+            and spec.data_fingerprint
+            and spec.db == db.uri
+            and spec.data_fingerprint != fingerprint
+            and not resume
+        ):
+            message = (
+                f"the rows of {spec.query().source} changed since trainer "
+                f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
+                f"{spec.data_fingerprint} -> {fingerprint})"
+            )
+            if not allow:
                 raise DataChangedError(message + "; pass allow_changed_data=True to train anyway")
             log.warning("%s; training anyway as asked", message)
         self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
         self.db = db
         # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
-        self.version, run_id = once_per_job(self._register, db, resume)
+        self.version, run_id = once_per_job(self._register, db, resume, allow)
         return execute(self, db, run_id, resume=resume, merge=merge)
 
-    def _register(self, db: Any, resume: bool | str) -> tuple[int | None, str]:
+    def _register(self, db: Any, resume: bool | str, allow: bool) -> tuple[int | None, str]:
         self._store(db)
-        return self.version, self._run_for(db, resume)
+        return self.version, self._run_for(db, resume, allow)
 
-    def _fit_spec(self, X: str | None, Y: str | None, db: Any, select: Query | None,  # noqa: N803
-                  eval_select: Query | None) -> FitSpec:
+    def _fit_spec(
+        self,
+        X: str | None,
+        Y: str | None,
+        db: Any,
+        select: Query | None,  # noqa: N803
+        eval_select: Query | None,
+    ) -> FitSpec:
         if X is None and Y is None and select is None:
             if self.config.fit is None:
-                raise ConfigError("fit() needs X=, Y= and select= (only a trainer that was "
-                                  "fitted before can replay with no arguments)")
+                raise ConfigError(
+                    "fit() needs X=, Y= and select= (only a trainer that was "
+                    "fitted before can replay with no arguments)"
+                )
             return self.config.fit.model_copy(update={"db": db.uri})
         if X is None or Y is None or select is None:
             raise ConfigError("fit() needs all of X=, Y= and select=")
         if not isinstance(select, Query):
-            raise ConfigError(f"select= must be a llmtrain query (Table, sql, Collection), "
-                              f"got {type(select).__name__}")
+            raise ConfigError(
+                f"select= must be a llmtrain query (Table, sql, Collection), "
+                f"got {type(select).__name__}"
+            )
         if X == Y:
             raise ConfigError(f"X and Y name the same field {X!r}")
         if eval_select is not None and not isinstance(eval_select, Query):
             raise ConfigError("eval_select= must be a llmtrain query")
-        return FitSpec(X=X, Y=Y, select=select.to_dict(),
-                       eval_select=eval_select.to_dict() if eval_select else None, db=db.uri)
+        return FitSpec(
+            X=X,
+            Y=Y,
+            select=select.to_dict(),
+            eval_select=eval_select.to_dict() if eval_select else None,
+            db=db.uri,
+        )
 
     def _store(self, db: Any) -> None:
         """Add a new version only when the configuration differs from the newest one."""
@@ -188,53 +172,99 @@ class LLMTrainer:
         else:
             db.add(self)
 
-    def _run_for(self, db: Any, resume: bool | str) -> str:
-        """A new run, or for ``resume`` the newest run of this trainer that has checkpoints."""
+    def _run_for(self, db: Any, resume: bool | str, allow_changed_data: bool) -> str:
+        """A new run, or for ``resume`` the newest run of this trainer that has checkpoints.
+        The run records this call's ``allow_changed_data``: every rank reads it from there."""
         if resume:
             for run in reversed(db.metadata.list_runs(self.type_id, self.identifier)):
                 checkpoints = db.metadata.list_checkpoints(run.run_id)
                 wanted = resume in (True, "latest") or any(
-                    str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints)
+                    str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints
+                )
                 if checkpoints and wanted:
-                    db.metadata.update_run(run.run_id, status="running", error=None)
+                    db.metadata.update_run(
+                        run.run_id,
+                        status="running",
+                        error=None,
+                        info={"allow_changed_data": allow_changed_data},
+                    )
                     return run.run_id
             log.info("nothing to resume for %s: starting a new run", self.identifier)
-        run_id = uuid.uuid4().hex
-        db.metadata.create_run(run_id, self.type_id, self.identifier, self.version or 0, {
-            "config": self.to_dict(), "query": self.config.fit.select,
-            "X": self.config.fit.X, "Y": self.config.fit.Y,
-            "data_fingerprint": self.config.fit.data_fingerprint, "db": db.uri,
-            "versions": library_versions()})
+        run_id, fit = uuid.uuid4().hex, self.config.fit
+        assert fit is not None  # set by fit() before it registers
+        db.metadata.create_run(
+            run_id,
+            self.type_id,
+            self.identifier,
+            self.version or 0,
+            {
+                "config": self.to_dict(),
+                "query": fit.select,
+                "X": fit.X,
+                "Y": fit.Y,
+                "data_fingerprint": fit.data_fingerprint,
+                "db": db.uri,
+                "versions": library_versions(),
+                "allow_changed_data": allow_changed_data,
+            },
+        )
         return run_id
 
 
+def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
+    """LLMTrainer's keywords -> TrainerConfig, all derived from the schema: an option given
+    whole (a section as a model or dict, a scalar), or a flat keyword into its section."""
+    qlora = options.pop("qlora", False)
+    flat = TrainerConfig.flat_keywords()
+    sections = TrainerConfig.sections()
+    data: dict[str, Any] = {"identifier": check_identifier(identifier)}
+    for name in TrainerConfig.options():
+        if name not in options:
+            continue
+        value = options.pop(name)
+        if name in sections and value is not None:
+            data[name] = _as_dict(value)
+        elif value is not None or _nullable(name):  # None for a required section: defaults
+            data[name] = value
+    for name, value in options.items():
+        if name not in flat:
+            raise ConfigError(
+                f"unknown option {name!r}: not a keyword of LLMTrainer (see "
+                "help(LLMTrainer) for the list)"
+            )
+        section, field = flat[name]
+        if section in data and data[section] is None:
+            raise ConfigError(
+                f"{name}= configures {section}, but {section}=None "
+                + ("asks for full fine-tuning" if section == "lora_args" else "turns it off")
+            )
+        group = data.setdefault(section, {})
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if field in group and group[field] != value:
+            raise ConfigError(f"{name}= is given twice (also in {section})")
+        group[field] = value
+    if qlora:
+        if "lora_args" in data and data["lora_args"] is None:
+            raise ConfigError(
+                "qlora=True trains an adapter on a quantised model; it "
+                "cannot be combined with lora_args=None"
+            )
+        data.setdefault("model_args", {}).setdefault("bits", 4)
+    if "model_name_or_path" not in data.get("model_args", {}):
+        raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
+    return build(TrainerConfig, data, "LLMTrainer")
+
+
+def _nullable(name: str) -> bool:
+    return type(None) in typing.get_args(TrainerConfig.model_fields[name].annotation)
+
+
 def _as_dict(value: Any) -> dict[str, Any]:
-    if value is None:
-        return {}
     if hasattr(value, "model_dump"):
         return value.model_dump(exclude_unset=False)
     if isinstance(value, dict):
         return dict(value)
     raise ConfigError(f"expected an arguments model or a dict, got {type(value).__name__}")
-
-
-def _checked(config: TrainerConfig) -> TrainerConfig:
-    """Cross-field rules, before any data is read."""
-    data = config.data_args
-    if data.chat_template:
-        if config.prompt_template is not None:
-            raise ConfigError("give prompt_template= or data_args.chat_template=True, not both")
-    elif config.prompt_template is None:
-        raise ConfigError("LLMTrainer needs prompt_template= (with {X} and {Y}) or "
-                          "chat_template=True")
-    else:
-        PromptTemplate(config.prompt_template)
-    if config.model_args.bits and config.lora_args is None:
-        raise ConfigError(f"bits={config.model_args.bits} quantises the frozen base model, which "
-                          "only an adapter can train: keep lora_args (QLoRA) or drop bits")
-    if config.deepspeed_config and config.fsdp_config:
-        raise ConfigError("choose deepspeed_config or fsdp_config, not both")
-    return config
 
 
 def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
@@ -245,5 +275,9 @@ def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
 def _data_fingerprint(db: Any, spec: FitSpec, data: DataArguments) -> str:
     from llmtrain.datasets import CachedQueryDataset
 
-    return CachedQueryDataset(db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size,
-                              rank=0, world_size=1).data_fingerprint
+    return CachedQueryDataset(
+        db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size, rank=0, world_size=1
+    ).data_fingerprint
+
+
+LLMTrainer.__doc__ = f"{LLMTrainer.__doc__}\n{textwrap.indent(keyword_reference(), '    ')}"

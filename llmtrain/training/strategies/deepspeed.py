@@ -34,7 +34,12 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import CheckpointError, ConfigError
-from llmtrain.training.args import DeepspeedConfig, TrainingArguments
+from llmtrain.training.args import (
+    DeepspeedConfig,
+    TrainingArguments,
+    quantization_problems,
+    quantized_bits,
+)
 from llmtrain.training.strategies.ddp import ProcessGroupStrategy
 from llmtrain.training.strategies.fsdp import init_single_process_group
 from llmtrain.training.strategies.single import trainable_parameters
@@ -99,13 +104,11 @@ def zero_stage(cfg: dict[str, Any]) -> int:
 
 
 def check_quantization(model: torch.nn.Module, stage: int) -> None:
-    quantized = any(type(m).__name__ in {"Linear4bit", "Linear8bitLt"} for m in model.modules())
-    if quantized and stage == 3:
-        # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
-        # the same update applied in a single process; ZeRO-2 matches it exactly.
-        raise ConfigError("QLoRA (bits=4/8) cannot train with DeepSpeed ZeRO stage 3 (it "
-                          "partitions the packed quantised weights and the results are wrong): "
-                          "use deepspeed_config stage 1 or 2, or drop bits")
+    """The stage a raw config file sets is only known now (the config's own was checked when
+    the trainer was built); the loaded model says whether the base is quantised."""
+    problems = quantization_problems(quantized_bits(model), deepspeed_stage=stage)
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _skip_cpu_shm_op() -> None:

@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
-from llmtrain.training.args import FSDPConfig
+from llmtrain.training.args import (
+    FSDPConfig,
+    dtype_name,
+    quantization_problems,
+    quantized_bits,
+)
 from llmtrain.training.strategies.ddp import ProcessGroupStrategy
 from llmtrain.training.strategies.single import trainable_parameters
 
@@ -78,29 +83,15 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, mp_policy: Any = None,
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
-    """Refuse bitsandbytes weights FSDP2 cannot shard correctly here (see the messages)."""
-    kinds = {type(m).__name__ for m in model.modules()} & {"Linear4bit", "Linear8bitLt"}
-    if not kinds:
-        return
-    if "Linear8bitLt" in kinds:
-        raise ConfigError("FSDP2 cannot shard bitsandbytes 8-bit weights: use bits=4 on a GPU, "
-                          "deepspeed_config with stage 1 or 2, or drop bits")
-    if device.type != "cuda":
-        # Measured: a sharded 4-bit model returns a different loss on every forward with no
-        # update in between (the re-gathered packed weights are not the loaded ones).
-        raise ConfigError("QLoRA (bits=4) with FSDP2 does not work on the CPU: train it with "
-                          "deepspeed_config (stage 1 or 2: the 4-bit base stays replicated, the "
-                          "adapter's gradients and optimizer state are partitioned), or drop "
-                          "bits to shard an unquantised base with FSDP2")
+    """The quantisation rules only the machine decides (the CPU, the dtype "auto" became),
+    on the loaded model; those the config decides were refused when the trainer was built."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
-    storage = getattr(quant, "bnb_4bit_quant_storage", None)
-    compute = getattr(quant, "bnb_4bit_compute_dtype", None)
-    if isinstance(storage, str):
-        storage = getattr(torch, storage, None)
-    if storage is None or not storage.is_floating_point or storage != compute:
-        raise ConfigError(f"QLoRA with FSDP2 shards the packed 4-bit weights as tensors of the "
-                          f"compute dtype: set model_args.bnb_4bit_quant_storage to the compute "
-                          f"dtype ({compute}), not {storage}")
+    problems = quantization_problems(
+        quantized_bits(model), fsdp=True, cuda=device.type == "cuda",
+        quant_storage=dtype_name(getattr(quant, "bnb_4bit_quant_storage", None)),
+        compute_dtype=dtype_name(getattr(quant, "bnb_4bit_compute_dtype", None)))
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 class FSDP2(ProcessGroupStrategy):
