@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import llmtrain as lt
 from llmtrain.errors import ConfigError, DataChangedError
 from llmtrain.testing import tiny_model
+from llmtrain.training.callbacks import KeyTrace, registered
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -218,23 +219,20 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
     assert run.status == "failed"
 
 
-def test_packing_and_held_out_eval(tiny: Path, db: Any, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
+def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
 
     from llmtrain.training.data import held_out
 
-    trace = tmp_path / "keys"
-    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(trace))
+    trace = KeyTrace()
     trainer = _trainer(tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2,
                        max_steps=4, batch_size=8)
-    _fit(trainer, db)
+    with registered(trace):
+        _fit(trainer, db)
     (run,) = db.metadata.list_runs("trainer", "packed")
     evals = [m for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
     assert [m.step for m in evals] == [2, 4]
     assert all(0 < m.values["eval_loss"] < 20 for m in evals)
-    trained = [k for line in trace.with_name("keys.rank0").read_text().splitlines()
-               for k in json.loads(line)["keys"]]
+    trained = trace.keys
     held = {k for k in range(48) if held_out(k, 0.25)}
     assert held and trained and not held & {int(k.split(":")[1]) for k in trained}
 

@@ -6,6 +6,6 @@ public entry point, re-exported by ``llmtrain``), ``launch`` (one fit in this pr
 and preparing the model), ``strategies`` (single, DDP, FSDP2, DeepSpeed), ``checkpoint``,
 ``callbacks`` (observers of a run) and ``model`` (the trained model component).
 
-Nothing is re-exported here: importing the package stays cheap (no torch), and the
-submodules import each other without going through it, so it cannot close a cycle.
+Nothing is re-exported here: the submodules import each other directly, never through
+this package, so it cannot close an import cycle.
 """
