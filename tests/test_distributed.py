@@ -507,3 +507,36 @@ def test_fsdp_and_deepspeed_also_train_unlaunched_in_one_process(env: Env) -> No
         assert run.status == "completed" and run.info["world_size"] == 1
         assert run.info["strategy"] == ("fsdp" if name == "fsdp" else "deepspeed")
         assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
+
+
+def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> None:
+    """fp16 compute never trains unscaled: FSDP2 steps through the sharded grad scaler,
+    DeepSpeed turns on its own fp16 mode (dynamic loss scaling), and where DeepSpeed has no
+    fp16 (a CPU) the fit is refused naming the field instead of failing deep inside it."""
+    from deepspeed.accelerator import get_accelerator
+
+    from llmtrain.training.callbacks import Callback, registered
+
+    class Seen(Callback):
+        def on_train_end(self, run: Any) -> None:
+            self.scaler = type(run.strategy.scaler).__name__
+            self.losses = [h["loss"] for h in run.history]
+            self.ds_fp16 = getattr(run.model, "fp16_enabled", lambda: None)()
+
+    seen, options = Seen(), {"max_steps": 2, "save_steps": None, "mixed_precision": "fp16"}
+    with registered(seen):
+        _trainer(env, "dist-fp16-fsdp", fsdp_config={}, **options).fit(
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    assert seen.scaler == "ShardedGradScaler" and all(math.isfinite(x) for x in seen.losses)
+
+    zero = _trainer(env, "dist-fp16-zero2", deepspeed_config={"stage": 2}, **options)
+    if get_accelerator().is_fp16_supported():
+        with registered(seen):
+            zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        assert seen.ds_fp16 is True and all(math.isfinite(x) for x in seen.losses)
+    else:
+        with pytest.raises(ConfigError, match="training_args.mixed_precision to 'bf16' or 'no'"):
+            zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        (run,) = env.db.metadata.list_runs("trainer", "dist-fp16-zero2")
+        assert run.status == "failed"
+    assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()

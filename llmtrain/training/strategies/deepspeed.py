@@ -213,6 +213,7 @@ class DeepSpeed(ProcessGroupStrategy):
     def setup(self, model: Any, make_optimizer: MakeOptimizer,
               precision: Precision | None = None) -> tuple[Any, Any]:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
         params = trainable_parameters(model)
         if not params:
@@ -220,6 +221,9 @@ class DeepSpeed(ProcessGroupStrategy):
         cfg = build_config(self.config, self.training_args, world_size=self.world_size,
                            trainable_dtype=params[0].dtype, on_gpu=self.device.type == "cuda",
                            fp16_compute=precision is not None and precision.scaled)
+        if cfg["fp16"].get("enabled") is True and not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"DeepSpeed has no fp16 mode on this device ({self.device.type}): "
+                              "set training_args.mixed_precision to 'bf16' or 'no'")
         self.stage = zero_stage(cfg)
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)
