@@ -223,7 +223,8 @@ class DeepSpeed(ProcessGroupStrategy):
                            fp16_compute=precision is not None and precision.scaled)
         if cfg["fp16"].get("enabled") is True and not get_accelerator().is_fp16_supported():
             raise ConfigError(f"DeepSpeed has no fp16 mode on this device ({self.device.type}): "
-                              "set training_args.mixed_precision to 'bf16' or 'no'")
+                              "set training_args.mixed_precision to 'bf16' or 'no' (and no "
+                              "fp16 section in deepspeed_config.raw)")
         self.stage = zero_stage(cfg)
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)
