@@ -59,7 +59,8 @@ class KeyTrace(Callback):
     given (one JSON line per step, fsynced: a process killed right after still shows it)."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.path, self.steps = path, []
+        self.path = path
+        self.steps: list[dict[str, Any]] = []
 
     def on_step(self, run: Any, keys: list[str]) -> None:
         entry = {"step": run.step, "keys": keys}
@@ -77,10 +78,11 @@ class KeyTrace(Callback):
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:
     """What this rank stores of ``param``: a DTensor's shard, ZeRO-3's partition, or itself."""
+    partition = getattr(param, "ds_tensor", None)
     if hasattr(param, "to_local"):
         param = param.to_local()
-    elif getattr(param, "ds_tensor", None) is not None:
-        param = param.ds_tensor
+    elif partition is not None:
+        param = partition
     return param.detach().to("cpu", copy=True).contiguous()
 
 

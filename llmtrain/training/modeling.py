@@ -89,7 +89,7 @@ def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = T
                 from exc
         kwargs["quantization_config"] = quantization_config(args, precision.quant_compute)
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
     if not (quantize and args.bits):
         model.to(device)
     return model
@@ -116,8 +116,7 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
         targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
         if targets is None:
             return "all-linear"
-        targets = [t for t in targets if t in available] or "all-linear"
-        return targets
+        return [t for t in targets if t in available] or "all-linear"
     missing = [t for t in targets if t not in available]
     if missing:
         raise ConfigError(f"lora_args.target_modules {missing} match no linear layer of "

@@ -190,8 +190,8 @@ class FitRun:
         and short examples weigh the same whatever the accumulation or world size.
         """
         s = self.strategy
-        targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
-        targets = max(targets.item(), 1.0)
+        step_targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
+        targets = max(step_targets.item(), 1.0)
         total = 0.0
         for i, batch in enumerate(group):
             with s.accumulate(self.model, sync=i == len(group) - 1), self.precision.autocast():
