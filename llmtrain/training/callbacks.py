@@ -113,7 +113,7 @@ class RankReport(Callback):
         trainable = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
         save_file({name: local_tensor(p) for name, p in trainable},
                   f"{self.prefix}.rank{s.rank}.safetensors")
-        report = {"rank": s.rank, "world_size": s.world_size, "local_rank": s.local_rank,
+        report = {"rank": s.rank, "world_size": s.world_size, "local_rank": s.placement.local_rank,
                   "launched": s.placement.launched, "pid": os.getpid(),
                   "host": socket.gethostname(), "strategy": s.name, "step": run.step,
                   "optimizer_numel": optimizer_numel(run.optimizer),

@@ -57,20 +57,12 @@ class Strategy(ABC):
         return self.placement.world_size
 
     @property
-    def local_rank(self) -> int:
-        return self.placement.local_rank
-
-    @property
     def device(self) -> torch.device:
         return self.placement.device
 
     @property
     def is_main(self) -> bool:
         return self.placement.is_main
-
-    @property
-    def distributed(self) -> bool:
-        return self.placement.distributed
 
     # -- lifecycle -------------------------------------------------------------------------
     def launch(self) -> None:
@@ -183,18 +175,18 @@ class ProcessGroupStrategy(Strategy):
             dist.destroy_process_group()
 
     def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if not self.distributed:
+        if not self.placement.distributed:
             return value
         out = value.detach().clone().to(self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(out, op=_OPS[op])
         return out.to(value.device)
 
     def barrier(self) -> None:
-        if self.distributed:
+        if self.placement.distributed:
             dist.barrier()
 
     def broadcast_object(self, obj: Any) -> Any:
-        if not self.distributed:
+        if not self.placement.distributed:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0)

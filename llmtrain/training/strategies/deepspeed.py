@@ -192,7 +192,7 @@ class DeepSpeed(ProcessGroupStrategy):
         if self.device.type != "cuda":
             _skip_cpu_shm_op()
         if not self.placement.launched:
-            self._environment.enter_context(_local_rank_for_deepspeed(self.local_rank))
+            self._environment.enter_context(_local_rank_for_deepspeed(self.placement.local_rank))
         init_single_process_group(self.placement)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
