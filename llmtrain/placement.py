@@ -13,12 +13,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ConfigError, DistributedError
 
 
 @dataclass(frozen=True)
 class Placement:
-    """One process's place: ``rank`` of ``world_size``, ``local_rank`` on its node."""
+    """One process's place: ``rank`` of ``world_size``, ``local_rank`` on its node.
+
+    ``launched`` is decided once, here: DeepSpeed needs LOCAL_RANK set even in an unlaunched
+    process, so a later look at the environment could mistake that process for a worker.
+    """
 
     rank: int = 0
     world_size: int = 1
@@ -43,8 +47,7 @@ class Placement:
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
             rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        launched = "LOCAL_RANK" in env and int(env.get("WORLD_SIZE", 1)) > 1
-        return cls(rank, world, int(env.get("LOCAL_RANK", 0)), launched)
+        return cls(rank, world, int(env.get("LOCAL_RANK", 0)), "LOCAL_RANK" in env)
 
     @classmethod
     def resolve(cls, rank: int | None = None, world_size: int | None = None) -> Placement:
@@ -54,6 +57,19 @@ class Placement:
             return found
         return replace(found, rank=found.rank if rank is None else rank,
                        world_size=found.world_size if world_size is None else world_size)
+
+    def joined(self, rank: int, world_size: int) -> Placement:
+        """The placement inside the process group just joined; a launcher's must agree."""
+        if self.launched and (rank, world_size) != (self.rank, self.world_size):
+            raise DistributedError(f"the process group placed this process at rank {rank} of "
+                                   f"{world_size}, its launcher at rank {self.rank} of "
+                                   f"{self.world_size}")
+        return replace(self, rank=rank, world_size=world_size)
+
+    @property
+    def in_launched_job(self) -> bool:
+        """One rank of several started by torchrun or deepspeed (each runs the script)."""
+        return self.launched and self.distributed
 
     @property
     def is_main(self) -> bool:

@@ -42,9 +42,8 @@ from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.launchers import build_command
 from llmtrain.launchers.command import DB_ENV, METADATA_ENV
 from llmtrain.launchers.process import alive
-from llmtrain.launchers.report import REPORT_ENV
 from llmtrain.testing import tiny_model
-from llmtrain.training.run import TRACE_ENV
+from llmtrain.training.callbacks import REPORT_ENV, TRACE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -169,6 +168,9 @@ def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -
     script.write_text(textwrap.dedent(f"""
         import json, os
         import llmtrain as lt
+        from llmtrain.training.callbacks import install_from_environment
+
+        install_from_environment()  # the test's key trace and rank report
 
         db = lt.connect(os.environ["DIST_TEST_URI"], artifacts=os.environ["DIST_TEST_ART"])
         trainer = lt.LLMTrainer({name!r}, model={str(env.tiny)!r}, prompt_template={TEMPLATE!r},
@@ -232,9 +234,8 @@ def _train(env: Env, strategy: str) -> Result:
 def reference(env: Env) -> Any:
     """One process, micro-batch 4 x accumulation 2: the same 8 rows per step (see above)."""
     trainer = _trainer(env, "dist-reference", batch_size=MICRO * WORLD)
-    with environ(**{TRACE_ENV: str(env.root / "trace-reference")}):
-        model = trainer.fit(X="instruction", Y="output", db=env.db,
-                            select=lt.Table("docs_reference"))
+    model = trainer.fit(X="instruction", Y="output", db=env.db,
+                        select=lt.Table("docs_reference"))
     (run,) = env.db.metadata.list_runs("trainer", "dist-reference")
     return model, _adapter(env, model), run
 
@@ -260,7 +261,7 @@ def test_two_ranks_train_like_one_process(env: Env, reference: Any, strategy: st
     # the ranks were two distinct processes of one world of 2
     reports = result.reports
     assert [r["rank"] for r in reports] == [0, 1]
-    assert [r["env_rank"] for r in reports] == ["0", "1"]
+    assert all(r["launched"] for r in reports)  # by torchrun/deepspeed, which gave the ranks
     assert all(r["world_size"] == WORLD and r["strategy"] == expected_name for r in reports)
     assert reports[0]["pid"] != reports[1]["pid"]
     assert all(r["step"] == STEPS for r in reports)
@@ -506,3 +507,36 @@ def test_fsdp_and_deepspeed_also_train_unlaunched_in_one_process(env: Env) -> No
         assert run.status == "completed" and run.info["world_size"] == 1
         assert run.info["strategy"] == ("fsdp" if name == "fsdp" else "deepspeed")
         assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
+
+
+def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> None:
+    """fp16 compute never trains unscaled: FSDP2 steps through the sharded grad scaler,
+    DeepSpeed turns on its own fp16 mode (dynamic loss scaling), and where DeepSpeed has no
+    fp16 (a CPU) the fit is refused naming the field instead of failing deep inside it."""
+    from deepspeed.accelerator import get_accelerator
+
+    from llmtrain.training.callbacks import Callback, registered
+
+    class Seen(Callback):
+        def on_train_end(self, run: Any) -> None:
+            self.scaler = type(run.strategy.scaler).__name__
+            self.losses = [h["loss"] for h in run.history]
+            self.ds_fp16 = getattr(run.model, "fp16_enabled", lambda: None)()
+
+    seen, options = Seen(), {"max_steps": 2, "save_steps": None, "mixed_precision": "fp16"}
+    with registered(seen):
+        _trainer(env, "dist-fp16-fsdp", fsdp_config={}, **options).fit(
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    assert seen.scaler == "ShardedGradScaler" and all(math.isfinite(x) for x in seen.losses)
+
+    zero = _trainer(env, "dist-fp16-zero2", deepspeed_config={"stage": 2}, **options)
+    if get_accelerator().is_fp16_supported():
+        with registered(seen):
+            zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        assert seen.ds_fp16 is True and all(math.isfinite(x) for x in seen.losses)
+    else:
+        with pytest.raises(ConfigError, match="training_args.mixed_precision to 'bf16' or 'no'"):
+            zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        (run,) = env.db.metadata.list_runs("trainer", "dist-fp16-zero2")
+        assert run.status == "failed"
+    assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()

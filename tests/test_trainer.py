@@ -3,6 +3,7 @@ exact resume, replay, stock loading of the adapter and the merged model, config 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 import llmtrain as lt
 from llmtrain.errors import ConfigError, DataChangedError
 from llmtrain.testing import tiny_model
+from llmtrain.training.callbacks import KeyTrace, registered
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -218,23 +220,20 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
     assert run.status == "failed"
 
 
-def test_packing_and_held_out_eval(tiny: Path, db: Any, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
+def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
 
     from llmtrain.training.data import held_out
 
-    trace = tmp_path / "keys"
-    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(trace))
+    trace = KeyTrace()
     trainer = _trainer(tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2,
                        max_steps=4, batch_size=8)
-    _fit(trainer, db)
+    with registered(trace):
+        _fit(trainer, db)
     (run,) = db.metadata.list_runs("trainer", "packed")
     evals = [m for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
     assert [m.step for m in evals] == [2, 4]
     assert all(0 < m.values["eval_loss"] < 20 for m in evals)
-    trained = [k for line in trace.with_name("keys.rank0").read_text().splitlines()
-               for k in json.loads(line)["keys"]]
+    trained = trace.keys
     held = {k for k in range(48) if held_out(k, 0.25)}
     assert held and trained and not held & {int(k.split(":")[1]) for k in trained}
 
@@ -330,3 +329,55 @@ def test_full_finetune_with_chat_template_checkpointing_and_retention(
     assert changed  # full fine-tuning moved the base weights themselves
     answer = db.load("model", "full").generate("What is color number 1?", max_new_tokens=3)
     assert isinstance(answer, str)
+
+
+# -- precision ----------------------------------------------------------------------------------
+def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(tiny: Path, db: Any,
+                                                                      tmp_path: Path) -> None:
+    """fp16 autocast (honoured on the CPU too) with the GradScaler: the adapter learns
+    (LoRA's B starts at zero), and resuming restores the scaler's state from the checkpoint."""
+    from llmtrain.training.callbacks import Callback
+    from llmtrain.training.run import FitRun
+    from llmtrain.training.strategies import make_strategy
+
+    class ScalerAtEnd(Callback):
+        def on_train_end(self, run: Any) -> None:
+            self.state = run.strategy.scaler.state_dict()
+            self.dtype = run.precision.autocast_dtype
+
+    seen = ScalerAtEnd()
+    trainer = _trainer(tiny, "fp16", mixed_precision="fp16", max_steps=4, save_steps=2)
+    with registered(seen):
+        model = _fit(trainer, db)
+    assert seen.dtype == torch.float16 and seen.state["_growth_tracker"] > 0
+    (run,) = db.metadata.list_runs("trainer", "fp16")
+    assert run.status == "completed" and all(math.isfinite(h["loss"]) for h in model.record.history)
+    weights = _adapter(db, model, tmp_path)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in weights.items())
+
+    resumed = FitRun(trainer, db, run.run_id, make_strategy("single"), resume=True)
+    resumed.setup()
+    try:
+        assert resumed.step == 4 and resumed.strategy.scaler.state_dict() == seen.state
+    finally:
+        resumed.cleanup()
+
+
+def test_gradient_checkpointing_is_switched_on_in_one_place_for_adapter_and_full(
+        tiny: Path) -> None:
+    from llmtrain.training.args import LoraArguments, ModelArguments
+    from llmtrain.training.modeling import load_model, prepare_for_training
+
+    args = ModelArguments(model_name_or_path=str(tiny))
+    for lora in (LoraArguments(r=4), None):
+        model = prepare_for_training(load_model(args, torch.device("cpu")), lora,
+                                     quantized=False, gradient_checkpointing=True)
+        assert model.is_gradient_checkpointing
+        loss = model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]]),
+                     use_cache=False).loss
+        loss.backward()  # the adapter gets gradients through the checkpointed layers
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None for p in trained)
+        plain = prepare_for_training(load_model(args, torch.device("cpu")), lora,
+                                     quantized=False, gradient_checkpointing=False)
+        assert not plain.is_gradient_checkpointing

@@ -4,6 +4,9 @@
 stores the trainer and opens the run here, starts the workers, streams their output and
 returns the trained model. Each worker reloads the trainer by name and version from the
 metadata store and trains its shard of the rows.
+
+The dependency runs one way: launchers call into ``llmtrain.training.launch``, which never
+imports them.
 """
 
 from __future__ import annotations
@@ -16,10 +19,25 @@ from typing import Any
 from llmtrain.errors import DistributedError
 from llmtrain.launchers.command import WorkerCommand, build_command, free_port
 from llmtrain.launchers.process import WorkerJob
+from llmtrain.placement import Placement
 from llmtrain.training.args import Launcher
 
-__all__ = ["DistributedError", "Launcher", "WorkerCommand", "build_command", "free_port",
-           "launch_workers"]
+__all__ = ["DistributedError", "Launcher", "WorkerCommand", "build_command", "execute",
+           "free_port", "launch_workers"]
+
+
+def execute(trainer: Any, db: Any, run_id: str, placement: Placement, *, resume: bool | str,
+            merge: bool) -> Any:
+    """Train run ``run_id``: in worker processes when the trainer has a launcher and this
+    process is not already one of its workers, else right here."""
+    from llmtrain.training.launch import run_in_process
+    from llmtrain.training.strategies import strategy_for
+
+    launcher = trainer.config.launcher
+    if launcher is not None and launcher.kind != "python" and not placement.launched:
+        return launch_workers(trainer, db, run_id, resume=resume, merge=merge)
+    return run_in_process(trainer, db, run_id, strategy_for(trainer.config, placement),
+                          resume=resume, merge=merge)
 
 
 def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,

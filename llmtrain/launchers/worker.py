@@ -17,6 +17,7 @@ from pathlib import Path
 
 from llmtrain.launchers.command import ARTIFACTS_ENV, DB_ENV, JOB_ENV, METADATA_ENV
 from llmtrain.launchers.process import error_file, pid_file
+from llmtrain.placement import Placement
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -31,26 +32,31 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train(args: argparse.Namespace) -> None:
+def train(args: argparse.Namespace, placement: Placement) -> None:
     from llmtrain import connect
-    from llmtrain.training.launch import run_in_process, strategy_for
+    from llmtrain.training.callbacks import install_from_environment
+    from llmtrain.training.launch import run_in_process
+    from llmtrain.training.strategies import strategy_for
+
+    install_from_environment()  # test hooks (key trace, rank report), read once
 
     # popped: nothing this process starts (compilers, loader workers) inherits the secrets
     db = connect(os.environ.pop(DB_ENV), metadata_uri=os.environ.pop(METADATA_ENV, None),
                  artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None)
     trainer = db.load("trainer", args.trainer, args.version)
-    run_in_process(trainer, db, args.run_id, strategy_for(trainer.config),
+    run_in_process(trainer, db, args.run_id, strategy_for(trainer.config, placement),
                    resume=args.resume, merge=args.merge)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    rank = os.environ.get("RANK", "0")
+    placement = Placement.from_environment()
+    rank = placement.rank
     job_dir = Path(os.environ[JOB_ENV]) if os.environ.get(JOB_ENV) else None
     if job_dir is not None:
         pid_file(job_dir, rank).write_text(str(os.getpid()))
     try:
-        train(args)
+        train(args, placement)
     except BaseException as exc:
         text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
         if job_dir is not None:

@@ -1,12 +1,16 @@
-"""Running a fit: in this process, or (with a launcher) in worker processes."""
+"""Running a fit in this process: once per job, then the run itself.
+
+Starting worker processes is the launchers' job (``llmtrain.launchers.execute``); they call
+into here, never the other way round.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from llmtrain.placement import Placement
 from llmtrain.training.run import FitRun
 from llmtrain.training.strategies import Strategy, make_strategy
 
@@ -14,31 +18,14 @@ log = logging.getLogger("llmtrain.training")
 T = TypeVar("T")
 
 
-def strategy_for(config: Any) -> Strategy:
-    """DeepSpeed or FSDP when configured; DDP inside a multi-process launch; else single."""
-    if config.deepspeed_config is not None:
-        return make_strategy("deepspeed", config=config.deepspeed_config,
-                             training_args=config.training_args)
-    if config.fsdp_config is not None:
-        return make_strategy("fsdp", config=config.fsdp_config)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        return make_strategy("ddp")
-    return make_strategy("single")
-
-
-def in_launched_job() -> bool:
-    """This process is one rank of several started by torchrun or deepspeed."""
-    return "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1
-
-
-def once_per_job(fn: Callable[..., T], *args: Any) -> T:
+def once_per_job(placement: Placement, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` once: on rank 0 when every rank of a launched job calls it (a script run
     with ``torchrun``/``deepspeed`` calling ``fit()``); every rank gets rank 0's result."""
-    if not in_launched_job():
+    if not placement.in_launched_job:
         return fn(*args)
     from llmtrain.errors import DistributedError
 
-    group = make_strategy("ddp")
+    group = make_strategy("ddp", placement)
     group.launch()  # the strategy's own launch() later finds the group and keeps it
     outcome: tuple[str, Any] = ("error", "rank 0 did not answer")
     if group.is_main:
@@ -53,20 +40,9 @@ def once_per_job(fn: Callable[..., T], *args: Any) -> T:
     return value
 
 
-def execute(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge: bool) -> Any:
-    launcher = trainer.config.launcher
-    if launcher is not None and launcher.kind != "python" and "LOCAL_RANK" not in os.environ:
-        from llmtrain.launchers import launch_workers
-
-        return launch_workers(trainer, db, run_id, resume=resume, merge=merge)
-    return run_in_process(trainer, db, run_id, strategy_for(trainer.config), resume=resume,
-                          merge=merge)
-
-
 def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
                    resume: bool | str, merge: bool) -> Any:
     """setup -> train -> final checkpoint -> adapter -> model component; marks the run."""
-    from llmtrain.launchers.report import write_rank_report
     from llmtrain.training.model import TrainedModel
 
     run = FitRun(trainer, db, run_id, strategy, resume=resume)
@@ -81,7 +57,6 @@ def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
                 "global_batch_size": targs.per_device_train_batch_size
                 * targs.gradient_accumulation_steps * strategy.world_size})
         run.train()
-        write_rank_report(run)  # only when LLMTRAIN_RANK_REPORT names a path (tests)
         latest = run.checkpointer.latest() if strategy.is_main else None
         if strategy.broadcast_object(latest is None or latest.step != run.step):
             run.save_checkpoint()  # the final state, so resuming a finished run is a no-op

@@ -1,4 +1,5 @@
-"""Loading the base model and tokenizer, and wrapping the model with a PEFT adapter."""
+"""Loading the base model and tokenizer, and preparing the model to train (adapter,
+gradient checkpointing)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.training.args import LoraArguments, ModelArguments
+from llmtrain.training.precision import DTYPES, Precision
 
 log = logging.getLogger("llmtrain.training")
 
@@ -24,18 +26,6 @@ _DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU that has it, else float32 (CPUs train reliably in fp32)."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
 
 def check_model_path(name: str) -> None:
     """A name that is clearly a local path must exist (else transformers asks the hub)."""
@@ -70,20 +60,25 @@ def quantization_config(args: ModelArguments, compute_dtype: torch.dtype) -> Any
 
     if args.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
-    storage = _DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8)
+    storage = DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8)
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
         bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)
 
 
-def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = True) -> Any:
-    """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set."""
+def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = True,
+               precision: Precision | None = None) -> Any:
+    """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set.
+
+    ``precision`` is the run's resolved policy (default: resolved here for ``device``).
+    """
     from transformers import AutoModelForCausalLM
 
-    dtype = resolve_dtype(args.torch_dtype, device)
+    precision = precision or Precision.resolve(args, device)
     kwargs: dict[str, Any] = {"revision": args.revision,
-                              "trust_remote_code": args.trust_remote_code, "dtype": dtype}
+                              "trust_remote_code": args.trust_remote_code,
+                              "dtype": precision.weights}
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
     if quantize and args.bits:
@@ -92,10 +87,9 @@ def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = T
         except ImportError as exc:
             raise ConfigError("bits=4/8 needs bitsandbytes: pip install 'llmtrain[qlora]'") \
                 from exc
-        compute = resolve_dtype(args.bnb_4bit_compute_dtype, device)
-        kwargs["quantization_config"] = quantization_config(args, compute)
+        kwargs["quantization_config"] = quantization_config(args, precision.quant_compute)
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
     if not (quantize and args.bits):
         model.to(device)
     return model
@@ -122,8 +116,7 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
         targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
         if targets is None:
             return "all-linear"
-        targets = [t for t in targets if t in available] or "all-linear"
-        return targets
+        return [t for t in targets if t in available] or "all-linear"
     missing = [t for t in targets if t not in available]
     if missing:
         raise ConfigError(f"lora_args.target_modules {missing} match no linear layer of "
@@ -131,18 +124,31 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
     return list(targets)
 
 
-def apply_adapter(model: Any, lora: LoraArguments, *, quantized: bool,
-                  gradient_checkpointing: bool) -> Any:
-    """Wrap ``model`` with a LoRA/DoRA adapter (PEFT); only the adapter trains."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
+def prepare_for_training(model: Any, lora: LoraArguments | None, *, quantized: bool,
+                         gradient_checkpointing: bool) -> Any:
+    """The model as the loop trains it: the only place gradient checkpointing is switched
+    on (k-bit preparation does it for a quantised base), then the adapter if any."""
+    kwargs = {"use_reentrant": False}
+    if lora is None:
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return model
     if quantized:
+        from peft import prepare_model_for_kbit_training
+
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+            gradient_checkpointing_kwargs=kwargs)
     elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
+    return apply_adapter(model, lora)
+
+
+def apply_adapter(model: Any, lora: LoraArguments) -> Any:
+    """Wrap ``model`` with a LoRA/DoRA adapter (PEFT); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
     config = LoraConfig(
         r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
         target_modules=target_modules_for(model, lora), bias=lora.bias, use_dora=lora.use_dora,

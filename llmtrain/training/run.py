@@ -7,14 +7,12 @@ checkpointer and the stores are collaborators handed in, never base classes.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,14 @@ import torch.nn.functional as F
 
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.training.callbacks import Callback, registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.data import TrainBatches, make_collate, to_device
-from llmtrain.training.modeling import apply_adapter, load_model, load_tokenizer
+from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
+from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import Strategy
 
 log = logging.getLogger("llmtrain.training")
-TRACE_ENV = "LLMTRAIN_TRACE_KEYS"  # a path: every step appends the keys it trained on
 
 
 def seed_everything(seed: int) -> None:
@@ -53,8 +52,9 @@ class FitRun:
     """Everything one process needs to train one run of a trainer."""
 
     def __init__(self, trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
-                 resume: bool | str = False) -> None:
+                 resume: bool | str = False, callbacks: Sequence[Callback] = ()) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
+        self.callbacks = [*registered_callbacks(), *callbacks]
         self.config = trainer.config
         self.resume = resume
         self.targs, self.dargs = self.config.training_args, self.config.data_args
@@ -68,15 +68,13 @@ class FitRun:
         s, cfg = self.strategy, self.config
         s.launch()
         seed_everything(self.targs.seed)
+        self.precision = Precision.resolve(cfg.model_args, s.device, self.targs.mixed_precision)
         self.tokenizer = load_tokenizer(cfg.model_args)
-        model = load_model(cfg.model_args, s.device)
-        if cfg.lora_args is not None:
-            model = apply_adapter(model, cfg.lora_args, quantized=bool(cfg.model_args.bits),
-                                  gradient_checkpointing=self.targs.gradient_checkpointing)
-        elif self.targs.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
-                                                                               False})
-        self.model, self.optimizer = s.setup(model, self._make_optimizer)
+        model = prepare_for_training(
+            load_model(cfg.model_args, s.device, precision=self.precision), cfg.lora_args,
+            quantized=bool(cfg.model_args.bits),
+            gradient_checkpointing=self.targs.gradient_checkpointing)
+        self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
 
         fit = cfg.fit
@@ -176,6 +174,8 @@ class FitRun:
                     self.save_checkpoint()
         if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
             self._log({"eval_loss": self.evaluate()})
+        for callback in self.callbacks:
+            callback.on_train_end(self)
 
     def _next_group(self, stream: Iterator[tuple[int, Any]]) -> list[dict[str, Any]]:
         """The next accumulation group, cut to the same size on every rank."""
@@ -192,11 +192,11 @@ class FitRun:
         and short examples weigh the same whatever the accumulation or world size.
         """
         s = self.strategy
-        targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
-        targets = max(targets.item(), 1.0)
+        step_targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
+        targets = max(step_targets.item(), 1.0)
         total = 0.0
         for i, batch in enumerate(group):
-            with s.accumulate(self.model, sync=i == len(group) - 1), self._autocast():
+            with s.accumulate(self.model, sync=i == len(group) - 1), self.precision.autocast():
                 loss = loss_sum(self.model, batch)
             s.backward(self.model, loss * (s.world_size / targets))
             total += loss.item()
@@ -205,21 +205,14 @@ class FitRun:
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += int(s.all_reduce(sum(b["num_tokens"] for b in group)))
-        self._trace([k for b in group for k in b["keys"]])
+        keys = [k for b in group for k in b["keys"]]
+        for callback in self.callbacks:
+            callback.on_step(self, keys)
         return float(s.all_reduce(torch.tensor(total))) / targets
 
     @property
     def has_eval(self) -> bool:
         return self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
-
-    def _autocast(self) -> Any:
-        mp = self.targs.mixed_precision
-        if self.strategy.device.type != "cuda" or mp == "no":
-            return nullcontext()
-        if mp == "auto":
-            mp = "bf16" if torch.cuda.is_bf16_supported() else "no"
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mp)
-        return torch.autocast("cuda", dtype=dtype) if dtype else nullcontext()
 
     def _progress(self) -> Any:
         if not (self.targs.progress_bar and self.strategy.is_main):
@@ -232,14 +225,6 @@ class FitRun:
     def _log(self, metrics: dict[str, float]) -> None:
         if self.strategy.is_main:
             self.db.metadata.log_metrics(self.run_id, self.step, metrics)
-
-    def _trace(self, keys: list[str]) -> None:
-        path = os.environ.get(TRACE_ENV)
-        if path:
-            with open(f"{path}.rank{self.strategy.rank}", "a") as fh:
-                fh.write(json.dumps({"step": self.step, "keys": keys}) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -264,7 +249,7 @@ class FitRun:
                 if batch is None:
                     continue
                 batch = to_device(batch, s.device)
-                with self._autocast():
+                with self.precision.autocast():
                     total += loss_sum(self.model, batch).float().cpu()
                 count += batch["num_target_tokens"].float().cpu()
                 seen += len(batch["keys"])

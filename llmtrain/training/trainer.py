@@ -83,7 +83,9 @@ class LLMTrainer:
         (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
         the trainer's recipe (default: ``data_args.allow_changed_data``).
         """
-        from llmtrain.training.launch import execute, once_per_job
+        from llmtrain.launchers import execute
+        from llmtrain.placement import Placement
+        from llmtrain.training.launch import once_per_job
 
         db = db if db is not None else self.db
         if db is None:
@@ -118,8 +120,9 @@ class LLMTrainer:
         self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
         self.db = db
         # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
-        self.version, run_id = once_per_job(self._register, db, resume, allow)
-        return execute(self, db, run_id, resume=resume, merge=merge)
+        placement = Placement.from_environment()  # resolved once for the whole fit
+        self.version, run_id = once_per_job(placement, self._register, db, resume, allow)
+        return execute(self, db, run_id, placement, resume=resume, merge=merge)
 
     def _register(self, db: Any, resume: bool | str, allow: bool) -> tuple[int | None, str]:
         self._store(db)

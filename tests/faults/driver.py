@@ -1,10 +1,11 @@
 """Runs one fit in a fresh process, for the kill -9 tests: ``python driver.py '<json>'``.
 
-The JSON names the database, the trainer options and, optionally, a ``hold`` point: when the
-fit reaches it the driver writes ``hold.marker`` and sleeps, so the parent can ``kill -9``
-it exactly there. Hold points: ``after-step`` (step N's keys are traced), ``mid-step`` (the
-forward pass of step N is done, its backward not), ``checkpoint-write`` (the artifact store
-is half-way through writing a file of the checkpoint at step N).
+The JSON names the database, the trainer options, the ``trace`` path (the run's keys, step
+by step, through a KeyTrace callback registered once at start) and, optionally, a ``hold``
+point: when the fit reaches it the driver writes ``hold.marker`` and sleeps, so the parent
+can ``kill -9`` it exactly there. Hold points: ``after-step`` (step N's keys are traced),
+``mid-step`` (the forward pass of step N is done, its backward not), ``checkpoint-write``
+(the artifact store is half-way through writing a file of the checkpoint at step N).
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ def hold(marker: Path, where: str) -> None:
 def install_hold(spec: dict[str, Any]) -> None:
     from llmtrain.artifacts import local
     from llmtrain.training import checkpoint, run
+    from llmtrain.training.callbacks import Callback, register
 
     kind, at, marker = spec["kind"], int(spec["step"]), Path(spec["marker"])
     traced = {"step": 0}
-    trace = run.FitRun._trace
 
-    def traced_step(self: Any, keys: list[str]) -> None:
-        trace(self, keys)
-        traced["step"] = self.step
-        if kind == "after-step" and self.step == at:
-            hold(marker, f"after step {at}")
+    class HoldAfterStep(Callback):
+        """Registered after the trace: step N's keys are on disk when it holds."""
 
-    run.FitRun._trace = traced_step  # type: ignore[method-assign]
+        def on_step(self, fit: Any, keys: list[str]) -> None:
+            traced["step"] = fit.step
+            if kind == "after-step" and fit.step == at:
+                hold(marker, f"after step {at}")
+
+    register(HoldAfterStep())
 
     if kind == "mid-step":
         loss_sum = run.loss_sum
@@ -91,7 +94,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     import llmtrain as lt
+    from llmtrain.training.callbacks import KeyTrace, register
 
+    register(KeyTrace(cfg["trace"]))
     if cfg.get("hold"):
         install_hold(cfg["hold"])
     db = lt.connect(cfg["uri"], artifacts=cfg["artifacts"])

@@ -9,7 +9,6 @@ run failed, and its last checkpoint stays resumable once the database is back.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from conftest import fill
 import llmtrain as lt
 from llmtrain.backends.retry import RetryPolicy
 from llmtrain.errors import DatabaseUnavailableError
+from llmtrain.training.callbacks import KeyTrace, registered
 
 from .helpers import (
     SessionKiller,
@@ -226,10 +226,13 @@ def test_a_fit_whose_database_dies_fails_and_resumes_from_its_checkpoint_once_it
                     retry=RetryPolicy(attempts=3, base=0.01, cap=0.02))
     options = {"max_steps": 12, "save_steps": 2, "cache_size": 4}
 
+    traces: dict[str, KeyTrace] = {}
+
     def fit(name: str, trace: str, **kwargs: Any) -> Any:
-        monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(tmp_path / trace))
-        return trainer(tiny, name, **options).fit(X="instruction", Y="output", db=db,
-                                                  select=lt.Table("docs"), **kwargs)
+        traces[trace] = KeyTrace()
+        with registered(traces[trace]):
+            return trainer(tiny, name, **options).fit(X="instruction", Y="output", db=db,
+                                                      select=lt.Table("docs"), **kwargs)
 
     reference = fit("straight", "straight")
 
@@ -260,8 +263,7 @@ def test_a_fit_whose_database_dies_fails_and_resumes_from_its_checkpoint_once_it
     assert_same_weights(adapter(db, reference, tmp_path), adapter(db, resumed, tmp_path))
 
     def trace(name: str) -> list[tuple[int, list[str]]]:
-        lines = (tmp_path / f"{name}.rank0").read_text().splitlines()
-        return [(e["step"], sorted(e["keys"])) for e in map(json.loads, lines)]
+        return [(e["step"], sorted(e["keys"])) for e in traces[name].steps]
 
     first, again = trace("first"), trace("resumed")
     assert again[0][0] == last_good + 1

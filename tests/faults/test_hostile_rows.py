@@ -10,7 +10,6 @@ torch or the tokenizer, and a skipped row is never trained on.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import sqlite3
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from transformers import AutoTokenizer
 import llmtrain as lt
 from llmtrain.errors import BadRowError
 from llmtrain.formatting import Formatter
+from llmtrain.training.callbacks import KeyTrace, registered
 
 from .helpers import TEMPLATE, doc_rows, trainer, warnings_of
 
@@ -227,19 +227,16 @@ def hostile_db(tmp_path: Path) -> Any:
 
 
 def test_a_fit_skips_hostile_rows_by_key_and_field_and_trains_all_the_others(
-        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     db = hostile_db(tmp_path)
-    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(tmp_path / "trace"))
-    with warnings_of(caplog, "llmtrain.datasets") as warned:
+    trace = KeyTrace()
+    with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
         trainer(tiny, "hostile", max_steps=-1, epochs=1, batch_size=4, on_bad_row="skip",
                 max_length=128).fit(X="instruction", Y="output", db=db,
                                     select=lt.Table("docs"))
     (run,) = db.metadata.list_runs("trainer", "hostile")
     assert run.status == "completed"
-    trained = [k for line in (tmp_path / "trace.rank0").read_text().splitlines()
-               for k in json.loads(line)["keys"]]
-    assert sorted(trained) == sorted(f"int:{k}" for k in [*range(28), 200, 201, 202])
+    assert sorted(trace.keys) == sorted(f"int:{k}" for k in [*range(28), 200, 201, 202])
     for key, (field, _, problem) in HOSTILE.items():
         assert any(f"skipping row {key}: field {field!r}" in w and problem in w
                    for w in warned), (key, warned)

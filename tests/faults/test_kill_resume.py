@@ -6,7 +6,7 @@ the same adapter bit for bit, and a checkpoint killed half-way through its write
 taken for a good one.
 
 All processes of a phase run at once (the reference with the three that get killed, then
-the three resumes), each a real ``python driver.py`` with ``LLMTRAIN_TRACE_KEYS`` set.
+the three resumes), each a real ``python driver.py`` tracing its keys to a file.
 """
 
 from __future__ import annotations
@@ -75,10 +75,11 @@ def read_trace(path: Path) -> Trace:
 
 
 def launch(cfg: dict[str, Any], trace: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "LLMTRAIN_TRACE_KEYS": str(trace), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, str(DRIVER), json.dumps(cfg)], env=env,
+        return subprocess.Popen([sys.executable, str(DRIVER),
+                                 json.dumps({**cfg, "trace": str(trace)})], env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -11,7 +11,6 @@ bit).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import tempfile
@@ -27,6 +26,7 @@ import llmtrain as lt
 from llmtrain.backends.engines import sql_engine
 from llmtrain.errors import CheckpointError, DataChangedError
 from llmtrain.training import run as run_module
+from llmtrain.training.callbacks import KeyTrace, registered
 from llmtrain.training.checkpoint import verify
 
 from .helpers import adapter, assert_same_weights, doc_rows, trainer, warnings_of
@@ -81,7 +81,7 @@ CHANGES = {
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
-        world: World, tiny: Path, change: str, tmp_path: Path,
+        world: World, tiny: Path, change: str,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     name = "changed" + str(list(CHANGES).index(change))
     table = f"docs_{name}"
@@ -105,15 +105,14 @@ def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
     # the refusal touched nothing: the checkpoints are the ones the crash left
     assert [c.step for c in world.db.metadata.list_checkpoints(run.run_id)] == checkpoints
 
-    monkeypatch.setenv("LLMTRAIN_TRACE_KEYS", str(tmp_path / "trace"))
-    with warnings_of(caplog, "llmtrain.datasets") as warned:
+    trace = KeyTrace()
+    with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
         model = fit(world, tiny, name, resume=True, allow_changed_data=True)
     assert any("changed since the state was taken" in w and "continuing as asked" in w
                for w in warned), warned
     (run,) = world.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and model.record.run_id == run.run_id
-    steps = [json.loads(line)["step"]
-             for line in (tmp_path / "trace.rank0").read_text().splitlines()]
+    steps = [e["step"] for e in trace.steps]
     assert steps == list(range(max(checkpoints) + 1, OPTIONS["max_steps"] + 1))
 
 

@@ -1,48 +1,76 @@
 """The strategy: everything the loop needs that depends on how many processes train.
 
 The loop calls these few methods and never branches on the strategy, so single process,
-DDP, FSDP2 and DeepSpeed are swapped without touching it.
+DDP, FSDP2 and DeepSpeed are swapped without touching it. What several strategies share
+lives here (the process group, clipping, the loss scaler); no strategy borrows from a
+sibling.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from llmtrain.placement import Placement
+from llmtrain.training.precision import Precision
+
+MakeOptimizer = Callable[[list[torch.nn.Parameter]], Any]
+_SCALER = "llmtrain_grad_scaler"  # its key in optimizer.pt
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def init_single_process_group(placement: Placement) -> None:
+    """A one-process group (in-memory store, no port), so FSDP2/DeepSpeed also run unlaunched."""
+    if dist.is_initialized() or placement.launched:
+        return
+    backend = "nccl" if placement.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 class Strategy(ABC):
+    """One process's part of the job, at the ``placement`` it was given (resolved once)."""
+
     name: str = "base"
 
-    def __init__(self) -> None:
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
+    def __init__(self, placement: Placement | None = None) -> None:
+        self.placement = placement if placement is not None else Placement.from_environment()
+        self.scaler: Any = None  # a GradScaler when fp16 compute needs loss scaling
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.placement.device
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.placement.is_main
 
     # -- lifecycle -------------------------------------------------------------------------
     def launch(self) -> None:
         """Join the process group (if any). Called once, before the model is built."""
 
     @abstractmethod
-    def setup(self, model: Any, make_optimizer: Callable[[list[torch.nn.Parameter]], Any]
-              ) -> tuple[Any, Any]:
+    def setup(self, model: Any, make_optimizer: MakeOptimizer,
+              precision: Precision | None = None) -> tuple[Any, Any]:
         """Wrap the model for this strategy and build its optimizer over trainable params."""
 
     def teardown(self) -> None:
@@ -55,11 +83,26 @@ class Strategy(ABC):
         yield
 
     def backward(self, model: Any, loss: torch.Tensor) -> None:
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     @abstractmethod
     def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
         """Clip, step and zero the gradients; return the gradient norm before clipping."""
+
+    def clip_and_step(self, params: list[torch.nn.Parameter], optimizer: Any,
+                      max_grad_norm: float | None) -> float:
+        """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+        # over DTensor shards (FSDP2) clip_grad_norm_ reduces them into the global norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -90,11 +133,21 @@ class Strategy(ABC):
     def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
         """Write the optimizer state under ``folder`` (rank 0 for replicated optimizers)."""
         if self.is_main:
-            torch.save(optimizer.state_dict(), folder / "optimizer.pt")
+            torch.save(self._with_scaler(optimizer.state_dict()), folder / "optimizer.pt")
 
     def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
-        optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True,
-                                             map_location="cpu"))
+        state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        optimizer.load_state_dict(self._without_scaler(state))
+
+    def _with_scaler(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The loss scale is training state too: a resumed fp16 run continues with it."""
+        return state if self.scaler is None else {**state, _SCALER: self.scaler.state_dict()}
+
+    def _without_scaler(self, state: dict[str, Any]) -> dict[str, Any]:
+        scaler = state.pop(_SCALER, None)
+        if scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        return state
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         from peft import PeftModel, set_peft_model_state_dict
@@ -104,3 +157,37 @@ class Strategy(ABC):
             set_peft_model_state_dict(inner, state)
         else:
             inner.load_state_dict(state)
+
+
+class ProcessGroupStrategy(Strategy):
+    """Shared by every multi-process strategy: joining the group and the collectives."""
+
+    def launch(self) -> None:
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend, timeout=timedelta(minutes=30))
+        self.placement = self.placement.joined(dist.get_rank(), dist.get_world_size())
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if not self.placement.distributed:
+            return value
+        out = value.detach().clone().to(self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(out, op=_OPS[op])
+        return out.to(value.device)
+
+    def barrier(self) -> None:
+        if self.placement.distributed:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.placement.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

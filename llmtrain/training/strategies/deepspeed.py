@@ -26,7 +26,7 @@ import copy
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,20 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.placement import Placement
 from llmtrain.training.args import (
     DeepspeedConfig,
     TrainingArguments,
     quantization_problems,
     quantized_bits,
 )
-from llmtrain.training.strategies.ddp import ProcessGroupStrategy
-from llmtrain.training.strategies.fsdp import init_single_process_group
-from llmtrain.training.strategies.single import trainable_parameters
+from llmtrain.training.precision import Precision
+from llmtrain.training.strategies.base import (
+    MakeOptimizer,
+    ProcessGroupStrategy,
+    init_single_process_group,
+    trainable_parameters,
+)
 
 _TAG = "state"  # one checkpoint per folder: the Checkpointer makes a folder per save
 _OWN_SECTIONS = ("optimizer", "scheduler")
@@ -59,9 +64,12 @@ def load_raw(raw: dict[str, Any] | str) -> dict[str, Any]:
 
 
 def build_config(config: DeepspeedConfig, args: TrainingArguments, *, world_size: int,
-                 trainable_dtype: torch.dtype, on_gpu: bool) -> dict[str, Any]:
+                 trainable_dtype: torch.dtype, on_gpu: bool,
+                 fp16_compute: bool = False) -> dict[str, Any]:
     """The DeepSpeed config: ``raw`` as given, else the stage and offload options; batch
-    sizes, accumulation and clipping filled from TrainingArguments where absent or "auto"."""
+    sizes, accumulation and clipping filled from TrainingArguments where absent or "auto".
+    ``fp16_compute`` (mixed_precision="fp16") turns on DeepSpeed's fp16 mode, whose dynamic
+    loss scaling keeps small gradients from flushing to zero."""
     if config.raw is not None:
         cfg = load_raw(config.raw)
         present = [s for s in _OWN_SECTIONS if s in cfg]
@@ -85,12 +93,13 @@ def build_config(config: DeepspeedConfig, args: TrainingArguments, *, world_size
     fill("gradient_accumulation_steps", accum)
     fill("train_batch_size", micro * accum * world_size)
     fill("gradient_clipping", args.max_grad_norm or 0.0)
-    # DeepSpeed mixed precision (fp32 master weights) only when the trained weights are
-    # half precision (full fine-tuning of a bf16 model); LoRA adapters are already fp32.
+    # DeepSpeed mixed precision (fp32 master weights) when the trained weights are half
+    # precision (full fine-tuning of a bf16 model; LoRA adapters are already fp32), and for
+    # fp16 compute, which needs its loss scaling.
     for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         section = cfg.setdefault(key, {})
         if section.get("enabled", "auto") == "auto":
-            section["enabled"] = trainable_dtype == dtype
+            section["enabled"] = trainable_dtype == dtype or (key == "fp16" and fp16_compute)
     cfg.setdefault("zero_allow_untested_optimizer", True)  # the optimizer is training_args'
     if cfg.get("zero_optimization", {}).get("offload_optimizer"):
         cfg.setdefault("zero_force_ds_cpu_optimizer", False)  # the torch optimizer on CPU
@@ -150,16 +159,34 @@ def _weights_only_loads(engine: Any) -> Iterator[None]:
         del checkpoint_engine.load  # the class's method again
 
 
+@contextlib.contextmanager
+def _local_rank_for_deepspeed(local_rank: int) -> Iterator[None]:
+    """DeepSpeed reads LOCAL_RANK during the whole run (engine, ZeRO-3), and an unlaunched
+    process (a notebook) has none: set it for DeepSpeed alone, then put things back.
+    llmtrain never reads it: whether a process is a launched worker was decided once, in
+    its Placement, before the strategy started."""
+    previous = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = previous
+
+
 class DeepSpeed(ProcessGroupStrategy):
     name = "deepspeed"
 
     def __init__(self, config: DeepspeedConfig | None = None,
-                 training_args: TrainingArguments | None = None) -> None:
-        super().__init__()
+                 training_args: TrainingArguments | None = None,
+                 placement: Placement | None = None) -> None:
+        super().__init__(placement)
         self.config = config or DeepspeedConfig()
         self.training_args = training_args or TrainingArguments()
         self.stage = 0
-        self._set_local_rank = False
+        self._environment = contextlib.ExitStack()
 
     def launch(self) -> None:
         import deepspeed
@@ -167,16 +194,13 @@ class DeepSpeed(ProcessGroupStrategy):
 
         if self.device.type != "cuda":
             _skip_cpu_shm_op()
-        if "LOCAL_RANK" not in os.environ:
-            # an unlaunched single process (a notebook): DeepSpeed reads LOCAL_RANK during
-            # the whole run; set until teardown, as elsewhere it means "a launched worker"
-            os.environ["LOCAL_RANK"] = str(self.local_rank)
-            self._set_local_rank = True
-        init_single_process_group(self.device)
+        if not self.placement.launched:
+            self._environment.enter_context(_local_rank_for_deepspeed(self.placement.local_rank))
+        init_single_process_group(self.placement)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.placement = self.placement.joined(dist.get_rank(), dist.get_world_size())
 
     def teardown(self) -> None:
         import deepspeed.comm.comm as ds_comm
@@ -187,19 +211,23 @@ class DeepSpeed(ProcessGroupStrategy):
             ds_comm.destroy_process_group()
         elif dist.is_initialized():
             dist.destroy_process_group()
-        if self._set_local_rank:
-            os.environ.pop("LOCAL_RANK", None)
-            self._set_local_rank = False
+        self._environment.close()
 
-    def setup(self, model: Any, make_optimizer: Callable[[list[torch.nn.Parameter]], Any]
-              ) -> tuple[Any, Any]:
+    def setup(self, model: Any, make_optimizer: MakeOptimizer,
+              precision: Precision | None = None) -> tuple[Any, Any]:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
         params = trainable_parameters(model)
         if not params:
             raise ConfigError("DeepSpeed: the model has no trainable parameter")
         cfg = build_config(self.config, self.training_args, world_size=self.world_size,
-                           trainable_dtype=params[0].dtype, on_gpu=self.device.type == "cuda")
+                           trainable_dtype=params[0].dtype, on_gpu=self.device.type == "cuda",
+                           fp16_compute=precision is not None and precision.scaled)
+        if cfg["fp16"].get("enabled") is True and not get_accelerator().is_fp16_supported():
+            raise ConfigError(f"DeepSpeed has no fp16 mode on this device ({self.device.type}): "
+                              "set training_args.mixed_precision to 'bf16' or 'no' (and no "
+                              "fp16 section in deepspeed_config.raw)")
         self.stage = zero_stage(cfg)
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)

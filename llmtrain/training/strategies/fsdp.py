@@ -9,35 +9,30 @@ simply get no gradient and no optimizer state.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from llmtrain.errors import ConfigError
+from llmtrain.placement import Placement
 from llmtrain.training.args import (
     FSDPConfig,
     dtype_name,
     quantization_problems,
     quantized_bits,
 )
-from llmtrain.training.strategies.ddp import ProcessGroupStrategy
-from llmtrain.training.strategies.single import trainable_parameters
+from llmtrain.training.precision import Precision
+from llmtrain.training.strategies.base import (
+    MakeOptimizer,
+    ProcessGroupStrategy,
+    init_single_process_group,
+    trainable_parameters,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER_LISTS = ("layers", "h", "blocks", "decoder_layers")
-
-
-def init_single_process_group(device: torch.device) -> None:
-    """A one-process group (in-memory store, no port), so FSDP2/DeepSpeed also run unlaunched."""
-    if dist.is_initialized() or "MASTER_ADDR" in os.environ:
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -97,21 +92,26 @@ def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
 class FSDP2(ProcessGroupStrategy):
     name = "fsdp"
 
-    def __init__(self, config: FSDPConfig | None = None) -> None:
-        super().__init__()
+    def __init__(self, config: FSDPConfig | None = None,
+                 placement: Placement | None = None) -> None:
+        super().__init__(placement)
         self.config = config or FSDPConfig()
 
     def launch(self) -> None:
-        init_single_process_group(self.device)
+        init_single_process_group(self.placement)
         super().launch()
 
-    def setup(self, model: Any, make_optimizer: Callable[[list[torch.nn.Parameter]], Any]
-              ) -> tuple[Any, Any]:
+    def setup(self, model: Any, make_optimizer: MakeOptimizer,
+              precision: Precision | None = None) -> tuple[Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         check_quantization(model, self.device)
         cfg = self.config
+        if cfg.mixed_precision == "fp16" or (precision is not None and precision.scaled):
+            # fp16 compute (autocast or the shards' param_dtype): scale, per shard
+            self.scaler = ShardedGradScaler(device=self.device.type)
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
         if cfg.mixed_precision != "no":
@@ -132,11 +132,7 @@ class FSDP2(ProcessGroupStrategy):
         yield
 
     def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
-        # clip_grad_norm_ reduces the DTensor shard norms into the global norm
-        norm = torch.nn.utils.clip_grad_norm_(self._params, max_grad_norm or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return self.clip_and_step(self._params, optimizer, max_grad_norm)
 
     # -- state -----------------------------------------------------------------------------
     def _named_state(self, model: Any) -> dict[str, Any]:
@@ -194,7 +190,7 @@ class FSDP2(ProcessGroupStrategy):
         state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            torch.save(state, folder / "optimizer.pt")
+            torch.save(self._with_scaler(state), folder / "optimizer.pt")
 
     def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -202,6 +198,7 @@ class FSDP2(ProcessGroupStrategy):
             set_optimizer_state_dict,
         )
 
-        state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        state = self._without_scaler(torch.load(folder / "optimizer.pt", weights_only=True,
+                                                map_location="cpu"))
         set_optimizer_state_dict(model, optimizer, state,
                                  options=StateDictOptions(full_state_dict=True))
