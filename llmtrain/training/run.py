@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtrain.datasets import SelectionScan, scan_selection
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.queries import Query
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.data import TrainBatches, make_collate, to_device
+from llmtrain.training.data import TrainBatches, make_collate, to_device, view_dataset
 from llmtrain.training.modeling import apply_adapter, load_model, load_tokenizer
 from llmtrain.training.strategies.base import Strategy
 
@@ -85,21 +87,43 @@ class FitRun:
             chat_template=self.dargs.chat_template, max_length=self.dargs.max_length,
             train_on_inputs=self.dargs.train_on_inputs, x_field=fit.X, y_field=fit.Y)
         select = fit.query()
+        self.scan = self._selection_scan(select)
         collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
-        self.batches = TrainBatches(
-            self.db, select, [fit.X, fit.Y], self.dargs,
-            batch_size=self.targs.per_device_train_batch_size, seed=self.targs.seed,
-            rank=s.rank, world_size=s.world_size, collate=collate)
-        if len(self.batches.dataset) == 0:
-            count = self.batches.dataset.scan().count
-            raise DataError(f"{select.source} selects {count} row(s): too few to give each of "
-                            f"{s.world_size} process(es) one to train on")
+        train = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs, split="train",
+                             scan=self.scan, seed=self.targs.seed, rank=s.rank,
+                             world_size=s.world_size)
+        self.batches = TrainBatches(train, self.dargs,
+                                    batch_size=self.targs.per_device_train_batch_size,
+                                    collate=collate)
+        if len(self.batches) == 0:
+            raise DataError(f"{select.source} selects {self.scan.whole.count} row(s), "
+                            f"{train.view.count} to train on: too few to give each of "
+                            f"{s.world_size} process(es) one")
+        self._eval_batches: Any = None
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
         self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
                                          workdir=self.workdir)
         if self.resume:
             self._restore()
+
+    def _selection_scan(self, select: Query) -> SelectionScan:
+        """The run's one scan of its selection: the one fit() took, else rank 0's."""
+        d, s = self.dargs, self.strategy
+        scan = self.trainer.data_scan
+        if scan is not None and scan.fits(select, d.cache_size, d.eval_fraction):
+            return scan
+        if not s.is_main:
+            scan = s.broadcast_object(None)
+        else:
+            scan = None
+            try:
+                scan = scan_selection(self.db.backend, select, d.cache_size, d.eval_fraction)
+            finally:  # the other ranks get None on a failure, and stop too
+                s.broadcast_object(scan)
+        if scan is None:
+            raise DataError(f"rank 0 could not scan {select.source}")
+        return scan  # type: ignore[no-any-return]
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
@@ -115,7 +139,7 @@ class FitRun:
     def _total_steps(self) -> int:
         if self.targs.max_steps > 0:
             return self.targs.max_steps
-        per_epoch = -(-self.batches.batches_per_epoch() // self.targs.gradient_accumulation_steps)
+        per_epoch = -(-len(self.batches) // self.targs.gradient_accumulation_steps)
         return max(1, per_epoch * self.targs.num_train_epochs)
 
     def _make_scheduler(self) -> Any:
@@ -139,7 +163,7 @@ class FitRun:
         self.history = state.get("history", [])
         self.batches.load_state_dict(state["dataset"],
                                      allow_changed_data=self.dargs.allow_changed_data)
-        self.start_epoch = self.batches.dataset.epoch
+        self.start_epoch = self.batches.epoch
         if self.strategy.is_main:
             log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step,
                      self.start_epoch)
@@ -241,26 +265,16 @@ class FitRun:
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Mean token loss on the eval selection or the held-out fraction."""
-        from llmtrain.datasets import CachedQueryDataset
-
-        fit, s = self.config.fit, self.strategy
-        select = fit.eval_query() or fit.query()
-        held = fit.eval_query() is None
-        if held and self.dargs.eval_fraction <= 0:
+        """Mean token loss on the eval selection or the held-out rows (up to max_eval_rows)."""
+        s = self.strategy
+        if self._eval_batches is None:
+            self._eval_batches = self._eval_loader()
+        if self._eval_batches is None:
             return float("nan")
-        ds = CachedQueryDataset(self.db, select, [fit.X, fit.Y], cache_size=self.dargs.cache_size,
-                                shuffle=False, rank=s.rank, world_size=s.world_size,
-                                drop_remainder=False, on_bad_row=self.dargs.on_bad_row)
-        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
-                               select.source, split="held_out" if held else "all")
         total, count, seen = torch.zeros(()), torch.zeros(()), 0
         self.model.eval()
         with torch.no_grad():
-            for batch in ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
-                                   with_keys=True):
-                if batch is None:
-                    continue
+            for batch in self._eval_batches:
                 batch = to_device(batch, s.device)
                 with self._autocast():
                     total += loss_sum(self.model, batch).float().cpu()
@@ -272,9 +286,28 @@ class FitRun:
         total, count = s.all_reduce(total), s.all_reduce(count)
         return float(total / count.clamp(min=1))
 
+    def _eval_loader(self) -> Any:
+        """Batches of the eval selection, or of the held-out view of the training selection
+        (read directly, not found by streaming the training rows); None when there is none."""
+        fit, s = self.config.fit, self.strategy
+        select = fit.eval_query()
+        if select is None and self.dargs.eval_fraction <= 0:
+            return None
+        if select is None:
+            select, split, scan = fit.query(), "held_out", self.scan
+        else:
+            split, scan = "all", None
+        ds = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs, split=split, scan=scan,
+                          shuffle=False, drop_remainder=False, rank=s.rank,
+                          world_size=s.world_size)
+        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
+                               select.source)
+        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
+                         with_keys=True)
+
     # -- saving ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.batches.dataset.epoch,
+        return {"step": self.step, "epoch": self.batches.epoch,
                 "tokens_seen": self.tokens_seen, "dataset": self.batches.state_dict(),
                 "run_id": self.run_id, "history": self.history[-1000:]}
 

@@ -45,6 +45,9 @@ class LLMTrainer:
 
     type_id = "trainer"
 
+    #: the last fit's scan of its selection, which its run reuses instead of scanning again
+    data_scan: Any = None
+
     def __init__(self, identifier: str, *, model: str | None = None,
                  prompt_template: str | None = None,
                  model_args: ModelArguments | dict[str, Any] | None = None,
@@ -137,7 +140,9 @@ class LLMTrainer:
         replaying = X is None and select is None
         if allow_changed_data is not None:
             self.config.data_args.allow_changed_data = allow_changed_data
-        fingerprint = _data_fingerprint(db, spec, self.config.data_args)
+        # the run's one scan of the selection: rank 0's in a launched job, shared with the run
+        self.data_scan = once_per_job(_data_scan, db, spec, self.config.data_args)
+        fingerprint = self.data_scan.fingerprint
         if replaying and spec.data_fingerprint and spec.db == db.uri \
                 and spec.data_fingerprint != fingerprint and not resume:
             message = (f"the rows of {spec.query().source} changed since trainer "
@@ -242,8 +247,7 @@ def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
     return strip(stored) == strip(current)
 
 
-def _data_fingerprint(db: Any, spec: FitSpec, data: DataArguments) -> str:
-    from llmtrain.datasets import CachedQueryDataset
+def _data_scan(db: Any, spec: FitSpec, data: DataArguments) -> Any:
+    from llmtrain.datasets import scan_selection
 
-    return CachedQueryDataset(db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size,
-                              rank=0, world_size=1).data_fingerprint
+    return scan_selection(db.backend, spec.query(), data.cache_size, data.eval_fraction)
