@@ -50,12 +50,10 @@ def check_row(source: str, key: Key, row: object, fields: Sequence[str],
               on_bad_row: OnBadRow = "raise") -> bool:
     """True: use the row. False: skip it (``on_bad_row="skip"``, logged). Otherwise raise
     BadRowError naming the source, the row's key and its first bad field."""
+    readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
-        if not isinstance(row, Mapping):
-            problem: str | None = (f"cannot be read: the row is a {type(row).__name__}, "
-                                   "not a mapping")
-        else:
-            problem = text_problem(row, field)
+        problem = (text_problem(row, field) if readable  # type: ignore[arg-type]
+                   else f"cannot be read: the row is a {type(row).__name__}, not a mapping")
         if problem is None:
             continue
         if on_bad_row == "raise":
