@@ -28,7 +28,7 @@ def get_path(doc: dict[str, Any], path: str) -> Any:
     return value
 
 
-def _transient_errors() -> tuple[type, ...]:
+def _transient_errors() -> tuple[type[BaseException], ...]:
     from pymongo.errors import AutoReconnect, ConnectionFailure, NetworkTimeout
 
     return (AutoReconnect, ConnectionFailure, NetworkTimeout)

@@ -11,7 +11,7 @@ ROLLBACK round trips around every page.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -67,8 +67,8 @@ def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, An
 class _Source:
     """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
 
-    def __init__(self, key: sa.ColumnElement[Any], columns: dict[str, sa.ColumnElement[Any]],
-                 where: sa.ColumnElement[bool] | None, source: str) -> None:
+    def __init__(self, key: sa.ColumnElement[Any], columns: Mapping[str, sa.ColumnElement[Any]],
+                 where: sa.ColumnElement[bool] | sa.TextClause | None, source: str) -> None:
         self.key, self.columns, self.where, self.source = key, columns, where, source
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
@@ -205,8 +205,8 @@ class SQLBackend(DataBackend):
     def _probe_columns(self, text: sa.TextClause) -> list[str]:
         sub = text.columns().subquery("llmtrain_probe")
         with self.engine.connect() as conn:
-            result = conn.execute(sa.select(sa.literal_column("*")).select_from(sub).limit(0))
-            return list(result.keys())
+            return list(conn.execute(sa.select(sa.literal_column("*")).select_from(sub)
+                                     .limit(0)).keys())
 
     # -- DataBackend ------------------------------------------------------------------------
     def key_name(self, query: Query) -> str:

@@ -11,7 +11,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -107,11 +107,6 @@ class CachedQueryDataset(IterableDataset):
     def epoch(self) -> int:
         return self.position.epoch
 
-    @property
-    def consumed(self) -> int:
-        """Rows of this epoch handed to the caller so far (skipped bad rows included)."""
-        return self.position.consumed
-
     def scan(self) -> SelectionScan:
         """The selection's scan: the one given, else taken on first use and kept."""
         if self._scan is None:
@@ -189,7 +184,7 @@ class CachedQueryDataset(IterableDataset):
         rows = self.positioned(epoch, start, worker, workers, chunk=1)
         try:
             for pos, key, row in rows:
-                self.position.advance(pos + 1)
+                self.position.consumed = pos + 1
                 if row is not None:
                     yield {**row, "_key": key} if self.return_keys else row
             self.position.finish(len(self))
@@ -203,7 +198,7 @@ class CachedQueryDataset(IterableDataset):
                                collate_fn=collate_fn, with_keys=with_keys, **kwargs)
 
     def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
-                   chunk: int) -> Iterator[Positioned]:
+                   chunk: int) -> Generator[Positioned, None, None]:
         """This worker's rows of ``epoch`` from ``start`` on, with their positions: the one
         iteration every reader uses. A skipped bad row comes as ``None``."""
         windows = self._windows(epoch, start, worker, workers, chunk=chunk)
@@ -217,7 +212,7 @@ class CachedQueryDataset(IterableDataset):
             windows.close()
 
     def _windows(self, epoch: int, start: int, worker: int, workers: int, *,
-                 chunk: int) -> Iterator[Window]:
+                 chunk: int) -> Generator[Window, None, None]:
         """This worker's windows from ``start`` on, in order (fetched one ahead if asked)."""
         pieces = rank_pieces(self.view.count, self.cache_size, seed=self.seed, epoch=epoch,
                              shuffle=self.shuffle, world_size=self.world_size, rank=self.rank,

@@ -21,8 +21,6 @@ class PositionedRows(Protocol):
 
     def __len__(self) -> int: ...
 
-    def scan(self) -> Any: ...
-
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
@@ -88,7 +86,7 @@ class QueryDataLoader:
     def __iter__(self) -> Iterator[Any]:
         ds, position = self.dataset, self.dataset.position
         epoch, start = position.begin()
-        ds.scan()  # once here, so workers inherit it instead of each scanning again
+        length = len(ds)  # scans once here, so workers inherit it instead of each scanning
         share = _WorkerShare(ds, epoch, start, self.batch_size)
         # a private generator: starting an iterator must not draw from the global RNG, or a
         # resumed run (which starts one mid-training) would see different dropout masks
@@ -96,10 +94,10 @@ class QueryDataLoader:
         loader = DataLoader(share, batch_size=self.batch_size, num_workers=self.num_workers,
                             collate_fn=self._collate, **kwargs)
         for last, any_rows, batch in loader:
-            position.advance(last + 1)
+            position.consumed = last + 1
             if any_rows:
                 yield batch
-        position.finish(len(ds))
+        position.finish(length)
 
     def set_epoch(self, epoch: int) -> None:
         self.dataset.position.set_epoch(epoch)

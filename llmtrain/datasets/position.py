@@ -32,9 +32,6 @@ class Position:
             self.epoch, self.consumed, self.completed = self.epoch + 1, 0, False
         return self.epoch, self.consumed
 
-    def advance(self, consumed: int) -> None:
-        self.consumed = consumed
-
     def finish(self, length: int) -> None:
         self.consumed, self.completed = length, True
 

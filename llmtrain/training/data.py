@@ -34,7 +34,8 @@ class Collate:
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         examples = self.formatter.format_batch(rows, source=self.source)
-        batch = self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
+        batch: dict[str, Any] = (self.packer(examples) if self.packer
+                                 else pad_collate(examples, self.pad_id))
         batch["num_tokens"] = torch.tensor(sum(len(e) for e in examples))
         batch["keys"] = [key_repr(k) for k, _ in rows]
         return batch

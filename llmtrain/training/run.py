@@ -113,14 +113,12 @@ class FitRun:
         scan = self.trainer.data_scan
         if scan is not None and scan.fits(select, d.cache_size, d.eval_fraction):
             return scan
-        if not s.is_main:
-            scan = s.broadcast_object(None)
-        else:
-            scan = None
-            try:
+        scan = None
+        try:
+            if s.is_main:
                 scan = scan_selection(self.db.backend, select, d.cache_size, d.eval_fraction)
-            finally:  # the other ranks get None on a failure, and stop too
-                s.broadcast_object(scan)
+        finally:  # rank 0's scan for every rank; None when it failed, which stops them too
+            scan = s.broadcast_object(scan)
         if scan is None:
             raise DataError(f"rank 0 could not scan {select.source}")
         return scan  # type: ignore[no-any-return]
@@ -290,14 +288,12 @@ class FitRun:
         """Batches of the eval selection, or of the held-out view of the training selection
         (read directly, not found by streaming the training rows); None when there is none."""
         fit, s = self.config.fit, self.strategy
-        select = fit.eval_query()
-        if select is None and self.dargs.eval_fraction <= 0:
+        held = fit.eval_query() is None
+        if held and self.dargs.eval_fraction <= 0:
             return None
-        if select is None:
-            select, split, scan = fit.query(), "held_out", self.scan
-        else:
-            split, scan = "all", None
-        ds = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs, split=split, scan=scan,
+        select = fit.query() if held else fit.eval_query()
+        ds = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs,
+                          split="held_out" if held else "all", scan=self.scan if held else None,
                           shuffle=False, drop_remainder=False, rank=s.rank,
                           world_size=s.world_size)
         collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
