@@ -373,3 +373,15 @@ def test_a_fit_scans_its_selection_once_also_on_resume(tiny: Path, db: Any, eval
     assert scans == expected  # the fingerprint, the training rows and the held-out rows
     _fit(_trainer(tiny, "onescan", **options), db, resume=True)
     assert scans == expected * 2  # the resume check compares with this run's one scan
+
+
+def test_every_evaluation_reads_the_same_held_out_rows(tiny: Path, db: Any) -> None:
+    # a learning rate too small to move the loss: evaluations differ only if their rows do
+    trainer = _trainer(tiny, "sameeval", eval_fraction=0.25, eval_steps=1, max_steps=2,
+                       max_eval_rows=4, per_device_eval_batch_size=4, learning_rate=1e-12)
+    _fit(trainer, db)
+    (run,) = db.metadata.list_runs("trainer", "sameeval")
+    losses = [m.values["eval_loss"] for m in db.metadata.get_metrics(run.run_id)
+              if "eval_loss" in m.values]
+    assert len(losses) == 2
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)

@@ -99,7 +99,7 @@ class FitRun:
             raise DataError(f"{select.source} selects {self.scan.whole.count} row(s), "
                             f"{train.view.count} to train on: too few to give each of "
                             f"{s.world_size} process(es) one")
-        self._eval_batches: Any = None
+        self._eval_data: Any = None
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
         self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
@@ -265,14 +265,13 @@ class FitRun:
     def evaluate(self) -> float:
         """Mean token loss on the eval selection or the held-out rows (up to max_eval_rows)."""
         s = self.strategy
-        if self._eval_batches is None:
-            self._eval_batches = self._eval_loader()
-        if self._eval_batches is None:
+        batches = self._eval_loader()
+        if batches is None:
             return float("nan")
         total, count, seen = torch.zeros(()), torch.zeros(()), 0
         self.model.eval()
         with torch.no_grad():
-            for batch in self._eval_batches:
+            for batch in batches:
                 batch = to_device(batch, s.device)
                 with self._autocast():
                     total += loss_sum(self.model, batch).float().cpu()
@@ -286,18 +285,21 @@ class FitRun:
 
     def _eval_loader(self) -> Any:
         """Batches of the eval selection, or of the held-out view of the training selection
-        (read directly, not found by streaming the training rows); None when there is none."""
+        (read directly, not found by streaming the training rows), from their first row each
+        time; None when there is nothing to evaluate on."""
         fit, s = self.config.fit, self.strategy
         held = fit.eval_query() is None
         if held and self.dargs.eval_fraction <= 0:
             return None
-        select = fit.query() if held else fit.eval_query()
-        ds = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs,
-                          split="held_out" if held else "all", scan=self.scan if held else None,
-                          shuffle=False, drop_remainder=False, rank=s.rank,
-                          world_size=s.world_size)
+        if self._eval_data is None:  # built once: the eval selection is scanned once a run
+            self._eval_data = view_dataset(
+                self.db, fit.query() if held else fit.eval_query(), [fit.X, fit.Y], self.dargs,
+                split="held_out" if held else "all", scan=self.scan if held else None,
+                shuffle=False, drop_remainder=False, rank=s.rank, world_size=s.world_size)
+        ds = self._eval_data
+        ds.position.restore(0, 0)
         collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
-                               select.source)
+                               ds.query.source)
         return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
                          with_keys=True)
 
