@@ -113,7 +113,7 @@ class CachedQueryDataset(IterableDataset):
             self._scan = scan_selection(self.db.backend, self.query, self.cache_size,
                                         self.eval_fraction)
             self.stats.statements += self._scan.statements
-            self.stats.keys_fetched += (self._scan.whole.count if self._scan.train
+            self.stats.keys_fetched += (self._scan.whole.count if self._scan.eval_fraction > 0
                                         else len(self._scan.whole.boundaries))
         return self._scan
 
