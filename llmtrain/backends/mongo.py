@@ -85,16 +85,6 @@ class MongoBackend(DataBackend):
             last = page[-1]
         return KeyScan(count, block_size, boundaries, last if count else None)
 
-    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
-        assert isinstance(query, Collection)
-        docs = self._run("locating a key", lambda: list(
-            self._collection(query).find(self._where(query, {"_id": {"$gte": lower}}),
-                                         {"_id": 1}).sort("_id", 1).skip(offset).limit(1)))
-        if not docs:
-            raise QueryError(f"{query.source}: fewer documents than expected after "
-                             f"_id {lower!r}; the documents changed while reading")
-        return docs[0]["_id"]
-
     def _projection(self, fields: Sequence[str]) -> dict[str, int]:
         return {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
 

@@ -226,16 +226,6 @@ class SQLBackend(DataBackend):
         boundaries = [r[0] for r in self._run("scanning keys", stmt)]
         return KeyScan(int(count), block_size, boundaries, last)
 
-    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
-        src = self._source(query)
-        stmt = (src.select(src.key).where(src.key >= lower).order_by(src.key)
-                .limit(1).offset(offset))
-        rows = self._run("locating a key", stmt)
-        if not rows:
-            raise QueryError(f"{query.source}: fewer rows than expected after key {lower!r}; "
-                             "the rows changed while reading")
-        return rows[0][0]
-
     def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None, limit: int,
                    *, inclusive: bool = True) -> list[tuple[Key, Row]]:
         fingerprint, names = query.fingerprint(), tuple(fields)

@@ -301,17 +301,15 @@ class CachedQueryDataset(IterableDataset):
         return out[:n]
 
     def _piece_lower_key(self, piece: Piece) -> Key:
+        """The first key of ``piece``: a window boundary, or (a rank's edge inside a window,
+        at most two per rank and epoch) found by reading the keys up to it."""
         lower = self.view.boundaries[piece.block]
         if not piece.start:
             return lower
-        if self._filtered:
-            keys = self._view_keys(lower, piece.start + 1)
-            if len(keys) <= piece.start:
-                raise self._changed(piece, len(keys))
-            return keys[piece.start]
-        self.stats.keys_fetched += 1
-        self.stats.statements += 1
-        return self.db.backend.key_at(self.query, lower, piece.start)
+        keys = self._view_keys(lower, piece.start + 1)
+        if len(keys) <= piece.start:
+            raise self._changed(piece, len(keys))
+        return keys[piece.start]
 
     def _fetch(self, ws: WorkerSlice) -> Window:
         piece, backend = ws.piece, self.db.backend
