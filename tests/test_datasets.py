@@ -291,3 +291,94 @@ def test_loader_can_hand_over_key_row_pairs(sqlite_uri: str) -> None:
     assert batches[0] == [(0, {"output": "out 0"}), (1, {"output": "out 1"}),
                           (2, {"output": "out 2"}), (3, {"output": "out 3"})]
     assert [len(b) for b in batches] == [4, 4, 2]
+
+
+def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
+    from llmtrain.datasets import held_out, scan_selection
+
+    fill(any_uri, "docs", _rows(300))
+    db = lt.connect(any_uri)
+    scan = scan_selection(db.backend, _select(any_uri), 16, 0.2)
+    # the whole selection's fingerprint is the one a scan without a split gives
+    assert scan.fingerprint == lt.CachedQueryDataset(db, _select(any_uri), "output",
+                                                     cache_size=16).data_fingerprint
+    held = [k for k in range(300) if held_out(k, 0.2)]
+    assert (scan.view("train").count, scan.view("held_out").count) == (300 - len(held), len(held))
+
+    def view(split: str, rank: int, world: int, **kwargs: Any) -> lt.CachedQueryDataset:
+        return _dataset(db, any_uri, split=split, eval_fraction=0.2, scan=scan, rank=rank,
+                        world_size=world, seed=4, **kwargs)
+
+    train = [_keys(list(view("train", r, 2))) for r in range(2)]
+    assert len(train[0]) == len(train[1]) == len(view("train", 0, 2)) == (300 - len(held)) // 2
+    assert not set(train[0]) & set(train[1]) and not set(held) & set(train[0] + train[1])
+    evaluation = view("held_out", 0, 1, shuffle=False)
+    assert _keys(list(evaluation)) == held
+    # the held-out rows are read by key: no training row is fetched to find them
+    assert evaluation.stats.rows_fetched == len(held)
+    # and the first held-out rows need only the keys around them, not the whole selection
+    first = view("held_out", 0, 1, shuffle=False, prefetch=False)
+    it = iter(first)
+    assert _keys([next(it) for _ in range(10)]) == held[:10]
+    assert first.stats.rows_fetched == 16 and first.stats.keys_fetched < 150
+
+    # resuming a training view continues at the next training row, with workers too
+    ds = view("train", 1, 2)
+    loader = ds.loader(8, num_workers=1)
+    head: list[Any] = []
+    for batch in loader:
+        head += _keys(batch)
+        if len(head) >= 40:
+            break
+    fresh = view("train", 1, 2)
+    fresh.load_state_dict(loader.state_dict())
+    assert head + [k for b in fresh.loader(8) for k in _keys(b)] == train[1]
+    with pytest.raises(ConfigError, match="split='train'"):
+        _dataset(db, any_uri, seed=4, rank=1, world_size=2).load_state_dict(ds.state_dict())
+
+
+def test_a_given_scan_is_used_and_must_fit(sqlite_uri: str) -> None:
+    from llmtrain.datasets import scan_selection
+
+    fill(sqlite_uri, "docs", _rows(50))
+    db = lt.connect(sqlite_uri)
+    scan = scan_selection(db.backend, lt.Table("docs"), 16)
+    ds = _dataset(db, sqlite_uri, scan=scan, rank=0, world_size=1)
+    assert len(ds) == 50 and ds.stats.statements == 0  # nothing scanned again
+    with pytest.raises(ConfigError, match="scan= describes another query"):
+        _dataset(db, sqlite_uri, scan=scan, cache_size=8)
+    with pytest.raises(ConfigError, match="split must be one of"):
+        _dataset(db, sqlite_uri, split="eval")
+
+
+def test_format_1_states_still_load(sqlite_uri: str) -> None:
+    fill(sqlite_uri, "docs", _rows(40))
+    db = lt.connect(sqlite_uri)
+    full = _keys(list(_dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)))
+    state = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).state_dict()
+    old = {k: v for k, v in state.items() if k not in ("split", "eval_fraction")}
+    old.update(format=1, consumed=13)
+    resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
+    resumed.load_state_dict(old)
+    assert _keys(list(resumed)) == full[13:]
+    assert resumed.state_dict()["format"] == 2
+
+
+def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) -> None:
+    from llmtrain.datasets import held_out, scan_selection
+    from llmtrain.training.args import DataArguments
+    from llmtrain.training.data import TrainBatches, view_dataset
+
+    fill(sqlite_uri, "docs", _rows(203))
+    db = lt.connect(sqlite_uri)
+    args = DataArguments(eval_fraction=0.25, cache_size=16)
+    scan = scan_selection(db.backend, lt.Table("docs"), 16, 0.25)
+    train = view_dataset(db, lt.Table("docs"), ["instruction", "output"], args,
+                         split="train", scan=scan, rank=0, world_size=1, seed=3)
+    batches = TrainBatches(train, args, batch_size=8, collate=lambda rows: rows)  # type: ignore[arg-type]
+    got = [batch for _, batch in batches.epochs(0, 1)]
+    n_train = sum(not held_out(k, 0.25) for k in range(203))
+    assert len(got) == len(batches) == -(-n_train // 8)
+    assert [len(b) for b in got[:-1]] == [8] * (len(got) - 1) and 0 < len(got[-1]) <= 8
+    assert not any(held_out(k, 0.25) for b in got for k, _ in b)
+    assert batches.epoch == 0 and batches.state_dict()["epoch"] == 1

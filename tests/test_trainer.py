@@ -381,3 +381,58 @@ def test_gradient_checkpointing_is_switched_on_in_one_place_for_adapter_and_full
         plain = prepare_for_training(load_model(args, torch.device("cpu")), lora,
                                      quantized=False, gradient_checkpointing=False)
         assert not plain.is_gradient_checkpointing
+
+
+def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> None:
+    from llmtrain.datasets import held_out
+
+    trainer = _trainer(tiny, "exact", max_steps=-1, num_train_epochs=2, batch_size=4,
+                       eval_fraction=0.25, lr_scheduler_type="linear")
+    _fit(trainer, db)
+    steps = 2 * -(-sum(not held_out(k, 0.25) for k in range(48)) // 4)
+    (run,) = db.metadata.list_runs("trainer", "exact")
+    assert run.info["steps"] == steps < 2 * 48 // 4
+    lrs = [m for m in db.metadata.get_metrics(run.run_id) if "lr" in m.values]
+    # the schedule's total is the real step count: the learning rate reaches 0 at the end
+    assert lrs[-1].step == steps and lrs[-1].values["lr"] == 0.0 < lrs[-2].values["lr"]
+
+
+@pytest.mark.parametrize("eval_fraction", [0.0, 0.25])
+def test_a_fit_scans_its_selection_once_also_on_resume(tiny: Path, db: Any, eval_fraction: float,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmtrain.datasets
+    import llmtrain.datasets.cached
+    import llmtrain.training.run
+    from llmtrain.backends.sql import SQLBackend
+
+    scans: list[str] = []
+    original, scan_keys = llmtrain.datasets.scan_selection, SQLBackend.scan_keys
+
+    def counting(backend: Any, query: Any, *args: Any) -> Any:
+        scans.append(query.source)
+        return original(backend, query, *args)
+
+    for module in (llmtrain.datasets, llmtrain.datasets.cached, llmtrain.training.run):
+        monkeypatch.setattr(module, "scan_selection", counting)
+    monkeypatch.setattr(SQLBackend, "scan_keys", lambda self, *a: (scans.append("backend"),
+                                                                   scan_keys(self, *a))[1])
+    options: dict[str, Any] = {"max_steps": 4, "save_steps": 2, "eval_fraction": eval_fraction}
+    if eval_fraction:
+        options["eval_steps"] = 2
+    _fit(_trainer(tiny, "onescan", **options), db)
+    expected = ["table docs"] + (["backend"] if not eval_fraction else [])
+    assert scans == expected  # the fingerprint, the training rows and the held-out rows
+    _fit(_trainer(tiny, "onescan", **options), db, resume=True)
+    assert scans == expected * 2  # the resume check compares with this run's one scan
+
+
+def test_every_evaluation_reads_the_same_held_out_rows(tiny: Path, db: Any) -> None:
+    # a learning rate too small to move the loss: evaluations differ only if their rows do
+    trainer = _trainer(tiny, "sameeval", eval_fraction=0.25, eval_steps=1, max_steps=2,
+                       max_eval_rows=4, per_device_eval_batch_size=4, learning_rate=1e-12)
+    _fit(trainer, db)
+    (run,) = db.metadata.list_runs("trainer", "sameeval")
+    losses = [m.values["eval_loss"] for m in db.metadata.get_metrics(run.run_id)
+              if "eval_loss" in m.values]
+    assert len(losses) == 2
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)

@@ -43,10 +43,6 @@ class DataBackend(ABC):
         """Count the rows and collect every ``block_size``-th key (keys only)."""
 
     @abstractmethod
-    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
-        """The key ``offset`` rows after ``lower`` (inclusive) in key order; keys only."""
-
-    @abstractmethod
     def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None,
                    limit: int, *, inclusive: bool = True) -> list[tuple[Key, Row]]:
         """Up to ``limit`` rows with key >= lower (> when not inclusive), in key order.

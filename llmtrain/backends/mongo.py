@@ -28,7 +28,7 @@ def get_path(doc: dict[str, Any], path: str) -> Any:
     return value
 
 
-def _transient_errors() -> tuple[type, ...]:
+def _transient_errors() -> tuple[type[BaseException], ...]:
     from pymongo.errors import AutoReconnect, ConnectionFailure, NetworkTimeout
 
     return (AutoReconnect, ConnectionFailure, NetworkTimeout)
@@ -84,16 +84,6 @@ class MongoBackend(DataBackend):
         if page:
             last = page[-1]
         return KeyScan(count, block_size, boundaries, last if count else None)
-
-    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
-        assert isinstance(query, Collection)
-        docs = self._run("locating a key", lambda: list(
-            self._collection(query).find(self._where(query, {"_id": {"$gte": lower}}),
-                                         {"_id": 1}).sort("_id", 1).skip(offset).limit(1)))
-        if not docs:
-            raise QueryError(f"{query.source}: fewer documents than expected after "
-                             f"_id {lower!r}; the documents changed while reading")
-        return docs[0]["_id"]
 
     def _projection(self, fields: Sequence[str]) -> dict[str, int]:
         return {"_id": 1, **{f: 1 for f in fields if f != "_id"}}

@@ -28,8 +28,9 @@ class RetryPolicy:
                 for i in range(self.attempts - 1)]
 
 
-def with_retry(call: Callable[[], T], *, policy: RetryPolicy, transient: tuple[type, ...],
-               reconnect: Callable[[], None], what: str, where: str,
+def with_retry(call: Callable[[], T], *, policy: RetryPolicy,
+               transient: tuple[type[BaseException], ...], reconnect: Callable[[], None],
+               what: str, where: str,
                permanent: Callable[[BaseException], bool] = lambda exc: False) -> T:
     """Run ``call``; on a transient fault reconnect, back off and try again.
 

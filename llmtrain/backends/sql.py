@@ -3,19 +3,15 @@
 Names reach SQL only as quoted identifiers built by SQLAlchemy; values only as bound
 parameters. Each call checks out a connection, runs one SELECT and returns it.
 
-The row-reading SELECTs (``fetch_rows``, ``fetch_keys``) are the training hot path: each is
-built and compiled once per shape and, where SQLAlchemy would pass values through untouched,
-run on the DBAPI cursor of the checked-out connection, skipping per-call statement building
-and per-row ``Row`` objects. Anything else (type processors, expanding parameters, other
-dialects) takes the ordinary SQLAlchemy route, so results are the same either way. On
-PostgreSQL these reads run in autocommit: one SELECT sees one snapshot either way, and it
-saves the BEGIN and ROLLBACK round trips around every page.
+The row-reading SELECTs (``fetch_rows``, ``fetch_keys``) are built once per shape and cached,
+values bound per call, and run through SQLAlchemy like every other statement. On PostgreSQL
+reads run in autocommit: one SELECT sees one snapshot either way, and it saves the BEGIN and
+ROLLBACK round trips around every page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import lru_cache
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -30,29 +26,11 @@ from llmtrain.uri import redact_uri
 _IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
-#: dialects whose DBAPI cursors run the compiled SQL as SQLAlchemy would (plain execute)
-_DIRECT_DIALECTS = frozenset({"sqlite", "postgresql", "mysql", "mariadb"})
-
-
-@lru_cache(maxsize=64)
-def _pairs_builder(width: int) -> Callable[..., list[tuple[Key, Row]]]:
-    """``[(r[0], {names[0]: r[1], ...}) for r in rows]`` as one comprehension.
-
-    A dict display is several times faster per row than ``dict(zip(names, r[1:]))``. The
-    generated source holds only column indices; the field names arrive as arguments.
-    """
-    names = [f"n{i}" for i in range(width)]
-    body = ", ".join(f"{n}: r[{i + 1}]" for i, n in enumerate(names))
-    source = (f"def pairs(rows, {', '.join(names)}):\n"
-              f"    return [(r[0], {{{body}}}) for r in rows]\n")
-    scope: dict[str, Any] = {}
-    exec(compile(source, f"<llmtrain pairs {width}>", "exec"), scope)  # noqa: S102
-    return scope["pairs"]
 
 
 def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     """``(key, {field: value})`` from rows laid out as (key, *fields)."""
-    return _pairs_builder(len(names))(rows, *names) if names else [(r[0], {}) for r in rows]
+    return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
 _PERMANENT = ("no such table", "no such column", "syntax error", "unknown column",
@@ -86,50 +64,11 @@ def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, An
         raw.text_factory = str
 
 
-class _Page:
-    """One keyset SELECT shape, built and compiled once; values bound per call.
-
-    ``direct`` says whether the DBAPI cursor may run it: None until the first run has shown
-    that no result column needs a SQLAlchemy result processor (that needs the cursor's
-    column types), then True or False for good.
-    """
-
-    def __init__(self, stmt: sa.Select[Any], dialect: sa.Dialect) -> None:
-        self.stmt = stmt
-        self.compiled = stmt.compile(dialect=dialect)
-        self.sql = self.compiled.string
-        self.types = [c.type for c in stmt.selected_columns]
-        self.direct: bool | None = None if self._plain_binds(dialect) else False
-
-    def _plain_binds(self, dialect: sa.Dialect) -> bool:
-        """True when SQLAlchemy would hand every bound value to the driver unchanged."""
-        c = self.compiled
-        if (dialect.name not in _DIRECT_DIALECTS or c.escaped_bind_names
-                or c.post_compile_params or c.literal_execute_params):
-            return False
-        return all(bp.type.dialect_impl(dialect).bind_processor(dialect) is None
-                   for bp in c.binds.values())
-
-    def plain_results(self, dialect: sa.Dialect, description: Sequence[Any]) -> bool:
-        """True when no selected column has a result processor for the driver's types."""
-        if description is None or len(description) != len(self.types):
-            return False
-        return all(t.dialect_impl(dialect).result_processor(dialect, d[1]) is None
-                   for t, d in zip(self.types, description))
-
-    def parameters(self, values: dict[str, Any]) -> Any:
-        """The driver's parameters in the dialect's paramstyle, as SQLAlchemy builds them."""
-        bound = self.compiled.construct_params(values)
-        if self.compiled.positional:
-            return tuple(bound[name] for name in self.compiled.positiontup or ())
-        return bound
-
-
 class _Source:
     """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
 
-    def __init__(self, key: sa.ColumnElement[Any], columns: dict[str, sa.ColumnElement[Any]],
-                 where: sa.ColumnElement[bool] | None, source: str) -> None:
+    def __init__(self, key: sa.ColumnElement[Any], columns: Mapping[str, sa.ColumnElement[Any]],
+                 where: sa.ColumnElement[bool] | sa.TextClause | None, source: str) -> None:
         self.key, self.columns, self.where, self.source = key, columns, where, source
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
@@ -150,7 +89,7 @@ class SQLBackend(DataBackend):
         self.uri = redact_uri(uri)
         self.retry = retry or RetryPolicy()
         self._sources: dict[str, _Source] = {}
-        self._pages: dict[tuple[Any, ...], _Page] = {}
+        self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
 
     # -- plumbing -------------------------------------------------------------------------
     @property
@@ -172,6 +111,9 @@ class SQLBackend(DataBackend):
              ) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
                 try:
                     return list(conn.execute(stmt, params or {}).all())
                 except sa.exc.OperationalError as exc:
@@ -184,66 +126,17 @@ class SQLBackend(DataBackend):
                           reconnect=self.reconnect, what=what, where=self.uri,
                           permanent=is_permanent)
 
-    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> _Page:
-        """The compiled page for ``shape``. Bound types are keyed by identity (SQLAlchemy
-        reuses them), so the cache is capped in case a key type makes a new one each call."""
-        page = self._pages.get(shape)
-        if page is None:
+    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]
+              ) -> sa.Select[Any]:
+        """The statement for ``shape``, built once. Bound types are keyed by identity
+        (SQLAlchemy reuses them), so the cache is capped in case a key type makes a new one
+        each call."""
+        stmt = self._pages.get(shape)
+        if stmt is None:
             if len(self._pages) >= _MAX_PAGES:
                 self._pages.clear()
-            page = self._pages[shape] = _Page(build(), self.engine.dialect)
-        return page
-
-    def _run_page(self, what: str, page: _Page, values: dict[str, Any]) -> Sequence[Any]:
-        """Rows of ``page`` as tuples (or Rows): on the DBAPI cursor when that is exact."""
-        def call() -> Sequence[Any]:
-            with self.engine.connect() as conn:
-                if conn.dialect.name == "postgresql":
-                    # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
-                    conn.execution_options(isolation_level="AUTOCOMMIT")
-                try:
-                    if page.direct is not False:
-                        rows = self._run_direct(conn, page, values)
-                        if rows is not None:
-                            return rows
-                    return conn.execute(page.stmt, values).all()
-                except sa.exc.OperationalError as exc:
-                    if not _undecodable_text(conn, exc):
-                        raise
-                    return _lenient_rows(conn, page.stmt, values)
-
-        return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
-                                                               sa.exc.InterfaceError),
-                          reconnect=self.reconnect, what=what, where=self.uri,
-                          permanent=is_permanent)
-
-    @staticmethod
-    def _run_direct(conn: sa.Connection, page: _Page, values: dict[str, Any]
-                    ) -> list[Any] | None:
-        """Run on the connection's DBAPI cursor; None if the result needs SQLAlchemy.
-
-        Driver errors are wrapped as SQLAlchemy would wrap them (a dropped connection is
-        invalidated), so retries see the same exception types on both routes.
-        """
-        dialect = conn.dialect
-        params = page.parameters(values)
-        cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
-        try:
-            cursor.execute(page.sql, params)
-            if page.direct is None:
-                page.direct = page.plain_results(dialect, cursor.description)
-                if not page.direct:
-                    return None
-            return cursor.fetchall()
-        except dialect.loaded_dbapi.Error as exc:
-            lost = dialect.is_disconnect(exc, conn.connection, cursor)
-            if lost:
-                conn.invalidate(exc)
-            raise sa.exc.DBAPIError.instance(page.sql, params, exc, dialect.loaded_dbapi.Error,
-                                             connection_invalidated=lost, dialect=dialect
-                                             ) from exc
-        finally:
-            cursor.close()
+            stmt = self._pages[shape] = build()
+        return stmt
 
     def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
         fingerprint = fingerprint or query.fingerprint()
@@ -312,8 +205,8 @@ class SQLBackend(DataBackend):
     def _probe_columns(self, text: sa.TextClause) -> list[str]:
         sub = text.columns().subquery("llmtrain_probe")
         with self.engine.connect() as conn:
-            result = conn.execute(sa.select(sa.literal_column("*")).select_from(sub).limit(0))
-            return list(result.keys())
+            return list(conn.execute(sa.select(sa.literal_column("*")).select_from(sub)
+                                     .limit(0)).keys())
 
     # -- DataBackend ------------------------------------------------------------------------
     def key_name(self, query: Query) -> str:
@@ -333,16 +226,6 @@ class SQLBackend(DataBackend):
         boundaries = [r[0] for r in self._run("scanning keys", stmt)]
         return KeyScan(int(count), block_size, boundaries, last)
 
-    def key_at(self, query: Query, lower: Key, offset: int) -> Key:
-        src = self._source(query)
-        stmt = (src.select(src.key).where(src.key >= lower).order_by(src.key)
-                .limit(1).offset(offset))
-        rows = self._run("locating a key", stmt)
-        if not rows:
-            raise QueryError(f"{query.source}: fewer rows than expected after key {lower!r}; "
-                             "the rows changed while reading")
-        return rows[0][0]
-
     def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None, limit: int,
                    *, inclusive: bool = True) -> list[tuple[Key, Row]]:
         fingerprint, names = query.fingerprint(), tuple(fields)
@@ -359,7 +242,7 @@ class SQLBackend(DataBackend):
 
         shape = ("rows", fingerprint, names, inclusive, lower_type)
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
-        return _pairs(self._run_page("reading rows", self._page(shape, build), values), names)
+        return _pairs(self._run("reading rows", self._page(shape, build), values), names)
 
     def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
         fingerprint = query.fingerprint()
@@ -371,8 +254,7 @@ class SQLBackend(DataBackend):
                     .order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer)))
 
         page = self._page(("keys", fingerprint, lower_type), build)
-        return [r[0] for r in self._run_page("reading keys", page,
-                                             {_LOWER: lower, _LIMIT: limit})]
+        return [r[0] for r in self._run("reading keys", page, {_LOWER: lower, _LIMIT: limit})]
 
     def fetch_by_keys(self, query: Query, fields: Sequence[str],
                       keys: Sequence[Key]) -> list[tuple[Key, Row]]:

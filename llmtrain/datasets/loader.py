@@ -3,19 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from llmtrain.datasets.cached import CachedQueryDataset, Positioned
+from llmtrain.datasets.position import Position, Positioned
 from llmtrain.errors import ConfigError
 
 
-class _PositionedView(IterableDataset):
+class PositionedRows(Protocol):
+    """What the loader needs of a dataset (CachedQueryDataset): its rows with positions."""
+
+    position: Position
+    seed: int
+    return_keys: bool
+
+    def __len__(self) -> int: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
+                        ) -> None: ...
+
+    def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
+                   chunk: int) -> Iterator[Positioned]: ...
+
+
+class _WorkerShare(IterableDataset):
     """What each worker runs: its share of one pass, with positions attached."""
 
-    def __init__(self, dataset: CachedQueryDataset, epoch: int, start: int, chunk: int) -> None:
+    def __init__(self, dataset: PositionedRows, epoch: int, start: int, chunk: int) -> None:
         self.dataset, self.epoch, self.start, self.chunk = dataset, epoch, start, chunk
 
     def __iter__(self) -> Iterator[Positioned]:
@@ -30,10 +48,12 @@ class QueryDataLoader:
     rows come as ``(key, row)`` pairs, the shape the formatter takes, without copying them.
 
     Workers take turns batch by batch, so the rows arrive in the dataset's order for any
-    ``num_workers`` and resuming with another worker count continues at the same row.
+    ``num_workers`` and resuming with another worker count continues at the same row. A
+    batch holds ``batch_size`` rows except an epoch's last (and fewer when bad rows are
+    skipped); a batch whose rows were all skipped is not yielded.
     """
 
-    def __init__(self, dataset: CachedQueryDataset, batch_size: int, *, num_workers: int = 0,
+    def __init__(self, dataset: PositionedRows, batch_size: int, *, num_workers: int = 0,
                  collate_fn: Callable[[list[Any]], Any] | None = None,
                  with_keys: bool = False, **kwargs: Any) -> None:
         if batch_size < 1:
@@ -56,29 +76,31 @@ class QueryDataLoader:
         else:
             rows = [row for _, _, row in items if row is not None]
         last = max(pos for pos, _, _ in items)
-        return last, bool(rows), (self.collate_fn(rows) if self.collate_fn else rows)
+        if not rows:
+            return last, False, None
+        return last, True, (self.collate_fn(rows) if self.collate_fn else rows)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        ds = self.dataset
-        epoch, start = ds._begin_pass()
-        ds.scan()  # once here, so workers inherit it instead of each scanning again
-        view = _PositionedView(ds, epoch, start, self.batch_size)
+        ds, position = self.dataset, self.dataset.position
+        epoch, start = position.begin()
+        length = len(ds)  # scans once here, so workers inherit it instead of each scanning
+        share = _WorkerShare(ds, epoch, start, self.batch_size)
         # a private generator: starting an iterator must not draw from the global RNG, or a
         # resumed run (which starts one mid-training) would see different dropout masks
         kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
-        loader = DataLoader(view, batch_size=self.batch_size, num_workers=self.num_workers,
+        loader = DataLoader(share, batch_size=self.batch_size, num_workers=self.num_workers,
                             collate_fn=self._collate, **kwargs)
         for last, any_rows, batch in loader:
-            ds._consumed = last + 1
+            position.consumed = last + 1
             if any_rows:
                 yield batch
-        ds._consumed, ds._completed = len(ds), True
+        position.finish(length)
 
     def set_epoch(self, epoch: int) -> None:
-        self.dataset.set_epoch(epoch)
+        self.dataset.position.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return self.dataset.state_dict()

@@ -8,9 +8,10 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from llmtrain.backends.base import Row
-from llmtrain.datasets.cached import ReadStats, data_fingerprint
-from llmtrain.datasets.rows import check_on_bad_row, normalise_fields, text_problem
-from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.datasets.cached import ReadStats
+from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
+from llmtrain.datasets.scan import data_fingerprint
+from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 
 
@@ -38,15 +39,9 @@ class QueryDataset(Dataset):
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
-                problem = next((f"{name!r} {p}" for name in self.fields
-                                if (p := text_problem(row, name)) is not None), None)
-                if problem is None:
+                if check_row(self.query.source, key, row, self.fields, self.on_bad_row):
                     self.keys.append(key)
                     self.rows.append({**row, "_key": key} if self.return_keys else row)
-                elif self.on_bad_row == "raise":
-                    field = problem.split("'")[1]
-                    raise BadRowError(self.query.source, key, field,
-                                      text_problem(row, field) or "")
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)

@@ -1,13 +1,16 @@
-"""Checking the fields of a row before anything downstream (tokenizer, torch) sees them."""
+"""The bad-row policy, written once: a row's fields are checked before anything downstream
+(tokenizer, torch) sees them, and one function decides use / skip / raise."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from llmtrain.backends.base import Key, Row
+from llmtrain.backends.base import Key
 from llmtrain.errors import BadRowError, ConfigError
 
+log = logging.getLogger("llmtrain.datasets")
 OnBadRow = Literal["raise", "skip"]
 
 
@@ -26,7 +29,7 @@ def normalise_fields(fields: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def text_problem(row: Row, field: str) -> str | None:
+def text_problem(row: Mapping[str, object], field: str) -> str | None:
     """Why ``row[field]`` is not usable text, or None when it is."""
     if field not in row:
         return "is missing"
@@ -43,9 +46,18 @@ def text_problem(row: Row, field: str) -> str | None:
     return None
 
 
-def check_row(source: str, key: Key, row: Row, fields: Sequence[str]) -> None:
-    """Raise BadRowError naming the source, the row key and the first bad field."""
+def check_row(source: str, key: Key, row: object, fields: Sequence[str],
+              on_bad_row: OnBadRow = "raise") -> bool:
+    """True: use the row. False: skip it (``on_bad_row="skip"``, logged). Otherwise raise
+    BadRowError naming the source, the row's key and its first bad field."""
+    readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
-        problem = text_problem(row, field)
-        if problem is not None:
+        problem = (text_problem(row, field) if readable  # type: ignore[arg-type]
+                   else f"cannot be read: the row is a {type(row).__name__}, not a mapping")
+        if problem is None:
+            continue
+        if on_bad_row == "raise":
             raise BadRowError(source, key, field, problem)
+        log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
+        return False
+    return True

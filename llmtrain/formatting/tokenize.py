@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from llmtrain.datasets.rows import text_problem
-from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.datasets.rows import check_row
+from llmtrain.errors import ConfigError
 from llmtrain.formatting.template import PromptTemplate
 
 if TYPE_CHECKING:
@@ -65,13 +65,8 @@ class Example:
 
 def _check_text(row: object, field: str, key: object, source: str) -> str:
     """The field's text, or BadRowError: the same rule the datasets apply."""
-    if not isinstance(row, Mapping):
-        raise BadRowError(source, key, field, f"cannot be read: the row is a "
-                                              f"{type(row).__name__}, not a mapping")
-    problem = text_problem(row, field)
-    if problem is not None:
-        raise BadRowError(source, key, field, problem)
-    return row[field]  # type: ignore[no-any-return]
+    check_row(source, key, row, (field,))
+    return row[field]  # type: ignore[index, no-any-return]
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -21,11 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmtrain.datasets import SelectionScan, scan_selection
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.queries import Query
 from llmtrain.training.callbacks import Callback, registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.data import TrainBatches, make_collate, to_device
+from llmtrain.training.data import TrainBatches, make_collate, to_device, view_dataset
 from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import Strategy
@@ -83,21 +85,41 @@ class FitRun:
             chat_template=self.dargs.chat_template, max_length=self.dargs.max_length,
             train_on_inputs=self.dargs.train_on_inputs, x_field=fit.X, y_field=fit.Y)
         select = fit.query()
+        self.scan = self._selection_scan(select)
         collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
-        self.batches = TrainBatches(
-            self.db, select, [fit.X, fit.Y], self.dargs,
-            batch_size=self.targs.per_device_train_batch_size, seed=self.targs.seed,
-            rank=s.rank, world_size=s.world_size, collate=collate)
-        if len(self.batches.dataset) == 0:
-            count = self.batches.dataset.scan().count
-            raise DataError(f"{select.source} selects {count} row(s): too few to give each of "
-                            f"{s.world_size} process(es) one to train on")
+        train = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs, split="train",
+                             scan=self.scan, seed=self.targs.seed, rank=s.rank,
+                             world_size=s.world_size)
+        self.batches = TrainBatches(train, self.dargs,
+                                    batch_size=self.targs.per_device_train_batch_size,
+                                    collate=collate)
+        if len(self.batches) == 0:
+            raise DataError(f"{select.source} selects {self.scan.whole.count} row(s), "
+                            f"{train.view.count} to train on: too few to give each of "
+                            f"{s.world_size} process(es) one")
+        self._eval_data: Any = None
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
         self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
                                          workdir=self.workdir)
         if self.resume:
             self._restore()
+
+    def _selection_scan(self, select: Query) -> SelectionScan:
+        """The run's one scan of its selection: the one fit() took, else rank 0's."""
+        d, s = self.dargs, self.strategy
+        scan = self.trainer.data_scan
+        if scan is not None and scan.fits(select, d.cache_size, d.eval_fraction):
+            return scan
+        scan = None
+        try:
+            if s.is_main:
+                scan = scan_selection(self.db.backend, select, d.cache_size, d.eval_fraction)
+        finally:  # rank 0's scan for every rank; None when it failed, which stops them too
+            scan = s.broadcast_object(scan)
+        if scan is None:
+            raise DataError(f"rank 0 could not scan {select.source}")
+        return scan  # type: ignore[no-any-return]
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
@@ -113,7 +135,7 @@ class FitRun:
     def _total_steps(self) -> int:
         if self.targs.max_steps > 0:
             return self.targs.max_steps
-        per_epoch = -(-self.batches.batches_per_epoch() // self.targs.gradient_accumulation_steps)
+        per_epoch = -(-len(self.batches) // self.targs.gradient_accumulation_steps)
         return max(1, per_epoch * self.targs.num_train_epochs)
 
     def _make_scheduler(self) -> Any:
@@ -139,7 +161,7 @@ class FitRun:
         allow = self.db.metadata.get_run(self.run_id).info.get(
             "allow_changed_data", self.dargs.allow_changed_data)
         self.batches.load_state_dict(state["dataset"], allow_changed_data=allow)
-        self.start_epoch = self.batches.dataset.epoch
+        self.start_epoch = self.batches.epoch
         if self.strategy.is_main:
             log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step,
                      self.start_epoch)
@@ -228,26 +250,15 @@ class FitRun:
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
-        """Mean token loss on the eval selection or the held-out fraction."""
-        from llmtrain.datasets import CachedQueryDataset
-
-        fit, s = self.config.fit, self.strategy
-        select = fit.eval_query() or fit.query()
-        held = fit.eval_query() is None
-        if held and self.dargs.eval_fraction <= 0:
+        """Mean token loss on the eval selection or the held-out rows (up to max_eval_rows)."""
+        s = self.strategy
+        batches = self._eval_loader()
+        if batches is None:
             return float("nan")
-        ds = CachedQueryDataset(self.db, select, [fit.X, fit.Y], cache_size=self.dargs.cache_size,
-                                shuffle=False, rank=s.rank, world_size=s.world_size,
-                                drop_remainder=False, on_bad_row=self.dargs.on_bad_row)
-        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
-                               select.source, split="held_out" if held else "all")
         total, count, seen = torch.zeros(()), torch.zeros(()), 0
         self.model.eval()
         with torch.no_grad():
-            for batch in ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
-                                   with_keys=True):
-                if batch is None:
-                    continue
+            for batch in batches:
                 batch = to_device(batch, s.device)
                 with self.precision.autocast():
                     total += loss_sum(self.model, batch).float().cpu()
@@ -259,9 +270,29 @@ class FitRun:
         total, count = s.all_reduce(total), s.all_reduce(count)
         return float(total / count.clamp(min=1))
 
+    def _eval_loader(self) -> Any:
+        """Batches of the eval selection, or of the held-out view of the training selection
+        (read directly, not found by streaming the training rows), from their first row each
+        time; None when there is nothing to evaluate on."""
+        fit, s = self.config.fit, self.strategy
+        held = fit.eval_query() is None
+        if held and self.dargs.eval_fraction <= 0:
+            return None
+        if self._eval_data is None:  # built once: the eval selection is scanned once a run
+            self._eval_data = view_dataset(
+                self.db, fit.query() if held else fit.eval_query(), [fit.X, fit.Y], self.dargs,
+                split="held_out" if held else "all", scan=self.scan if held else None,
+                shuffle=False, drop_remainder=False, rank=s.rank, world_size=s.world_size)
+        ds = self._eval_data
+        ds.position.restore(0, 0)
+        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
+                               ds.query.source)
+        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
+                         with_keys=True)
+
     # -- saving ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.batches.dataset.epoch,
+        return {"step": self.step, "epoch": self.batches.epoch,
                 "tokens_seen": self.tokens_seen, "dataset": self.batches.state_dict(),
                 "run_id": self.run_id, "history": self.history[-1000:]}
 

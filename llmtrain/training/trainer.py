@@ -33,6 +33,9 @@ class LLMTrainer:
 
     type_id = "trainer"
 
+    #: the last fit's scan of its selection, which its run reuses instead of scanning again
+    data_scan: Any = None
+
     def __init__(self, identifier: str, **options: Any) -> None:
         self.config: TrainerConfig = _config(identifier, options)
         self.version: int | None = None
@@ -101,7 +104,10 @@ class LLMTrainer:
         )
         spec = self._fit_spec(X, Y, db, select, eval_select)
         replaying = X is None and select is None
-        fingerprint = _data_fingerprint(db, spec, self.config.data_args)
+        placement = Placement.from_environment()  # resolved once for the whole fit
+        # the run's one scan of the selection: rank 0's in a launched job, shared with the run
+        self.data_scan = once_per_job(placement, _data_scan, db, spec, self.config.data_args)
+        fingerprint = self.data_scan.fingerprint
         if (
             replaying
             and spec.data_fingerprint
@@ -120,7 +126,6 @@ class LLMTrainer:
         self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
         self.db = db
         # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
-        placement = Placement.from_environment()  # resolved once for the whole fit
         self.version, run_id = once_per_job(placement, self._register, db, resume, allow)
         return execute(self, db, run_id, placement, resume=resume, merge=merge)
 
@@ -275,12 +280,10 @@ def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
     return strip(stored) == strip(current)
 
 
-def _data_fingerprint(db: Any, spec: FitSpec, data: DataArguments) -> str:
-    from llmtrain.datasets import CachedQueryDataset
+def _data_scan(db: Any, spec: FitSpec, data: DataArguments) -> Any:
+    from llmtrain.datasets import scan_selection
 
-    return CachedQueryDataset(
-        db, spec.query(), [spec.X, spec.Y], cache_size=data.cache_size, rank=0, world_size=1
-    ).data_fingerprint
+    return scan_selection(db.backend, spec.query(), data.cache_size, data.eval_fraction)
 
 
 LLMTrainer.__doc__ = f"{LLMTrainer.__doc__}\n{textwrap.indent(keyword_reference(), '    ')}"
