@@ -59,13 +59,74 @@ CHUNK = 50_000
 GOAL_WAIT, GOAL_MEMORY = 0.02, 1.10
 
 _WORDS = (
-    "model", "data", "table", "row", "column", "query", "index", "token", "train", "epoch",
-    "batch", "learning", "rate", "loss", "gradient", "layer", "weight", "adapter", "rank",
-    "shard", "worker", "window", "cache", "key", "order", "seed", "shuffle", "prompt", "answer",
-    "question", "explain", "summarise", "translate", "list", "compare", "describe", "write",
-    "short", "long", "simple", "clear", "python", "sql", "database", "stream", "memory", "disk",
-    "network", "fast", "slow", "small", "large", "first", "last", "next", "every", "each",
-    "other", "same", "new", "old", "good", "best", "time", "value", "number", "text", "word",
+    "model",
+    "data",
+    "table",
+    "row",
+    "column",
+    "query",
+    "index",
+    "token",
+    "train",
+    "epoch",
+    "batch",
+    "learning",
+    "rate",
+    "loss",
+    "gradient",
+    "layer",
+    "weight",
+    "adapter",
+    "rank",
+    "shard",
+    "worker",
+    "window",
+    "cache",
+    "key",
+    "order",
+    "seed",
+    "shuffle",
+    "prompt",
+    "answer",
+    "question",
+    "explain",
+    "summarise",
+    "translate",
+    "list",
+    "compare",
+    "describe",
+    "write",
+    "short",
+    "long",
+    "simple",
+    "clear",
+    "python",
+    "sql",
+    "database",
+    "stream",
+    "memory",
+    "disk",
+    "network",
+    "fast",
+    "slow",
+    "small",
+    "large",
+    "first",
+    "last",
+    "next",
+    "every",
+    "each",
+    "other",
+    "same",
+    "new",
+    "old",
+    "good",
+    "best",
+    "time",
+    "value",
+    "number",
+    "text",
+    "word",
 )
 _VERBS = ("Explain", "Summarise", "Describe", "List", "Compare", "Translate", "Rewrite")
 
@@ -76,8 +137,11 @@ def make_rows(lo: int, hi: int) -> list[tuple[int, str, str]]:
     out = []
     for i in range(lo, hi):
         rng = random.Random(i)
-        instruction = (f"{_VERBS[i % len(_VERBS)]} " +
-                       " ".join(rng.choices(_WORDS, k=3 + i % 8)) + f" (item {i})")
+        instruction = (
+            f"{_VERBS[i % len(_VERBS)]} "
+            + " ".join(rng.choices(_WORDS, k=3 + i % 8))
+            + f" (item {i})"
+        )
         output = " ".join(rng.choices(_WORDS, k=8 + (i * 7) % 25)) + "."
         out.append((i, instruction, output))
     return out
@@ -112,17 +176,21 @@ def fill_sqlite(path: Path, rows: int) -> None:
                 continue
             t0 = time.perf_counter()
             con.execute(f"DROP TABLE IF EXISTS {table}")
-            con.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, instruction TEXT, "
-                        "output TEXT)")
+            con.execute(
+                f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, instruction TEXT, output TEXT)"
+            )
             if table == SMALL_TABLE:  # same rows as the head of docs
                 con.execute(f"INSERT INTO {table} SELECT * FROM {TABLE} WHERE id < ?", (n,))
             else:
                 for lo in range(0, n, CHUNK):
-                    con.executemany(f"INSERT INTO {table} VALUES (?, ?, ?)",
-                                    make_rows(lo, min(n, lo + CHUNK)))
+                    con.executemany(
+                        f"INSERT INTO {table} VALUES (?, ?, ?)", make_rows(lo, min(n, lo + CHUNK))
+                    )
             con.commit()
-            print(f"  sqlite: filled {table} with {n:,} rows in "
-                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"  sqlite: filled {table} with {n:,} rows in {time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
     finally:
         con.close()
 
@@ -144,8 +212,9 @@ def fill_postgres(database: str, rows: int) -> None:
     import psycopg
 
     with psycopg.connect(pg_dsn("postgres"), autocommit=True) as admin:
-        exists = admin.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                               (database,)).fetchone()
+        exists = admin.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (database,)
+        ).fetchone()
         if not exists:
             admin.execute(f"CREATE DATABASE {database}")
     with psycopg.connect(pg_dsn(database)) as con:
@@ -159,19 +228,23 @@ def fill_postgres(database: str, rows: int) -> None:
                 continue
             t0 = time.perf_counter()
             con.execute(f"DROP TABLE IF EXISTS {table}")
-            con.execute(f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, instruction TEXT, "
-                        "output TEXT)")
+            con.execute(
+                f"CREATE TABLE {table} (id INTEGER PRIMARY KEY, instruction TEXT, output TEXT)"
+            )
             if table == SMALL_TABLE:
                 con.execute(f"INSERT INTO {table} SELECT * FROM {TABLE} WHERE id < %s", (n,))
             else:
-                with con.cursor().copy(f"COPY {table} (id, instruction, output) FROM STDIN"
-                                       ) as copy:
+                with con.cursor().copy(
+                    f"COPY {table} (id, instruction, output) FROM STDIN"
+                ) as copy:
                     for lo in range(0, n, CHUNK):
                         for r in make_rows(lo, min(n, lo + CHUNK)):
                             copy.write_row(r)
             con.commit()
-            print(f"  postgresql: filled {table} with {n:,} rows in "
-                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"  postgresql: filled {table} with {n:,} rows in {time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
     with psycopg.connect(pg_dsn(database), autocommit=True) as con:
         con.execute(f"VACUUM ANALYZE {TABLE}")
         con.execute(f"VACUUM ANALYZE {SMALL_TABLE}")
@@ -184,8 +257,11 @@ def drop_postgres(database: str) -> None:
 
     dispose_sql_engine(f"{PG_ADMIN}/{database}")
     with psycopg.connect(pg_dsn("postgres"), autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                      "WHERE datname = %s AND pid <> pg_backend_pid()", (database,))
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            (database,),
+        )
         admin.execute(f"DROP DATABASE IF EXISTS {database}")
 
 
@@ -219,9 +295,15 @@ def prepare(backend: str, rows: int) -> Target:
 def dataset(uri: str, table: str, cache_size: int) -> Any:
     import llmtrain
 
-    return llmtrain.CachedQueryDataset(llmtrain.connect(uri), llmtrain.Table(table),
-                                       list(FIELDS), cache_size=cache_size, shuffle=True,
-                                       rank=0, world_size=1)
+    return llmtrain.CachedQueryDataset(
+        llmtrain.connect(uri),
+        llmtrain.Table(table),
+        list(FIELDS),
+        cache_size=cache_size,
+        shuffle=True,
+        rank=0,
+        world_size=1,
+    )
 
 
 def timed(rows: Iterator[dict], expected: int) -> tuple[float, float]:
@@ -261,8 +343,11 @@ def bench_speed(target: Target, rows: int, cache_size: int, rounds: int) -> Spee
             wall, cpu = timed(iter(ds), rows)
             speed.wall.append(wall)
             speed.cpu.append(cpu)
-            print(f"  {target.name} round {r + 1}/{rounds}: {wall:>10,.0f} rows/s "
-                  f"(by CPU time: {cpu:,.0f})", flush=True)
+            print(
+                f"  {target.name} round {r + 1}/{rounds}: {wall:>10,.0f} rows/s "
+                f"(by CPU time: {cpu:,.0f})",
+                flush=True,
+            )
     finally:
         ds.db.close()
     return speed
@@ -289,8 +374,9 @@ class Wait:
         return statistics.median(d / (d + t) for d, t in zip(self.data[1:], self.train[1:]))
 
 
-def bench_wait(label: str, uri: str, select: Any, rows: int, steps: int, workdir: Path,
-               model: Path) -> Wait:
+def bench_wait(
+    label: str, uri: str, select: Any, rows: int, steps: int, workdir: Path, model: Path
+) -> Wait:
     """``fit()`` with the demo's settings, timing FitRun's two halves of every step."""
     import llmtrain as lt
     from llmtrain.training import run as run_module
@@ -312,21 +398,33 @@ def bench_wait(label: str, uri: str, select: Any, rows: int, steps: int, workdir
         return loss
 
     fit_run._next_group, fit_run._train_step = timed_next, timed_step  # type: ignore[method-assign]
-    db = lt.connect(uri, metadata_uri=f"sqlite:///{workdir / f'meta-{label}.db'}",
-                    artifacts=workdir / f"artifacts-{label}")
+    db = lt.connect(
+        uri,
+        metadata_uri=f"sqlite:///{workdir / f'meta-{label}.db'}",
+        artifacts=workdir / f"artifacts-{label}",
+    )
     try:
         trainer = lt.LLMTrainer(
-            f"bench-{label}", model=str(model),
+            f"bench-{label}",
+            model=str(model),
             prompt_template="### Question:\n{X}\n\n### Answer:\n{Y}",
-            max_steps=steps, batch_size=16, learning_rate=2e-2, lora_r=16, lora_dropout=0.0,
-            progress_bar=False)
+            max_steps=steps,
+            batch_size=16,
+            learning_rate=2e-2,
+            lora_r=16,
+            lora_dropout=0.0,
+            progress_bar=False,
+        )
         trainer.fit(X="instruction", Y="output", db=db, select=select)
     finally:
         fit_run._next_group, fit_run._train_step = next_group, train_step  # type: ignore[method-assign]
         db.close()
-    print(f"  data wait, {label}: {wait.share:.2%} of a step ({len(wait.data)} steps, median "
-          f"{wait.median_share:.2%}; {statistics.median(wait.train[1:]) * 1e3:.1f} ms training, "
-          f"{statistics.median(wait.data[1:]) * 1e3:.2f} ms waiting per step)", flush=True)
+    print(
+        f"  data wait, {label}: {wait.share:.2%} of a step ({len(wait.data)} steps, median "
+        f"{wait.median_share:.2%}; {statistics.median(wait.train[1:]) * 1e3:.1f} ms training, "
+        f"{statistics.median(wait.data[1:]) * 1e3:.2f} ms waiting per step)",
+        flush=True,
+    )
     return wait
 
 
@@ -344,11 +442,21 @@ def bench_waits(targets: list[Target], rows: int, steps: int) -> list[Wait]:
     from llmtrain.testing import tiny_model
 
     model = tiny_model(workdir / "tiny-llama", corpus=corpus)
-    waits = [bench_wait("demo", f"sqlite:///{demo_db}",
-                        lt.Table("docs").where("lang = :l", l="en"), 48, steps, workdir, model)]
+    waits = [
+        bench_wait(
+            "demo",
+            f"sqlite:///{demo_db}",
+            lt.Table("docs").where("lang = :l", l="en"),
+            48,
+            steps,
+            workdir,
+            model,
+        )
+    ]
     for target in targets:
-        waits.append(bench_wait(target.name, target.uri, lt.Table(TABLE), rows, steps, workdir,
-                                model))
+        waits.append(
+            bench_wait(target.name, target.uri, lt.Table(TABLE), rows, steps, workdir, model)
+        )
     return waits
 
 
@@ -405,9 +513,16 @@ def memory_child(uri: str, table: str, cache_size: int) -> dict[str, Any]:
     _, traced = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     ds.db.close()
-    return {"rows": n, "rows_traced": m, "seconds": elapsed, "maxrss_base_mib": base_maxrss,
-            "maxrss_mib": peak_maxrss, "rss_start_mib": base_rss,
-            "epoch_hwm_mib": peak_hwm, "traced_peak_mib": traced / 2**20}
+    return {
+        "rows": n,
+        "rows_traced": m,
+        "seconds": elapsed,
+        "maxrss_base_mib": base_maxrss,
+        "maxrss_mib": peak_maxrss,
+        "rss_start_mib": base_rss,
+        "epoch_hwm_mib": peak_hwm,
+        "traced_peak_mib": traced / 2**20,
+    }
 
 
 def bench_memory(target: Target, table: str, cache_size: int) -> dict[str, Any]:
@@ -417,61 +532,96 @@ def bench_memory(target: Target, table: str, cache_size: int) -> dict[str, Any]:
     inherits its peak RSS in ``ru_maxrss`` (Linux copies the old mm's high-water mark at
     exec), while ``sh`` forks it afresh from a small process.
     """
-    cmd = [sys.executable, __file__, "--memory-child", target.uri, table,
-           "--cache-size", str(cache_size)]
-    done = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh", *cmd], capture_output=True,
-                          text=True, check=False)
+    cmd = [
+        sys.executable,
+        __file__,
+        "--memory-child",
+        target.uri,
+        table,
+        "--cache-size",
+        str(cache_size),
+    ]
+    done = subprocess.run(
+        ["sh", "-c", '"$@"; exit $?', "sh", *cmd], capture_output=True, text=True, check=False
+    )
     if done.returncode:
         raise SystemExit(f"memory subprocess failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 # -- report ------------------------------------------------------------------------------------
-def report(rows: int, cache_size: int, speeds: list[Speed],
-           memory: dict[str, tuple[dict[str, Any], dict[str, Any]]], waits: list[Wait]) -> bool:
+def report(
+    rows: int,
+    cache_size: int,
+    speeds: list[Speed],
+    memory: dict[str, tuple[dict[str, Any], dict[str, Any]]],
+    waits: list[Wait],
+) -> bool:
     ok = True
-    print(f"\n== throughput: full shuffled epoch of {rows:,} rows, cache_size={cache_size} "
-          "(best of rounds; median in brackets) ==")
+    print(
+        f"\n== throughput: full shuffled epoch of {rows:,} rows, cache_size={cache_size} "
+        "(best of rounds; median in brackets) =="
+    )
     print(f"{'backend':<12}{'rows/s':>24}{'by CPU time':>24}{'key scan':>12}")
     for s in speeds:
-        print(f"{s.backend:<12}{max(s.wall):>12,.0f} ({statistics.median(s.wall):>9,.0f})"
-              f"{max(s.cpu):>12,.0f} ({statistics.median(s.cpu):>9,.0f}){s.scan_s:>11.2f}s")
+        print(
+            f"{s.backend:<12}{max(s.wall):>12,.0f} ({statistics.median(s.wall):>9,.0f})"
+            f"{max(s.cpu):>12,.0f} ({statistics.median(s.cpu):>9,.0f}){s.scan_s:>11.2f}s"
+        )
     if waits:
-        print("\n== data wait: share of a training step spent getting its batch (fit() of the "
-              "demo model, batch 16, CPU; first step left out) ==")
+        print(
+            "\n== data wait: share of a training step spent getting its batch (fit() of the "
+            "demo model, batch 16, CPU; first step left out) =="
+        )
         print(f"{'table':<12}{'rows':>11}{'steps':>7}{'share':>9}{'median':>9}  goal")
         for w in waits:
             good = w.share < GOAL_WAIT
             ok &= good
-            print(f"{w.label:<12}{w.rows:>11,}{len(w.data):>7}{w.share:>9.2%}"
-                  f"{w.median_share:>9.2%}  {'OK' if good else 'MISS'} (< {GOAL_WAIT:.0%})")
+            print(
+                f"{w.label:<12}{w.rows:>11,}{len(w.data):>7}{w.share:>9.2%}"
+                f"{w.median_share:>9.2%}  {'OK' if good else 'MISS'} (< {GOAL_WAIT:.0%})"
+            )
     if memory:
         small = max(1, rows // 10)
-        print(f"\n== memory: one epoch over {small:,} and over {rows:,} rows, a fresh process "
-              "each (MiB) ==")
-        print("  ru_maxrss = whole-process peak (imports included); epoch peak = VmHWM reset "
-              "at the epoch's start;\n  python peak = tracemalloc peak during a second epoch")
-        print(f"{'backend':<12}{'rows':>11}{'ru_maxrss':>11}{'RSS start':>11}{'epoch peak':>12}"
-              f"{'python peak':>13}{'rows/s':>11}")
+        print(
+            f"\n== memory: one epoch over {small:,} and over {rows:,} rows, a fresh process "
+            "each (MiB) =="
+        )
+        print(
+            "  ru_maxrss = whole-process peak (imports included); epoch peak = VmHWM reset "
+            "at the epoch's start;\n  python peak = tracemalloc peak during a second epoch"
+        )
+        print(
+            f"{'backend':<12}{'rows':>11}{'ru_maxrss':>11}{'RSS start':>11}{'epoch peak':>12}"
+            f"{'python peak':>13}{'rows/s':>11}"
+        )
         for name, pair in memory.items():
             for m in pair:
                 hwm = m["epoch_hwm_mib"]
-                print(f"{name:<12}{m['rows']:>11,}{m['maxrss_mib']:>11.1f}"
-                      f"{m['rss_start_mib'] or 0:>11.1f}"
-                      f"{hwm if hwm is not None else float('nan'):>12.1f}"
-                      f"{m['traced_peak_mib']:>13.1f}{m['rows'] / m['seconds']:>11,.0f}")
+                print(
+                    f"{name:<12}{m['rows']:>11,}{m['maxrss_mib']:>11.1f}"
+                    f"{m['rss_start_mib'] or 0:>11.1f}"
+                    f"{hwm if hwm is not None else float('nan'):>12.1f}"
+                    f"{m['traced_peak_mib']:>13.1f}{m['rows'] / m['seconds']:>11,.0f}"
+                )
             lo, hi = pair
             rss = hi["maxrss_mib"] / lo["maxrss_mib"]
             good = rss <= GOAL_MEMORY
             ok &= good
-            line = (f"{name:<12}{'1M/100k' if rows == 1_000_000 else 'big/small':>11}  "
-                    f"ru_maxrss ratio {rss:.3f} ({hi['maxrss_mib'] - lo['maxrss_mib']:+.1f})")
+            line = (
+                f"{name:<12}{'1M/100k' if rows == 1_000_000 else 'big/small':>11}  "
+                f"ru_maxrss ratio {rss:.3f} ({hi['maxrss_mib'] - lo['maxrss_mib']:+.1f})"
+            )
             if lo["epoch_hwm_mib"] is not None and hi["epoch_hwm_mib"] is not None:
-                line += (f", epoch peak ratio {hi['epoch_hwm_mib'] / lo['epoch_hwm_mib']:.3f} "
-                         f"({hi['epoch_hwm_mib'] - lo['epoch_hwm_mib']:+.1f})")
-            line += (f", python peak ratio "
-                     f"{hi['traced_peak_mib'] / max(lo['traced_peak_mib'], 1e-9):.2f}  "
-                     f"{'OK' if good else 'MISS'} (ru_maxrss ratio <= {GOAL_MEMORY:.2f})")
+                line += (
+                    f", epoch peak ratio {hi['epoch_hwm_mib'] / lo['epoch_hwm_mib']:.3f} "
+                    f"({hi['epoch_hwm_mib'] - lo['epoch_hwm_mib']:+.1f})"
+                )
+            line += (
+                f", python peak ratio "
+                f"{hi['traced_peak_mib'] / max(lo['traced_peak_mib'], 1e-9):.2f}  "
+                f"{'OK' if good else 'MISS'} (ru_maxrss ratio <= {GOAL_MEMORY:.2f})"
+            )
             print(line)
     print(f"\n{'all goals met' if ok else 'some goals missed'}")
     return ok
@@ -484,15 +634,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="100k rows, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="ABAB rounds (default 3)")
     parser.add_argument("--cache-size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=60,
-                        help="optimizer steps of each data-wait fit (default 60, the demo's)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="optimizer steps of each data-wait fit (default 60, the demo's)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     parser.add_argument("--no-steps", action="store_true", help="skip the data-wait fits")
-    parser.add_argument("--cleanup", action="store_true",
-                        help="drop the benchmark database/file afterwards (default: keep them "
-                             "so a re-run skips the fill)")
-    parser.add_argument("--memory-child", nargs=2, metavar=("URI", "TABLE"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="drop the benchmark database/file afterwards (default: keep them "
+        "so a re-run skips the fill)",
+    )
+    parser.add_argument("--memory-child", nargs=2, metavar=("URI", "TABLE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.memory_child:
@@ -511,11 +667,13 @@ def main(argv: list[str] | None = None) -> int:
             targets.append(target)
             speeds.append(bench_speed(target, rows, args.cache_size, rounds))
             if not args.no_memory:
-                pair = tuple(bench_memory(target, t, args.cache_size)
-                             for t in (SMALL_TABLE, TABLE))
+                pair = tuple(bench_memory(target, t, args.cache_size) for t in (SMALL_TABLE, TABLE))
                 memory[target.name] = pair
-                print(f"  {target.name} memory: ru_maxrss {pair[0]['maxrss_mib']:.1f} -> "
-                      f"{pair[1]['maxrss_mib']:.1f} MiB", flush=True)
+                print(
+                    f"  {target.name} memory: ru_maxrss {pair[0]['maxrss_mib']:.1f} -> "
+                    f"{pair[1]['maxrss_mib']:.1f} MiB",
+                    flush=True,
+                )
         waits = [] if args.no_steps else bench_waits(targets, rows, args.steps)
         ok = report(rows, args.cache_size, speeds, memory, waits)
     finally:

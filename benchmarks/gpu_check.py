@@ -44,12 +44,20 @@ from typing import Any
 RESULT = "GPU_CHECK_RESULT "
 CONFIGS = ("qlora", "zero2", "fsdp", "fsdp_qlora")
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
-ARCH = {"hidden_size": 1280, "intermediate_size": 3456, "num_hidden_layers": 24,
-        "num_attention_heads": 10, "num_key_value_heads": 10, "max_position_embeddings": 2048}
-WORDS = ("the model reads rows from a database and learns to answer questions about colors "
-         "numbers cities rivers planets music history science small large quickly slowly "
-         "because therefore however although every each some many few table key value "
-         "train evaluate adapter weight gradient token sequence batch step epoch")
+ARCH = {
+    "hidden_size": 1280,
+    "intermediate_size": 3456,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 10,
+    "num_key_value_heads": 10,
+    "max_position_embeddings": 2048,
+}
+WORDS = (
+    "the model reads rows from a database and learns to answer questions about colors "
+    "numbers cities rivers planets music history science small large quickly slowly "
+    "because therefore however although every each some many few table key value "
+    "train evaluate adapter weight gradient token sequence batch step epoch"
+)
 
 
 # -- setup (orchestrator) ---------------------------------------------------------------------
@@ -64,10 +72,15 @@ def build_model(workdir: Path) -> Path:
     if (path / "config.json").is_file():
         return path
     tokenizer = AutoTokenizer.from_pretrained(tiny_model(workdir / "tiny"))
-    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
-                         initializer_range=0.02, **ARCH)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        **ARCH,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
@@ -83,17 +96,27 @@ def fill_database(workdir: Path, rows: int) -> str:
     uri = f"sqlite:///{db_path}"
     engine = sa.create_engine(uri)
     with engine.begin() as conn:
-        conn.execute(sa.text("CREATE TABLE IF NOT EXISTS docs (id INTEGER PRIMARY KEY, "
-                             "instruction TEXT NOT NULL, output TEXT NOT NULL)"))
+        conn.execute(
+            sa.text(
+                "CREATE TABLE IF NOT EXISTS docs (id INTEGER PRIMARY KEY, "
+                "instruction TEXT NOT NULL, output TEXT NOT NULL)"
+            )
+        )
         have = conn.execute(sa.text("SELECT COUNT(*) FROM docs")).scalar()
         if have != rows:
             rng, words = random.Random(0), WORDS.split()
             conn.execute(sa.text("DELETE FROM docs"))
-            conn.execute(sa.text("INSERT INTO docs VALUES (:id, :instruction, :output)"), [
-                {"id": i,
-                 "instruction": " ".join(rng.choices(words, k=rng.randint(30, 90))) + "?",
-                 "output": " ".join(rng.choices(words, k=rng.randint(30, 120))) + "."}
-                for i in range(rows)])
+            conn.execute(
+                sa.text("INSERT INTO docs VALUES (:id, :instruction, :output)"),
+                [
+                    {
+                        "id": i,
+                        "instruction": " ".join(rng.choices(words, k=rng.randint(30, 90))) + "?",
+                        "output": " ".join(rng.choices(words, k=rng.randint(30, 120))) + ".",
+                    }
+                    for i in range(rows)
+                ],
+            )
     engine.dispose()
     return uri
 
@@ -117,15 +140,40 @@ def matmul_tflops(n: int = 8192, iters: int = 50) -> float:
 def command(name: str, gpus: int, workdir: Path, args: argparse.Namespace) -> list[str]:
     from llmtrain.launchers import free_port
 
-    me = [str(Path(__file__).resolve()), "--one", name, "--workdir", str(workdir),
-          "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+    me = [
+        str(Path(__file__).resolve()),
+        "--one",
+        name,
+        "--workdir",
+        str(workdir),
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     if name == "qlora":
         return [sys.executable, *me]
     if name == "zero2":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(gpus),
-                "--master_port", str(free_port()), *me]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(gpus),
-            "--master_port", str(free_port()), *me]
+        return [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(gpus),
+            "--master_port",
+            str(free_port()),
+            *me,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(gpus),
+        "--master_port",
+        str(free_port()),
+        *me,
+    ]
 
 
 def orchestrate(args: argparse.Namespace) -> int:
@@ -147,30 +195,46 @@ def orchestrate(args: argparse.Namespace) -> int:
     ok = True
     for name in args.only.split(","):
         started = time.perf_counter()
-        proc = subprocess.run(command(name, gpus, workdir, args), capture_output=True,
-                              text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        lines = [json.loads(line[len(RESULT):]) for line in proc.stdout.splitlines()
-                 if line.startswith(RESULT)]
+        proc = subprocess.run(
+            command(name, gpus, workdir, args),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        lines = [
+            json.loads(line[len(RESULT) :])
+            for line in proc.stdout.splitlines()
+            if line.startswith(RESULT)
+        ]
         main = next((r for r in lines if r.get("rank") == 0 and "tokens_per_s" in r), None)
         if proc.returncode != 0 or main is None:
             ok = False
-            print(f"\n== {name}: FAILED (status {proc.returncode})\n"
-                  f"{(proc.stdout + proc.stderr)[-4000:]}")
+            print(
+                f"\n== {name}: FAILED (status {proc.returncode})\n"
+                f"{(proc.stdout + proc.stderr)[-4000:]}"
+            )
             continue
         main["peak_mem_gib"] = max(r["peak_mem_gib"] for r in lines)
         main["wall_s"] = time.perf_counter() - started
-        main["mfu"] = main["tokens_per_s"] * flops_per_token(model_path, main["seq_len"]) / (
-            main["world_size"] * peak * 1e12)
+        main["mfu"] = (
+            main["tokens_per_s"]
+            * flops_per_token(model_path, main["seq_len"])
+            / (main["world_size"] * peak * 1e12)
+        )
         results[name] = main
-        print(f"== {name:<10} world {main['world_size']}  {main['tokens_per_s']:>9.0f} tok/s  "
-              f"peak {main['peak_mem_gib']:6.2f} GiB  MFU {100 * main['mfu']:5.1f}%  "
-              f"losses {[round(x, 3) for x in main['losses'][:3]]}  ({main['wall_s']:.0f} s)")
+        print(
+            f"== {name:<10} world {main['world_size']}  {main['tokens_per_s']:>9.0f} tok/s  "
+            f"peak {main['peak_mem_gib']:6.2f} GiB  MFU {100 * main['mfu']:5.1f}%  "
+            f"losses {[round(x, 3) for x in main['losses'][:3]]}  ({main['wall_s']:.0f} s)"
+        )
     if gpus == 1 and {"qlora", "fsdp_qlora"} <= results.keys():
         a, b = results["qlora"]["losses"][:3], results["fsdp_qlora"]["losses"][:3]
         agree = all(abs(x - y) <= 2e-2 * abs(x) for x, y in zip(a, b))
         ok &= agree
-        print(f"fsdp_qlora vs qlora first losses: {a} vs {b}: "
-              f"{'agree' if agree else 'MISMATCH (sharded 4-bit weights are wrong)'}")
+        print(
+            f"fsdp_qlora vs qlora first losses: {a} vs {b}: "
+            f"{'agree' if agree else 'MISMATCH (sharded 4-bit weights are wrong)'}"
+        )
     (workdir / "gpu_check.json").write_text(json.dumps(results, indent=2))
     return 0 if ok else 1
 
@@ -196,37 +260,59 @@ def train_one(name: str, args: argparse.Namespace) -> None:
     workdir = Path(args.workdir)
     db = lt.connect(f"sqlite:///{workdir / 'data.db'}", artifacts=workdir / "artifacts")
     options: dict[str, Any] = {
-        "model": str(workdir / "llama-0.5b"), "prompt_template": TEMPLATE,
-        "max_steps": args.steps, "batch_size": args.batch_size, "learning_rate": 1e-4,
-        "lora_r": 16, "lora_dropout": 0.0, "max_length": 512, "logging_steps": 1,
-        "progress_bar": False, "mixed_precision": "bf16", "seed": 0}
+        "model": str(workdir / "llama-0.5b"),
+        "prompt_template": TEMPLATE,
+        "max_steps": args.steps,
+        "batch_size": args.batch_size,
+        "learning_rate": 1e-4,
+        "lora_r": 16,
+        "lora_dropout": 0.0,
+        "max_length": 512,
+        "logging_steps": 1,
+        "progress_bar": False,
+        "mixed_precision": "bf16",
+        "seed": 0,
+    }
     qlora = {"bits": 4, "qlora": True, "bnb_4bit_compute_dtype": "bfloat16"}
-    options.update({
-        "qlora": qlora,
-        "zero2": {"deepspeed_config": {"stage": 2}},
-        "fsdp": {"fsdp_config": {"mixed_precision": "bf16"}},
-        "fsdp_qlora": {**qlora, "bnb_4bit_quant_storage": "bfloat16",
-                       "fsdp_config": {"mixed_precision": "bf16"}},
-    }[name])
+    options.update(
+        {
+            "qlora": qlora,
+            "zero2": {"deepspeed_config": {"stage": 2}},
+            "fsdp": {"fsdp_config": {"mixed_precision": "bf16"}},
+            "fsdp_qlora": {
+                **qlora,
+                "bnb_4bit_quant_storage": "bfloat16",
+                "fsdp_config": {"mixed_precision": "bf16"},
+            },
+        }[name]
+    )
     torch.cuda.reset_peak_memory_stats()
     model = lt.LLMTrainer(f"gpu-{name}", **options).fit(
-        X="instruction", Y="output", db=db, select=lt.Table("docs"))
+        X="instruction", Y="output", db=db, select=lt.Table("docs")
+    )
     rank = int(os.environ.get("RANK", 0))
-    result: dict[str, Any] = {"rank": rank, "config": name,
-                              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "config": name,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
     if model is not None:  # rank 0
         run = db.metadata.get_run(model.record.run_id)
         metrics = db.metadata.get_metrics(run.run_id)
         skip = min(5, len(metrics) - 2)
         first, last = metrics[skip], metrics[-1]
         seconds = (last.created_at - first.created_at).total_seconds()
-        result.update({
-            "world_size": run.info["world_size"], "strategy": run.info["strategy"],
-            "tokens_per_s": (last.values["tokens"] - first.values["tokens"]) / max(seconds,
-                                                                                    1e-9),
-            "seq_len": run.info["tokens"] / max(1, run.info["steps"]
-                                                * run.info["global_batch_size"]),
-            "losses": [m.values["loss"] for m in metrics]})
+        result.update(
+            {
+                "world_size": run.info["world_size"],
+                "strategy": run.info["strategy"],
+                "tokens_per_s": (last.values["tokens"] - first.values["tokens"])
+                / max(seconds, 1e-9),
+                "seq_len": run.info["tokens"]
+                / max(1, run.info["steps"] * run.info["global_batch_size"]),
+                "losses": [m.values["loss"] for m in metrics],
+            }
+        )
     print(RESULT + json.dumps(result), flush=True)
 
 

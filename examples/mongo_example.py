@@ -28,8 +28,17 @@ def insert_documents() -> object:
     """Your data: any collection; llmtrain pages through it in ``_id`` order."""
     collection = mongo_database(URI)[COLLECTION]
     collection.drop()
-    collection.insert_many([{"_id": r["id"], "meta": {"prompt": r["instruction"]},
-                             "answer": r["output"], "lang": r["lang"]} for r in demo.rows()])
+    collection.insert_many(
+        [
+            {
+                "_id": r["id"],
+                "meta": {"prompt": r["instruction"]},
+                "answer": r["output"],
+                "lang": r["lang"],
+            }
+            for r in demo.rows()
+        ]
+    )
     return collection
 
 
@@ -43,20 +52,30 @@ def main() -> None:
             # Trainers, models and runs go to `metadata_uri`, adapters to `artifacts`
             # (artifacts="gridfs" keeps them in MongoDB); leave both out to keep the records
             # in this database. Here they go to a temporary folder: nothing is left behind.
-            db = lt.connect(URI, metadata_uri=f"sqlite:///{tmp}/llmtrain.db",
-                            artifacts=f"{tmp}/artifacts")
-            trainer = lt.LLMTrainer("mongo-qa", model=base_model,
-                                    prompt_template="Q: {X}\nA: {Y}",
-                                    max_steps=5, batch_size=8, learning_rate=1e-2)
+            db = lt.connect(
+                URI, metadata_uri=f"sqlite:///{tmp}/llmtrain.db", artifacts=f"{tmp}/artifacts"
+            )
+            trainer = lt.LLMTrainer(
+                "mongo-qa",
+                model=base_model,
+                prompt_template="Q: {X}\nA: {Y}",
+                max_steps=5,
+                batch_size=8,
+                learning_rate=1e-2,
+            )
             select = lt.Collection(COLLECTION).find({"lang": "en"})
             model = trainer.fit(X="meta.prompt", Y="answer", db=db, select=select)
             history = model.record.history
-            print(f"trained {model.identifier} on {COLLECTION} (X=meta.prompt, Y=answer): loss "
-                  f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f} in "
-                  f"{len(history)} steps")
+            print(
+                f"trained {model.identifier} on {COLLECTION} (X=meta.prompt, Y=answer): loss "
+                f"{history[0]['loss']:.2f} -> {history[-1]['loss']:.2f} in "
+                f"{len(history)} steps"
+            )
             stored = db.load("trainer", "mongo-qa")
-            print(f"stored selection: {stored.config.fit.select['filter']}, "
-                  f"reloads equal: {stored == trainer}")
+            print(
+                f"stored selection: {stored.config.fit.select['filter']}, "
+                f"reloads equal: {stored == trainer}"
+            )
             db.close()
     finally:
         collection.drop()

@@ -26,11 +26,14 @@ TABLE = "llmtrain_example_docs"
 
 def create_table(engine: sa.Engine) -> sa.Table:
     """Your data: any table with a primary key (llmtrain pages through it in key order)."""
-    docs = sa.Table(TABLE, sa.MetaData(),
-                    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
-                    sa.Column("instruction", sa.Text, nullable=False),
-                    sa.Column("output", sa.Text, nullable=False),
-                    sa.Column("lang", sa.Text, nullable=False))
+    docs = sa.Table(
+        TABLE,
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("instruction", sa.Text, nullable=False),
+        sa.Column("output", sa.Text, nullable=False),
+        sa.Column("lang", sa.Text, nullable=False),
+    )
     docs.drop(engine, checkfirst=True)
     docs.create(engine)
     with engine.begin() as conn:
@@ -49,19 +52,33 @@ def main() -> None:
             # Trainers, models and runs go to `metadata_uri`, adapters to `artifacts`; leave
             # both out to keep everything in PostgreSQL. Here they go to a temporary folder,
             # so the example leaves nothing behind.
-            db = lt.connect(URI, metadata_uri=f"sqlite:///{tmp}/llmtrain.db",
-                            artifacts=f"{tmp}/artifacts")
-            trainer = lt.LLMTrainer("pg-qa", model=base_model,
-                                    prompt_template="Q: {X}\nA: {Y}",
-                                    max_steps=5, batch_size=8, learning_rate=1e-2)
-            model = trainer.fit(X="instruction", Y="output", db=db,
-                                select=lt.Table(TABLE).where("lang = :l", l="en"))
+            db = lt.connect(
+                URI, metadata_uri=f"sqlite:///{tmp}/llmtrain.db", artifacts=f"{tmp}/artifacts"
+            )
+            trainer = lt.LLMTrainer(
+                "pg-qa",
+                model=base_model,
+                prompt_template="Q: {X}\nA: {Y}",
+                max_steps=5,
+                batch_size=8,
+                learning_rate=1e-2,
+            )
+            model = trainer.fit(
+                X="instruction",
+                Y="output",
+                db=db,
+                select=lt.Table(TABLE).where("lang = :l", l="en"),
+            )
             history = model.record.history
-            print(f"trained {model.identifier} on {TABLE}: loss {history[0]['loss']:.2f} -> "
-                  f"{history[-1]['loss']:.2f} in {len(history)} steps")
+            print(
+                f"trained {model.identifier} on {TABLE}: loss {history[0]['loss']:.2f} -> "
+                f"{history[-1]['loss']:.2f} in {len(history)} steps"
+            )
             (run,) = db.metadata.list_runs("trainer", "pg-qa")
-            print(f"run {run.run_id}: {run.status}, rows {run.info['query']['where']} "
-                  f"{run.info['query']['params']}, data fingerprint {run.info['data_fingerprint']}")
+            print(
+                f"run {run.run_id}: {run.status}, rows {run.info['query']['where']} "
+                f"{run.info['query']['params']}, data fingerprint {run.info['data_fingerprint']}"
+            )
             print(f"stored trainer reloads equal: {db.load('trainer', 'pg-qa') == trainer}")
             db.close()
     finally:

@@ -25,23 +25,31 @@ def main() -> None:
             "qdora",
             model=tiny_model(Path(tmp) / "tiny-llama"),  # or e.g. "Qwen/Qwen2.5-7B"
             prompt_template="Q: {X}\nA: {Y}",
-            bits=4, qlora=True,  # NF4 base weights, double quantisation
-            use_dora=True, lora_r=8,
-            max_steps=3, batch_size=8, learning_rate=1e-2,
+            bits=4,
+            qlora=True,  # NF4 base weights, double quantisation
+            use_dora=True,
+            lora_r=8,
+            max_steps=3,
+            batch_size=8,
+            learning_rate=1e-2,
         )
-        model = trainer.fit(X="instruction", Y="output", db=db,
-                            select=lt.Table("docs").where("lang = :l", l="en"))
+        model = trainer.fit(
+            X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="en")
+        )
         history = model.record.history
-        print(f"trained {model.identifier} for {len(history)} steps, "
-              f"final loss {history[-1]['loss']:.2f}")
+        print(
+            f"trained {model.identifier} for {len(history)} steps, "
+            f"final loss {history[-1]['loss']:.2f}"
+        )
 
         network, _ = db.load("model", "qdora").load()  # the base in 4-bit, plus the adapter
-        quantized = [m for m in network.modules()
-                     if type(m).__module__.startswith("bitsandbytes")]
+        quantized = [m for m in network.modules() if type(m).__module__.startswith("bitsandbytes")]
         kinds = {m.weight.quant_state.quant_type for m in quantized}
         dora = [n for n, _ in network.named_parameters() if "lora_magnitude_vector" in n]
-        print(f"base layers in 4-bit: {len(quantized)} ({', '.join(sorted(kinds))}); "
-              f"DoRA magnitude vectors: {len(dora)}")
+        print(
+            f"base layers in 4-bit: {len(quantized)} ({', '.join(sorted(kinds))}); "
+            f"DoRA magnitude vectors: {len(dora)}"
+        )
         db.close()
 
 

@@ -23,18 +23,26 @@ def main() -> None:
         "demo-qa",
         model=base_model,
         prompt_template="### Question:\n{X}\n\n### Answer:\n{Y}",
-        max_steps=steps, batch_size=16, learning_rate=2e-2, lora_r=16, lora_dropout=0.0,
+        max_steps=steps,
+        batch_size=16,
+        learning_rate=2e-2,
+        lora_r=16,
+        lora_dropout=0.0,
     )
-    model = trainer.fit(X="instruction", Y="output", db=db,
-                        select=lt.Table("docs").where("lang = :l", l="en"))
+    model = trainer.fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="en")
+    )
     history = model.record.history
     print(f"loss {history[0]['loss']:.2f} -> {history[-1]['loss']:.2f} in {steps} steps")
 
     # The trainer, its data selection and the model are stored in the database:
     # load them back from any process, any time.
     model = db.load("model", "demo-qa")
-    for question in ["What is the capital of Japan?", "What sound does a cow make?",
-                     "What is 3 plus 4?"]:
+    for question in [
+        "What is the capital of Japan?",
+        "What sound does a cow make?",
+        "What is 3 plus 4?",
+    ]:
         print(f"{question} -> {model.generate(question, max_new_tokens=8)}")
     db.close()
 

@@ -28,13 +28,25 @@ _DB_FILE = "demo.db"
 
 # (English phrasings, English answer, French phrasings, French answer): three English and
 # two French rows per fact, so the `lang = 'en'` selection visibly matters.
-_CAPITALS = [("France", "Paris", "la France", "Paris"), ("Japan", "Tokyo", "le Japon", "Tokyo"),
-             ("Italy", "Rome", "l'Italie", "Rome"), ("Egypt", "Cairo", "l'Egypte", "Le Caire"),
-             ("Peru", "Lima", "le Pérou", "Lima")]
-_OPPOSITES = [("hot", "cold", "chaud", "froid"), ("up", "down", "haut", "bas"),
-              ("day", "night", "jour", "nuit"), ("fast", "slow", "rapide", "lent")]
-_SOUNDS = [("cat", "meow", "le chat", "miaou"), ("dog", "woof", "le chien", "ouaf"),
-           ("cow", "moo", "la vache", "meuh"), ("duck", "quack", "le canard", "coin-coin")]
+_CAPITALS = [
+    ("France", "Paris", "la France", "Paris"),
+    ("Japan", "Tokyo", "le Japon", "Tokyo"),
+    ("Italy", "Rome", "l'Italie", "Rome"),
+    ("Egypt", "Cairo", "l'Egypte", "Le Caire"),
+    ("Peru", "Lima", "le Pérou", "Lima"),
+]
+_OPPOSITES = [
+    ("hot", "cold", "chaud", "froid"),
+    ("up", "down", "haut", "bas"),
+    ("day", "night", "jour", "nuit"),
+    ("fast", "slow", "rapide", "lent"),
+]
+_SOUNDS = [
+    ("cat", "meow", "le chat", "miaou"),
+    ("dog", "woof", "le chien", "ouaf"),
+    ("cow", "moo", "la vache", "meuh"),
+    ("duck", "quack", "le canard", "coin-coin"),
+]
 _SUMS = [(2, 2), (3, 4), (5, 5)]
 
 
@@ -42,21 +54,53 @@ def facts() -> list[tuple[list[str], str, list[str], str]]:
     """The demo's 16 facts, each with its English and French phrasings."""
     out = []
     for en, city, fr, city_fr in _CAPITALS:
-        out.append(([f"What is the capital of {en}?", f"Name the capital of {en}.",
-                     f"{en}: which city is the capital?"], city,
-                    [f"Quelle est la capitale de {fr} ?", f"Capitale de {fr} ?"], city_fr))
+        out.append(
+            (
+                [
+                    f"What is the capital of {en}?",
+                    f"Name the capital of {en}.",
+                    f"{en}: which city is the capital?",
+                ],
+                city,
+                [f"Quelle est la capitale de {fr} ?", f"Capitale de {fr} ?"],
+                city_fr,
+            )
+        )
     for en, answer, fr, answer_fr in _OPPOSITES:
-        out.append(([f"What is the opposite of {en}?", f"Give the opposite of {en}.",
-                     f"Opposite of {en}?"], answer,
-                    [f"Quel est le contraire de {fr} ?", f"Contraire de {fr} ?"], answer_fr))
+        out.append(
+            (
+                [
+                    f"What is the opposite of {en}?",
+                    f"Give the opposite of {en}.",
+                    f"Opposite of {en}?",
+                ],
+                answer,
+                [f"Quel est le contraire de {fr} ?", f"Contraire de {fr} ?"],
+                answer_fr,
+            )
+        )
     for en, answer, fr, answer_fr in _SOUNDS:
-        out.append(([f"What sound does a {en} make?", f"What does a {en} say?",
-                     f"A {en} makes which sound?"], answer,
-                    [f"Quel bruit fait {fr} ?", f"Que dit {fr} ?"], answer_fr))
+        out.append(
+            (
+                [
+                    f"What sound does a {en} make?",
+                    f"What does a {en} say?",
+                    f"A {en} makes which sound?",
+                ],
+                answer,
+                [f"Quel bruit fait {fr} ?", f"Que dit {fr} ?"],
+                answer_fr,
+            )
+        )
     for a, b in _SUMS:
-        out.append(([f"What is {a} plus {b}?", f"Compute {a} + {b}.", f"{a} + {b} = ?"],
-                    str(a + b), [f"Combien font {a} plus {b} ?", f"Calcule {a} + {b}."],
-                    str(a + b)))
+        out.append(
+            (
+                [f"What is {a} plus {b}?", f"Compute {a} + {b}.", f"{a} + {b} = ?"],
+                str(a + b),
+                [f"Combien font {a} plus {b} ?", f"Calcule {a} + {b}."],
+                str(a + b),
+            )
+        )
     return out
 
 
@@ -73,8 +117,10 @@ def write_table(db_file: Path) -> None:
     """Plain ``sqlite3``: the data is any table you already have; llmtrain only reads it."""
     with sqlite3.connect(db_file) as conn:
         conn.execute("DROP TABLE IF EXISTS docs")
-        conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, instruction TEXT NOT NULL, "
-                     "output TEXT NOT NULL, lang TEXT NOT NULL)")
+        conn.execute(
+            "CREATE TABLE docs (id INTEGER PRIMARY KEY, instruction TEXT NOT NULL, "
+            "output TEXT NOT NULL, lang TEXT NOT NULL)"
+        )
         conn.executemany("INSERT INTO docs VALUES (:id, :instruction, :output, :lang)", rows())
     conn.close()
 
@@ -89,8 +135,9 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
 
     workdir = Path(workdir).resolve()
     if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / _MARKER).exists():
-        raise ConfigError(f"{workdir} is not empty and is not a demo folder; pick another "
-                          "with --dir")
+        raise ConfigError(
+            f"{workdir} is not empty and is not a demo folder; pick another with --dir"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / _MARKER).write_text("Written by `llmtrain demo`; safe to delete.\n")
     db_file = workdir / _DB_FILE
@@ -102,8 +149,11 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     return f"sqlite:///{db_file}", tiny_model(workdir / "tiny-llama", corpus=corpus)
 
 
-def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS,
-        say: Callable[[str], Any] | None = None) -> None:
+def run(
+    workdir: str | Path = DEFAULT_DIR,
+    steps: int = DEFAULT_STEPS,
+    say: Callable[[str], Any] | None = None,
+) -> None:
     """The demo, step by step; ``say`` prints each part (the progress bar goes to stderr)."""
     started = time.perf_counter()
     say = say or partial(print, flush=True)
@@ -124,57 +174,88 @@ def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS,
     say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
 
 
-def _fit_load_generate_replay(db: Any, base_model: Path, steps: int,
-                              say: Callable[[str], Any]) -> None:
+def _fit_load_generate_replay(
+    db: Any, base_model: Path, steps: int, say: Callable[[str], Any]
+) -> None:
     """Steps 2-5: the calls of examples/quickstart.py, with what each one shows."""
     trainer = lt.LLMTrainer(
         "demo-qa",
         model=base_model,
         prompt_template="### Question:\n{X}\n\n### Answer:\n{Y}",
-        max_steps=steps, batch_size=16, learning_rate=2e-2, lora_r=16, lora_dropout=0.0,
+        max_steps=steps,
+        batch_size=16,
+        learning_rate=2e-2,
+        lora_r=16,
+        lora_dropout=0.0,
     )
-    say("2. Fine-tune: trainer.fit(X='instruction', Y='output', db=db, "
-        "select=Table('docs').where('lang = :l', l='en'))")
-    model = trainer.fit(X="instruction", Y="output", db=db,
-                        select=lt.Table("docs").where("lang = :l", l="en"))
+    say(
+        "2. Fine-tune: trainer.fit(X='instruction', Y='output', db=db, "
+        "select=Table('docs').where('lang = :l', l='en'))"
+    )
+    model = trainer.fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="en")
+    )
     history = model.record.history
-    say(f"   loss fell from {history[0]['loss']:.3f} (step 1) to {history[-1]['loss']:.3f} "
-        f"(step {history[-1]['step']:.0f})")
+    say(
+        f"   loss fell from {history[0]['loss']:.3f} (step 1) to {history[-1]['loss']:.3f} "
+        f"(step {history[-1]['step']:.0f})"
+    )
     marks = {1, len(history), *range(10, len(history), 10)}
-    say("   by step: " + "  ".join(f"{h['step']:.0f}: {h['loss']:.2f}" for h in history
-                                   if h["step"] in marks) + "\n")
+    say(
+        "   by step: "
+        + "  ".join(f"{h['step']:.0f}: {h['loss']:.2f}" for h in history if h["step"] in marks)
+        + "\n"
+    )
 
     loaded = db.load("trainer", "demo-qa")
     fit = loaded.config.fit
     say(f"3. Stored: db.load('trainer', 'demo-qa') -> {loaded!r}")
-    say(f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
+    say(
+        f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
         f"X={fit.X!r}, Y={fit.Y!r}, rows {_describe(fit.select)}, data fingerprint "
-        f"{(fit.data_fingerprint or '')[:12]}\n")
+        f"{(fit.data_fingerprint or '')[:12]}\n"
+    )
 
     model = db.load("model", "demo-qa")
     say("4. Generate: db.load('model', 'demo-qa').generate(question)")
     probes = [(en[0], answer) for en, answer, _, _ in facts()][::3]
     answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
     matches = [got == want for (_, want), got in zip(probes, answers)]
-    say(_indent(table([(q, want, got, "yes" if ok else "no")
-                       for (q, want), got, ok in zip(probes, answers, matches)],
-                      ["question", "trained answer", "generated", "match"])))
+    say(
+        _indent(
+            table(
+                [
+                    (q, want, got, "yes" if ok else "no")
+                    for (q, want), got, ok in zip(probes, answers, matches)
+                ],
+                ["question", "trained answer", "generated", "match"],
+            )
+        )
+    )
     say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
 
     say("5. Replay: db.load('trainer', 'demo-qa').fit() runs the stored recipe again")
     replayed = db.load("trainer", "demo-qa").fit()
     first, again = history[-1]["loss"], replayed.record.history[-1]["loss"]
-    say(f"   final loss {again:.4f} (first fit: {first:.4f}, "
-        f"{'identical' if again == first else 'not identical'})\n")
-
+    say(
+        f"   final loss {again:.4f} (first fit: {first:.4f}, "
+        f"{'identical' if again == first else 'not identical'})\n"
+    )
 
 
 def _show_data(uri: str, say: Callable[[str], Any]) -> None:
     data = rows()
     english = sum(r["lang"] == "en" for r in data)
     say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
-    say(_indent(table([(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
-                      ["id", "instruction", "output", "lang"])) + "\n   ...\n")
+    say(
+        _indent(
+            table(
+                [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
+                ["id", "instruction", "output", "lang"],
+            )
+        )
+        + "\n   ...\n"
+    )
 
 
 def _describe(select: dict[str, Any]) -> str:
@@ -185,14 +266,31 @@ def _describe(select: dict[str, Any]) -> str:
 
 def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], Any]) -> None:
     say("6. Where everything went")
-    say(f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, runs, "
-        "metrics)")
+    say(
+        f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, runs, "
+        "metrics)"
+    )
     say(f"   artifacts   {db.artifacts.root}  (adapters and checkpoints)")
     say(f"   base model  {base_model}")
     runs = db.metadata.list_runs("trainer", "demo-qa")
-    say(_indent(table([(r.run_id, r.status, r.info.get("steps"), r.info.get("final_loss"),
-                        f"v{r.info.get('model_version')}", r.info.get("artifact")) for r in runs],
-                      ["run id", "status", "steps", "final loss", "model", "adapter artifact"])))
+    say(
+        _indent(
+            table(
+                [
+                    (
+                        r.run_id,
+                        r.status,
+                        r.info.get("steps"),
+                        r.info.get("final_loss"),
+                        f"v{r.info.get('model_version')}",
+                        r.info.get("artifact"),
+                    )
+                    for r in runs
+                ],
+                ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
+            )
+        )
+    )
 
 
 def _indent(text: str, prefix: str = "   ") -> str:

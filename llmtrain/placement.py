@@ -31,8 +31,9 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} / world_size {self.world_size} is not a "
-                              "valid placement")
+            raise ConfigError(
+                f"rank {self.rank} / world_size {self.world_size} is not a valid placement"
+            )
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Placement:
@@ -55,15 +56,20 @@ class Placement:
         found = cls.from_environment()
         if rank is None and world_size is None:
             return found
-        return replace(found, rank=found.rank if rank is None else rank,
-                       world_size=found.world_size if world_size is None else world_size)
+        return replace(
+            found,
+            rank=found.rank if rank is None else rank,
+            world_size=found.world_size if world_size is None else world_size,
+        )
 
     def joined(self, rank: int, world_size: int) -> Placement:
         """The placement inside the process group just joined; a launcher's must agree."""
         if self.launched and (rank, world_size) != (self.rank, self.world_size):
-            raise DistributedError(f"the process group placed this process at rank {rank} of "
-                                   f"{world_size}, its launcher at rank {self.rank} of "
-                                   f"{self.world_size}")
+            raise DistributedError(
+                f"the process group placed this process at rank {rank} of "
+                f"{world_size}, its launcher at rank {self.rank} of "
+                f"{self.world_size}"
+            )
         return replace(self, rank=rank, world_size=world_size)
 
     @property

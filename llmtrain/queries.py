@@ -115,27 +115,50 @@ class Table(Query):
         clash = set(params) & set(self.params)
         if clash:
             raise QueryError(f"where() parameter(s) {sorted(clash)} are already bound")
-        return Table(self.name, schema=self.schema, key=self.key, where=merged,
-                     params={**self.params, **params}, columns=self.columns)
+        return Table(
+            self.name,
+            schema=self.schema,
+            key=self.key,
+            where=merged,
+            params={**self.params, **params},
+            columns=self.columns,
+        )
 
     def select(self, *columns: str) -> Table:
-        return Table(self.name, schema=self.schema, key=self.key, where=self.where_sql,
-                     params=self.params, columns=columns)
+        return Table(
+            self.name,
+            schema=self.schema,
+            key=self.key,
+            where=self.where_sql,
+            params=self.params,
+            columns=columns,
+        )
 
     @property
     def source(self) -> str:
         return f"table {self.schema + '.' if self.schema else ''}{self.name}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name, "schema": self.schema, "key": self.key,
-                "where": self.where_sql, "params": self.params,
-                "columns": list(self.columns) if self.columns else None}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "schema": self.schema,
+            "key": self.key,
+            "where": self.where_sql,
+            "params": self.params,
+            "columns": list(self.columns) if self.columns else None,
+        }
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> Table:
-        return cls(data["name"], schema=data.get("schema"), key=data.get("key"),
-                   where=data.get("where"), params=data.get("params"),
-                   columns=data.get("columns"))
+        return cls(
+            data["name"],
+            schema=data.get("schema"),
+            key=data.get("key"),
+            where=data.get("where"),
+            params=data.get("params"),
+            columns=data.get("columns"),
+        )
 
 
 class RawSQL(Query):
@@ -203,8 +226,9 @@ class Collection(Query):
         *,
         allow_javascript: bool = False,
     ) -> Collection:
-        return Collection(self.name, filter=filter, projection=projection,
-                          allow_javascript=allow_javascript)
+        return Collection(
+            self.name, filter=filter, projection=projection, allow_javascript=allow_javascript
+        )
 
     @property
     def key(self) -> str:
@@ -219,25 +243,37 @@ class Collection(Query):
         return f"collection {self.name}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "name": self.name,
-                "filter": json.loads(json_util.dumps(self.filter,
-                                                     json_options=json_util.CANONICAL_JSON_OPTIONS)),
-                "projection": self.projection, "allow_javascript": self.allow_javascript}
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "filter": json.loads(
+                json_util.dumps(self.filter, json_options=json_util.CANONICAL_JSON_OPTIONS)
+            ),
+            "projection": self.projection,
+            "allow_javascript": self.allow_javascript,
+        }
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> Collection:
-        filt = json_util.loads(json.dumps(data.get("filter") or {}),
-                               json_options=json_util.CANONICAL_JSON_OPTIONS)
-        return cls(data["name"], filter=filt, projection=data.get("projection"),
-                   allow_javascript=bool(data.get("allow_javascript", False)))
+        filt = json_util.loads(
+            json.dumps(data.get("filter") or {}), json_options=json_util.CANONICAL_JSON_OPTIONS
+        )
+        return cls(
+            data["name"],
+            filter=filt,
+            projection=data.get("projection"),
+            allow_javascript=bool(data.get("allow_javascript", False)),
+        )
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:
     if isinstance(obj, dict):
         for k, v in obj.items():
             if k in _JS_OPERATORS:
-                raise QueryError(f"{path}: operator {k!r} runs JavaScript on the server; "
-                                 "pass allow_javascript=True to permit it")
+                raise QueryError(
+                    f"{path}: operator {k!r} runs JavaScript on the server; "
+                    "pass allow_javascript=True to permit it"
+                )
             _refuse_javascript(v, f"{path}.{k}")
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
@@ -249,5 +285,7 @@ def _check_params(params: dict[str, Any]) -> None:
         if not _NAME.match(name):
             raise QueryError(f"parameter name {name!r} is not a valid identifier")
         if not isinstance(value, (str, int, float, bool, type(None))):
-            raise QueryError(f"parameter {name!r}: only str, int, float, bool and None are "
-                             f"stored and replayed, not {type(value).__name__}")
+            raise QueryError(
+                f"parameter {name!r}: only str, int, float, bool and None are "
+                f"stored and replayed, not {type(value).__name__}"
+            )

@@ -68,13 +68,27 @@ The library reads rows from SQL databases and MongoDB collections in key order.
 """
 
 
-def _marker_args(arch: str, vocab_size: int, hidden_size: int, num_layers: int,
-                 num_heads: int, num_kv_heads: int, seed: int,
-                 corpus: list[str] | None) -> dict[str, Any]:
-    return {"recipe": _RECIPE_VERSION, "arch": arch, "vocab_size": vocab_size,
-            "hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
-            "num_kv_heads": num_kv_heads, "seed": seed,
-            "corpus_sha256": hashlib.sha256(json.dumps(corpus or []).encode()).hexdigest()}
+def _marker_args(
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int,
+    corpus: list[str] | None,
+) -> dict[str, Any]:
+    return {
+        "recipe": _RECIPE_VERSION,
+        "arch": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "seed": seed,
+        "corpus_sha256": hashlib.sha256(json.dumps(corpus or []).encode()).hexdigest(),
+    }
 
 
 def _read_marker(path: Path) -> dict[str, Any] | None:
@@ -92,42 +106,66 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # The post-processor is what makes ``tokenizer(text)`` add BOS, as Llama tokenizers do.
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>",
-                                   model_max_length=_MAX_POSITIONS)
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=_MAX_POSITIONS,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def _model_config(arch: str, tokenizer: Any, hidden_size: int, num_layers: int,
-                  num_heads: int, num_kv_heads: int) -> Any:
+def _model_config(
+    arch: str, tokenizer: Any, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int
+) -> Any:
     """The config for ``arch``, sized to the tokenizer and agreeing with its special ids."""
-    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-           "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "hidden_size": hidden_size, "num_hidden_layers": num_layers,
-           "num_attention_heads": num_heads, "max_position_embeddings": _MAX_POSITIONS,
-           # Wider than the 0.02 of real checkpoints: a random tiny model initialised that
-           # narrowly barely reacts to a LoRA update, so tests and the demo could not show a
-           # model learning in a few dozen steps.
-           "initializer_range": 0.2}
+    ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "max_position_embeddings": _MAX_POSITIONS,
+        # Wider than the 0.02 of real checkpoints: a random tiny model initialised that
+        # narrowly barely reacts to a LoRA update, so tests and the demo could not show a
+        # model learning in a few dozen steps.
+        "initializer_range": 0.2,
+    }
     if arch == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(**ids, intermediate_size=2 * hidden_size,
-                           num_key_value_heads=num_kv_heads, tie_word_embeddings=False)
+        return LlamaConfig(
+            **ids,
+            intermediate_size=2 * hidden_size,
+            num_key_value_heads=num_kv_heads,
+            tie_word_embeddings=False,
+        )
     if arch == "qwen2":
         from transformers import Qwen2Config
 
-        return Qwen2Config(**ids, intermediate_size=2 * hidden_size,
-                           num_key_value_heads=num_kv_heads, tie_word_embeddings=False)
+        return Qwen2Config(
+            **ids,
+            intermediate_size=2 * hidden_size,
+            num_key_value_heads=num_kv_heads,
+            tie_word_embeddings=False,
+        )
     from transformers import OPTConfig
 
     return OPTConfig(**ids, ffn_dim=2 * hidden_size, word_embed_proj_dim=hidden_size)
@@ -138,8 +176,14 @@ def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
-    config = _model_config(args["arch"], tokenizer, args["hidden_size"], args["num_layers"],
-                           args["num_heads"], args["num_kv_heads"])
+    config = _model_config(
+        args["arch"],
+        tokenizer,
+        args["hidden_size"],
+        args["num_layers"],
+        args["num_heads"],
+        args["num_kv_heads"],
+    )
     with torch.random.fork_rng(devices=[]):  # deterministic, and leaves the caller's RNG alone
         torch.manual_seed(args["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -150,10 +194,18 @@ def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
     (path / _MARKER).write_text(json.dumps(args, indent=2, sort_keys=True), encoding="utf-8")
 
 
-def tiny_model(path: str | os.PathLike[str], arch: str = "llama", *, vocab_size: int = 512,
-               hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-               num_kv_heads: int | None = None, seed: int = 0,
-               corpus: list[str] | None = None) -> Path:
+def tiny_model(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    seed: int = 0,
+    corpus: list[str] | None = None,
+) -> Path:
     """Build (once) a tiny causal LM plus tokenizer in ``path`` and return the path.
 
     ``arch`` is ``"llama"``, ``"opt"`` or ``"qwen2"``. The tokenizer has ``<s>`` (BOS, added
@@ -169,21 +221,26 @@ def tiny_model(path: str | os.PathLike[str], arch: str = "llama", *, vocab_size:
     if arch not in ARCHES:
         raise ConfigError(f"tiny_model: arch must be one of {ARCHES}, got {arch!r}")
     if hidden_size % num_heads:
-        raise ConfigError(f"tiny_model: hidden_size {hidden_size} is not divisible by "
-                          f"num_heads {num_heads}")
+        raise ConfigError(
+            f"tiny_model: hidden_size {hidden_size} is not divisible by num_heads {num_heads}"
+        )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % kv_heads:
-        raise ConfigError(f"tiny_model: num_heads {num_heads} is not divisible by "
-                          f"num_kv_heads {kv_heads}")
-    args = _marker_args(arch, vocab_size, hidden_size, num_layers, num_heads, kv_heads, seed,
-                        corpus)
+        raise ConfigError(
+            f"tiny_model: num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}"
+        )
+    args = _marker_args(
+        arch, vocab_size, hidden_size, num_layers, num_heads, kv_heads, seed, corpus
+    )
     path = Path(path)
     if _read_marker(path) == args:
         return path
     if path.exists():
         if _read_marker(path) is None and any(path.iterdir()):
-            raise ConfigError(f"tiny_model: {path} is a non-empty directory that does not hold "
-                              f"a tiny model; refusing to overwrite it")
+            raise ConfigError(
+                f"tiny_model: {path} is a non-empty directory that does not hold "
+                f"a tiny model; refusing to overwrite it"
+            )
         shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Build next to the target and rename, so a concurrent reader never sees a partial model.

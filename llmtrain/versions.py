@@ -5,8 +5,17 @@ from __future__ import annotations
 import platform
 from importlib import metadata
 
-_PACKAGES = ("llmtrain", "torch", "transformers", "peft", "bitsandbytes", "deepspeed",
-             "sqlalchemy", "pymongo", "tokenizers")
+_PACKAGES = (
+    "llmtrain",
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "deepspeed",
+    "sqlalchemy",
+    "pymongo",
+    "tokenizers",
+)
 
 
 def library_versions() -> dict[str, str]:

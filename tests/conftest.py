@@ -18,8 +18,9 @@ SQL_BACKENDS = ["sqlite", "postgresql", "mariadb"]
 
 
 def _server_or_skip(kind: str, admin_url: str) -> sa.Engine:
-    engine = sa.create_engine(f"{admin_url}/{'postgres' if kind == 'postgresql' else ''}",
-                              isolation_level="AUTOCOMMIT")
+    engine = sa.create_engine(
+        f"{admin_url}/{'postgres' if kind == 'postgresql' else ''}", isolation_level="AUTOCOMMIT"
+    )
     try:
         with engine.connect():
             pass
@@ -53,9 +54,13 @@ def fresh_database(kind: str, tmp_path: Any) -> Iterator[str]:
         dispose_sql_engine(f"{admin}/{name}")
         with engine.connect() as conn:
             if kind == "postgresql":
-                conn.execute(sa.text(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE datname = :d AND pid <> pg_backend_pid()"), {"d": name})
+                conn.execute(
+                    sa.text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = :d AND pid <> pg_backend_pid()"
+                    ),
+                    {"d": name},
+                )
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
         engine.dispose()
 
@@ -75,8 +80,14 @@ def sqlite_uri(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'data.db'}"
 
 
-def fill(uri: str, name: str, rows: list[dict[str, Any]], *, key: str = "id",
-         text_columns: list[str] | None = None) -> None:
+def fill(
+    uri: str,
+    name: str,
+    rows: list[dict[str, Any]],
+    *,
+    key: str = "id",
+    text_columns: list[str] | None = None,
+) -> None:
     """Create table/collection ``name`` holding ``rows`` (each has ``key``; SQL: INTEGER key,
     other columns TEXT unless their values are ints). Mongo stores ``key`` as ``_id``."""
     if uri.startswith("mongo"):
@@ -85,7 +96,7 @@ def fill(uri: str, name: str, rows: list[dict[str, Any]], *, key: str = "id",
         coll = mongo_database(uri)[name]
         docs = [{("_id" if k == key else k): v for k, v in r.items()} for r in rows]
         for i in range(0, len(docs), 5000):
-            coll.insert_many(docs[i:i + 5000])
+            coll.insert_many(docs[i : i + 5000])
         return
     from llmtrain.backends.engines import sql_engine
 
@@ -93,18 +104,22 @@ def fill(uri: str, name: str, rows: list[dict[str, Any]], *, key: str = "id",
     for r in rows:
         for k, v in r.items():
             if k != key and k not in columns:
-                columns[k] = sa.Integer if isinstance(v, int) and not isinstance(v, bool) \
-                    else sa.Text
+                columns[k] = (
+                    sa.Integer if isinstance(v, int) and not isinstance(v, bool) else sa.Text
+                )
     for c in text_columns or []:
         columns.setdefault(c, sa.Text)
     meta = sa.MetaData()
-    table = sa.Table(name, meta, sa.Column(key, sa.Integer, primary_key=True,
-                                           autoincrement=False),
-                     *[sa.Column(c, t, nullable=True) for c, t in columns.items()])
+    table = sa.Table(
+        name,
+        meta,
+        sa.Column(key, sa.Integer, primary_key=True, autoincrement=False),
+        *[sa.Column(c, t, nullable=True) for c, t in columns.items()],
+    )
     engine = sql_engine(uri, create=True)
     meta.create_all(engine)
     with engine.begin() as conn:
         for i in range(0, len(rows), 5000):
-            chunk = [{c: r.get(c) for c in [key, *columns]} for r in rows[i:i + 5000]]
+            chunk = [{c: r.get(c) for c in [key, *columns]} for r in rows[i : i + 5000]]
             if chunk:
                 conn.execute(table.insert(), chunk)

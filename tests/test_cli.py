@@ -28,8 +28,16 @@ from llmtrain.queries import Collection, RawSQL, Table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "config.yaml"
-FAST = ["--name", "cli-test", "--training_args.max_steps", "4",
-        "--training_args.save_steps", "2", "--training_args.progress_bar", "false"]
+FAST = [
+    "--name",
+    "cli-test",
+    "--training_args.max_steps",
+    "4",
+    "--training_args.save_steps",
+    "2",
+    "--training_args.progress_bar",
+    "false",
+]
 
 
 def llmtrain_command() -> list[str]:
@@ -50,19 +58,31 @@ def test_override_values_are_yaml() -> None:
     assert parse_value("3") == 3 and parse_value("false") is False
     assert parse_value("null") is None and parse_value("[q_proj, v_proj]") == ["q_proj", "v_proj"]
     assert parse_value("lang = :l") == "lang = :l"
-    assert parse_overrides(["--training_args.learning_rate", "1e-4", "--lora_args=null",
-                            "--data.select.params.l", "fr"]) == [
-        ("training_args.learning_rate", pytest.approx(1e-4)), ("lora_args", None),
-        ("data.select.params.l", "fr")]
+    assert parse_overrides(
+        [
+            "--training_args.learning_rate",
+            "1e-4",
+            "--lora_args=null",
+            "--data.select.params.l",
+            "fr",
+        ]
+    ) == [
+        ("training_args.learning_rate", pytest.approx(1e-4)),
+        ("lora_args", None),
+        ("data.select.params.l", "fr"),
+    ]
 
 
-@pytest.mark.parametrize(("path", "message"), [
-    ("training_args.learnin_rate", "did you mean 'learning_rate'"),
-    ("trainig_args.learning_rate", "did you mean 'training_args'"),
-    ("lora_args.r.x", "has no sub-options"),
-    ("data.select.bogus", "data.select has no 'bogus'"),
-    ("name.first", "single value"),
-])
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("training_args.learnin_rate", "did you mean 'learning_rate'"),
+        ("trainig_args.learning_rate", "did you mean 'training_args'"),
+        ("lora_args.r.x", "has no sub-options"),
+        ("data.select.bogus", "data.select has no 'bogus'"),
+        ("name.first", "single value"),
+    ],
+)
 def test_unknown_override_paths_are_named(path: str, message: str) -> None:
     with pytest.raises(ConfigError, match=rf"--{re.escape(path)}.*{message}"):
         check_path(path)
@@ -76,13 +96,16 @@ def test_overrides_create_missing_sections_and_leave_the_input_alone() -> None:
 
 
 def test_selection_forms() -> None:
-    assert build_query({"table": "docs", "where": "lang = :l", "params": {"l": "en"}}) == \
-        Table("docs").where("lang = :l", l="en")
+    assert build_query({"table": "docs", "where": "lang = :l", "params": {"l": "en"}}) == Table(
+        "docs"
+    ).where("lang = :l", l="en")
     assert build_query(Table("docs").to_dict()) == Table("docs")
-    assert build_query({"collection": "docs", "filter": {"lang": "en"}}) == \
-        Collection("docs").find({"lang": "en"})
-    assert build_query({"sql": "SELECT id, q FROM t", "key": "id"}) == \
-        RawSQL("SELECT id, q FROM t", key="id")
+    assert build_query({"collection": "docs", "filter": {"lang": "en"}}) == Collection("docs").find(
+        {"lang": "en"}
+    )
+    assert build_query({"sql": "SELECT id, q FROM t", "key": "id"}) == RawSQL(
+        "SELECT id, q FROM t", key="id"
+    )
     with pytest.raises(ConfigError, match="exactly one of"):
         build_query({"table": "docs", "collection": "docs"})
     with pytest.raises(ConfigError, match=r"collection: does not take \['where'\]"):
@@ -96,13 +119,25 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
     assert job.trainer().config.lora_args is None  # null: full fine-tuning
     assert job.select == Table("docs").where("lang = :l", l="en")
     with pytest.raises(ConfigError, match="config.data.X"):
-        build_job({"name": "a", "db": "sqlite://", "model_args": {"model_name_or_path": "m"},
-                   "data": {"Y": "b", "select": {"table": "t"}}})
+        build_job(
+            {
+                "name": "a",
+                "db": "sqlite://",
+                "model_args": {"model_name_or_path": "m"},
+                "data": {"Y": "b", "select": {"table": "t"}},
+            }
+        )
     with pytest.raises(ConfigError, match="config.epochs: unknown option"):
         build_job({"name": "a", "epochs": 3})
     with pytest.raises(ConfigError, match="LLMTRAIN_DB_URI"):
-        build_job({"name": "a", "model_args": {"model_name_or_path": "m"},
-                   "data": {"X": "a", "Y": "b", "select": {"table": "t"}}}, env={})
+        build_job(
+            {
+                "name": "a",
+                "model_args": {"model_name_or_path": "m"},
+                "data": {"X": "a", "Y": "b", "select": {"table": "t"}},
+            },
+            env={},
+        )
     bad = tmp_path / "bad.yaml"
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
@@ -161,8 +196,7 @@ def test_show_tables(fitted: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"STEP\s+LOSS\s+LR", out) and "CHECKPOINT" in out
 
 
-def test_replay_and_merge(fitted: str, tmp_path: Path,
-                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_replay_and_merge(fitted: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -189,9 +223,9 @@ def test_replay_and_merge(fitted: str, tmp_path: Path,
     db.close()
 
 
-def test_missing_components_and_databases_fail_cleanly(fitted: str,
-                                                       capsys: pytest.CaptureFixture[str],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_components_and_databases_fail_cleanly(
+    fitted: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, _, err = run_cli(capsys, "replay", "nope", "--db", fitted)
     assert code == 1 and "'nope'" in err and "Traceback" not in err
     code, _, err = run_cli(capsys, "show", "trainer", "nope", "--db", fitted)
@@ -203,16 +237,22 @@ def test_missing_components_and_databases_fail_cleanly(fitted: str,
     assert code == 2 and "unrecognized arguments: --bogus" in err
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--training_args.learnin_rate", "1e-4"],
-     "unknown option --training_args.learnin_rate: TrainingArguments has no 'learnin_rate'"),
-    (["--training_args.learning_rate", "-1"], "LLMTrainer.training_args.learning_rate"),
-    (["--lora_args.r", "0"], "LLMTrainer.lora_args.r"),
-    (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
-    (["--training_args.learning_rate"], "needs a value"),
-])
-def test_bad_overrides_exit_2_naming_the_option(workdir: Path, args: list[str], message: str,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--training_args.learnin_rate", "1e-4"],
+            "unknown option --training_args.learnin_rate: TrainingArguments has no 'learnin_rate'",
+        ),
+        (["--training_args.learning_rate", "-1"], "LLMTrainer.training_args.learning_rate"),
+        (["--lora_args.r", "0"], "LLMTrainer.lora_args.r"),
+        (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
+        (["--training_args.learning_rate"], "needs a value"),
+    ],
+)
+def test_bad_overrides_exit_2_naming_the_option(
+    workdir: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_cli(capsys, "fit", str(CONFIG), "--db", "sqlite://", *args)
     assert code == 2 and message in err and "Traceback" not in err + out
 
@@ -221,12 +261,20 @@ def test_subprocess_errors_are_clean_and_never_show_passwords(workdir: Path) -> 
     secret_db = "postgresql+psycopg://user:s3cret-pw@127.0.0.1:9/db"
     result = subprocess.run(
         [*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db, "--trainig_args.seed", "1"],
-        cwd=workdir, capture_output=True, text=True, timeout=120)
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     assert "did you mean 'training_args'" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run([*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db,
-                             "--data.X", "null"],
-                            cwd=workdir, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db, "--data.X", "null"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "config.data.X" in result.stderr
     assert "s3cret" not in result.stdout + result.stderr
 
@@ -250,27 +298,42 @@ def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 # -- the demo ------------------------------------------------------------------------------
-def test_demo_runs_and_reruns_in_the_same_folder(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_and_reruns_in_the_same_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = tmp_path / "demo"
     for _ in range(2):  # the second run starts over in the same folder
         code, out, err = run_cli(capsys, "demo", "--dir", str(folder), "--steps", "6")
         assert code == 0, err
-        for part in ("1. Data: table 'docs'", "80 rows, 48 in English", "2. Fine-tune",
-                     "3. Stored", "equal to the trainer that ran: True", "4. Generate",
-                     "5. Replay", "6. Where everything went", "Done in"):
+        for part in (
+            "1. Data: table 'docs'",
+            "80 rows, 48 in English",
+            "2. Fine-tune",
+            "3. Stored",
+            "equal to the trainer that ran: True",
+            "4. Generate",
+            "5. Replay",
+            "6. Where everything went",
+            "Done in",
+        ):
             assert part in out, part
-        first, last = map(float, re.search(r"loss fell from ([\d.]+) \(step 1\) to ([\d.]+)",
-                                           out).groups())
+        first, last = map(
+            float, re.search(r"loss fell from ([\d.]+) \(step 1\) to ([\d.]+)", out).groups()
+        )
         assert last < first
         assert len(re.findall(r"[0-9a-f]{32}\s+completed\s+6\s", out)) == 2  # fit + replay
         assert "fit demo-qa" in err  # the progress bar, with its loss/lr/tok_s postfix
-    assert {p.name for p in folder.iterdir()} == {".llmtrain-demo", "demo.db",
-                                                 "demo.db.artifacts", "tiny-llama"}
+    assert {p.name for p in folder.iterdir()} == {
+        ".llmtrain-demo",
+        "demo.db",
+        "demo.db.artifacts",
+        "tiny-llama",
+    }
 
 
-def test_demo_refuses_a_folder_that_is_not_its_own(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_refuses_a_folder_that_is_not_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
     code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path))
     assert code == 2 and "not a demo folder" in err

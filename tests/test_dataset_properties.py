@@ -22,11 +22,30 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return lt.connect(uri)
 
 
-def _epoch_keys(db: Any, n: int, rank: int, world: int, workers: int, *, cache: int,
-                drop: bool, seed: int = 11, epoch: int = 0, batch: int = 3) -> list[Any]:
-    ds = lt.CachedQueryDataset(db, lt.Table("docs").where("id < :n", n=n), "text",
-                               cache_size=cache, seed=seed, rank=rank, world_size=world,
-                               drop_remainder=drop, return_keys=True)
+def _epoch_keys(
+    db: Any,
+    n: int,
+    rank: int,
+    world: int,
+    workers: int,
+    *,
+    cache: int,
+    drop: bool,
+    seed: int = 11,
+    epoch: int = 0,
+    batch: int = 3,
+) -> list[Any]:
+    ds = lt.CachedQueryDataset(
+        db,
+        lt.Table("docs").where("id < :n", n=n),
+        "text",
+        cache_size=cache,
+        seed=seed,
+        rank=rank,
+        world_size=world,
+        drop_remainder=drop,
+        return_keys=True,
+    )
     ds.set_epoch(epoch)
     keys = [r["_key"] for b in ds.loader(batch, num_workers=workers) for r in b]
     if workers == 0:
@@ -34,14 +53,22 @@ def _epoch_keys(db: Any, n: int, rank: int, world: int, workers: int, *, cache: 
     return keys
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(n=st.integers(0, 2000), world=st.integers(1, 8), workers=st.integers(0, 3),
-       cache=st.sampled_from([1, 7, 64, 500]), drop=st.booleans())
-def test_every_row_once_equal_counts_deterministic(db: Any, n: int, world: int, workers: int,
-                                                  cache: int, drop: bool) -> None:
-    per_rank = [_epoch_keys(db, n, r, world, workers, cache=cache, drop=drop)
-                for r in range(world)]
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.integers(0, 2000),
+    world=st.integers(1, 8),
+    workers=st.integers(0, 3),
+    cache=st.sampled_from([1, 7, 64, 500]),
+    drop=st.booleans(),
+)
+def test_every_row_once_equal_counts_deterministic(
+    db: Any, n: int, world: int, workers: int, cache: int, drop: bool
+) -> None:
+    per_rank = [_epoch_keys(db, n, r, world, workers, cache=cache, drop=drop) for r in range(world)]
     expected = rows_per_rank(n, world, drop)
     assert all(len(keys) == expected for keys in per_rank)
     counts = collections.Counter(k for keys in per_rank for k in keys)

@@ -14,8 +14,15 @@ from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 
 
 def _rows(n: int, start: int = 0) -> list[dict[str, Any]]:
-    return [{"id": i, "instruction": f"instr {i}", "output": f"out {i}",
-             "lang": "en" if i % 4 else "fr"} for i in range(start, start + n)]
+    return [
+        {
+            "id": i,
+            "instruction": f"instr {i}",
+            "output": f"out {i}",
+            "lang": "en" if i % 4 else "fr",
+        }
+        for i in range(start, start + n)
+    ]
 
 
 def _select(uri: str, **filters: Any) -> lt.Query:
@@ -33,8 +40,13 @@ def _keys(rows: list[dict[str, Any]]) -> list[Any]:
 
 def _dataset(db: Any, uri: str, **kwargs: Any) -> lt.CachedQueryDataset:
     kwargs.setdefault("cache_size", 16)
-    return lt.CachedQueryDataset(db, kwargs.pop("select", _select(uri)),
-                                 ["instruction", "output"], return_keys=True, **kwargs)
+    return lt.CachedQueryDataset(
+        db,
+        kwargs.pop("select", _select(uri)),
+        ["instruction", "output"],
+        return_keys=True,
+        **kwargs,
+    )
 
 
 def test_shards_are_disjoint_equal_and_fetched_exactly(any_uri: str) -> None:
@@ -84,8 +96,13 @@ def test_order_is_seeded_and_changes_per_epoch(any_uri: str) -> None:
 def test_resume_continues_at_next_row(any_uri: str, num_workers: int) -> None:
     fill(any_uri, "docs", _rows(150))
     db = lt.connect(any_uri)
-    full = [k for batch in _dataset(db, any_uri, seed=1, rank=1, world_size=2).loader(
-        4, num_workers=num_workers) for k in _keys(batch)]
+    full = [
+        k
+        for batch in _dataset(db, any_uri, seed=1, rank=1, world_size=2).loader(
+            4, num_workers=num_workers
+        )
+        for k in _keys(batch)
+    ]
     assert len(full) == 75
 
     ds = _dataset(db, any_uri, seed=1, rank=1, world_size=2)
@@ -158,8 +175,9 @@ def test_changed_rows_refuse_resume_unless_allowed(any_uri: str) -> None:
     for _ in range(10):
         next(it)
     state = ds.state_dict()
-    fill(any_uri, "docs", _rows(5, start=1000)) if any_uri.startswith("mongo") else \
-        _insert_sql(any_uri, 1000)
+    fill(any_uri, "docs", _rows(5, start=1000)) if any_uri.startswith("mongo") else _insert_sql(
+        any_uri, 1000
+    )
     fresh = _dataset(db, any_uri, rank=0, world_size=1)
     with pytest.raises(DataChangedError, match="row count 50 -> 5[15]"):
         fresh.load_state_dict(state)
@@ -173,8 +191,10 @@ def _insert_sql(uri: str, key: int) -> None:
     from llmtrain.backends.engines import sql_engine
 
     with sql_engine(uri).begin() as conn:
-        conn.execute(sa.text("INSERT INTO docs (id, instruction, output, lang) "
-                             "VALUES (:i, 'x', 'y', 'en')"), {"i": key})
+        conn.execute(
+            sa.text("INSERT INTO docs (id, instruction, output, lang) VALUES (:i, 'x', 'y', 'en')"),
+            {"i": key},
+        )
 
 
 def test_resume_refuses_a_different_layout(sqlite_uri: str) -> None:
@@ -208,11 +228,19 @@ def test_mongo_nested_fields_and_missing(tmp_path: Any) -> None:
     from llmtrain.backends.engines import mongo_database
 
     coll = mongo_database(uri)["chats"]
-    coll.insert_many([{"_id": i, "meta": {"prompt": f"p{i}"}, "answer": f"a{i}"}
-                      for i in range(10)] + [{"_id": 10, "meta": {}, "answer": "x"}])
+    coll.insert_many(
+        [{"_id": i, "meta": {"prompt": f"p{i}"}, "answer": f"a{i}"} for i in range(10)]
+        + [{"_id": 10, "meta": {}, "answer": "x"}]
+    )
     db = lt.connect(uri)
-    ds = lt.CachedQueryDataset(db, lt.Collection("chats").find(), ["meta.prompt", "answer"],
-                               shuffle=False, rank=0, world_size=1)
+    ds = lt.CachedQueryDataset(
+        db,
+        lt.Collection("chats").find(),
+        ["meta.prompt", "answer"],
+        shuffle=False,
+        rank=0,
+        world_size=1,
+    )
     it = iter(ds)
     assert next(it) == {"meta.prompt": "p0", "answer": "a0"}
     with pytest.raises(BadRowError, match="key 10.*'meta.prompt' is missing"):
@@ -244,10 +272,22 @@ def test_raw_sql_join(sql_uri: str) -> None:
     fill(sql_uri, "docs", _rows(30))
     fill(sql_uri, "labels", [{"id": i, "label": f"L{i}"} for i in range(0, 30, 2)])
     db = lt.connect(sql_uri)
-    query = lt.sql("SELECT d.id AS doc_id, d.instruction, l.label FROM docs d "
-                   "JOIN labels l ON l.id = d.id WHERE d.lang = :lang", key="doc_id", lang="en")
-    ds = lt.CachedQueryDataset(db, query, ["instruction", "label"], shuffle=False,
-                               return_keys=True, cache_size=4, rank=0, world_size=1)
+    query = lt.sql(
+        "SELECT d.id AS doc_id, d.instruction, l.label FROM docs d "
+        "JOIN labels l ON l.id = d.id WHERE d.lang = :lang",
+        key="doc_id",
+        lang="en",
+    )
+    ds = lt.CachedQueryDataset(
+        db,
+        query,
+        ["instruction", "label"],
+        shuffle=False,
+        return_keys=True,
+        cache_size=4,
+        rank=0,
+        world_size=1,
+    )
     rows = list(ds)
     assert _keys(rows) == [i for i in range(0, 30, 2) if i % 4]
     assert rows[0] == {"instruction": "instr 2", "label": "L2", "_key": 2}
@@ -256,8 +296,15 @@ def test_raw_sql_join(sql_uri: str) -> None:
 def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
     fill(any_uri, "docs", _rows(100))
     db = lt.connect(any_uri)
-    plain = lambda: lt.CachedQueryDataset(db, _select(any_uri), "instruction",  # noqa: E731
-                                          cache_size=32, seed=2, rank=0, world_size=1)
+    plain = lambda: lt.CachedQueryDataset(
+        db,
+        _select(any_uri),
+        "instruction",  # noqa: E731
+        cache_size=32,
+        seed=2,
+        rank=0,
+        world_size=1,
+    )
     full = [r["instruction"] for r in plain()]
     ds = plain()
     it = iter(ds)
@@ -285,11 +332,14 @@ def test_a_missing_column_fails_at_once_not_after_the_retry_budget(sqlite_uri: s
 def test_loader_can_hand_over_key_row_pairs(sqlite_uri: str) -> None:
     fill(sqlite_uri, "docs", _rows(10))
     db = lt.connect(sqlite_uri)
-    ds = lt.CachedQueryDataset(db, lt.Table("docs"), "output", shuffle=False, rank=0,
-                               world_size=1)
+    ds = lt.CachedQueryDataset(db, lt.Table("docs"), "output", shuffle=False, rank=0, world_size=1)
     batches = list(ds.loader(4, with_keys=True))
-    assert batches[0] == [(0, {"output": "out 0"}), (1, {"output": "out 1"}),
-                          (2, {"output": "out 2"}), (3, {"output": "out 3"})]
+    assert batches[0] == [
+        (0, {"output": "out 0"}),
+        (1, {"output": "out 1"}),
+        (2, {"output": "out 2"}),
+        (3, {"output": "out 3"}),
+    ]
     assert [len(b) for b in batches] == [4, 4, 2]
 
 
@@ -300,14 +350,25 @@ def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
     db = lt.connect(any_uri)
     scan = scan_selection(db.backend, _select(any_uri), 16, 0.2)
     # the whole selection's fingerprint is the one a scan without a split gives
-    assert scan.fingerprint == lt.CachedQueryDataset(db, _select(any_uri), "output",
-                                                     cache_size=16).data_fingerprint
+    assert (
+        scan.fingerprint
+        == lt.CachedQueryDataset(db, _select(any_uri), "output", cache_size=16).data_fingerprint
+    )
     held = [k for k in range(300) if held_out(k, 0.2)]
     assert (scan.view("train").count, scan.view("held_out").count) == (300 - len(held), len(held))
 
     def view(split: str, rank: int, world: int, **kwargs: Any) -> lt.CachedQueryDataset:
-        return _dataset(db, any_uri, split=split, eval_fraction=0.2, scan=scan, rank=rank,
-                        world_size=world, seed=4, **kwargs)
+        return _dataset(
+            db,
+            any_uri,
+            split=split,
+            eval_fraction=0.2,
+            scan=scan,
+            rank=rank,
+            world_size=world,
+            seed=4,
+            **kwargs,
+        )
 
     train = [_keys(list(view("train", r, 2))) for r in range(2)]
     assert len(train[0]) == len(train[1]) == len(view("train", 0, 2)) == (300 - len(held)) // 2
@@ -373,8 +434,17 @@ def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) 
     db = lt.connect(sqlite_uri)
     args = DataArguments(eval_fraction=0.25, cache_size=16)
     scan = scan_selection(db.backend, lt.Table("docs"), 16, 0.25)
-    train = view_dataset(db, lt.Table("docs"), ["instruction", "output"], args,
-                         split="train", scan=scan, rank=0, world_size=1, seed=3)
+    train = view_dataset(
+        db,
+        lt.Table("docs"),
+        ["instruction", "output"],
+        args,
+        split="train",
+        scan=scan,
+        rank=0,
+        world_size=1,
+        seed=3,
+    )
     batches = TrainBatches(train, args, batch_size=8, collate=lambda rows: rows)  # type: ignore[arg-type]
     got = [batch for _, batch in batches.epochs(0, 1)]
     n_train = sum(not held_out(k, 0.25) for k in range(203))

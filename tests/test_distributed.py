@@ -54,15 +54,28 @@ N_ROWS, MICRO, ACCUM, WORLD = 32, 2, 2, 2
 STEPS = N_ROWS // (MICRO * ACCUM * WORLD)
 BAD_ID = 25  # rank 1 reads ids 16..31, 4 per step: id 25 comes in step 3
 OPTIONS: dict[str, Any] = {
-    "max_steps": STEPS, "batch_size": MICRO, "gradient_accumulation_steps": ACCUM,
-    "learning_rate": 5e-3, "max_grad_norm": 0.5, "lora_r": 4, "lora_dropout": 0.0,
-    "shuffle": False, "cache_size": 4, "save_steps": 2, "progress_bar": False,
-    "logging_steps": 1, "seed": 0}
+    "max_steps": STEPS,
+    "batch_size": MICRO,
+    "gradient_accumulation_steps": ACCUM,
+    "learning_rate": 5e-3,
+    "max_grad_norm": 0.5,
+    "lora_r": 4,
+    "lora_dropout": 0.0,
+    "shuffle": False,
+    "cache_size": 4,
+    "save_steps": 2,
+    "progress_bar": False,
+    "logging_steps": 1,
+    "seed": 0,
+}
 
 
 def _row(i: int) -> dict[str, Any]:
-    return {"id": i, "instruction": f"Item {i}: what is color number {i % 8}?",
-            "output": COLORS[(3 * i) % 8]}
+    return {
+        "id": i,
+        "instruction": f"Item {i}: what is color number {i % 8}?",
+        "output": COLORS[(3 * i) % 8],
+    }
 
 
 def _reference_id(i: int) -> int:
@@ -106,8 +119,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     fill(uri, "docs", rows)
     fill(uri, "docs_reference", [{**r, "id": _reference_id(r["id"])} for r in rows])
     for name in ("docs_bad", "docs_crash_fsdp", "docs_crash_zero3"):
-        fill(uri, name, [{**r, "output": None} if r["id"] == BAD_ID else r for r in rows],
-             text_columns=["output"])
+        fill(
+            uri,
+            name,
+            [{**r, "output": None} if r["id"] == BAD_ID else r for r in rows],
+            text_columns=["output"],
+        )
     db = lt.connect(uri, artifacts=root / "artifacts")
     yield Env(root, uri, db, tiny)
     db.close()
@@ -128,8 +145,7 @@ def environ(**values: str) -> Iterator[None]:
 
 
 def _trainer(env: Env, name: str, **kwargs: Any) -> lt.LLMTrainer:
-    return lt.LLMTrainer(name, model=env.tiny, prompt_template=TEMPLATE,
-                         **{**OPTIONS, **kwargs})
+    return lt.LLMTrainer(name, model=env.tiny, prompt_template=TEMPLATE, **{**OPTIONS, **kwargs})
 
 
 def _adapter(env: Env, model: Any) -> dict[str, torch.Tensor]:
@@ -148,8 +164,9 @@ class PsWatcher:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True,
-                                 text=True).stdout  # -ww: never cut a line short
+            out = subprocess.run(
+                ["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True
+            ).stdout  # -ww: never cut a line short
             self.lines.update(line for line in out.splitlines() if self.marker in line)
             time.sleep(0.2)
 
@@ -165,7 +182,8 @@ class PsWatcher:
 def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -> Path:
     """A user's script, run as ``deepspeed script.py``: every rank calls fit() itself."""
     script = env.root / f"{name}.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, os
         import llmtrain as lt
         from llmtrain.training.callbacks import install_from_environment
@@ -177,7 +195,8 @@ def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -
                                 **json.loads(os.environ["DIST_TEST_OPTIONS"]))
         model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table({table!r}))
         print("rank", os.environ["RANK"], "returned", model)
-    """))
+    """)
+    )
     return script
 
 
@@ -187,45 +206,68 @@ def _train(env: Env, strategy: str) -> Result:
         return env.results[strategy]
     kwargs: dict[str, Any] = {
         "ddp": {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)},
-        "fsdp": {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD),
-                 "fsdp_config": {}},
-        "zero2": {"launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD),
-                  "deepspeed_config": {"stage": 2}},
+        "fsdp": {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD), "fsdp_config": {}},
+        "zero2": {
+            "launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD),
+            "deepspeed_config": {"stage": 2},
+        },
         "zero3": {"deepspeed_config": {"stage": 3}},  # run by `deepspeed script.py`
     }[strategy]
     name = f"dist-{strategy}"
     prefix = env.root / f"report-{strategy}"
     trace = env.root / f"trace-{strategy}"
     started = time.perf_counter()
-    with environ(**{REPORT_ENV: str(prefix), TRACE_ENV: str(trace)}), \
-            PsWatcher("llmtrain") as ps:
+    with environ(**{REPORT_ENV: str(prefix), TRACE_ENV: str(trace)}), PsWatcher("llmtrain") as ps:
         if strategy == "zero3":
             script = _deepspeed_script(env, name, kwargs, "docs")
             from llmtrain.launchers import free_port
 
             options = json.dumps({**OPTIONS, "deepspeed_config": {"stage": 3}})
             proc = subprocess.run(
-                [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(WORLD),
-                 "--master_port", str(free_port()), str(script)],
-                env={**os.environ, "DIST_TEST_URI": env.uri, "DIST_TEST_OPTIONS": options,
-                     "DIST_TEST_ART": str(env.root / "artifacts")},
-                capture_output=True, text=True, timeout=300)
+                [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.launcher.runner",
+                    "--num_gpus",
+                    str(WORLD),
+                    "--master_port",
+                    str(free_port()),
+                    str(script),
+                ],
+                env={
+                    **os.environ,
+                    "DIST_TEST_URI": env.uri,
+                    "DIST_TEST_OPTIONS": options,
+                    "DIST_TEST_ART": str(env.root / "artifacts"),
+                },
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             assert "rank 0 returned TrainedModel" in proc.stdout
             assert "rank 1 returned None" in proc.stdout
             model = env.db.load("model", name)
         else:
-            model = _trainer(env, name, **kwargs).fit(X="instruction", Y="output", db=env.db,
-                                                      select=lt.Table("docs"))
+            model = _trainer(env, name, **kwargs).fit(
+                X="instruction", Y="output", db=env.db, select=lt.Table("docs")
+            )
     seconds = time.perf_counter() - started
     (run,) = env.db.metadata.list_runs("trainer", name)
     result = Result(
-        strategy, model, _adapter(env, model),
+        strategy,
+        model,
+        _adapter(env, model),
         [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)],
         [load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD)],
-        [[json.loads(line) for line in Path(f"{trace}.rank{r}").read_text().splitlines()]
-         for r in range(WORLD)],
-        run, seconds, sorted(ps.lines))
+        [
+            [json.loads(line) for line in Path(f"{trace}.rank{r}").read_text().splitlines()]
+            for r in range(WORLD)
+        ],
+        run,
+        seconds,
+        sorted(ps.lines),
+    )
     env.results[strategy] = result
     return result
 
@@ -234,8 +276,7 @@ def _train(env: Env, strategy: str) -> Result:
 def reference(env: Env) -> Any:
     """One process, micro-batch 4 x accumulation 2: the same 8 rows per step (see above)."""
     trainer = _trainer(env, "dist-reference", batch_size=MICRO * WORLD)
-    model = trainer.fit(X="instruction", Y="output", db=env.db,
-                        select=lt.Table("docs_reference"))
+    model = trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs_reference"))
     (run,) = env.db.metadata.list_runs("trainer", "dist-reference")
     return model, _adapter(env, model), run
 
@@ -281,8 +322,9 @@ def test_two_ranks_train_like_one_process(env: Env, reference: Any, strategy: st
         full = adapter[_peft_key(name)]
         if sharded:
             assert local0[name].numel() < full.numel(), f"{name} is not sharded"
-            torch.testing.assert_close(_assemble([local0[name], local1[name]],
-                                                 list(full.shape)), full, rtol=0, atol=0)
+            torch.testing.assert_close(
+                _assemble([local0[name], local1[name]], list(full.shape)), full, rtol=0, atol=0
+            )
         else:
             assert local0[name].shape == full.shape
             torch.testing.assert_close(local0[name], full, rtol=0, atol=0)
@@ -305,8 +347,9 @@ def test_two_ranks_train_like_one_process(env: Env, reference: Any, strategy: st
     run = result.run
     assert run.status == "completed" and result.model.record.run_id == run.run_id
     assert run.info["world_size"] == WORLD and run.info["strategy"] == expected_name
-    assert run.info["global_batch_size"] == MICRO * ACCUM * WORLD \
-        == ref_run.info["global_batch_size"]
+    assert (
+        run.info["global_batch_size"] == MICRO * ACCUM * WORLD == ref_run.info["global_batch_size"]
+    )
     assert [c.step for c in env.db.metadata.list_checkpoints(run.run_id)] == [2, 4]
     # per step: the same loss, and the same gradient norm before clipping (Adam hides a
     # wrongly scaled gradient in the weights; the norm shows it)
@@ -314,7 +357,8 @@ def test_two_ranks_train_like_one_process(env: Env, reference: Any, strategy: st
     ref_metrics = env.db.metadata.get_metrics(ref_run.run_id)
     for key in ("loss", "grad_norm"):
         assert [m.values[key] for m in metrics] == pytest.approx(
-            [m.values[key] for m in ref_metrics], rel=1e-4), key
+            [m.values[key] for m in ref_metrics], rel=1e-4
+        ), key
 
 
 def test_the_reference_run_clips_so_clipping_is_compared_too(env: Env, reference: Any) -> None:
@@ -325,20 +369,38 @@ def test_the_reference_run_clips_so_clipping_is_compared_too(env: Env, reference
 
 # -- secrets ----------------------------------------------------------------------------------
 def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
-    db = lt.connect("postgresql+psycopg://trainer:pa55-w0rd@db.internal:5432/corpus",
-                    artifacts=tmp_path / "artifacts")
+    db = lt.connect(
+        "postgresql+psycopg://trainer:pa55-w0rd@db.internal:5432/corpus",
+        artifacts=tmp_path / "artifacts",
+    )
     for kind in ("torchrun", "deepspeed"):
-        command = build_command(lt.Launcher(kind=kind, num_processes=2), db, tmp_path,
-                                trainer_id="sft", version=3, run_id="abc123", resume=False,
-                                merge=False)
+        command = build_command(
+            lt.Launcher(kind=kind, num_processes=2),
+            db,
+            tmp_path,
+            trainer_id="sft",
+            version=3,
+            run_id="abc123",
+            resume=False,
+            merge=False,
+        )
         assert not any("pa55-w0rd" in arg for arg in command.argv)
         assert command.env[DB_ENV] == db.secret_uri() and "pa55-w0rd" in command.env[DB_ENV]
         assert command.env[METADATA_ENV] == db.secret_metadata_uri()
         argv = command.argv
-        assert argv[argv.index("llmtrain.launchers.worker") + 1:] == [
-            "--trainer", "sft", "--version", "3", "--run-id", "abc123", "--resume", "false"]
-        assert argv[argv.index("--nproc_per_node" if kind == "torchrun" else "--num_gpus")
-                    + 1] == "2"
+        assert argv[argv.index("llmtrain.launchers.worker") + 1 :] == [
+            "--trainer",
+            "sft",
+            "--version",
+            "3",
+            "--run-id",
+            "abc123",
+            "--resume",
+            "false",
+        ]
+        assert (
+            argv[argv.index("--nproc_per_node" if kind == "torchrun" else "--num_gpus") + 1] == "2"
+        )
 
 
 def test_no_process_command_line_or_stored_record_shows_the_secret(env: Env) -> None:
@@ -348,8 +410,9 @@ def test_no_process_command_line_or_stored_record_shows_the_secret(env: Env) -> 
     assert result.run.run_id in workers[0]
     assert not any(SECRET in line for line in result.ps_lines)
     assert SECRET in env.uri and SECRET not in env.db.uri
-    stored = json.dumps([r.model_dump(mode="json") for r in
-                         env.db.metadata.list_components()]) + json.dumps(result.run.info)
+    stored = json.dumps(
+        [r.model_dump(mode="json") for r in env.db.metadata.list_components()]
+    ) + json.dumps(result.run.info)
     assert SECRET not in stored
     # scanned by another process: closing any descriptor of a SQLite file drops this
     # process's POSIX locks on it, and its later writes would no longer reach the workers
@@ -365,8 +428,9 @@ def _pgrep(pattern: str) -> list[str]:
 
 
 def test_a_failing_rank_fails_the_job_promptly_and_leaves_no_process(env: Env) -> None:
-    trainer = _trainer(env, "dist-fails",
-                       launcher=lt.Launcher(kind="torchrun", num_processes=WORLD))
+    trainer = _trainer(
+        env, "dist-fails", launcher=lt.Launcher(kind="torchrun", num_processes=WORLD)
+    )
     started = time.perf_counter()
     with pytest.raises(DistributedError, match=r"rank 1 failed: BadRowError") as info:
         trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs_bad"))
@@ -386,9 +450,11 @@ def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> 
     files and killed with the launcher, here while they ignore SIGTERM."""
     from llmtrain.launchers.process import WorkerJob
 
-    worker = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              "open(os.path.join(sys.argv[1], 'pids', 'rank' + sys.argv[2]), 'w')"
-              ".write(str(os.getpid())); time.sleep(600)")
+    worker = (
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "open(os.path.join(sys.argv[1], 'pids', 'rank' + sys.argv[2]), 'w')"
+        ".write(str(os.getpid())); time.sleep(600)"
+    )
     launcher = textwrap.dedent(f"""
         import subprocess, sys, time
         for rank in range(2):
@@ -397,10 +463,13 @@ def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> 
         time.sleep(600)
     """)
     started = time.perf_counter()
-    with open(os.devnull, "w") as sink, \
-            pytest.raises(DistributedError, match="did not finish within 4 s"):
-        job = WorkerJob([sys.executable, "-c", launcher, str(tmp_path)], {}, tmp_path,
-                        timeout_s=4, echo=sink)
+    with (
+        open(os.devnull, "w") as sink,
+        pytest.raises(DistributedError, match="did not finish within 4 s"),
+    ):
+        job = WorkerJob(
+            [sys.executable, "-c", launcher, str(tmp_path)], {}, tmp_path, timeout_s=4, echo=sink
+        )
         job.run()
     assert time.perf_counter() - started < 15
     assert len(job.worker_pids) == 2
@@ -409,16 +478,20 @@ def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])  # zero2: same engine checkpoint
 def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
-        env: Env, strategy: str) -> None:
+    env: Env, strategy: str
+) -> None:
     """FSDP2 restores its full optimizer state into shards; ZeRO-3 reloads its engine
     checkpoint (partitioned fp32 master weights and optimizer state)."""
     uninterrupted = _train(env, strategy)
     name, table = f"dist-resume-{strategy}", f"docs_crash_{strategy}"
     kwargs: dict[str, Any] = (
         {"fsdp_config": {}, "launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)}
-        if strategy == "fsdp" else
-        {"deepspeed_config": {"stage": int(strategy[-1])},
-         "launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD)})
+        if strategy == "fsdp"
+        else {
+            "deepspeed_config": {"stage": int(strategy[-1])},
+            "launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD),
+        }
+    )
     trainer = _trainer(env, name, **kwargs)
     select = lt.Table(table)
     with pytest.raises(DistributedError, match="rank 1 failed"):
@@ -432,8 +505,10 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
     from llmtrain.backends.engines import sql_engine
 
     with sql_engine(env.uri).begin() as conn:  # the row is fixed; the keys did not change
-        conn.execute(sa.text(f"UPDATE {table} SET output = :o WHERE id = :i"),
-                     {"o": _row(BAD_ID)["output"], "i": BAD_ID})
+        conn.execute(
+            sa.text(f"UPDATE {table} SET output = :o WHERE id = :i"),
+            {"o": _row(BAD_ID)["output"], "i": BAD_ID},
+        )
     resumed = trainer.fit(X="instruction", Y="output", db=env.db, select=select, resume=True)
     (run,) = env.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and resumed.record.run_id == failed.run_id
@@ -449,11 +524,15 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
 def test_qlora_with_zero2_matches_one_process(env: Env) -> None:
     options = {"bits": 4, "qlora": True, "max_steps": 2}
     single = _trainer(env, "dist-qlora-ref", batch_size=MICRO * WORLD, **options).fit(
-        X="instruction", Y="output", db=env.db, select=lt.Table("docs_reference"))
-    launched = _trainer(env, "dist-qlora-zero2", deepspeed_config={"stage": 2},
-                        launcher=lt.Launcher(kind="deepspeed", num_processes=WORLD),
-                        **options).fit(X="instruction", Y="output", db=env.db,
-                                       select=lt.Table("docs"))
+        X="instruction", Y="output", db=env.db, select=lt.Table("docs_reference")
+    )
+    launched = _trainer(
+        env,
+        "dist-qlora-zero2",
+        deepspeed_config={"stage": 2},
+        launcher=lt.Launcher(kind="deepspeed", num_processes=WORLD),
+        **options,
+    ).fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
     expected, got = _adapter(env, single), _adapter(env, launched)
     assert expected.keys() == got.keys()
     for key in expected:
@@ -461,12 +540,18 @@ def test_qlora_with_zero2_matches_one_process(env: Env) -> None:
 
 
 # (QLoRA with ZeRO stage 3 is refused when the trainer is built: tests/test_config.py)
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"fsdp_config": {}, "bnb_4bit_quant_storage": "float32"},
-     r"QLoRA \(bits=4\) with FSDP2 does not work on the CPU.*deepspeed_config"),
-])
-def test_qlora_combinations_that_cannot_work_are_refused(env: Env, kwargs: dict[str, Any],
-                                                         message: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"fsdp_config": {}, "bnb_4bit_quant_storage": "float32"},
+            r"QLoRA \(bits=4\) with FSDP2 does not work on the CPU.*deepspeed_config",
+        ),
+    ],
+)
+def test_qlora_combinations_that_cannot_work_are_refused(
+    env: Env, kwargs: dict[str, Any], message: str
+) -> None:
     name = "dist-refused-" + next(iter(kwargs)).split("_")[0]
     trainer = _trainer(env, name, bits=4, qlora=True, max_steps=1, **kwargs)
     with pytest.raises(ConfigError, match=message):
@@ -479,30 +564,47 @@ def test_deepspeed_raw_config_is_used_as_given_with_auto_values_filled() -> None
     from llmtrain.training.args import DeepspeedConfig, TrainingArguments
     from llmtrain.training.strategies.deepspeed import build_config
 
-    raw = {"zero_optimization": {"stage": 2, "overlap_comm": False},
-           "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
-           "bf16": {"enabled": "auto"}}
-    args = TrainingArguments(per_device_train_batch_size=3, gradient_accumulation_steps=5,
-                             max_grad_norm=0.7)
-    cfg = build_config(DeepspeedConfig(raw=raw), args, world_size=4,
-                       trainable_dtype=torch.float32, on_gpu=False)
+    raw = {
+        "zero_optimization": {"stage": 2, "overlap_comm": False},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+    }
+    args = TrainingArguments(
+        per_device_train_batch_size=3, gradient_accumulation_steps=5, max_grad_norm=0.7
+    )
+    cfg = build_config(
+        DeepspeedConfig(raw=raw), args, world_size=4, trainable_dtype=torch.float32, on_gpu=False
+    )
     assert cfg["zero_optimization"] == raw["zero_optimization"]
-    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"],
-            cfg["train_batch_size"], cfg["gradient_clipping"]) == (3, 5, 60, 0.7)
+    assert (
+        cfg["train_micro_batch_size_per_gpu"],
+        cfg["gradient_accumulation_steps"],
+        cfg["train_batch_size"],
+        cfg["gradient_clipping"],
+    ) == (3, 5, 60, 0.7)
     assert cfg["bf16"]["enabled"] is False
     with pytest.raises(ConfigError, match="remove them"):
-        build_config(DeepspeedConfig(raw={**raw, "optimizer": {"type": "Adam"}}), args,
-                     world_size=1, trainable_dtype=torch.float32, on_gpu=False)
+        build_config(
+            DeepspeedConfig(raw={**raw, "optimizer": {"type": "Adam"}}),
+            args,
+            world_size=1,
+            trainable_dtype=torch.float32,
+            on_gpu=False,
+        )
 
 
 def test_fsdp_and_deepspeed_also_train_unlaunched_in_one_process(env: Env) -> None:
     """A notebook with no launcher: a one-process group, and no LOCAL_RANK left behind (it
     would make a later fit() believe it is a launched worker)."""
-    for name, kwargs in [("fsdp", {"fsdp_config": {}}),
-                         ("zero2", {"deepspeed_config": {"stage": 2}}),
-                         ("zero3", {"deepspeed_config": {"stage": 3}})]:
+    for name, kwargs in [
+        ("fsdp", {"fsdp_config": {}}),
+        ("zero2", {"deepspeed_config": {"stage": 2}}),
+        ("zero3", {"deepspeed_config": {"stage": 3}}),
+    ]:
         model = _trainer(env, f"dist-alone-{name}", max_steps=2, save_steps=None, **kwargs).fit(
-            X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs")
+        )
         run = env.db.metadata.get_run(model.record.run_id)
         assert run.status == "completed" and run.info["world_size"] == 1
         assert run.info["strategy"] == ("fsdp" if name == "fsdp" else "deepspeed")
@@ -526,7 +628,8 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     seen, options = Seen(), {"max_steps": 2, "save_steps": None, "mixed_precision": "fp16"}
     with registered(seen):
         _trainer(env, "dist-fp16-fsdp", fsdp_config={}, **options).fit(
-            X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs")
+        )
     assert seen.scaler == "ShardedGradScaler" and all(math.isfinite(x) for x in seen.losses)
 
     zero = _trainer(env, "dist-fp16-zero2", deepspeed_config={"stage": 2}, **options)

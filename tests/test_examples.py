@@ -17,23 +17,35 @@ TIMEOUT_S = 300  # each example takes well under a minute; a busy 2-core runner 
 
 def run_example(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "LLMTRAIN_DB_URI"}
-    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                            env={**environ, **env})
+    result = subprocess.run(
+        argv, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S, env={**environ, **env}
+    )
     assert result.returncode == 0, f"{argv} failed:\n{result.stdout}\n{result.stderr[-3000:]}"
     assert "Traceback" not in result.stderr
     return result
 
 
 def test_every_example_is_covered() -> None:
-    tested = {"quickstart.py", "postgres_example.py", "mongo_example.py", "qlora_dora.py",
-              "config.yaml", "README.md"}
+    tested = {
+        "quickstart.py",
+        "postgres_example.py",
+        "mongo_example.py",
+        "qlora_dora.py",
+        "config.yaml",
+        "README.md",
+    }
     assert {p.name for p in EXAMPLES.iterdir() if not p.name.startswith((".", "__"))} == tested
 
 
 def _api_calls(tree: ast.AST) -> set[str]:
     names = {"connect", "LLMTrainer", "fit", "load", "generate"}
-    return {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute) and node.func.attr in names}
+    return {
+        ast.unparse(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in names
+    }
 
 
 def test_quickstart_makes_the_demos_calls() -> None:
@@ -46,8 +58,11 @@ def test_quickstart_learns(tmp_path: Path) -> None:
     out = run_example([sys.executable, str(EXAMPLES / "quickstart.py")], tmp_path).stdout
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) in 60 steps", out).groups())
     assert last < 0.3 * first, out
-    expected = {"What is the capital of Japan?": "Tokyo", "What sound does a cow make?": "moo",
-                "What is 3 plus 4?": "7"}
+    expected = {
+        "What is the capital of Japan?": "Tokyo",
+        "What sound does a cow make?": "moo",
+        "What is 3 plus 4?": "7",
+    }
     answers = dict(re.findall(r"^(.+\?) -> (.*)$", out, re.M))
     assert answers.keys() == expected.keys(), out
     assert sum(answers[q].strip() == a for q, a in expected.items()) >= 2, answers
@@ -59,13 +74,17 @@ def test_config_yaml_fits_with_the_cli(tmp_path: Path) -> None:
 
     demo.prepare(tmp_path / "llmtrain-demo")  # what `llmtrain demo` leaves behind
     command = [sys.executable, "-m", "llmtrain.cli"]
-    result = run_example([*command, "fit", str(EXAMPLES / "config.yaml"),
-                          "--training_args.max_steps", "3"], tmp_path)
+    result = run_example(
+        [*command, "fit", str(EXAMPLES / "config.yaml"), "--training_args.max_steps", "3"], tmp_path
+    )
     assert "fitting demo-qa-yaml on table docs" in result.stdout
     assert re.search(r"run [0-9a-f]{32}: completed, 3 steps, final loss", result.stdout)
     assert "fit demo-qa-yaml" in result.stderr  # the progress bar
-    shown = run_example([*command, "show", "run", "demo-qa-yaml"], tmp_path,
-                        LLMTRAIN_DB_URI="sqlite:///llmtrain-demo/demo.db").stdout
+    shown = run_example(
+        [*command, "show", "run", "demo-qa-yaml"],
+        tmp_path,
+        LLMTRAIN_DB_URI="sqlite:///llmtrain-demo/demo.db",
+    ).stdout
     assert re.search(r"demo-qa-yaml v0\s+completed\s+3", shown)
 
 
@@ -75,8 +94,9 @@ def test_postgres_example(tmp_path: Path) -> None:
 
     engine = _server_or_skip("postgresql", PG_ADMIN)
     uri = f"{PG_ADMIN}/postgres"
-    out = run_example([sys.executable, str(EXAMPLES / "postgres_example.py")], tmp_path,
-                      LLMTRAIN_PG_URI=uri).stdout
+    out = run_example(
+        [sys.executable, str(EXAMPLES / "postgres_example.py")], tmp_path, LLMTRAIN_PG_URI=uri
+    ).stdout
     assert "trained pg-qa on llmtrain_example_docs: loss" in out
     assert re.search(r"run [0-9a-f]{32}: completed, rows lang = :l \{'l': 'en'\}", out)
     assert "stored trainer reloads equal: True" in out and "dropped llmtrain_example_docs" in out
@@ -95,7 +115,13 @@ def test_mongo_example(tmp_path: Path) -> None:
 def test_qlora_dora_example(tmp_path: Path) -> None:
     out = run_example([sys.executable, str(EXAMPLES / "qlora_dora.py")], tmp_path).stdout
     assert "trained qdora for 3 steps" in out
-    layers, dora = map(int, re.search(r"base layers in 4-bit: (\d+) \(nf4\); DoRA magnitude "
-                                      r"vectors: (\d+)", out).groups())
+    layers, dora = map(
+        int,
+        re.search(
+            r"base layers in 4-bit: (\d+) \(nf4\); DoRA magnitude "
+            r"vectors: (\d+)",
+            out,
+        ).groups(),
+    )
     assert layers > 0 and dora == layers, out
     assert list(tmp_path.iterdir()) == []  # everything went to a temporary folder

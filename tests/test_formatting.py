@@ -51,18 +51,21 @@ def test_template_renders_prompt_and_response() -> None:
     assert t.render("{X}", "4") == ("{json} Q: {X}\nA: ", "4")  # values are not re-parsed
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("Q: {X}\nA:", r"\{Y\} exactly once"),
-    ("A: {Y}", r"\{X\} exactly once"),
-    ("{X} {X} {Y}", r"\{X\} exactly once"),
-    ("{X} {Z} {Y}", r"unknown placeholder \{Z\}"),
-    ("{X} {} {Y}", r"unknown placeholder \{\}"),
-    ("{X} {Y}\n### End", r"'\\n### End' follows it"),
-    ("{X} {Y}}}", r"'\}' follows it"),
-    ("{Y} {X}", r"\{X\} follows it"),
-    ("{X} {Y!r}", "no format spec"),
-    ("{X} { {Y}", "malformed"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("Q: {X}\nA:", r"\{Y\} exactly once"),
+        ("A: {Y}", r"\{X\} exactly once"),
+        ("{X} {X} {Y}", r"\{X\} exactly once"),
+        ("{X} {Z} {Y}", r"unknown placeholder \{Z\}"),
+        ("{X} {} {Y}", r"unknown placeholder \{\}"),
+        ("{X} {Y}\n### End", r"'\\n### End' follows it"),
+        ("{X} {Y}}}", r"'\}' follows it"),
+        ("{Y} {X}", r"\{X\} follows it"),
+        ("{X} {Y!r}", "no format spec"),
+        ("{X} { {Y}", "malformed"),
+    ],
+)
 def test_template_errors(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         PromptTemplate(text)
@@ -97,7 +100,7 @@ def test_empty_strings(tok: Any) -> None:
     ex = fmt.format({"X": "q", "Y": ""})
     assert trained(ex) == [tok.eos_token_id]  # an empty answer still teaches to stop
     ex = fmt.format({"X": "", "Y": "a"})
-    assert ex.input_ids[:len(fmt.prompt_ids(""))] == fmt.prompt_ids("")
+    assert ex.input_ids[: len(fmt.prompt_ids(""))] == fmt.prompt_ids("")
     assert tok.decode(trained(ex)) == "a" + tok.eos_token
 
 
@@ -148,7 +151,7 @@ def test_chat_template_trains_the_reply_and_the_end_of_turn(tok: Any) -> None:
     x, y = "What is two plus two?", "Four."
     ex = fmt.format({"X": x, "Y": y}, key="k")
     prompt = fmt.prompt_ids(x)
-    assert ex.input_ids[:len(prompt)] == prompt  # training prefix == inference prompt
+    assert ex.input_ids[: len(prompt)] == prompt  # training prefix == inference prompt
     assert tok.decode(trained(ex)) == y + tok.eos_token
     assert trained(ex)[-1] == tok.eos_token_id
     assert ex.labels[-1] == IGNORE_INDEX  # the template's newline after the turn is not trained
@@ -164,7 +167,8 @@ def test_chat_template_trains_the_reply_and_the_end_of_turn(tok: Any) -> None:
 def test_chat_template_problems_are_config_errors(llama_path: Path) -> None:
     tok = AutoTokenizer.from_pretrained(llama_path)
     tok.chat_template = tok.chat_template.replace(
-        "{{ eos_token }}{% endgeneration %}", "{% endgeneration %}{{ eos_token }}")
+        "{{ eos_token }}{% endgeneration %}", "{% endgeneration %}{{ eos_token }}"
+    )
     with pytest.raises(ConfigError, match="never learn to stop"):
         Formatter(tok, chat_template=True)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -181,9 +185,16 @@ def test_chat_template_problems_are_config_errors(llama_path: Path) -> None:
 
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("field", ["X", "Y"])
-@pytest.mark.parametrize(("value", "problem"), [
-    (None, "is null"), (5, "is int, not a string"), (["a"], "is list, not a string"),
-    ("ok \ud800", "is not valid UTF-8"), (b"bytes", "is bytes, not a string")])
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (None, "is null"),
+        (5, "is int, not a string"),
+        (["a"], "is list, not a string"),
+        ("ok \ud800", "is not valid UTF-8"),
+        (b"bytes", "is bytes, not a string"),
+    ],
+)
 def test_bad_rows(tok: Any, chat: bool, field: str, value: object, problem: str) -> None:
     fmt = Formatter(tok, chat_template=True) if chat else Formatter(tok, TEMPLATE)
     row = {"X": "fine", "Y": "fine", field: value}
@@ -210,25 +221,33 @@ def test_pad_collate(tok: Any) -> None:
 
 # -- packing: per-example loss packed == unpacked --------------------------------------------
 def _examples(tok: Any) -> list[Example]:
-    rows = [("What is the capital of France?", " Paris."),
-            ("Translate to French: good morning", " Bonjour, comment allez-vous ?"),
-            ("2+2", " 4"),
-            ("Write a haiku about the sea.", " Waves fold into foam, salt wind over grey water."),
-            ("Hi", ""),
-            ("Summarize: the database stores every row with a key.", " Rows have keys.")]
-    plain = Formatter(tok, TEMPLATE).format_batch([(i, {"X": x, "Y": y})
-                                                  for i, (x, y) in enumerate(rows)])
+    rows = [
+        ("What is the capital of France?", " Paris."),
+        ("Translate to French: good morning", " Bonjour, comment allez-vous ?"),
+        ("2+2", " 4"),
+        ("Write a haiku about the sea.", " Waves fold into foam, salt wind over grey water."),
+        ("Hi", ""),
+        ("Summarize: the database stores every row with a key.", " Rows have keys."),
+    ]
+    plain = Formatter(tok, TEMPLATE).format_batch(
+        [(i, {"X": x, "Y": y}) for i, (x, y) in enumerate(rows)]
+    )
     # Examples trained on their inputs too: their first label is a real token id, which a
     # packed row must ignore (it would be predicted from the previous example's last token).
     inputs = Formatter(tok, TEMPLATE, train_on_inputs=True).format_batch(
-        [(10 + i, {"X": x, "Y": y}) for i, (x, y) in enumerate(rows[:3])])
+        [(10 + i, {"X": x, "Y": y}) for i, (x, y) in enumerate(rows[:3])]
+    )
     return plain + inputs
 
 
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``[batch, seq-1]`` loss of predicting token t+1 at position t (0 where ignored)."""
-    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:],
-                           ignore_index=IGNORE_INDEX, reduction="none")
+    return F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(),
+        labels[:, 1:],
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
 
 
 def _unpacked_losses(model: Any, examples: list[Example], pad_id: int) -> torch.Tensor:
@@ -238,8 +257,9 @@ def _unpacked_losses(model: Any, examples: list[Example], pad_id: int) -> torch.
     return losses.sum(1) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
 
 
-def _packed_losses(model: Any, examples: list[Example], collator: PackedCollator,
-                   **forward: Any) -> torch.Tensor:
+def _packed_losses(
+    model: Any, examples: list[Example], collator: PackedCollator, **forward: Any
+) -> torch.Tensor:
     """Per-example losses of ``examples`` packed by ``collator``, in input order."""
     batch = collator(examples)
     inputs = {"input_ids": batch["input_ids"], **forward}
@@ -251,7 +271,7 @@ def _packed_losses(model: Any, examples: list[Example], collator: PackedCollator
         for e in packed:
             end = start + len(e)
             targets = sum(label != IGNORE_INDEX for label in e.labels[1:])
-            out[e.key] = losses[row, start:end - 1].sum() / targets
+            out[e.key] = losses[row, start : end - 1].sum() / targets
             start = end
     return torch.stack([out[e.key] for e in examples])
 
@@ -263,8 +283,9 @@ def gqa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("heads", ["mha", "gqa"])
-def test_packed_loss_equals_unpacked_loss(llama_path: Path, gqa_path: Path, tok: Any,
-                                          attn: str, heads: str) -> None:
+def test_packed_loss_equals_unpacked_loss(
+    llama_path: Path, gqa_path: Path, tok: Any, attn: str, heads: str
+) -> None:
     path = llama_path if heads == "mha" else gqa_path
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
     examples = _examples(tok)
@@ -281,16 +302,23 @@ def test_packed_loss_equals_unpacked_loss(llama_path: Path, gqa_path: Path, tok:
         # The model's own loss (mean over every target token) agrees too; this also checks
         # that the first label of each packed example is ignored.
         padded = pad_collate(examples, tok.pad_token_id)
-        loss_padded = model(**{k: padded[k] for k in ("input_ids", "attention_mask",
-                                                      "labels")}).loss
-        loss_packed = model(**{k: batch[k] for k in ("input_ids", "attention_mask",
-                                                     "position_ids", "labels")}).loss
+        loss_padded = model(
+            **{k: padded[k] for k in ("input_ids", "attention_mask", "labels")}
+        ).loss
+        loss_packed = model(
+            **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
+        ).loss
         torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
         assert batch["num_target_tokens"] == padded["num_target_tokens"]
         # The default additive float32 mask is right for both kernels as well.
         additive = PackedCollator(PACK, tok.pad_token_id)(examples)
-        got = _packed_losses(model, examples, collator, attention_mask=additive["attention_mask"],
-                             position_ids=additive["position_ids"])
+        got = _packed_losses(
+            model,
+            examples,
+            collator,
+            attention_mask=additive["attention_mask"],
+            position_ids=additive["position_ids"],
+        )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -308,8 +336,10 @@ def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: s
             # cache exists, and config.use_cache=True creates one even for training
             {"position_ids": batch["position_ids"]},
             # a 2D all-ones mask (what a plain padding collator would pass)
-            {"position_ids": batch["position_ids"],
-             "attention_mask": (batch["input_ids"] != tok.pad_token_id).long()},
+            {
+                "position_ids": batch["position_ids"],
+                "attention_mask": (batch["input_ids"] != tok.pad_token_id).long(),
+            },
         ]
         if attn == "eager":  # a boolean 4D mask is *added* to eager scores: silently wrong
             bool_mask = PackedCollator(PACK, tok.pad_token_id, mask_dtype=torch.bool)(examples)
@@ -318,15 +348,17 @@ def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: s
             got = _packed_losses(model, examples, collator, **forward)
             assert (got - expected).abs().max() > 1e-2
         # and with no cache transformers does detect packing from the position ids
-        got = _packed_losses(model, examples, collator, position_ids=batch["position_ids"],
-                             use_cache=False)
+        got = _packed_losses(
+            model, examples, collator, position_ids=batch["position_ids"], use_cache=False
+        )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_mask_dtype_for(llama_path: Path) -> None:
     sdpa = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="sdpa")
-    eager = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="eager",
-                                                 dtype=torch.bfloat16)
+    eager = AutoModelForCausalLM.from_pretrained(
+        llama_path, attn_implementation="eager", dtype=torch.bfloat16
+    )
     assert mask_dtype_for(sdpa) == torch.bool
     assert mask_dtype_for(eager) == torch.bfloat16
     eager.config._attn_implementation = "flash_attention_2"
@@ -349,16 +381,17 @@ def _synthetic(lengths: list[int], data: st.DataObject) -> list[Example]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(max_length=st.integers(1, 48), multiple=st.sampled_from([None, 1, 4]),
-       data=st.data())
-def test_packed_collator_structure(max_length: int, multiple: int | None,
-                                   data: st.DataObject) -> None:
+@given(max_length=st.integers(1, 48), multiple=st.sampled_from([None, 1, 4]), data=st.data())
+def test_packed_collator_structure(
+    max_length: int, multiple: int | None, data: st.DataObject
+) -> None:
     if multiple:
         max_length = -(-max_length // multiple) * multiple
     lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=12))
     examples = _synthetic(lengths, data)
-    batch = PackedCollator(max_length, PAD, mask_dtype=torch.bool,
-                           pad_to_multiple_of=multiple)(examples)
+    batch = PackedCollator(max_length, PAD, mask_dtype=torch.bool, pad_to_multiple_of=multiple)(
+        examples
+    )
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     mask = batch["attention_mask"]
     rows, width = ids.shape
@@ -384,7 +417,8 @@ def test_packed_collator_structure(max_length: int, multiple: int | None,
             assert labels[r, s:e].tolist() == [IGNORE_INDEX, *original.labels[1:]]
         assert sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
         allowed = (segment[:, None] == segment[None, :]) & torch.ones(
-            width, width, dtype=torch.bool).tril()
+            width, width, dtype=torch.bool
+        ).tril()
         assert torch.equal(mask[r, 0], allowed)
     assert seen == {e.key: e.input_ids for e in examples}  # ... and exactly once
     assert batch["num_target_tokens"].item() == sum(e.num_target_tokens for e in examples)

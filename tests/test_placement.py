@@ -43,7 +43,8 @@ def test_joining_the_group_must_agree_with_the_launcher() -> None:
 
 
 def test_strategies_use_the_placement_they_are_given_not_the_environment(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     given = Placement(1, 2, 0, launched=True)
@@ -70,21 +71,31 @@ def test_only_placement_reads_the_rank_variables() -> None:
     import llmtrain
 
     root = Path(llmtrain.__file__).parent
-    offenders = [str(path.relative_to(root)) for path in sorted(root.rglob("*.py"))
-                 if path.name != "placement.py"
-                 and any(f'"{var}"' in path.read_text() for var in ("RANK", "WORLD_SIZE"))]
+    offenders = [
+        str(path.relative_to(root))
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "placement.py"
+        and any(f'"{var}"' in path.read_text() for var in ("RANK", "WORLD_SIZE"))
+    ]
     assert offenders == []
 
 
 def test_the_launch_modules_import_alone_and_without_a_cycle() -> None:
     """training.launch never imports the launchers (they call into it)."""
-    code = ("import sys, llmtrain.training.launch; "
-            "print(any(m.startswith('llmtrain.launchers') for m in sys.modules))")
-    for module in ("llmtrain.launchers", "llmtrain.launchers.worker",
-                   "llmtrain.training.strategies.deepspeed", "llmtrain.training.launch"):
+    code = (
+        "import sys, llmtrain.training.launch; "
+        "print(any(m.startswith('llmtrain.launchers') for m in sys.modules))"
+    )
+    for module in (
+        "llmtrain.launchers",
+        "llmtrain.launchers.worker",
+        "llmtrain.training.strategies.deepspeed",
+        "llmtrain.training.launch",
+    ):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout
     assert out.strip() == "False"
 
 
@@ -98,8 +109,7 @@ def test_auto_is_resolved_once_into_one_precision() -> None:
     assert (auto.weights, auto.quant_compute, auto.autocast_dtype) == (torch.float32,) * 2 + (None,)
     assert not auto.scaled and auto.grad_scaler() is None
     fp16 = Precision.resolve(_args(torch_dtype="bfloat16"), CPU, "fp16")
-    assert (fp16.weights, fp16.autocast_dtype, fp16.scaled) == (torch.bfloat16, torch.float16,
-                                                                 True)
+    assert (fp16.weights, fp16.autocast_dtype, fp16.scaled) == (torch.bfloat16, torch.float16, True)
     assert isinstance(fp16.grad_scaler(), torch.amp.GradScaler)
     bf16 = Precision.resolve(_args(), CPU, "bf16")
     assert bf16.autocast_dtype == torch.bfloat16 and bf16.grad_scaler() is None

@@ -16,12 +16,18 @@ from llmtrain.queries import Query
 
 QUERIES = [
     lt.Table("docs"),
-    lt.Table("docs", schema="public", key="uid").where("lang = :l", l="en").where("n < :n", n=5)
+    lt.Table("docs", schema="public", key="uid")
+    .where("lang = :l", l="en")
+    .where("n < :n", n=5)
     .select("instruction", "output"),
     lt.sql("SELECT d.id, d.q FROM docs d WHERE d.ok = :ok", key="id", ok=True),
     lt.Collection("docs").find({"lang": "en", "n": {"$gte": 3}}, projection=["meta.prompt"]),
-    lt.Collection("docs").find({"_id": {"$gt": ObjectId("65a000000000000000000000")},
-                                "at": {"$lt": dt.datetime(2024, 5, 1, 12, 30)}}),
+    lt.Collection("docs").find(
+        {
+            "_id": {"$gt": ObjectId("65a000000000000000000000")},
+            "at": {"$lt": dt.datetime(2024, 5, 1, 12, 30)},
+        }
+    ),
 ]
 
 
@@ -41,24 +47,30 @@ def test_mongo_types_survive_the_round_trip() -> None:
 
 
 def test_fingerprint_is_stable_across_processes() -> None:
-    code = ("import llmtrain as lt; print(lt.Table('docs').where('lang = :l', l='en')"
-            ".fingerprint())")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True).stdout.strip()
+    code = "import llmtrain as lt; print(lt.Table('docs').where('lang = :l', l='en').fingerprint())"
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert other == lt.Table("docs").where("lang = :l", l="en").fingerprint()
     assert other != lt.Table("docs").where("lang = :l", l="fr").fingerprint()
 
 
-@pytest.mark.parametrize(("make", "message"), [
-    (lambda: lt.Table(""), "table name"),
-    (lambda: lt.Table("docs").where("a = :x", x=[1, 2]), "only str, int"),
-    (lambda: lt.Table("docs").where("a = :x", x=1).where("b = :x", x=2), "already bound"),
-    (lambda: lt.sql("SELECT 1; DROP TABLE docs", key="id"), "single SELECT"),
-    (lambda: lt.sql("SELECT id FROM docs", key=""), "key="),
-    (lambda: lt.Collection("docs").find({"$where": "sleep(1000)"}), r"\$where"),
-    (lambda: lt.Collection("docs").find({"a": {"$elemMatch": {"$function": {}}}}), r"\$function"),
-    (lambda: Query.from_dict({"kind": "nope"}), "unknown query kind"),
-])
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: lt.Table(""), "table name"),
+        (lambda: lt.Table("docs").where("a = :x", x=[1, 2]), "only str, int"),
+        (lambda: lt.Table("docs").where("a = :x", x=1).where("b = :x", x=2), "already bound"),
+        (lambda: lt.sql("SELECT 1; DROP TABLE docs", key="id"), "single SELECT"),
+        (lambda: lt.sql("SELECT id FROM docs", key=""), "key="),
+        (lambda: lt.Collection("docs").find({"$where": "sleep(1000)"}), r"\$where"),
+        (
+            lambda: lt.Collection("docs").find({"a": {"$elemMatch": {"$function": {}}}}),
+            r"\$function",
+        ),
+        (lambda: Query.from_dict({"kind": "nope"}), "unknown query kind"),
+    ],
+)
 def test_bad_queries_are_refused(make, message: str) -> None:  # noqa: ANN001
     with pytest.raises(QueryError, match=message):
         make()

@@ -24,11 +24,18 @@ def test_loads_through_auto_classes_with_consistent_special_tokens(llama_path: P
     assert type(model).__name__ == "LlamaForCausalLM"
     assert tok.is_fast
     assert {tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token} == {
-        "<s>", "</s>", "<pad>", "<unk>"}
+        "<s>",
+        "</s>",
+        "<pad>",
+        "<unk>",
+    }
     assert tok.pad_token_id != tok.eos_token_id
     cfg = model.config
     assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (
-        tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        tok.pad_token_id,
+        tok.bos_token_id,
+        tok.eos_token_id,
+    )
     assert model.get_input_embeddings().num_embeddings == len(tok) == cfg.vocab_size
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (64, 2, 4)
     assert tok("Hello world")["input_ids"][0] == tok.bos_token_id

@@ -29,22 +29,43 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def db(tmp_path: Path) -> Any:
     uri = f"sqlite:///{tmp_path / 'data.db'}"
-    fill(uri, "docs", [{"id": i, "instruction": f"What is color number {i % 8}?",
-                        "output": COLORS[i % 8], "lang": "en" if i < 48 else "fr"}
-                       for i in range(64)])
+    fill(
+        uri,
+        "docs",
+        [
+            {
+                "id": i,
+                "instruction": f"What is color number {i % 8}?",
+                "output": COLORS[i % 8],
+                "lang": "en" if i < 48 else "fr",
+            }
+            for i in range(64)
+        ],
+    )
     return lt.connect(uri, artifacts=tmp_path / "artifacts")
 
 
 def _trainer(tiny: Path, name: str = "sft", **kwargs: Any) -> lt.LLMTrainer:
-    options: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2,
-                               "lora_r": 8, "progress_bar": False, "logging_steps": 1}
+    options: dict[str, Any] = {
+        "max_steps": 6,
+        "batch_size": 4,
+        "learning_rate": 1e-2,
+        "lora_r": 8,
+        "progress_bar": False,
+        "logging_steps": 1,
+    }
     options.update(kwargs)
     return lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **options)
 
 
 def _fit(trainer: lt.LLMTrainer, db: Any, **kwargs: Any) -> Any:
-    return trainer.fit(X="instruction", Y="output", db=db,
-                       select=lt.Table("docs").where("lang = :l", l="en"), **kwargs)
+    return trainer.fit(
+        X="instruction",
+        Y="output",
+        db=db,
+        select=lt.Table("docs").where("lang = :l", l="en"),
+        **kwargs,
+    )
 
 
 def _adapter(db: Any, model: Any, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -91,8 +112,16 @@ def test_qlora_4bit_and_dora_use_real_bitsandbytes_and_peft_layers(tiny: Path, d
 
 
 def test_tiny_model_learns_the_table(tiny: Path, db: Any) -> None:
-    trainer = _trainer(tiny, "learn", max_steps=80, batch_size=8, lora_r=16,
-                       learning_rate=2e-2, lora_dropout=0.0, logging_steps=10)
+    trainer = _trainer(
+        tiny,
+        "learn",
+        max_steps=80,
+        batch_size=8,
+        lora_r=16,
+        learning_rate=2e-2,
+        lora_dropout=0.0,
+        logging_steps=10,
+    )
     model = _fit(trainer, db)
     history = model.record.history
     first, last = history[0]["loss"], history[-1]["loss"]
@@ -101,8 +130,9 @@ def test_tiny_model_learns_the_table(tiny: Path, db: Any) -> None:
     assert sum(a.strip() == c for a, c in zip(answers, COLORS)) >= 7, answers
 
 
-def test_resume_after_interruption_gives_the_same_adapter(tiny: Path, db: Any, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_after_interruption_gives_the_same_adapter(
+    tiny: Path, db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     options = {"max_steps": 10, "save_steps": 3, "lora_dropout": 0.1, "batch_size": 4}
     reference = _fit(_trainer(tiny, "straight", **options), db)
 
@@ -161,8 +191,9 @@ def test_replay_refuses_changed_rows_unless_allowed(tiny: Path, db: Any) -> None
     again.fit(allow_changed_data=True)
 
 
-def test_saved_adapter_and_merged_model_load_with_stock_libraries(tiny: Path, db: Any,
-                                                                  tmp_path: Path) -> None:
+def test_saved_adapter_and_merged_model_load_with_stock_libraries(
+    tiny: Path, db: Any, tmp_path: Path
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -190,23 +221,32 @@ def test_saved_adapter_and_merged_model_load_with_stock_libraries(tiny: Path, db
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"learning_rate": 0}, "learning_rate"),
-    ({"lora_r": 0}, "lora_args.r"),
-    ({"bits": 3}, "model_args.bits"),
-    ({"warmup": 3}, "unknown option 'warmup'"),
-    ({"max_steps": "many"}, "max_steps"),
-    ({"lora_args": None, "bits": 4}, "only an adapter can train"),
-])
-def test_bad_configs_are_rejected_naming_the_field(tiny: Path, kwargs: dict[str, Any],
-                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"learning_rate": 0}, "learning_rate"),
+        ({"lora_r": 0}, "lora_args.r"),
+        ({"bits": 3}, "model_args.bits"),
+        ({"warmup": 3}, "unknown option 'warmup'"),
+        ({"max_steps": "many"}, "max_steps"),
+        ({"lora_args": None, "bits": 4}, "only an adapter can train"),
+    ],
+)
+def test_bad_configs_are_rejected_naming_the_field(
+    tiny: Path, kwargs: dict[str, Any], message: str
+) -> None:
     with pytest.raises(ConfigError, match=message):
         lt.LLMTrainer("bad", model=tiny, prompt_template=TEMPLATE, **kwargs)
 
 
-@pytest.mark.parametrize(("template", "message"), [
-    ("Q: {X}", r"\{Y\}"), ("Q: {X} {Z} A: {Y}", "Z"), ("Q: {X} A: {Y} end", "after"),
-])
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("Q: {X}", r"\{Y\}"),
+        ("Q: {X} {Z} A: {Y}", "Z"),
+        ("Q: {X} A: {Y} end", "after"),
+    ],
+)
 def test_bad_templates_are_rejected(tiny: Path, template: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         lt.LLMTrainer("bad", model=tiny, prompt_template=template)
@@ -225,8 +265,9 @@ def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
     from llmtrain.training.data import held_out
 
     trace = KeyTrace()
-    trainer = _trainer(tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2,
-                       max_steps=4, batch_size=8)
+    trainer = _trainer(
+        tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2, max_steps=4, batch_size=8
+    )
     with registered(trace):
         _fit(trainer, db)
     (run,) = db.metadata.list_runs("trainer", "packed")
@@ -240,9 +281,13 @@ def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
 
 def test_eval_select_is_recorded_and_scored(tiny: Path, db: Any) -> None:
     trainer = _trainer(tiny, "evalsel", max_steps=2)
-    trainer.fit(X="instruction", Y="output", db=db,
-                select=lt.Table("docs").where("lang = :l", l="en"),
-                eval_select=lt.Table("docs").where("lang = :l", l="fr"))
+    trainer.fit(
+        X="instruction",
+        Y="output",
+        db=db,
+        select=lt.Table("docs").where("lang = :l", l="en"),
+        eval_select=lt.Table("docs").where("lang = :l", l="fr"),
+    )
     (run,) = db.metadata.list_runs("trainer", "evalsel")
     last = db.metadata.get_metrics(run.run_id)[-1]
     assert "eval_loss" in last.values
@@ -251,8 +296,9 @@ def test_eval_select_is_recorded_and_scored(tiny: Path, db: Any) -> None:
 
 def test_empty_selection_is_a_clear_error(tiny: Path, db: Any) -> None:
     with pytest.raises(lt.DataError, match="selects 0 row"):
-        _trainer(tiny, "empty").fit(X="instruction", Y="output", db=db,
-                                    select=lt.Table("docs").where("lang = :l", l="de"))
+        _trainer(tiny, "empty").fit(
+            X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="de")
+        )
 
 
 def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: Any) -> None:
@@ -292,12 +338,12 @@ def test_dataloader_workers_do_not_change_what_is_trained(tiny: Path, db: Any) -
     options = {"max_steps": 5, "batch_size": 4, "lora_dropout": 0.0}
     alone = _fit(_trainer(tiny, "workers0", **options), db)
     workers = _fit(_trainer(tiny, "workers2", num_workers=2, **options), db)
-    assert [h["loss"] for h in alone.record.history] == \
-        [h["loss"] for h in workers.record.history]
+    assert [h["loss"] for h in alone.record.history] == [h["loss"] for h in workers.record.history]
 
 
 def test_full_finetune_with_chat_template_checkpointing_and_retention(
-        tiny: Path, db: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny: Path, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llmtrain.training.checkpoint import Checkpointer
 
     saved: list[str] = []
@@ -309,10 +355,20 @@ def test_full_finetune_with_chat_template_checkpointing_and_retention(
         return record
 
     monkeypatch.setattr(Checkpointer, "save", remember)
-    trainer = lt.LLMTrainer("full", model=tiny, lora_args=None, chat_template=True,
-                            gradient_checkpointing=True, max_steps=3, save_steps=1,
-                            save_total_limit=1, batch_size=4, learning_rate=1e-3,
-                            progress_bar=False, lr_scheduler_type="cosine")
+    trainer = lt.LLMTrainer(
+        "full",
+        model=tiny,
+        lora_args=None,
+        chat_template=True,
+        gradient_checkpointing=True,
+        max_steps=3,
+        save_steps=1,
+        save_total_limit=1,
+        batch_size=4,
+        learning_rate=1e-3,
+        progress_bar=False,
+        lr_scheduler_type="cosine",
+    )
     model = _fit(trainer, db)
     assert model.record.full_model and model.record.chat_template
     (run,) = db.metadata.list_runs("trainer", "full")
@@ -324,16 +380,16 @@ def test_full_finetune_with_chat_template_checkpointing_and_retention(
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny)
-    changed = [n for n, p in loaded.named_parameters()
-               if not torch.equal(p, base.get_parameter(n))]
+    changed = [n for n, p in loaded.named_parameters() if not torch.equal(p, base.get_parameter(n))]
     assert changed  # full fine-tuning moved the base weights themselves
     answer = db.load("model", "full").generate("What is color number 1?", max_new_tokens=3)
     assert isinstance(answer, str)
 
 
 # -- precision ----------------------------------------------------------------------------------
-def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(tiny: Path, db: Any,
-                                                                      tmp_path: Path) -> None:
+def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(
+    tiny: Path, db: Any, tmp_path: Path
+) -> None:
     """fp16 autocast (honoured on the CPU too) with the GradScaler: the adapter learns
     (LoRA's B starts at zero), and resuming restores the scaler's state from the checkpoint."""
     from llmtrain.training.callbacks import Callback
@@ -364,30 +420,49 @@ def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(tiny: Path
 
 
 def test_gradient_checkpointing_is_switched_on_in_one_place_for_adapter_and_full(
-        tiny: Path) -> None:
+    tiny: Path,
+) -> None:
     from llmtrain.training.args import LoraArguments, ModelArguments
     from llmtrain.training.modeling import load_model, prepare_for_training
 
     args = ModelArguments(model_name_or_path=str(tiny))
     for lora in (LoraArguments(r=4), None):
-        model = prepare_for_training(load_model(args, torch.device("cpu")), lora,
-                                     quantized=False, gradient_checkpointing=True)
+        model = prepare_for_training(
+            load_model(args, torch.device("cpu")),
+            lora,
+            quantized=False,
+            gradient_checkpointing=True,
+        )
         assert model.is_gradient_checkpointing
-        loss = model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]]),
-                     use_cache=False).loss
+        loss = model(
+            input_ids=torch.tensor([[1, 2, 3, 4]]),
+            labels=torch.tensor([[1, 2, 3, 4]]),
+            use_cache=False,
+        ).loss
         loss.backward()  # the adapter gets gradients through the checkpointed layers
         trained = [p for p in model.parameters() if p.requires_grad]
         assert trained and all(p.grad is not None for p in trained)
-        plain = prepare_for_training(load_model(args, torch.device("cpu")), lora,
-                                     quantized=False, gradient_checkpointing=False)
+        plain = prepare_for_training(
+            load_model(args, torch.device("cpu")),
+            lora,
+            quantized=False,
+            gradient_checkpointing=False,
+        )
         assert not plain.is_gradient_checkpointing
 
 
 def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> None:
     from llmtrain.datasets import held_out
 
-    trainer = _trainer(tiny, "exact", max_steps=-1, num_train_epochs=2, batch_size=4,
-                       eval_fraction=0.25, lr_scheduler_type="linear")
+    trainer = _trainer(
+        tiny,
+        "exact",
+        max_steps=-1,
+        num_train_epochs=2,
+        batch_size=4,
+        eval_fraction=0.25,
+        lr_scheduler_type="linear",
+    )
     _fit(trainer, db)
     steps = 2 * -(-sum(not held_out(k, 0.25) for k in range(48)) // 4)
     (run,) = db.metadata.list_runs("trainer", "exact")
@@ -398,8 +473,9 @@ def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> Non
 
 
 @pytest.mark.parametrize("eval_fraction", [0.0, 0.25])
-def test_a_fit_scans_its_selection_once_also_on_resume(tiny: Path, db: Any, eval_fraction: float,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fit_scans_its_selection_once_also_on_resume(
+    tiny: Path, db: Any, eval_fraction: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import llmtrain.datasets
     import llmtrain.datasets.cached
     import llmtrain.training.run
@@ -414,8 +490,9 @@ def test_a_fit_scans_its_selection_once_also_on_resume(tiny: Path, db: Any, eval
 
     for module in (llmtrain.datasets, llmtrain.datasets.cached, llmtrain.training.run):
         monkeypatch.setattr(module, "scan_selection", counting)
-    monkeypatch.setattr(SQLBackend, "scan_keys", lambda self, *a: (scans.append("backend"),
-                                                                   scan_keys(self, *a))[1])
+    monkeypatch.setattr(
+        SQLBackend, "scan_keys", lambda self, *a: (scans.append("backend"), scan_keys(self, *a))[1]
+    )
     options: dict[str, Any] = {"max_steps": 4, "save_steps": 2, "eval_fraction": eval_fraction}
     if eval_fraction:
         options["eval_steps"] = 2
@@ -428,11 +505,22 @@ def test_a_fit_scans_its_selection_once_also_on_resume(tiny: Path, db: Any, eval
 
 def test_every_evaluation_reads_the_same_held_out_rows(tiny: Path, db: Any) -> None:
     # a learning rate too small to move the loss: evaluations differ only if their rows do
-    trainer = _trainer(tiny, "sameeval", eval_fraction=0.25, eval_steps=1, max_steps=2,
-                       max_eval_rows=4, per_device_eval_batch_size=4, learning_rate=1e-12)
+    trainer = _trainer(
+        tiny,
+        "sameeval",
+        eval_fraction=0.25,
+        eval_steps=1,
+        max_steps=2,
+        max_eval_rows=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-12,
+    )
     _fit(trainer, db)
     (run,) = db.metadata.list_runs("trainer", "sameeval")
-    losses = [m.values["eval_loss"] for m in db.metadata.get_metrics(run.run_id)
-              if "eval_loss" in m.values]
+    losses = [
+        m.values["eval_loss"]
+        for m in db.metadata.get_metrics(run.run_id)
+        if "eval_loss" in m.values
+    ]
     assert len(losses) == 2
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)

@@ -43,8 +43,15 @@ class DataBackend(ABC):
         """Count the rows and collect every ``block_size``-th key (keys only)."""
 
     @abstractmethod
-    def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None,
-                   limit: int, *, inclusive: bool = True) -> list[tuple[Key, Row]]:
+    def fetch_rows(
+        self,
+        query: Query,
+        fields: Sequence[str],
+        lower: Key | None,
+        limit: int,
+        *,
+        inclusive: bool = True,
+    ) -> list[tuple[Key, Row]]:
         """Up to ``limit`` rows with key >= lower (> when not inclusive), in key order.
 
         Each row is ``(key, {field: value})``; a field absent from the row is absent from the
@@ -56,8 +63,9 @@ class DataBackend(ABC):
         """Up to ``limit`` keys >= lower in key order (key column only)."""
 
     @abstractmethod
-    def fetch_by_keys(self, query: Query, fields: Sequence[str],
-                      keys: Sequence[Key]) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(
+        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
+    ) -> list[tuple[Key, Row]]:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default

@@ -42,13 +42,21 @@ class MongoBackend(DataBackend):
 
     def _collection(self, query: Query) -> Any:
         if not isinstance(query, Collection):
-            raise QueryError(f"{type(query).__name__} cannot run on MongoDB {self.uri}; "
-                             "use llmtrain.Collection(name).find(...)")
+            raise QueryError(
+                f"{type(query).__name__} cannot run on MongoDB {self.uri}; "
+                "use llmtrain.Collection(name).find(...)"
+            )
         return mongo_database(self._uri)[query.name]
 
     def _run(self, what: str, call: Any) -> Any:
-        return with_retry(call, policy=self.retry, transient=_transient_errors(),
-                          reconnect=self.reconnect, what=what, where=self.uri)
+        return with_retry(
+            call,
+            policy=self.retry,
+            transient=_transient_errors(),
+            reconnect=self.reconnect,
+            what=what,
+            where=self.uri,
+        )
 
     def close(self) -> None:
         drop_mongo_client(self._uri)
@@ -71,9 +79,16 @@ class MongoBackend(DataBackend):
         count, last = 0, None
         while True:
             cond = None if last is None else {"_id": {"$gt": last}}
-            page = self._run("scanning keys", lambda cond=cond: [
-                d["_id"] for d in self._collection(query)
-                .find(self._where(query, cond), {"_id": 1}).sort("_id", 1).limit(_KEY_PAGE)])
+            page = self._run(
+                "scanning keys",
+                lambda cond=cond: [
+                    d["_id"]
+                    for d in self._collection(query)
+                    .find(self._where(query, cond), {"_id": 1})
+                    .sort("_id", 1)
+                    .limit(_KEY_PAGE)
+                ],
+            )
             for i, key in enumerate(page):
                 if (count + i) % block_size == 0:
                     boundaries.append(key)
@@ -100,30 +115,55 @@ class MongoBackend(DataBackend):
             out.append((doc["_id"], row))
         return out
 
-    def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None, limit: int,
-                   *, inclusive: bool = True) -> list[tuple[Key, Row]]:
+    def fetch_rows(
+        self,
+        query: Query,
+        fields: Sequence[str],
+        lower: Key | None,
+        limit: int,
+        *,
+        inclusive: bool = True,
+    ) -> list[tuple[Key, Row]]:
         assert isinstance(query, Collection)
         cond = None if lower is None else {"_id": {"$gte" if inclusive else "$gt": lower}}
-        docs = self._run("reading documents", lambda: list(
-            self._collection(query).find(self._where(query, cond), self._projection(fields))
-            .sort("_id", 1).limit(limit)))
+        docs = self._run(
+            "reading documents",
+            lambda: list(
+                self._collection(query)
+                .find(self._where(query, cond), self._projection(fields))
+                .sort("_id", 1)
+                .limit(limit)
+            ),
+        )
         return self._rows(docs, fields)
 
     def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
         assert isinstance(query, Collection)
-        return self._run("reading keys", lambda: [
-            d["_id"] for d in self._collection(query)
-            .find(self._where(query, {"_id": {"$gte": lower}}), {"_id": 1})
-            .sort("_id", 1).limit(limit)])
+        return self._run(
+            "reading keys",
+            lambda: [
+                d["_id"]
+                for d in self._collection(query)
+                .find(self._where(query, {"_id": {"$gte": lower}}), {"_id": 1})
+                .sort("_id", 1)
+                .limit(limit)
+            ],
+        )
 
-    def fetch_by_keys(self, query: Query, fields: Sequence[str],
-                      keys: Sequence[Key]) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(
+        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
+    ) -> list[tuple[Key, Row]]:
         assert isinstance(query, Collection)
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
-            chunk = list(keys[i:i + _IN_CHUNK])
-            docs = self._run("reading documents", lambda chunk=chunk: list(
-                self._collection(query).find(self._where(query, {"_id": {"$in": chunk}}),
-                                             self._projection(fields))))
+            chunk = list(keys[i : i + _IN_CHUNK])
+            docs = self._run(
+                "reading documents",
+                lambda chunk=chunk: list(
+                    self._collection(query).find(
+                        self._where(query, {"_id": {"$in": chunk}}), self._projection(fields)
+                    )
+                ),
+            )
             out.extend(self._rows(docs, fields))
         return out

@@ -24,14 +24,22 @@ class RetryPolicy:
     cap: float = 5.0
 
     def delays(self) -> list[float]:
-        return [min(self.cap, self.base * 2**i) * (0.5 + random.random() / 2)
-                for i in range(self.attempts - 1)]
+        return [
+            min(self.cap, self.base * 2**i) * (0.5 + random.random() / 2)
+            for i in range(self.attempts - 1)
+        ]
 
 
-def with_retry(call: Callable[[], T], *, policy: RetryPolicy,
-               transient: tuple[type[BaseException], ...], reconnect: Callable[[], None],
-               what: str, where: str,
-               permanent: Callable[[BaseException], bool] = lambda exc: False) -> T:
+def with_retry(
+    call: Callable[[], T],
+    *,
+    policy: RetryPolicy,
+    transient: tuple[type[BaseException], ...],
+    reconnect: Callable[[], None],
+    what: str,
+    where: str,
+    permanent: Callable[[BaseException], bool] = lambda exc: False,
+) -> T:
     """Run ``call``; on a transient fault reconnect, back off and try again.
 
     ``permanent`` picks out errors of a transient type that no retry can cure (a missing
@@ -47,10 +55,16 @@ def with_retry(call: Callable[[], T], *, policy: RetryPolicy,
             if attempt == policy.attempts - 1:
                 raise DatabaseUnavailableError(
                     f"{what} on {where} failed after {policy.attempts} attempts: "
-                    f"{type(exc).__name__}: {exc}") from exc
-            log.warning("%s on %s failed (%s: %s); retrying in %.1fs", what, where,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                        delays[attempt])
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            log.warning(
+                "%s on %s failed (%s: %s); retrying in %.1fs",
+                what,
+                where,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                delays[attempt],
+            )
             reconnect()
             time.sleep(delays[attempt])
     raise AssertionError("unreachable")

@@ -33,8 +33,15 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
-_PERMANENT = ("no such table", "no such column", "syntax error", "unknown column",
-              "doesn't exist", "does not exist", "unknown table")
+_PERMANENT = (
+    "no such table",
+    "no such column",
+    "syntax error",
+    "unknown column",
+    "doesn't exist",
+    "does not exist",
+    "unknown table",
+)
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -51,8 +58,7 @@ def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
     return conn.dialect.name == "sqlite" and "Could not decode to UTF-8" in str(exc.orig)
 
 
-def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]
-                  ) -> list[Any]:
+def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
     """``stmt`` again with invalid UTF-8 kept as surrogate escapes: the rows' text checks then
     reject (or skip) the row by key and field. Only on this error path: a Python
     ``text_factory`` would slow every read."""
@@ -67,16 +73,22 @@ def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, An
 class _Source:
     """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
 
-    def __init__(self, key: sa.ColumnElement[Any], columns: Mapping[str, sa.ColumnElement[Any]],
-                 where: sa.ColumnElement[bool] | sa.TextClause | None, source: str) -> None:
+    def __init__(
+        self,
+        key: sa.ColumnElement[Any],
+        columns: Mapping[str, sa.ColumnElement[Any]],
+        where: sa.ColumnElement[bool] | sa.TextClause | None,
+        source: str,
+    ) -> None:
         self.key, self.columns, self.where, self.source = key, columns, where, source
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
         try:
             return self.columns[field]
         except KeyError:
-            raise QueryError(f"{self.source} has no column {field!r}; "
-                             f"columns: {sorted(self.columns)}") from None
+            raise QueryError(
+                f"{self.source} has no column {field!r}; columns: {sorted(self.columns)}"
+            ) from None
 
     def select(self, *cols: sa.ColumnElement[Any]) -> sa.Select[Any]:
         stmt = sa.select(*cols)
@@ -107,8 +119,9 @@ class SQLBackend(DataBackend):
     def reconnect(self) -> None:
         self.close()
 
-    def _run(self, what: str, stmt: sa.Executable, params: dict[str, Any] | None = None
-             ) -> list[Any]:
+    def _run(
+        self, what: str, stmt: sa.Executable, params: dict[str, Any] | None = None
+    ) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
                 if conn.dialect.name == "postgresql":
@@ -121,13 +134,17 @@ class SQLBackend(DataBackend):
                         raise
                     return _lenient_rows(conn, stmt, params or {})
 
-        return with_retry(call, policy=self.retry, transient=(sa.exc.OperationalError,
-                                                               sa.exc.InterfaceError),
-                          reconnect=self.reconnect, what=what, where=self.uri,
-                          permanent=is_permanent)
+        return with_retry(
+            call,
+            policy=self.retry,
+            transient=(sa.exc.OperationalError, sa.exc.InterfaceError),
+            reconnect=self.reconnect,
+            what=what,
+            where=self.uri,
+            permanent=is_permanent,
+        )
 
-    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]
-              ) -> sa.Select[Any]:
+    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> sa.Select[Any]:
         """The statement for ``shape``, built once. Bound types are keyed by identity
         (SQLAlchemy reuses them), so the cache is capped in case a key type makes a new one
         each call."""
@@ -147,8 +164,9 @@ class SQLBackend(DataBackend):
             except sa.exc.DBAPIError as exc:
                 if not is_permanent(exc):
                     raise
-                raise QueryError(f"{query.source} cannot run on {self.uri}: "
-                                 f"{str(exc.orig).splitlines()[0]}") from None
+                raise QueryError(
+                    f"{query.source} cannot run on {self.uri}: {str(exc.orig).splitlines()[0]}"
+                ) from None
         return cached
 
     def _build(self, query: Query) -> _Source:
@@ -161,11 +179,16 @@ class SQLBackend(DataBackend):
     def _build_table(self, query: Table) -> _Source:
         try:
             table = with_retry(
-                lambda: sa.Table(query.name, sa.MetaData(), schema=query.schema,
-                                 autoload_with=self.engine),
-                policy=self.retry, transient=(sa.exc.OperationalError,),
-                reconnect=self.reconnect, what="reading the table schema", where=self.uri,
-                permanent=is_permanent)
+                lambda: sa.Table(
+                    query.name, sa.MetaData(), schema=query.schema, autoload_with=self.engine
+                ),
+                policy=self.retry,
+                transient=(sa.exc.OperationalError,),
+                reconnect=self.reconnect,
+                what="reading the table schema",
+                where=self.uri,
+                permanent=is_permanent,
+            )
         except sa.exc.NoSuchTableError:
             raise QueryError(f"{query.source} does not exist in {self.uri}") from None
         if query.key is not None:
@@ -178,14 +201,16 @@ class SQLBackend(DataBackend):
                 raise QueryError(
                     f"{query.source} has {'a composite' if pk else 'no'} primary key, so rows "
                     "cannot be paged in a stable order; pass Table(..., key='column') naming a "
-                    "unique, non-null column")
+                    "unique, non-null column"
+                )
             key = pk[0]
         names = query.columns or tuple(c.name for c in table.c)
         columns = {}
         for name in names:
             if name not in table.c:
-                raise QueryError(f"{query.source} has no column {name!r}; "
-                                 f"columns: {[c.name for c in table.c]}")
+                raise QueryError(
+                    f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
+                )
             columns[name] = table.c[name]
         where = sa.text(query.where_sql).bindparams(**query.params) if query.where_sql else None
         return _Source(key, columns, where, query.source)
@@ -193,20 +218,27 @@ class SQLBackend(DataBackend):
     def _build_raw(self, query: RawSQL) -> _Source:
         text = sa.text(query.text).bindparams(**query.params)
         probe = with_retry(
-            lambda: self._probe_columns(text), policy=self.retry,
-            transient=(sa.exc.OperationalError,), reconnect=self.reconnect,
-            what="reading the query's columns", where=self.uri, permanent=is_permanent)
+            lambda: self._probe_columns(text),
+            policy=self.retry,
+            transient=(sa.exc.OperationalError,),
+            reconnect=self.reconnect,
+            what="reading the query's columns",
+            where=self.uri,
+            permanent=is_permanent,
+        )
         if query.key not in probe:
-            raise QueryError(f"{query.source}: key column {query.key!r} is not in its result "
-                             f"columns {probe}")
+            raise QueryError(
+                f"{query.source}: key column {query.key!r} is not in its result columns {probe}"
+            )
         sub = text.columns(*[sa.column(c) for c in probe]).subquery("llmtrain_q")
         return _Source(sub.c[query.key], {c: sub.c[c] for c in probe}, None, query.source)
 
     def _probe_columns(self, text: sa.TextClause) -> list[str]:
         sub = text.columns().subquery("llmtrain_probe")
         with self.engine.connect() as conn:
-            return list(conn.execute(sa.select(sa.literal_column("*")).select_from(sub)
-                                     .limit(0)).keys())
+            return list(
+                conn.execute(sa.select(sa.literal_column("*")).select_from(sub).limit(0)).keys()
+            )
 
     # -- DataBackend ------------------------------------------------------------------------
     def key_name(self, query: Query) -> str:
@@ -221,13 +253,23 @@ class SQLBackend(DataBackend):
         numbered = src.select(
             src.key.label("k"), sa.func.row_number().over(order_by=src.key).label("rn")
         ).subquery("llmtrain_numbered")
-        stmt = (sa.select(numbered.c.k).where((numbered.c.rn - 1) % block_size == 0)
-                .order_by(numbered.c.k))
+        stmt = (
+            sa.select(numbered.c.k)
+            .where((numbered.c.rn - 1) % block_size == 0)
+            .order_by(numbered.c.k)
+        )
         boundaries = [r[0] for r in self._run("scanning keys", stmt)]
         return KeyScan(int(count), block_size, boundaries, last)
 
-    def fetch_rows(self, query: Query, fields: Sequence[str], lower: Key | None, limit: int,
-                   *, inclusive: bool = True) -> list[tuple[Key, Row]]:
+    def fetch_rows(
+        self,
+        query: Query,
+        fields: Sequence[str],
+        lower: Key | None,
+        limit: int,
+        *,
+        inclusive: bool = True,
+    ) -> list[tuple[Key, Row]]:
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
         cond = None if lower is None else (src.key >= lower if inclusive else src.key > lower)
@@ -250,19 +292,24 @@ class SQLBackend(DataBackend):
         lower_type = (src.key >= lower).right.type
 
         def build() -> sa.Select[Any]:
-            return (src.select(src.key).where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
-                    .order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer)))
+            return (
+                src.select(src.key)
+                .where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
+                .order_by(src.key)
+                .limit(sa.bindparam(_LIMIT, type_=sa.Integer))
+            )
 
         page = self._page(("keys", fingerprint, lower_type), build)
         return [r[0] for r in self._run("reading keys", page, {_LOWER: lower, _LIMIT: limit})]
 
-    def fetch_by_keys(self, query: Query, fields: Sequence[str],
-                      keys: Sequence[Key]) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(
+        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
+    ) -> list[tuple[Key, Row]]:
         src = self._source(query)
         cols = [src.column(f) for f in fields]
         names = list(fields)
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
-            stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i:i + _IN_CHUNK])))
+            stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
             out.extend(_pairs(self._run("reading rows", stmt), names))
         return out

@@ -6,5 +6,13 @@ from llmtrain.datasets.plan import rows_per_rank
 from llmtrain.datasets.query import QueryDataset
 from llmtrain.datasets.scan import SelectionScan, held_out, scan_selection
 
-__all__ = ["CachedQueryDataset", "QueryDataLoader", "QueryDataset", "ReadStats",
-           "SelectionScan", "held_out", "rows_per_rank", "scan_selection"]
+__all__ = [
+    "CachedQueryDataset",
+    "QueryDataLoader",
+    "QueryDataset",
+    "ReadStats",
+    "SelectionScan",
+    "held_out",
+    "rows_per_rank",
+    "scan_selection",
+]

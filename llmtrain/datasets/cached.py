@@ -57,13 +57,25 @@ class CachedQueryDataset(IterableDataset):
     ``scan``: a :class:`SelectionScan` of this selection taken already (a run scans once).
     """
 
-    def __init__(self, db: Any, select: Query, fields: str | Sequence[str], *,
-                 cache_size: int = 1024, shuffle: bool = True, seed: int = 0,
-                 rank: int | None = None, world_size: int | None = None,
-                 drop_remainder: bool = True, on_bad_row: str = "raise",
-                 return_keys: bool = False, prefetch: bool | None = None,
-                 split: Split = "all", eval_fraction: float = 0.0,
-                 scan: SelectionScan | None = None) -> None:
+    def __init__(
+        self,
+        db: Any,
+        select: Query,
+        fields: str | Sequence[str],
+        *,
+        cache_size: int = 1024,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_remainder: bool = True,
+        on_bad_row: str = "raise",
+        return_keys: bool = False,
+        prefetch: bool | None = None,
+        split: Split = "all",
+        eval_fraction: float = 0.0,
+        scan: SelectionScan | None = None,
+    ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
         if not isinstance(cache_size, int) or cache_size < 1:
@@ -73,8 +85,10 @@ class CachedQueryDataset(IterableDataset):
         if not 0 <= eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
         if scan is not None and not scan.fits(select, cache_size, eval_fraction):
-            raise ConfigError(f"scan= describes another query, cache_size or eval_fraction "
-                              f"than {select.source} with cache_size={cache_size}")
+            raise ConfigError(
+                f"scan= describes another query, cache_size or eval_fraction "
+                f"than {select.source} with cache_size={cache_size}"
+            )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
         self.cache_size, self.shuffle, self.seed = cache_size, shuffle, int(seed)
@@ -110,11 +124,15 @@ class CachedQueryDataset(IterableDataset):
     def scan(self) -> SelectionScan:
         """The selection's scan: the one given, else taken on first use and kept."""
         if self._scan is None:
-            self._scan = scan_selection(self.db.backend, self.query, self.cache_size,
-                                        self.eval_fraction)
+            self._scan = scan_selection(
+                self.db.backend, self.query, self.cache_size, self.eval_fraction
+            )
             self.stats.statements += self._scan.statements
-            self.stats.keys_fetched += (self._scan.whole.count if self._scan.eval_fraction > 0
-                                        else len(self._scan.whole.boundaries))
+            self.stats.keys_fetched += (
+                self._scan.whole.count
+                if self._scan.eval_fraction > 0
+                else len(self._scan.whole.boundaries)
+            )
         return self._scan
 
     @property
@@ -136,34 +154,50 @@ class CachedQueryDataset(IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         epoch, consumed = self.position.resume_point()
-        return {"format": STATE_FORMAT, "query": self.query.fingerprint(),
-                "data": self.data_fingerprint, "count": self.scan().whole.count,
-                "seed": self.seed, "epoch": epoch, "consumed": consumed,
-                "world_size": self.world_size, "cache_size": self.cache_size,
-                "shuffle": self.shuffle, "drop_remainder": self.drop_remainder,
-                "split": self.split, "eval_fraction": self.eval_fraction}
+        return {
+            "format": STATE_FORMAT,
+            "query": self.query.fingerprint(),
+            "data": self.data_fingerprint,
+            "count": self.scan().whole.count,
+            "seed": self.seed,
+            "epoch": epoch,
+            "consumed": consumed,
+            "world_size": self.world_size,
+            "cache_size": self.cache_size,
+            "shuffle": self.shuffle,
+            "drop_remainder": self.drop_remainder,
+            "split": self.split,
+            "eval_fraction": self.eval_fraction,
+        }
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
-                        ) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False) -> None:
         """Continue where ``state`` was taken; refuses if the selection's rows changed."""
         fmt = state.get("format") if isinstance(state, dict) else None
         if fmt not in (1, STATE_FORMAT):
-            raise ConfigError(f"not a CachedQueryDataset state (format 1 or {STATE_FORMAT}): "
-                              f"{str(state)[:200]}")
+            raise ConfigError(
+                f"not a CachedQueryDataset state (format 1 or {STATE_FORMAT}): {str(state)[:200]}"
+            )
         if state["query"] != self.query.fingerprint():
-            raise DataChangedError("the state was taken for a different query "
-                                   f"({state['query']} != {self.query.fingerprint()})")
+            raise DataChangedError(
+                "the state was taken for a different query "
+                f"({state['query']} != {self.query.fingerprint()})"
+            )
         names = ["seed", "world_size", "cache_size", "shuffle", "drop_remainder"]
         for name in names + (["split", "eval_fraction"] if fmt == STATE_FORMAT else []):
             mine = getattr(self, name)
             if state[name] != mine:
-                raise ConfigError(f"cannot resume: the state has {name}={state[name]!r} but "
-                                  f"this dataset has {name}={mine!r}; the order would differ")
+                raise ConfigError(
+                    f"cannot resume: the state has {name}={state[name]!r} but "
+                    f"this dataset has {name}={mine!r}; the order would differ"
+                )
         scan = self.scan()
         if state["data"] != scan.fingerprint:
             count = scan.whole.count
-            what = (f"row count {state['count']} -> {count}" if state["count"] != count
-                    else "rows were added, removed or re-keyed (same count)")
+            what = (
+                f"row count {state['count']} -> {count}"
+                if state["count"] != count
+                else "rows were added, removed or re-keyed (same count)"
+            )
             message = f"the rows of {self.query.source} changed since the state was taken: {what}"
             if not allow_changed_data:
                 raise DataChangedError(message + "; pass allow_changed_data=True to go on")
@@ -172,8 +206,11 @@ class CachedQueryDataset(IterableDataset):
         if fmt == 1 and self.view is not scan.whole:
             # format 1 counted every row of the selection: continue at the same share of it
             consumed = consumed * self.view.count // max(scan.whole.count, 1)
-            log.warning("resuming a format-1 state: continuing at row %d of the %s rows",
-                        consumed, self.split)
+            log.warning(
+                "resuming a format-1 state: continuing at row %d of the %s rows",
+                consumed,
+                self.split,
+            )
         self.position.restore(state["epoch"], min(consumed, len(self)))
 
     # -- iteration -------------------------------------------------------------------------
@@ -191,14 +228,28 @@ class CachedQueryDataset(IterableDataset):
         finally:
             rows.close()  # stops the prefetch thread now, even on an error or a break
 
-    def loader(self, batch_size: int, *, num_workers: int = 0, collate_fn: Any = None,
-               with_keys: bool = False, **kwargs: Any) -> QueryDataLoader:
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        with_keys: bool = False,
+        **kwargs: Any,
+    ) -> QueryDataLoader:
         """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows."""
-        return QueryDataLoader(self, batch_size, num_workers=num_workers,
-                               collate_fn=collate_fn, with_keys=with_keys, **kwargs)
+        return QueryDataLoader(
+            self,
+            batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            with_keys=with_keys,
+            **kwargs,
+        )
 
-    def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
-                   chunk: int) -> Generator[Positioned, None, None]:
+    def positioned(
+        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
+    ) -> Generator[Positioned, None, None]:
         """This worker's rows of ``epoch`` from ``start`` on, with their positions: the one
         iteration every reader uses. A skipped bad row comes as ``None``."""
         windows = self._windows(epoch, start, worker, workers, chunk=chunk)
@@ -211,14 +262,21 @@ class CachedQueryDataset(IterableDataset):
         finally:
             windows.close()
 
-    def _windows(self, epoch: int, start: int, worker: int, workers: int, *,
-                 chunk: int) -> Generator[Window, None, None]:
+    def _windows(
+        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
+    ) -> Generator[Window, None, None]:
         """This worker's windows from ``start`` on, in order (fetched one ahead if asked)."""
-        pieces = rank_pieces(self.view.count, self.cache_size, seed=self.seed, epoch=epoch,
-                             shuffle=self.shuffle, world_size=self.world_size, rank=self.rank,
-                             drop_remainder=self.drop_remainder)
-        slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers,
-                               chunk=chunk)
+        pieces = rank_pieces(
+            self.view.count,
+            self.cache_size,
+            seed=self.seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            world_size=self.world_size,
+            rank=self.rank,
+            drop_remainder=self.drop_remainder,
+        )
+        slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers, chunk=chunk)
         if self._should_prefetch():
             yield from self._prefetched(slices)
         else:
@@ -353,4 +411,5 @@ class CachedQueryDataset(IterableDataset):
         return DataChangedError(
             f"{self.query.source}: expected {len(piece)} rows in window {piece.block} but read "
             f"{got}; rows were added or removed while training. Restart the epoch, or resume "
-            "with allow_changed_data=True")
+            "with allow_changed_data=True"
+        )

@@ -23,11 +23,13 @@ class PositionedRows(Protocol):
 
     def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False
-                        ) -> None: ...
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_changed_data: bool = False
+    ) -> None: ...
 
-    def positioned(self, epoch: int, start: int, worker: int, workers: int, *,
-                   chunk: int) -> Iterator[Positioned]: ...
+    def positioned(
+        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
+    ) -> Iterator[Positioned]: ...
 
 
 class _WorkerShare(IterableDataset):
@@ -39,8 +41,7 @@ class _WorkerShare(IterableDataset):
     def __iter__(self) -> Iterator[Positioned]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        return self.dataset.positioned(self.epoch, self.start, worker, workers,
-                                       chunk=self.chunk)
+        return self.dataset.positioned(self.epoch, self.start, worker, workers, chunk=self.chunk)
 
 
 class QueryDataLoader:
@@ -53,16 +54,31 @@ class QueryDataLoader:
     skipped); a batch whose rows were all skipped is not yielded.
     """
 
-    def __init__(self, dataset: PositionedRows, batch_size: int, *, num_workers: int = 0,
-                 collate_fn: Callable[[list[Any]], Any] | None = None,
-                 with_keys: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: PositionedRows,
+        batch_size: int,
+        *,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        with_keys: bool = False,
+        **kwargs: Any,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        for banned in ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last",
-                       "persistent_workers"):
+        for banned in (
+            "batch_size",
+            "shuffle",
+            "sampler",
+            "batch_sampler",
+            "drop_last",
+            "persistent_workers",
+        ):
             if banned in kwargs:
-                raise ConfigError(f"QueryDataLoader does not take {banned}=: the dataset owns "
-                                  "order and epochs (persistent workers would miss set_epoch)")
+                raise ConfigError(
+                    f"QueryDataLoader does not take {banned}=: the dataset owns "
+                    "order and epochs (persistent workers would miss set_epoch)"
+                )
         self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
         self.collate_fn, self.with_keys = collate_fn, with_keys
         self.kwargs = kwargs
@@ -91,8 +107,13 @@ class QueryDataLoader:
         # a private generator: starting an iterator must not draw from the global RNG, or a
         # resumed run (which starts one mid-training) would see different dropout masks
         kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
-        loader = DataLoader(share, batch_size=self.batch_size, num_workers=self.num_workers,
-                            collate_fn=self._collate, **kwargs)
+        loader = DataLoader(
+            share,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            collate_fn=self._collate,
+            **kwargs,
+        )
         for last, any_rows, batch in loader:
             position.consumed = last + 1
             if any_rows:

@@ -63,8 +63,17 @@ def block_order(n_blocks: int, seed: int, epoch: int, shuffle: bool) -> np.ndarr
     return np.random.default_rng([seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
 
 
-def rank_pieces(count: int, block_size: int, *, seed: int, epoch: int, shuffle: bool,
-                world_size: int, rank: int, drop_remainder: bool = True) -> list[Piece]:
+def rank_pieces(
+    count: int,
+    block_size: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    world_size: int,
+    rank: int,
+    drop_remainder: bool = True,
+) -> list[Piece]:
     """The pieces making up ``rank``'s rows this epoch, in visit order."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -116,17 +125,20 @@ class WorkerSlice:
         n = len(self.piece)
         if self.num_workers == 1:
             return range(self.first, n)
-        return [i for i in range(self.first, n)
-                if ((self.offset + i - self.start) // self.chunk) % self.num_workers
-                == self.worker]
+        return [
+            i
+            for i in range(self.first, n)
+            if ((self.offset + i - self.start) // self.chunk) % self.num_workers == self.worker
+        ]
 
     @property
     def whole(self) -> bool:
         return self.num_workers == 1 and self.first == 0
 
 
-def worker_slices(pieces: list[Piece], *, start: int, worker: int, num_workers: int,
-                  chunk: int) -> list[WorkerSlice]:
+def worker_slices(
+    pieces: list[Piece], *, start: int, worker: int, num_workers: int, chunk: int
+) -> list[WorkerSlice]:
     """Split the rank's sequence from ``start`` on between workers.
 
     Worker ``k`` takes chunks ``k, k + n, k + 2n, ...`` of ``chunk`` rows (chunk = the

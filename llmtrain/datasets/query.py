@@ -18,9 +18,16 @@ from llmtrain.queries import Query
 class QueryDataset(Dataset):
     """Map-style: ``len()`` and indexing over rows read in key order with keyset pages."""
 
-    def __init__(self, db: Any, select: Query, fields: str | Sequence[str], *,
-                 page_size: int = 10_000, on_bad_row: str = "raise",
-                 return_keys: bool = False) -> None:
+    def __init__(
+        self,
+        db: Any,
+        select: Query,
+        fields: str | Sequence[str],
+        *,
+        page_size: int = 10_000,
+        on_bad_row: str = "raise",
+        return_keys: bool = False,
+    ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
         self.db, self.query, self.fields = db, select, normalise_fields(fields)
@@ -34,8 +41,9 @@ class QueryDataset(Dataset):
     def _read(self, page_size: int) -> None:
         lower, inclusive = None, True
         while True:
-            page = self.db.backend.fetch_rows(self.query, self.fields, lower, page_size,
-                                              inclusive=inclusive)
+            page = self.db.backend.fetch_rows(
+                self.query, self.fields, lower, page_size, inclusive=inclusive
+            )
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:

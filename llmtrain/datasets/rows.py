@@ -46,14 +46,18 @@ def text_problem(row: Mapping[str, object], field: str) -> str | None:
     return None
 
 
-def check_row(source: str, key: Key, row: object, fields: Sequence[str],
-              on_bad_row: OnBadRow = "raise") -> bool:
+def check_row(
+    source: str, key: Key, row: object, fields: Sequence[str], on_bad_row: OnBadRow = "raise"
+) -> bool:
     """True: use the row. False: skip it (``on_bad_row="skip"``, logged). Otherwise raise
     BadRowError naming the source, the row's key and its first bad field."""
     readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
-        problem = (text_problem(row, field) if readable  # type: ignore[arg-type]
-                   else f"cannot be read: the row is a {type(row).__name__}, not a mapping")
+        problem = (
+            text_problem(row, field)
+            if readable  # type: ignore[arg-type]
+            else f"cannot be read: the row is a {type(row).__name__}, not a mapping"
+        )
         if problem is None:
             continue
         if on_bad_row == "raise":

@@ -35,8 +35,14 @@ def held_out(key: Key, fraction: float) -> bool:
 
 def data_fingerprint(scan: KeyScan) -> str:
     """Changes when rows are added, removed or re-keyed anywhere in the selection."""
-    payload = json.dumps([scan.count, scan.block_size, [key_repr(k) for k in scan.boundaries],
-                          key_repr(scan.last_key)])
+    payload = json.dumps(
+        [
+            scan.count,
+            scan.block_size,
+            [key_repr(k) for k in scan.boundaries],
+            key_repr(scan.last_key),
+        ]
+    )
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -58,14 +64,18 @@ class SelectionScan:
     def view(self, split: Split) -> KeyScan:
         """The rows a ``split`` reads: all of them, the training rows or the held-out rows."""
         if split == "all" or self.eval_fraction <= 0:
-            return self.whole if split != "held_out" else KeyScan(0, self.whole.block_size,
-                                                                  [], None)
+            return (
+                self.whole if split != "held_out" else KeyScan(0, self.whole.block_size, [], None)
+            )
         return self.train if split == "train" else self.held  # type: ignore[return-value]
 
     def fits(self, query: Query, block_size: int, eval_fraction: float) -> bool:
         """Whether this scan describes ``query`` read in ``block_size`` windows."""
-        return (self.query == query.fingerprint() and self.whole.block_size == block_size
-                and (self.eval_fraction == eval_fraction or eval_fraction <= 0))
+        return (
+            self.query == query.fingerprint()
+            and self.whole.block_size == block_size
+            and (self.eval_fraction == eval_fraction or eval_fraction <= 0)
+        )
 
 
 @dataclass
@@ -87,8 +97,9 @@ class _Blocks:
         return KeyScan(self.count, self.block_size, self.boundaries, self.last)
 
 
-def scan_selection(backend: DataBackend, query: Query, block_size: int,
-                   eval_fraction: float = 0.0) -> SelectionScan:
+def scan_selection(
+    backend: DataBackend, query: Query, block_size: int, eval_fraction: float = 0.0
+) -> SelectionScan:
     """Count the selection and note every ``block_size``-th key of it and of each view.
 
     Without a split the backend does it in two statements. A split needs every key hashed
@@ -108,5 +119,6 @@ def scan_selection(backend: DataBackend, query: Query, block_size: int,
         if len(page) < _KEY_PAGE:
             break
         lower = page[-1][0]
-    return SelectionScan(query.fingerprint(), whole.scan(), eval_fraction, train.scan(),
-                         held.scan(), statements)
+    return SelectionScan(
+        query.fingerprint(), whole.scan(), eval_fraction, train.scan(), held.scan(), statements
+    )

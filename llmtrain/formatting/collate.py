@@ -42,8 +42,9 @@ def _count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
-def pad_collate(examples: Sequence[Example], pad_id: int,
-                pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+def pad_collate(
+    examples: Sequence[Example], pad_id: int, pad_to_multiple_of: int | None = None
+) -> dict[str, torch.Tensor]:
     """Right-pad ``examples`` into ``input_ids``, ``labels`` (ignored on padding),
     ``attention_mask`` and the scalar ``num_target_tokens``."""
     if not examples:
@@ -56,9 +57,12 @@ def pad_collate(examples: Sequence[Example], pad_id: int,
         labels.append(e.labels + [IGNORE_INDEX] * pad)
         mask.append([1] * len(e) + [0] * pad)
     label_tensor = torch.tensor(labels, dtype=torch.long)
-    return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": label_tensor,
-            "attention_mask": torch.tensor(mask, dtype=torch.long),
-            "num_target_tokens": _count_targets(label_tensor)}
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "labels": label_tensor,
+        "attention_mask": torch.tensor(mask, dtype=torch.long),
+        "num_target_tokens": _count_targets(label_tensor),
+    }
 
 
 def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
@@ -67,8 +71,10 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
     used: list[int] = []
     for e in examples:
         if not 0 < len(e) <= max_length:
-            raise ConfigError(f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
-                              f"max_length={max_length} (format with the same max_length)")
+            raise ConfigError(
+                f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
+                f"max_length={max_length} (format with the same max_length)"
+            )
         for i, n in enumerate(used):
             if n + len(e) <= max_length:
                 rows[i].append(e)
@@ -80,8 +86,7 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
     return rows
 
 
-def block_causal_mask(sequence_ids: torch.Tensor,
-                      dtype: torch.dtype = torch.bool) -> torch.Tensor:
+def block_causal_mask(sequence_ids: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
     """``[batch, 1, seq, seq]`` mask letting a token see only earlier tokens of its own
     sequence (same id in ``sequence_ids [batch, seq]``). Boolean (True = attend) for
     ``dtype=torch.bool``, otherwise additive: 0 to attend, the dtype's minimum to block."""
@@ -102,8 +107,10 @@ def mask_dtype_for(model: PreTrainedModel) -> torch.dtype:
         return torch.bool
     if impl == "eager":
         return model.dtype
-    raise ConfigError(f"packing passes a 4D attention mask, which only the 'eager' and 'sdpa' "
-                      f"attention implementations accept; this model uses {impl!r}")
+    raise ConfigError(
+        f"packing passes a 4D attention mask, which only the 'eager' and 'sdpa' "
+        f"attention implementations accept; this model uses {impl!r}"
+    )
 
 
 class PackedCollator:
@@ -118,13 +125,21 @@ class PackedCollator:
     is not needed and would only hold memory.
     """
 
-    def __init__(self, max_length: int, pad_id: int, *, mask_dtype: torch.dtype = torch.float32,
-                 pad_to_multiple_of: int | None = None) -> None:
+    def __init__(
+        self,
+        max_length: int,
+        pad_id: int,
+        *,
+        mask_dtype: torch.dtype = torch.float32,
+        pad_to_multiple_of: int | None = None,
+    ) -> None:
         if max_length < 1:
             raise ConfigError(f"max_length must be >= 1, got {max_length}")
         if pad_to_multiple_of and max_length % pad_to_multiple_of:
-            raise ConfigError(f"max_length {max_length} must be a multiple of "
-                              f"pad_to_multiple_of {pad_to_multiple_of}")
+            raise ConfigError(
+                f"max_length {max_length} must be a multiple of "
+                f"pad_to_multiple_of {pad_to_multiple_of}"
+            )
         self.max_length, self.pad_id = max_length, pad_id
         self.mask_dtype, self.pad_to_multiple_of = mask_dtype, pad_to_multiple_of
 
@@ -150,10 +165,13 @@ class PackedCollator:
             positions.append(row_pos + list(range(pad)))
             sequences.append(row_seq + [-1] * pad)
         label_tensor = torch.tensor(labels, dtype=torch.long)
-        return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": label_tensor,
-                "position_ids": torch.tensor(positions, dtype=torch.long),
-                "attention_mask": block_causal_mask(torch.tensor(sequences), self.mask_dtype),
-                "num_target_tokens": _count_targets(label_tensor)}
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "labels": label_tensor,
+            "position_ids": torch.tensor(positions, dtype=torch.long),
+            "attention_mask": block_causal_mask(torch.tensor(sequences), self.mask_dtype),
+            "num_target_tokens": _count_targets(label_tensor),
+        }
 
 
 @dataclass(frozen=True)
@@ -165,18 +183,25 @@ class PaddingEfficiency:
     tokens: int
 
 
-def padding_efficiency(examples: Sequence[Example], max_length: int, *,
-                       batch_size: int | None = None,
-                       pad_to_multiple_of: int | None = None) -> PaddingEfficiency:
+def padding_efficiency(
+    examples: Sequence[Example],
+    max_length: int,
+    *,
+    batch_size: int | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> PaddingEfficiency:
     """Compare :func:`pad_collate` with :class:`PackedCollator` over ``examples`` taken
     ``batch_size`` at a time (all at once when None), by the shapes they would produce."""
     size = batch_size or max(len(examples), 1)
     tokens = sum(map(len, examples))
     padded = packed = 0
     for start in range(0, len(examples), size):
-        batch = examples[start:start + size]
+        batch = examples[start : start + size]
         padded += len(batch) * _round_up(max(map(len, batch)), pad_to_multiple_of)
         rows = pack_examples(batch, max_length)
         packed += len(rows) * _round_up(max(sum(map(len, r)) for r in rows), pad_to_multiple_of)
-    return PaddingEfficiency(padded=tokens / padded if padded else 1.0,
-                             packed=tokens / packed if packed else 1.0, tokens=tokens)
+    return PaddingEfficiency(
+        padded=tokens / padded if padded else 1.0,
+        packed=tokens / packed if packed else 1.0,
+        tokens=tokens,
+    )

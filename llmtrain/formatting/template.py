@@ -29,8 +29,9 @@ class PromptTemplate:
         try:
             parts = list(string.Formatter().parse(text))
         except ValueError as exc:  # a lone "{" or "}"
-            raise ConfigError(f"template {text!r} is malformed ({exc}); write literal braces "
-                              f"as '{{{{' and '}}}}'") from None
+            raise ConfigError(
+                f"template {text!r} is malformed ({exc}); write literal braces as '{{{{' and '}}}}'"
+            ) from None
         # The literal text before each field, then after the last one ("{{" parses as its own
         # literal-only part, so pieces are joined until the next field).
         literals: list[str] = [""]
@@ -40,25 +41,34 @@ class PromptTemplate:
             if field is None:
                 continue
             if field not in (X, Y):
-                raise ConfigError(f"template {text!r} has an unknown placeholder {{{field}}}; "
-                                  f"only {{X}} and {{Y}} are allowed (write literal braces as "
-                                  f"'{{{{' and '}}}}')")
+                raise ConfigError(
+                    f"template {text!r} has an unknown placeholder {{{field}}}; "
+                    f"only {{X}} and {{Y}} are allowed (write literal braces as "
+                    f"'{{{{' and '}}}}')"
+                )
             if spec or conversion:
-                raise ConfigError(f"template {text!r}: placeholder {{{field}}} takes no format "
-                                  f"spec or conversion")
+                raise ConfigError(
+                    f"template {text!r}: placeholder {{{field}}} takes no format spec or conversion"
+                )
             fields.append(field)
             literals.append("")
         for name in (X, Y):
             if fields.count(name) != 1:
-                raise ConfigError(f"template {text!r} must contain {{{name}}} exactly once, "
-                                  f"found it {fields.count(name)} times")
+                raise ConfigError(
+                    f"template {text!r} must contain {{{name}}} exactly once, "
+                    f"found it {fields.count(name)} times"
+                )
         if fields[-1] != Y:
-            raise ConfigError(f"template {text!r}: {{Y}} must be at the very end, but {{X}} "
-                              f"follows it; the prompt ({{X}}) comes before the response")
+            raise ConfigError(
+                f"template {text!r}: {{Y}} must be at the very end, but {{X}} "
+                f"follows it; the prompt ({{X}}) comes before the response"
+            )
         if literals[-1]:
-            raise ConfigError(f"template {text!r}: {{Y}} must be at the very end, but "
-                              f"{literals[-1]!r} follows it; the response is what the model "
-                              f"generates after the prompt, so nothing may come after {{Y}}")
+            raise ConfigError(
+                f"template {text!r}: {{Y}} must be at the very end, but "
+                f"{literals[-1]!r} follows it; the response is what the model "
+                f"generates after the prompt, so nothing may come after {{Y}}"
+            )
         self._text = text
         self._before_x, self._after_x = literals[0], literals[1]
 

@@ -51,8 +51,10 @@ class Example:
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.labels):
-            raise ValueError(f"example {self.key!r}: {len(self.input_ids)} input ids but "
-                             f"{len(self.labels)} labels")
+            raise ValueError(
+                f"example {self.key!r}: {len(self.input_ids)} input ids but "
+                f"{len(self.labels)} labels"
+            )
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -74,7 +76,7 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start])
     return []
 
@@ -102,17 +104,27 @@ class Formatter:
     EOS/end-of-turn token (checked here, so a model is never trained that cannot stop).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase,
-                 template: PromptTemplate | str | None = None, *, chat_template: bool = False,
-                 max_length: int | None = None, train_on_inputs: bool = False,
-                 min_prompt_tokens: int = 1,
-                 x_field: str = "X", y_field: str = "Y") -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template: PromptTemplate | str | None = None,
+        *,
+        chat_template: bool = False,
+        max_length: int | None = None,
+        train_on_inputs: bool = False,
+        min_prompt_tokens: int = 1,
+        x_field: str = "X",
+        y_field: str = "Y",
+    ) -> None:
         if chat_template == (template is not None):
-            raise ConfigError("Formatter needs exactly one of a prompt template or "
-                              "chat_template=True")
+            raise ConfigError(
+                "Formatter needs exactly one of a prompt template or chat_template=True"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise ConfigError("Formatter needs a fast (Rust) tokenizer: it relies on its batch "
-                              "encoding and character offsets")
+            raise ConfigError(
+                "Formatter needs a fast (Rust) tokenizer: it relies on its batch "
+                "encoding and character offsets"
+            )
         if tokenizer.eos_token_id is None:
             raise ConfigError("the tokenizer has no EOS token; the model could not learn to stop")
         if min_prompt_tokens < 0:
@@ -126,26 +138,36 @@ class Formatter:
         self.x_field, self.y_field = x_field, y_field
         self.eos_id: int = tokenizer.eos_token_id
         self._special_ids = set(tokenizer.all_special_ids) | {
-            i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)}
+            i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
+        }
         self._backend = None if chat_template else _backend_encoder(tokenizer)
         self._prefix = self._check_chat_template() if chat_template else _special_prefix(tokenizer)
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
-            raise ConfigError(f"max_length {max_length} leaves no room for a response after "
-                              f"{len(self._prefix)} leading special token(s) and "
-                              f"min_prompt_tokens={min_prompt_tokens}")
+            raise ConfigError(
+                f"max_length {max_length} leaves no room for a response after "
+                f"{len(self._prefix)} leading special token(s) and "
+                f"min_prompt_tokens={min_prompt_tokens}"
+            )
 
     # -- public API ------------------------------------------------------------------------
-    def format(self, row: Mapping[str, object], *, key: object = None,
-               source: str = "rows") -> Example:
+    def format(
+        self, row: Mapping[str, object], *, key: object = None, source: str = "rows"
+    ) -> Example:
         """One row to one example; ``BadRowError`` names ``source``, ``key`` and the field."""
         return self.format_batch([(key, row)], source=source)[0]
 
-    def format_batch(self, rows: Sequence[tuple[object, Mapping[str, object]]], *,
-                     source: str = "rows") -> list[Example]:
+    def format_batch(
+        self, rows: Sequence[tuple[object, Mapping[str, object]]], *, source: str = "rows"
+    ) -> list[Example]:
         """``(key, row)`` pairs (as the data backends return them) to examples, in order,
         with one batched call into the fast tokenizer per part."""
-        texts = [(_check_text(row, self.x_field, key, source),
-                  _check_text(row, self.y_field, key, source)) for key, row in rows]
+        texts = [
+            (
+                _check_text(row, self.x_field, key, source),
+                _check_text(row, self.y_field, key, source),
+            )
+            for key, row in rows
+        ]
         if not texts:
             return []
         if self.chat_template:
@@ -154,15 +176,20 @@ class Formatter:
         prompts = self._encode([self.template.prompt(x) for x, _ in texts])
         responses = self._encode([y for _, y in texts])
         eos = [self.eos_id]
-        return [self._assemble(key, self._prefix, prompt, response + eos, None, [])
-                for (key, _), prompt, response in zip(rows, prompts, responses)]
+        return [
+            self._assemble(key, self._prefix, prompt, response + eos, None, [])
+            for (key, _), prompt, response in zip(rows, prompts, responses)
+        ]
 
     def prompt_ids(self, x: str) -> list[int]:
         """The token ids a model is given at inference for input ``x``; identical to the
         untrained part of a training example (before truncation)."""
         if self.chat_template:
-            return list(self._chat([[{"role": "user", "content": x}]],
-                                   generation_prompt=True)["input_ids"][0])
+            return list(
+                self._chat([[{"role": "user", "content": x}]], generation_prompt=True)["input_ids"][
+                    0
+                ]
+            )
         assert self.template is not None
         return self._prefix + self._encode([self.template.prompt(x)])[0]
 
@@ -173,32 +200,46 @@ class Formatter:
             return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
         return [e.ids for e in self._backend(texts, add_special_tokens=False)]
 
-    def _chat(self, conversations: list[list[dict[str, str]]], *,
-              generation_prompt: bool = False) -> Any:
+    def _chat(
+        self, conversations: list[list[dict[str, str]]], *, generation_prompt: bool = False
+    ) -> Any:
         return self.tokenizer.apply_chat_template(
-            conversations, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt,
-            return_assistant_tokens_mask=not generation_prompt)
+            conversations,
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=generation_prompt,
+            return_assistant_tokens_mask=not generation_prompt,
+        )
 
-    def _split_chat(self, ids: list[int], mask: list[int]
-                    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    def _split_chat(
+        self, ids: list[int], mask: list[int]
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         """(head, prompt, response, response_labels, tail) of one rendered conversation."""
         trained = [i for i, m in enumerate(mask) if m]
         if not trained:
-            raise ConfigError("the chat template marks no assistant token with "
-                              "{% generation %} tags, so there is nothing to train")
+            raise ConfigError(
+                "the chat template marks no assistant token with "
+                "{% generation %} tags, so there is nothing to train"
+            )
         first, last = trained[0], trained[-1]
         head = 0
         while head < first and ids[head] in self._special_ids:
             head += 1
-        response = ids[first:last + 1]
-        labels = [t if m else IGNORE_INDEX for t, m in zip(response, mask[first:last + 1])]
-        return ids[:head], ids[head:first], response, labels, ids[last + 1:]
+        response = ids[first : last + 1]
+        labels = [t if m else IGNORE_INDEX for t, m in zip(response, mask[first : last + 1])]
+        return ids[:head], ids[head:first], response, labels, ids[last + 1 :]
 
     def _format_chat(self, keys: list[object], texts: list[tuple[str, str]]) -> list[Example]:
-        out = self._chat([[{"role": "user", "content": x}, {"role": "assistant", "content": y}]
-                          for x, y in texts])
-        return [self._assemble(key, *self._split_chat(list(ids), list(mask)))
-                for key, ids, mask in zip(keys, out["input_ids"], out["assistant_masks"])]
+        out = self._chat(
+            [
+                [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
+                for x, y in texts
+            ]
+        )
+        return [
+            self._assemble(key, *self._split_chat(list(ids), list(mask)))
+            for key, ids, mask in zip(keys, out["input_ids"], out["assistant_masks"])
+        ]
 
     def _check_chat_template(self) -> list[int]:
         """Probe the chat template once; return its leading special tokens (BOS)."""
@@ -206,41 +247,59 @@ class Formatter:
         if not getattr(tok, "chat_template", None):
             raise ConfigError("chat_template=True but the tokenizer has no chat template")
         user = "probe question"
-        out = self._chat([[{"role": "user", "content": user},
-                           {"role": "assistant", "content": "probe answer"}]])
-        head, prompt, response, labels, _ = self._split_chat(list(out["input_ids"][0]),
-                                                             list(out["assistant_masks"][0]))
+        out = self._chat(
+            [[{"role": "user", "content": user}, {"role": "assistant", "content": "probe answer"}]]
+        )
+        head, prompt, response, labels, _ = self._split_chat(
+            list(out["input_ids"][0]), list(out["assistant_masks"][0])
+        )
         if labels[-1] not in self._special_ids:
             raise ConfigError(
                 f"the chat template's {{% generation %}} block ends with "
                 f"{tok.convert_ids_to_tokens(labels[-1])!r}, not an EOS/end-of-turn special "
                 f"token, so the model would never learn to stop; put the end-of-turn token "
-                f"inside the generation block")
+                f"inside the generation block"
+            )
         if head + prompt != self.prompt_ids(user):
-            warnings.warn("the chat template renders the prompt differently with "
-                          "add_generation_prompt=True than before an assistant reply; "
-                          "inference prompts will not match training prompts", stacklevel=3)
+            warnings.warn(
+                "the chat template renders the prompt differently with "
+                "add_generation_prompt=True than before an assistant reply; "
+                "inference prompts will not match training prompts",
+                stacklevel=3,
+            )
         return head
 
-    def _assemble(self, key: object, head: list[int], prompt: list[int], response: list[int],
-                  response_labels: list[int] | None, tail: list[int]) -> Example:
+    def _assemble(
+        self,
+        key: object,
+        head: list[int],
+        prompt: list[int],
+        response: list[int],
+        response_labels: list[int] | None,
+        tail: list[int],
+    ) -> Example:
         """Apply the truncation policy of the module docstring, then build the labels."""
         if response_labels is None or self.train_on_inputs:
             response_labels = response
         limit = self.max_length
-        truncated = limit is not None and len(head) + len(prompt) + len(response) + len(
-            tail) > limit
+        truncated = (
+            limit is not None and len(head) + len(prompt) + len(response) + len(tail) > limit
+        )
         if truncated:
             assert limit is not None
             tail = []
             room = limit - len(head) - len(response)
             keep = min(len(prompt), max(room, self.min_prompt_tokens))
-            prompt = prompt[len(prompt) - keep:]
+            prompt = prompt[len(prompt) - keep :]
             cut = max(0, len(head) + len(prompt) + len(response) - limit)
-            response = response[:len(response) - cut]
-            response_labels = response_labels[:len(response)]
+            response = response[: len(response) - cut]
+            response_labels = response_labels[: len(response)]
         context = head + prompt
         context_labels = context if self.train_on_inputs else [IGNORE_INDEX] * len(context)
         tail_labels = tail if self.train_on_inputs else [IGNORE_INDEX] * len(tail)
-        return Example(context + response + tail, context_labels + response_labels + tail_labels,
-                       key, truncated)
+        return Example(
+            context + response + tail,
+            context_labels + response_labels + tail_labels,
+            key,
+            truncated,
+        )

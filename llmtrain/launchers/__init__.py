@@ -22,12 +22,20 @@ from llmtrain.launchers.process import WorkerJob
 from llmtrain.placement import Placement
 from llmtrain.training.args import Launcher
 
-__all__ = ["DistributedError", "Launcher", "WorkerCommand", "build_command", "execute",
-           "free_port", "launch_workers"]
+__all__ = [
+    "DistributedError",
+    "Launcher",
+    "WorkerCommand",
+    "build_command",
+    "execute",
+    "free_port",
+    "launch_workers",
+]
 
 
-def execute(trainer: Any, db: Any, run_id: str, placement: Placement, *, resume: bool | str,
-            merge: bool) -> Any:
+def execute(
+    trainer: Any, db: Any, run_id: str, placement: Placement, *, resume: bool | str, merge: bool
+) -> Any:
     """Train run ``run_id``: in worker processes when the trainer has a launcher and this
     process is not already one of its workers, else right here."""
     from llmtrain.training.launch import run_in_process
@@ -36,12 +44,12 @@ def execute(trainer: Any, db: Any, run_id: str, placement: Placement, *, resume:
     launcher = trainer.config.launcher
     if launcher is not None and launcher.kind != "python" and not placement.launched:
         return launch_workers(trainer, db, run_id, resume=resume, merge=merge)
-    return run_in_process(trainer, db, run_id, strategy_for(trainer.config, placement),
-                          resume=resume, merge=merge)
+    return run_in_process(
+        trainer, db, run_id, strategy_for(trainer.config, placement), resume=resume, merge=merge
+    )
 
 
-def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
-                   merge: bool) -> Any:
+def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge: bool) -> Any:
     """Train run ``run_id`` of the stored ``trainer`` in worker processes; return its model.
 
     On failure the run is marked failed with the first failing rank's error, every worker
@@ -50,9 +58,16 @@ def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
     launcher = trainer.config.launcher
     job_dir = Path(tempfile.mkdtemp(prefix="llmtrain-job-"))
     try:
-        command = build_command(launcher, db, job_dir, trainer_id=trainer.identifier,
-                                version=trainer.version or 0, run_id=run_id, resume=resume,
-                                merge=merge)
+        command = build_command(
+            launcher,
+            db,
+            job_dir,
+            trainer_id=trainer.identifier,
+            version=trainer.version or 0,
+            run_id=run_id,
+            resume=resume,
+            merge=merge,
+        )
         job = WorkerJob(command.argv, command.env, job_dir, timeout_s=launcher.timeout_s)
         try:
             job.run()
@@ -67,8 +82,9 @@ def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str,
         shutil.rmtree(job_dir, ignore_errors=True)
     model = db.load("model", trainer.identifier)
     if model.record.run_id != run_id:
-        raise DistributedError(f"the workers finished, but the newest model "
-                               f"{trainer.identifier!r} comes from run {model.record.run_id}, "
-                               f"not {run_id}")
+        raise DistributedError(
+            f"the workers finished, but the newest model "
+            f"{trainer.identifier!r} comes from run {model.record.run_id}, "
+            f"not {run_id}"
+        )
     return model
-

@@ -50,20 +50,35 @@ def artifacts_location(db: Any) -> str:
         return str(store.root)
     if type(store).__name__ == "GridFSArtifactStore":
         return "gridfs"
-    raise ConfigError(f"worker processes cannot reopen the artifact store {store!r}: connect "
-                      "with artifacts= a folder or 'gridfs' to train with a launcher")
+    raise ConfigError(
+        f"worker processes cannot reopen the artifact store {store!r}: connect "
+        "with artifacts= a folder or 'gridfs' to train with a launcher"
+    )
 
 
 def worker_env(db: Any, job_dir: Path) -> dict[str, str]:
-    return {DB_ENV: db.secret_uri(), METADATA_ENV: db.secret_metadata_uri(),
-            ARTIFACTS_ENV: artifacts_location(db), JOB_ENV: str(job_dir),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        DB_ENV: db.secret_uri(),
+        METADATA_ENV: db.secret_metadata_uri(),
+        ARTIFACTS_ENV: artifacts_location(db),
+        JOB_ENV: str(job_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
-def worker_args(trainer_id: str, version: int, run_id: str, *, resume: bool | str,
-                merge: bool) -> list[str]:
-    args = ["--trainer", trainer_id, "--version", str(version), "--run-id", run_id,
-            "--resume", json.dumps(resume)]
+def worker_args(
+    trainer_id: str, version: int, run_id: str, *, resume: bool | str, merge: bool
+) -> list[str]:
+    args = [
+        "--trainer",
+        trainer_id,
+        "--version",
+        str(version),
+        "--run-id",
+        run_id,
+        "--resume",
+        json.dumps(resume),
+    ]
     return [*args, "--merge"] if merge else args
 
 
@@ -71,13 +86,34 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
     """``torchrun`` or ``deepspeed`` (as ``python -m``, so this interpreter) up to the module."""
     n = str(launcher.num_processes)
     if launcher.kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", n,
-                "--nnodes", str(launcher.num_nodes), "--node_rank", str(launcher.node_rank),
-                "--master_addr", launcher.master_addr, "--master_port", str(port),
-                "--max_restarts", "0", "-m"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            n,
+            "--nnodes",
+            str(launcher.num_nodes),
+            "--node_rank",
+            str(launcher.node_rank),
+            "--master_addr",
+            launcher.master_addr,
+            "--master_port",
+            str(port),
+            "--max_restarts",
+            "0",
+            "-m",
+        ]
     if launcher.kind == "deepspeed":
-        argv = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", n,
-                "--master_port", str(port)]
+        argv = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            n,
+            "--master_port",
+            str(port),
+        ]
         if launcher.hostfile:
             argv += ["--hostfile", launcher.hostfile]
         if launcher.num_nodes > 1:
@@ -90,11 +126,23 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
     raise ConfigError(f"launcher kind {launcher.kind!r} starts no worker processes")
 
 
-def build_command(launcher: Launcher, db: Any, job_dir: Path, *, trainer_id: str,
-                  version: int, run_id: str, resume: bool | str, merge: bool) -> WorkerCommand:
+def build_command(
+    launcher: Launcher,
+    db: Any,
+    job_dir: Path,
+    *,
+    trainer_id: str,
+    version: int,
+    run_id: str,
+    resume: bool | str,
+    merge: bool,
+) -> WorkerCommand:
     port = launcher.master_port  # set for several nodes: Launcher's validator sees to it
     if port is None:
         port = free_port(launcher.master_addr)
-    argv = [*launcher_argv(launcher, port), WORKER_MODULE,
-            *worker_args(trainer_id, version, run_id, resume=resume, merge=merge)]
+    argv = [
+        *launcher_argv(launcher, port),
+        WORKER_MODULE,
+        *worker_args(trainer_id, version, run_id, resume=resume, merge=merge),
+    ]
     return WorkerCommand(argv, worker_env(db, job_dir))

@@ -51,8 +51,15 @@ def alive(pid: int) -> bool:
 class WorkerJob:
     """One launcher process and the workers it starts."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], job_dir: Path, *,
-                 timeout_s: float | None = None, echo: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        job_dir: Path,
+        *,
+        timeout_s: float | None = None,
+        echo: IO[str] | None = None,
+    ) -> None:
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
         self.echo = echo if echo is not None else sys.stdout
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -63,11 +70,16 @@ class WorkerJob:
         """Start, wait; DistributedError (with the first failing rank's error) on failure."""
         for sub in ("pids", "errors"):
             (self.job_dir / sub).mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(self.argv, env={**os.environ, **self.env}, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True, bufsize=1)
-        reader = threading.Thread(target=self._stream, name="llmtrain-launcher-output",
-                                  daemon=True)
+        self.proc = subprocess.Popen(
+            self.argv,
+            env={**os.environ, **self.env},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            bufsize=1,
+        )
+        reader = threading.Thread(target=self._stream, name="llmtrain-launcher-output", daemon=True)
         reader.start()
         started = time.monotonic()
         try:
@@ -77,8 +89,10 @@ class WorkerJob:
                     break
                 if self.timeout_s and time.monotonic() - started > self.timeout_s:
                     self.stop()
-                    raise DistributedError(f"the distributed job did not finish within "
-                                           f"{self.timeout_s:g} s and was stopped")
+                    raise DistributedError(
+                        f"the distributed job did not finish within "
+                        f"{self.timeout_s:g} s and was stopped"
+                    )
                 time.sleep(POLL_S)
             self._note_workers()
         finally:
@@ -92,8 +106,10 @@ class WorkerJob:
             raise err
         if self.proc.returncode != 0:
             tail = "".join(list(self.tail)[-40:])
-            raise DistributedError(f"the launcher exited with status {self.proc.returncode} "
-                                   f"and no rank reported an error; its last output:\n{tail}")
+            raise DistributedError(
+                f"the launcher exited with status {self.proc.returncode} "
+                f"and no rank reported an error; its last output:\n{tail}"
+            )
 
     def _stream(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -114,8 +130,9 @@ class WorkerJob:
 
     def first_error(self) -> tuple[int, str] | None:
         """The rank whose traceback was written first (later ones are usually its echo)."""
-        files = sorted((self.job_dir / "errors").glob("rank*.txt"),
-                       key=lambda p: p.stat().st_mtime_ns)
+        files = sorted(
+            (self.job_dir / "errors").glob("rank*.txt"), key=lambda p: p.stat().st_mtime_ns
+        )
         for path in files:
             text = path.read_text(errors="replace")
             if text.strip():
@@ -129,8 +146,11 @@ class WorkerJob:
     def stop(self) -> None:
         """SIGTERM every process group involved, SIGKILL what is left after a grace period."""
         self._note_workers()
-        if self.proc is not None and self.proc.poll() is not None and not any(
-                alive(p) for p in self.worker_pids):
+        if (
+            self.proc is not None
+            and self.proc.poll() is not None
+            and not any(alive(p) for p in self.worker_pids)
+        ):
             return
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S

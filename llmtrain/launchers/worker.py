@@ -27,8 +27,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--resume", type=json.loads, default=False)
     parser.add_argument("--merge", action="store_true")
-    parser.add_argument("--local_rank", type=int, default=None,  # the deepspeed launcher's
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--local_rank",
+        type=int,
+        default=None,  # the deepspeed launcher's
+        help=argparse.SUPPRESS,
+    )
     return parser.parse_args(argv)
 
 
@@ -41,11 +45,20 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
     install_from_environment()  # test hooks (key trace, rank report), read once
 
     # popped: nothing this process starts (compilers, loader workers) inherits the secrets
-    db = connect(os.environ.pop(DB_ENV), metadata_uri=os.environ.pop(METADATA_ENV, None),
-                 artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None)
+    db = connect(
+        os.environ.pop(DB_ENV),
+        metadata_uri=os.environ.pop(METADATA_ENV, None),
+        artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None,
+    )
     trainer = db.load("trainer", args.trainer, args.version)
-    run_in_process(trainer, db, args.run_id, strategy_for(trainer.config, placement),
-                   resume=args.resume, merge=args.merge)
+    run_in_process(
+        trainer,
+        db,
+        args.run_id,
+        strategy_for(trainer.config, placement),
+        resume=args.resume,
+        merge=args.merge,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

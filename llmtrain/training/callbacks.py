@@ -111,14 +111,22 @@ class RankReport(Callback):
         s = run.strategy
         inner = s.unwrap(run.model)
         trainable = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
-        save_file({name: local_tensor(p) for name, p in trainable},
-                  f"{self.prefix}.rank{s.rank}.safetensors")
-        report = {"rank": s.rank, "world_size": s.world_size, "local_rank": s.placement.local_rank,
-                  "launched": s.placement.launched, "pid": os.getpid(),
-                  "host": socket.gethostname(), "strategy": s.name, "step": run.step,
-                  "optimizer_numel": optimizer_numel(run.optimizer),
-                  "shapes": {name: list(getattr(p, "ds_shape", p.shape))
-                             for name, p in trainable}}
+        save_file(
+            {name: local_tensor(p) for name, p in trainable},
+            f"{self.prefix}.rank{s.rank}.safetensors",
+        )
+        report = {
+            "rank": s.rank,
+            "world_size": s.world_size,
+            "local_rank": s.placement.local_rank,
+            "launched": s.placement.launched,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "strategy": s.name,
+            "step": run.step,
+            "optimizer_numel": optimizer_numel(run.optimizer),
+            "shapes": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in trainable},
+        }
         with open(f"{self.prefix}.rank{s.rank}.json", "w") as fh:
             json.dump(report, fh)
 

@@ -43,9 +43,11 @@ def sha256_file(path: Path) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(),
-                             "python": json.dumps(random.getstate()),
-                             "numpy": json.dumps(_numpy_state())}
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": json.dumps(random.getstate()),
+        "numpy": json.dumps(_numpy_state()),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -69,18 +71,21 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Saves and restores the full training state of one run through the artifact store."""
 
-    def __init__(self, db: Any, run_id: str, strategy: Strategy, *,
-                 keep: int | None, workdir: Path) -> None:
+    def __init__(
+        self, db: Any, run_id: str, strategy: Strategy, *, keep: int | None, workdir: Path
+    ) -> None:
         self.db, self.run_id, self.strategy, self.keep = db, run_id, strategy, keep
         self.workdir = workdir
 
     # -- save ------------------------------------------------------------------------------
-    def save(self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
-             ) -> CheckpointRecord | None:
+    def save(
+        self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
+    ) -> CheckpointRecord | None:
         """Collective: every rank calls it. Returns the record on rank 0."""
         s = self.strategy
-        folder = Path(s.broadcast_object(
-            str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}")))
+        folder = Path(
+            s.broadcast_object(str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}"))
+        )
         folder.mkdir(parents=True, exist_ok=True)
         weights = s.trainable_state_dict(model)  # gathers shards: all ranks take part
         s.save_optimizer(model, optimizer, folder)
@@ -91,19 +96,28 @@ class Checkpointer:
             try:
                 save_file(weights, str(folder / "weights.safetensors"))
                 torch.save(scheduler.state_dict(), folder / "scheduler.pt")
-                (folder / STATE).write_text(json.dumps({**state, "format": FORMAT,
-                                                        "world_size": s.world_size}))
-                files = {p.relative_to(folder).as_posix(): sha256_file(p)
-                         for p in sorted(folder.rglob("*")) if p.is_file()}
+                (folder / STATE).write_text(
+                    json.dumps({**state, "format": FORMAT, "world_size": s.world_size})
+                )
+                files = {
+                    p.relative_to(folder).as_posix(): sha256_file(p)
+                    for p in sorted(folder.rglob("*"))
+                    if p.is_file()
+                }
                 (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
                 artifact = self.db.artifacts.put_dir(folder)
                 record = self.db.metadata.add_checkpoint(
-                    self.run_id, state["step"], artifact,
-                    {"epoch": state["epoch"], "world_size": s.world_size})
+                    self.run_id,
+                    state["step"],
+                    artifact,
+                    {"epoch": state["epoch"], "world_size": s.world_size},
+                )
                 self._prune()
             except (OSError, StoreError) as exc:
-                raise CheckpointError(f"could not save the checkpoint at step {state['step']}: "
-                                      f"{exc}; the previous checkpoint is intact") from exc
+                raise CheckpointError(
+                    f"could not save the checkpoint at step {state['step']}: "
+                    f"{exc}; the previous checkpoint is intact"
+                ) from exc
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         s.barrier()
@@ -113,10 +127,12 @@ class Checkpointer:
         if self.keep is None:
             return
         records = self.db.metadata.list_checkpoints(self.run_id)
-        for old in records[:-self.keep]:
+        for old in records[: -self.keep]:
             self.db.metadata.remove_checkpoint(self.run_id, old.step)
-            if not any(r.artifact_id == old.artifact_id
-                       for r in self.db.metadata.list_checkpoints(self.run_id)):
+            if not any(
+                r.artifact_id == old.artifact_id
+                for r in self.db.metadata.list_checkpoints(self.run_id)
+            ):
                 self.db.artifacts.delete(old.artifact_id)
 
     # -- load ------------------------------------------------------------------------------
@@ -130,8 +146,9 @@ class Checkpointer:
                 return record
         raise CheckpointError(f"run {self.run_id} has no checkpoint {checkpoint!r}")
 
-    def restore(self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
-                ) -> dict[str, Any]:
+    def restore(
+        self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
+    ) -> dict[str, Any]:
         """Load weights, optimizer, scheduler and RNG; return the saved trainer state."""
         s = self.strategy
         folder = Path(tempfile.mkdtemp(prefix="llmtrain-restore-", dir=self.workdir))
@@ -143,7 +160,8 @@ class Checkpointer:
             if state.get("world_size") != s.world_size:
                 raise CheckpointError(
                     f"checkpoint at step {record.step} was written by {state.get('world_size')}"
-                    f" process(es); resume it with the same world size, not {s.world_size}")
+                    f" process(es); resume it with the same world size, not {s.world_size}"
+                )
             with _refused("weights.safetensors", record.step):
                 weights = load_file(str(folder / "weights.safetensors"))
             s.load_trainable_state_dict(model, weights)
@@ -166,10 +184,14 @@ def _refused(name: str, step: int) -> Iterator[None]:
         yield
     except (pickle.UnpicklingError, SafetensorError) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next((line for line in lines if "Unsupported global" in line),
-                      lines[0] if lines else type(exc).__name__)
-        raise CheckpointError(f"checkpoint at step {step}: {name} was refused by the safe "
-                              f"loader ({reason[:300]}); it was not written by llmtrain") from exc
+        reason = next(
+            (line for line in lines if "Unsupported global" in line),
+            lines[0] if lines else type(exc).__name__,
+        )
+        raise CheckpointError(
+            f"checkpoint at step {step}: {name} was refused by the safe "
+            f"loader ({reason[:300]}); it was not written by llmtrain"
+        ) from exc
 
 
 def verify(folder: Path) -> None:

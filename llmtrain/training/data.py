@@ -34,45 +34,68 @@ class Collate:
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         examples = self.formatter.format_batch(rows, source=self.source)
-        batch: dict[str, Any] = (self.packer(examples) if self.packer
-                                 else pad_collate(examples, self.pad_id))
+        batch: dict[str, Any] = (
+            self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
+        )
         batch["num_tokens"] = torch.tensor(sum(len(e) for e in examples))
         batch["keys"] = [key_repr(k) for k, _ in rows]
         return batch
 
 
-def make_collate(formatter: Formatter, tokenizer: Any, model: Any, args: DataArguments,
-                 source: str) -> Collate:
+def make_collate(
+    formatter: Formatter, tokenizer: Any, model: Any, args: DataArguments, source: str
+) -> Collate:
     packer = None
     if args.packing:
-        packer = PackedCollator(args.max_length, tokenizer.pad_token_id,
-                                mask_dtype=mask_dtype_for(model))
+        packer = PackedCollator(
+            args.max_length, tokenizer.pad_token_id, mask_dtype=mask_dtype_for(model)
+        )
     return Collate(formatter, tokenizer.pad_token_id, source, packer)
 
 
-def view_dataset(db: Any, select: Query, fields: list[str], args: DataArguments, *,
-                 split: Split, scan: SelectionScan | None, rank: int, world_size: int,
-                 seed: int = 0, shuffle: bool | None = None,
-                 drop_remainder: bool | None = None) -> CachedQueryDataset:
+def view_dataset(
+    db: Any,
+    select: Query,
+    fields: list[str],
+    args: DataArguments,
+    *,
+    split: Split,
+    scan: SelectionScan | None,
+    rank: int,
+    world_size: int,
+    seed: int = 0,
+    shuffle: bool | None = None,
+    drop_remainder: bool | None = None,
+) -> CachedQueryDataset:
     """The dataset of one view of ``select`` (training rows, held-out rows or all of them)."""
     return CachedQueryDataset(
-        db, select, fields, cache_size=args.cache_size,
-        shuffle=args.shuffle if shuffle is None else shuffle, seed=seed, rank=rank,
+        db,
+        select,
+        fields,
+        cache_size=args.cache_size,
+        shuffle=args.shuffle if shuffle is None else shuffle,
+        seed=seed,
+        rank=rank,
         world_size=world_size,
         drop_remainder=args.drop_remainder if drop_remainder is None else drop_remainder,
-        on_bad_row=args.on_bad_row, split=split,
-        eval_fraction=args.eval_fraction if split != "all" else 0.0, scan=scan)
+        on_bad_row=args.on_bad_row,
+        split=split,
+        eval_fraction=args.eval_fraction if split != "all" else 0.0,
+        scan=scan,
+    )
 
 
 class TrainBatches:
     """The one data object the training loop knows: batches across epochs, the batch count
     per epoch, and the dataset position as resume state."""
 
-    def __init__(self, dataset: CachedQueryDataset, args: DataArguments, *, batch_size: int,
-                 collate: Collate) -> None:
+    def __init__(
+        self, dataset: CachedQueryDataset, args: DataArguments, *, batch_size: int, collate: Collate
+    ) -> None:
         self.dataset = dataset
         self.loader: QueryDataLoader = dataset.loader(
-            batch_size, num_workers=args.num_workers, collate_fn=collate, with_keys=True)
+            batch_size, num_workers=args.num_workers, collate_fn=collate, with_keys=True
+        )
         self.batch_size = batch_size
 
     def __len__(self) -> int:
@@ -106,5 +129,7 @@ class TrainBatches:
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }

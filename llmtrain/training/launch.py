@@ -40,8 +40,9 @@ def once_per_job(placement: Placement, fn: Callable[..., T], *args: Any) -> T:
     return value
 
 
-def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
-                   resume: bool | str, merge: bool) -> Any:
+def run_in_process(
+    trainer: Any, db: Any, run_id: str, strategy: Strategy, *, resume: bool | str, merge: bool
+) -> Any:
     """setup -> train -> final checkpoint -> adapter -> model component; marks the run."""
     from llmtrain.training.model import TrainedModel
 
@@ -52,10 +53,16 @@ def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
         run.setup()
         if strategy.is_main:
             targs = trainer.config.training_args
-            db.metadata.update_run(run_id, info={
-                "strategy": strategy.name, "world_size": strategy.world_size,
-                "global_batch_size": targs.per_device_train_batch_size
-                * targs.gradient_accumulation_steps * strategy.world_size})
+            db.metadata.update_run(
+                run_id,
+                info={
+                    "strategy": strategy.name,
+                    "world_size": strategy.world_size,
+                    "global_batch_size": targs.per_device_train_batch_size
+                    * targs.gradient_accumulation_steps
+                    * strategy.world_size,
+                },
+            )
         run.train()
         latest = run.checkpointer.latest() if strategy.is_main else None
         if strategy.broadcast_object(latest is None or latest.step != run.step):
@@ -67,10 +74,17 @@ def run_in_process(trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
             if merge:  # before the first add: one fit, one model version
                 model.merge(store=False)
             db.add(model)
-            db.metadata.update_run(run_id, status="completed", info={
-                "steps": run.step, "tokens": run.tokens_seen, "artifact": adapter,
-                "model_version": model.version,
-                "final_loss": run.history[-1]["loss"] if run.history else None})
+            db.metadata.update_run(
+                run_id,
+                status="completed",
+                info={
+                    "steps": run.step,
+                    "tokens": run.tokens_seen,
+                    "artifact": adapter,
+                    "model_version": model.version,
+                    "final_loss": run.history[-1]["loss"] if run.history else None,
+                },
+            )
         return model
     except BaseException as exc:
         if strategy.is_main:

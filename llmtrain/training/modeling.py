@@ -27,6 +27,7 @@ _DEFAULT_TARGETS: dict[str, list[str]] = {
     "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
 
+
 def check_model_path(name: str) -> None:
     """A name that is clearly a local path must exist (else transformers asks the hub)."""
     import os
@@ -45,12 +46,15 @@ def load_tokenizer(args: ModelArguments) -> Any:
     from transformers import AutoTokenizer
 
     check_model_path(args.model_name_or_path)
-    tok = AutoTokenizer.from_pretrained(args.model_name_or_path, revision=args.revision,
-                                        trust_remote_code=args.trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(
+        args.model_name_or_path, revision=args.revision, trust_remote_code=args.trust_remote_code
+    )
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ConfigError(f"tokenizer of {args.model_name_or_path!r} has neither a pad nor "
-                              "an EOS token; the model could not learn to stop")
+            raise ConfigError(
+                f"tokenizer of {args.model_name_or_path!r} has neither a pad nor "
+                "an EOS token; the model could not learn to stop"
+            )
         tok.pad_token = tok.eos_token
     return tok
 
@@ -62,13 +66,21 @@ def quantization_config(args: ModelArguments, compute_dtype: torch.dtype) -> Any
         return BitsAndBytesConfig(load_in_8bit=True)
     storage = DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8)
     return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+        load_in_4bit=True,
+        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
         bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage)
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=storage,
+    )
 
 
-def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = True,
-               precision: Precision | None = None) -> Any:
+def load_model(
+    args: ModelArguments,
+    device: torch.device,
+    *,
+    quantize: bool = True,
+    precision: Precision | None = None,
+) -> Any:
     """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set.
 
     ``precision`` is the run's resolved policy (default: resolved here for ``device``).
@@ -76,17 +88,18 @@ def load_model(args: ModelArguments, device: torch.device, *, quantize: bool = T
     from transformers import AutoModelForCausalLM
 
     precision = precision or Precision.resolve(args, device)
-    kwargs: dict[str, Any] = {"revision": args.revision,
-                              "trust_remote_code": args.trust_remote_code,
-                              "dtype": precision.weights}
+    kwargs: dict[str, Any] = {
+        "revision": args.revision,
+        "trust_remote_code": args.trust_remote_code,
+        "dtype": precision.weights,
+    }
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
     if quantize and args.bits:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
-            raise ConfigError("bits=4/8 needs bitsandbytes: pip install 'llmtrain[qlora]'") \
-                from exc
+            raise ConfigError("bits=4/8 needs bitsandbytes: pip install 'llmtrain[qlora]'") from exc
         kwargs["quantization_config"] = quantization_config(args, precision.quant_compute)
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model: Any = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
@@ -119,13 +132,16 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
         return [t for t in targets if t in available] or "all-linear"
     missing = [t for t in targets if t not in available]
     if missing:
-        raise ConfigError(f"lora_args.target_modules {missing} match no linear layer of "
-                          f"{model.config.model_type}; its linear layers are {available}")
+        raise ConfigError(
+            f"lora_args.target_modules {missing} match no linear layer of "
+            f"{model.config.model_type}; its linear layers are {available}"
+        )
     return list(targets)
 
 
-def prepare_for_training(model: Any, lora: LoraArguments | None, *, quantized: bool,
-                         gradient_checkpointing: bool) -> Any:
+def prepare_for_training(
+    model: Any, lora: LoraArguments | None, *, quantized: bool, gradient_checkpointing: bool
+) -> Any:
     """The model as the loop trains it: the only place gradient checkpointing is switched
     on (k-bit preparation does it for a quantised base), then the adapter if any."""
     kwargs = {"use_reentrant": False}
@@ -137,8 +153,10 @@ def prepare_for_training(model: Any, lora: LoraArguments | None, *, quantized: b
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs=kwargs)
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs=kwargs,
+        )
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
@@ -150,7 +168,14 @@ def apply_adapter(model: Any, lora: LoraArguments) -> Any:
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=lora.r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
-        target_modules=target_modules_for(model, lora), bias=lora.bias, use_dora=lora.use_dora,
-        use_rslora=lora.use_rslora, modules_to_save=lora.modules_to_save, task_type="CAUSAL_LM")
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.lora_dropout,
+        target_modules=target_modules_for(model, lora),
+        bias=lora.bias,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        modules_to_save=lora.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)

@@ -39,15 +39,19 @@ class Precision:
     autocast_dtype: torch.dtype | None = None  # None: no autocast
 
     @classmethod
-    def resolve(cls, model_args: Any, device: torch.device,
-                mixed_precision: str = "no") -> Precision:
+    def resolve(
+        cls, model_args: Any, device: torch.device, mixed_precision: str = "no"
+    ) -> Precision:
         """``mixed_precision="auto"``: bf16 on a GPU that has it, else none. An explicit
         bf16/fp16 is honoured on the CPU too (autocast and the scaler exist there)."""
         if mixed_precision == "auto":
             mixed_precision = "bf16" if _bf16_gpu(device) else "no"
-        return cls(device.type, resolve_dtype(model_args.torch_dtype, device),
-                   resolve_dtype(model_args.bnb_4bit_compute_dtype, device),
-                   _MIXED[mixed_precision])
+        return cls(
+            device.type,
+            resolve_dtype(model_args.torch_dtype, device),
+            resolve_dtype(model_args.bnb_4bit_compute_dtype, device),
+            _MIXED[mixed_precision],
+        )
 
     @property
     def scaled(self) -> bool:

@@ -46,15 +46,27 @@ def loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     logits = model(**inputs, use_cache=False).logits[:, :-1]
     targets = batch["labels"][:, 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 class FitRun:
     """Everything one process needs to train one run of a trainer."""
 
-    def __init__(self, trainer: Any, db: Any, run_id: str, strategy: Strategy, *,
-                 resume: bool | str = False, callbacks: Sequence[Callback] = ()) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        db: Any,
+        run_id: str,
+        strategy: Strategy,
+        *,
+        resume: bool | str = False,
+        callbacks: Sequence[Callback] = (),
+    ) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
         self.callbacks = [*registered_callbacks(), *callbacks]
         self.config = trainer.config
@@ -73,35 +85,53 @@ class FitRun:
         self.precision = Precision.resolve(cfg.model_args, s.device, self.targs.mixed_precision)
         self.tokenizer = load_tokenizer(cfg.model_args)
         model = prepare_for_training(
-            load_model(cfg.model_args, s.device, precision=self.precision), cfg.lora_args,
+            load_model(cfg.model_args, s.device, precision=self.precision),
+            cfg.lora_args,
             quantized=bool(cfg.model_args.bits),
-            gradient_checkpointing=self.targs.gradient_checkpointing)
+            gradient_checkpointing=self.targs.gradient_checkpointing,
+        )
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
 
         fit = cfg.fit
         self.formatter = Formatter(
-            self.tokenizer, None if self.dargs.chat_template else cfg.prompt_template,
-            chat_template=self.dargs.chat_template, max_length=self.dargs.max_length,
-            train_on_inputs=self.dargs.train_on_inputs, x_field=fit.X, y_field=fit.Y)
+            self.tokenizer,
+            None if self.dargs.chat_template else cfg.prompt_template,
+            chat_template=self.dargs.chat_template,
+            max_length=self.dargs.max_length,
+            train_on_inputs=self.dargs.train_on_inputs,
+            x_field=fit.X,
+            y_field=fit.Y,
+        )
         select = fit.query()
         self.scan = self._selection_scan(select)
         collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
-        train = view_dataset(self.db, select, [fit.X, fit.Y], self.dargs, split="train",
-                             scan=self.scan, seed=self.targs.seed, rank=s.rank,
-                             world_size=s.world_size)
-        self.batches = TrainBatches(train, self.dargs,
-                                    batch_size=self.targs.per_device_train_batch_size,
-                                    collate=collate)
+        train = view_dataset(
+            self.db,
+            select,
+            [fit.X, fit.Y],
+            self.dargs,
+            split="train",
+            scan=self.scan,
+            seed=self.targs.seed,
+            rank=s.rank,
+            world_size=s.world_size,
+        )
+        self.batches = TrainBatches(
+            train, self.dargs, batch_size=self.targs.per_device_train_batch_size, collate=collate
+        )
         if len(self.batches) == 0:
-            raise DataError(f"{select.source} selects {self.scan.whole.count} row(s), "
-                            f"{train.view.count} to train on: too few to give each of "
-                            f"{s.world_size} process(es) one")
+            raise DataError(
+                f"{select.source} selects {self.scan.whole.count} row(s), "
+                f"{train.view.count} to train on: too few to give each of "
+                f"{s.world_size} process(es) one"
+            )
         self._eval_data: Any = None
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
-        self.checkpointer = Checkpointer(self.db, self.run_id, s, keep=self.targs.save_total_limit,
-                                         workdir=self.workdir)
+        self.checkpointer = Checkpointer(
+            self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
+        )
         if self.resume:
             self._restore()
 
@@ -123,8 +153,12 @@ class FitRun:
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
-        kwargs = {"lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2),
-                  "eps": t.adam_epsilon, "weight_decay": t.weight_decay}
+        kwargs = {
+            "lr": t.learning_rate,
+            "betas": (t.adam_beta1, t.adam_beta2),
+            "eps": t.adam_epsilon,
+            "weight_decay": t.weight_decay,
+        }
         if t.optim == "adamw_torch":
             return torch.optim.AdamW(params, **kwargs)
         import bitsandbytes as bnb
@@ -143,8 +177,12 @@ class FitRun:
 
         t = self.targs
         warmup = t.warmup_steps or int(t.warmup_ratio * self.total_steps)
-        return get_scheduler(t.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
-                             num_training_steps=self.total_steps)
+        return get_scheduler(
+            t.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=self.total_steps,
+        )
 
     def _restore(self) -> None:
         ck = self.checkpointer
@@ -159,18 +197,21 @@ class FitRun:
         self.history = state.get("history", [])
         # fit(allow_changed_data=) is this run's, recorded on it, not the trainer's recipe
         allow = self.db.metadata.get_run(self.run_id).info.get(
-            "allow_changed_data", self.dargs.allow_changed_data)
+            "allow_changed_data", self.dargs.allow_changed_data
+        )
         self.batches.load_state_dict(state["dataset"], allow_changed_data=allow)
         self.start_epoch = self.batches.epoch
         if self.strategy.is_main:
-            log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step,
-                     self.start_epoch)
+            log.info(
+                "resumed run %s at step %d (epoch %d)", self.run_id, self.step, self.start_epoch
+            )
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
         t = self.targs
-        stream = self.batches.epochs(self.start_epoch,
-                                     None if t.max_steps > 0 else t.num_train_epochs)
+        stream = self.batches.epochs(
+            self.start_epoch, None if t.max_steps > 0 else t.num_train_epochs
+        )
         self.model.train()
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         with self._progress() as progress:
@@ -180,14 +221,19 @@ class FitRun:
                     break
                 loss = self._train_step(group)
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
-                metrics = {"loss": loss, "lr": self.scheduler.get_last_lr()[0],
-                           "grad_norm": self.last_grad_norm, "tokens": float(self.tokens_seen),
-                           "tokens_per_s": rate}
+                metrics = {
+                    "loss": loss,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "grad_norm": self.last_grad_norm,
+                    "tokens": float(self.tokens_seen),
+                    "tokens_per_s": rate,
+                }
                 self.history.append({"step": self.step, "loss": loss})
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}",
-                                         tok_s=f"{rate:.0f}")
+                    progress.set_postfix(
+                        loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{rate:.0f}"
+                    )
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     self._log(metrics)
                 if t.eval_steps and self.step % t.eval_steps == 0:
@@ -202,8 +248,10 @@ class FitRun:
     def _next_group(self, stream: Iterator[tuple[int, Any]]) -> list[dict[str, Any]]:
         """The next accumulation group, cut to the same size on every rank."""
         s = self.strategy
-        group = [to_device(batch, s.device)
-                 for _, batch in itertools.islice(stream, self.targs.gradient_accumulation_steps)]
+        group = [
+            to_device(batch, s.device)
+            for _, batch in itertools.islice(stream, self.targs.gradient_accumulation_steps)
+        ]
         size = int(s.all_reduce(torch.tensor(len(group)), "min"))
         return group[:size]
 
@@ -222,8 +270,7 @@ class FitRun:
                 loss = loss_sum(self.model, batch)
             s.backward(self.model, loss * (s.world_size / targets))
             total += loss.item()
-        self.last_grad_norm = s.optimizer_step(self.model, self.optimizer,
-                                               self.targs.max_grad_norm)
+        self.last_grad_norm = s.optimizer_step(self.model, self.optimizer, self.targs.max_grad_norm)
         self.scheduler.step()
         self.step += 1
         self.tokens_seen += int(s.all_reduce(sum(b["num_tokens"] for b in group)))
@@ -241,8 +288,13 @@ class FitRun:
             return nullcontext(None)
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                    desc=f"fit {self.trainer.identifier}")
+        return tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            unit="step",
+            dynamic_ncols=True,
+            desc=f"fit {self.trainer.identifier}",
+        )
 
     def _log(self, metrics: dict[str, float]) -> None:
         if self.strategy.is_main:
@@ -280,21 +332,34 @@ class FitRun:
             return None
         if self._eval_data is None:  # built once: the eval selection is scanned once a run
             self._eval_data = view_dataset(
-                self.db, fit.query() if held else fit.eval_query(), [fit.X, fit.Y], self.dargs,
-                split="held_out" if held else "all", scan=self.scan if held else None,
-                shuffle=False, drop_remainder=False, rank=s.rank, world_size=s.world_size)
+                self.db,
+                fit.query() if held else fit.eval_query(),
+                [fit.X, fit.Y],
+                self.dargs,
+                split="held_out" if held else "all",
+                scan=self.scan if held else None,
+                shuffle=False,
+                drop_remainder=False,
+                rank=s.rank,
+                world_size=s.world_size,
+            )
         ds = self._eval_data
         ds.position.restore(0, 0)
-        collate = make_collate(self.formatter, self.tokenizer, self.base_model, self.dargs,
-                               ds.query.source)
-        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate,
-                         with_keys=True)
+        collate = make_collate(
+            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
+        )
+        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True)
 
     # -- saving ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.batches.epoch,
-                "tokens_seen": self.tokens_seen, "dataset": self.batches.state_dict(),
-                "run_id": self.run_id, "history": self.history[-1000:]}
+        return {
+            "step": self.step,
+            "epoch": self.batches.epoch,
+            "tokens_seen": self.tokens_seen,
+            "dataset": self.batches.state_dict(),
+            "run_id": self.run_id,
+            "history": self.history[-1000:],
+        }
 
     def save_checkpoint(self) -> Any:
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state())
@@ -317,4 +382,3 @@ class FitRun:
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.strategy.teardown()
-

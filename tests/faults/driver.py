@@ -59,8 +59,9 @@ def install_hold(spec: dict[str, Any]) -> None:
         saving = {"step": None}
         save = checkpoint.Checkpointer.save
 
-        def note_step(self: Any, model: Any, optimizer: Any, scheduler: Any,
-                      state: dict[str, Any]) -> Any:
+        def note_step(
+            self: Any, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
+        ) -> Any:
             saving["step"] = state["step"]
             return save(self, model, optimizer, scheduler, state)
 
@@ -100,12 +101,16 @@ def main() -> None:
     if cfg.get("hold"):
         install_hold(cfg["hold"])
     db = lt.connect(cfg["uri"], artifacts=cfg["artifacts"])
-    trainer = lt.LLMTrainer(cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE,
-                            **cfg["options"])
-    model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"),
-                        resume=cfg.get("resume", False))
-    print("RESULT " + json.dumps({"run_id": model.record.run_id,
-                                  "adapter": model.record.adapter}), flush=True)
+    trainer = lt.LLMTrainer(
+        cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE, **cfg["options"]
+    )
+    model = trainer.fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs"), resume=cfg.get("resume", False)
+    )
+    print(
+        "RESULT " + json.dumps({"run_id": model.record.run_id, "adapter": model.record.adapter}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

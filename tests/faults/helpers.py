@@ -27,8 +27,10 @@ COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
 
 
 def doc_rows(n: int, start: int = 0) -> list[dict[str, Any]]:
-    return [{"id": i, "instruction": f"What is color number {i % 8}?",
-             "output": COLORS[i % 8]} for i in range(start, start + n)]
+    return [
+        {"id": i, "instruction": f"What is color number {i % 8}?", "output": COLORS[i % 8]}
+        for i in range(start, start + n)
+    ]
 
 
 def admin_engine(kind: str) -> sa.Engine:
@@ -38,8 +40,11 @@ def admin_engine(kind: str) -> sa.Engine:
     """
     admin = PG_ADMIN if kind == "postgresql" else MY_ADMIN
     _server_or_skip(kind, admin).dispose()
-    return sa.create_engine(f"{admin}/{'postgres' if kind == 'postgresql' else ''}",
-                            isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    return sa.create_engine(
+        f"{admin}/{'postgres' if kind == 'postgresql' else ''}",
+        isolation_level="AUTOCOMMIT",
+        poolclass=sa.pool.NullPool,
+    )
 
 
 def fresh_server_database(kind: str) -> Iterator[str]:
@@ -60,9 +65,13 @@ def fresh_server_database(kind: str) -> Iterator[str]:
             ensure_postgres_running()
         with engine.connect() as conn:
             if kind == "postgresql":
-                conn.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                     "WHERE datname = :d AND pid <> pg_backend_pid()"),
-                             {"d": name})
+                conn.execute(
+                    sa.text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE datname = :d AND pid <> pg_backend_pid()"
+                    ),
+                    {"d": name},
+                )
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS {name}"))
         engine.dispose()
 
@@ -72,9 +81,15 @@ def database_name(uri: str) -> str:
 
 
 def trainer(tiny: Path, name: str, **kwargs: Any) -> lt.LLMTrainer:
-    options: dict[str, Any] = {"max_steps": 6, "batch_size": 4, "learning_rate": 1e-2,
-                               "lora_r": 8, "progress_bar": False, "logging_steps": 1,
-                               "lora_dropout": 0.1}
+    options: dict[str, Any] = {
+        "max_steps": 6,
+        "batch_size": 4,
+        "learning_rate": 1e-2,
+        "lora_r": 8,
+        "progress_bar": False,
+        "logging_steps": 1,
+        "lora_dropout": 0.1,
+    }
     options.update(kwargs)
     return lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **options)
 
@@ -110,8 +125,12 @@ _stopped = {"by_a_test": False}
 def pg_cluster() -> tuple[str, str]:
     """``(version, name)`` of the local cluster on port 5432, as ``pg_ctlcluster`` names it;
     skips (fails in CI) where the server is not managed that way."""
-    found = shutil.which("pg_lsclusters") and subprocess.run(
-        ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False).stdout
+    found = (
+        shutil.which("pg_lsclusters")
+        and subprocess.run(
+            ["pg_lsclusters", "--no-header"], capture_output=True, text=True, check=False
+        ).stdout
+    )
     for line in (found or "").splitlines():
         version, name, port, *_ = line.split()
         if port == "5432":
@@ -126,13 +145,21 @@ def pg_ctl(action: str) -> None:
     version, name = pg_cluster()
     if action == "stop":
         _stopped["by_a_test"] = True
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, action],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, action],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
 
 
 def postgres_ready() -> bool:
-    return subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"],
-                          check=False).returncode == 0
+    return (
+        subprocess.run(
+            ["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"], check=False
+        ).returncode
+        == 0
+    )
 
 
 def stopped_by_a_test() -> bool:
@@ -144,8 +171,12 @@ def ensure_postgres_running(timeout: float = 60) -> None:
     if not _stopped["by_a_test"] or postgres_ready():
         return
     version, name = pg_cluster()
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "start"],
-                   check=False, capture_output=True, timeout=120)
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "start"],
+        check=False,
+        capture_output=True,
+        timeout=120,
+    )
     deadline = time.monotonic() + timeout
     while not postgres_ready():
         if time.monotonic() > deadline:
@@ -162,8 +193,9 @@ class SessionKiller:
     ``thread`` limits it to checkouts made by that thread (``"llmtrain-prefetch"``: the
     training data reads, not the metadata writes)."""
 
-    def __init__(self, kind: str, database: str, every: int, *,
-                 thread: str | None = None, armed: bool = True) -> None:
+    def __init__(
+        self, kind: str, database: str, every: int, *, thread: str | None = None, armed: bool = True
+    ) -> None:
         self.kind, self.database, self.every, self.thread = kind, database, every, thread
         self.armed = armed  # flip it while training runs: (un)listening then is not safe
         self.admin = admin_engine(kind)
@@ -174,14 +206,18 @@ class SessionKiller:
         if self.kind == "postgresql":
             import psycopg
 
-            if not isinstance(dbapi_conn, psycopg.Connection) \
-                    or dbapi_conn.info.dbname != self.database:
+            if (
+                not isinstance(dbapi_conn, psycopg.Connection)
+                or dbapi_conn.info.dbname != self.database
+            ):
                 return None
             return int(dbapi_conn.info.backend_pid)
         import pymysql
 
-        if not isinstance(dbapi_conn, pymysql.connections.Connection) \
-                or (dbapi_conn.db or b"").decode() != self.database:
+        if (
+            not isinstance(dbapi_conn, pymysql.connections.Connection)
+            or (dbapi_conn.db or b"").decode() != self.database
+        ):
             return None
         return int(dbapi_conn.thread_id())
 
@@ -250,5 +286,3 @@ def count_reads(db: Any) -> CountingBackend:
     counting = CountingBackend(db.backend)
     db._backend = counting
     return counting
-
-

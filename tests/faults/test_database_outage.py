@@ -49,12 +49,25 @@ def rows(n: int = ROWS) -> list[dict[str, Any]]:
     return [{"id": i, "instruction": f"instr {i}", "output": f"out {i}"} for i in range(n)]
 
 
-def epoch(db: Any, select: lt.Query, *, prefetch: bool = True, after_rows: int = -1,
-          fault: Callable[[], None] | None = None) -> Iterator[Any]:
+def epoch(
+    db: Any,
+    select: lt.Query,
+    *,
+    prefetch: bool = True,
+    after_rows: int = -1,
+    fault: Callable[[], None] | None = None,
+) -> Iterator[Any]:
     """The keys of one shuffled epoch read in windows of 50 (each row checked against its
     key); ``fault()`` is injected once ``after_rows`` rows have been consumed."""
-    ds = lt.CachedQueryDataset(db, select, ["instruction", "output"], cache_size=50, seed=3,
-                               return_keys=True, prefetch=prefetch)
+    ds = lt.CachedQueryDataset(
+        db,
+        select,
+        ["instruction", "output"],
+        cache_size=50,
+        seed=3,
+        return_keys=True,
+        prefetch=prefetch,
+    )
     for i, row in enumerate(ds):
         if i == after_rows and fault is not None:
             fault()
@@ -71,14 +84,17 @@ def uninterrupted(uri: str, select: lt.Query) -> list[Any]:
 
 
 def test_sessions_killed_by_the_server_mid_epoch_lose_and_repeat_no_row(
-        server_uri: str, caplog: pytest.LogCaptureFixture) -> None:
+    server_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
     uri = server_uri
     kind = "postgresql" if uri.startswith("postgresql") else "mariadb"
     fill(uri, "docs", rows())
     expected = uninterrupted(uri, lt.Table("docs"))
     db = lt.connect(uri, retry=FAST)
-    with warnings_of(caplog, "llmtrain.backends") as retried, \
-            SessionKiller(kind, database_name(uri), every=3) as killer:
+    with (
+        warnings_of(caplog, "llmtrain.backends") as retried,
+        SessionKiller(kind, database_name(uri), every=3) as killer,
+    ):
         got = list(epoch(db, lt.Table("docs")))
     db.close()
     assert got == expected  # same rows, same order: nothing lost, nothing read twice
@@ -88,7 +104,8 @@ def test_sessions_killed_by_the_server_mid_epoch_lose_and_repeat_no_row(
 
 
 def test_postgres_restart_mid_epoch_loses_and_repeats_no_row(
-        pg_uri: str, caplog: pytest.LogCaptureFixture) -> None:
+    pg_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
     pg_cluster()  # skips (fails in CI) unless the server can be restarted here
     fill(pg_uri, "docs", rows())
     expected = uninterrupted(pg_uri, lt.Table("docs"))
@@ -125,7 +142,8 @@ def test_postgres_restart_mid_epoch_loses_and_repeats_no_row(
 
 
 def test_mongo_network_errors_are_retried_and_lose_no_document(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import mongomock.collection
 
     uri = f"mongomock://localhost/lt_{uuid.uuid4().hex[:12]}"
@@ -190,7 +208,8 @@ class Outage:
 
 @pytest.mark.parametrize("kind", ["postgresql", "mariadb", "mongomock"])
 def test_past_the_retry_budget_a_read_fails_with_database_unavailable(
-        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     databases = fresh_any_database(kind, tmp_path)
     uri = next(databases)
     outage = Outage(kind, uri, monkeypatch)
@@ -207,7 +226,7 @@ def test_past_the_retry_budget_a_read_fails_with_database_unavailable(
         assert time.monotonic() - started < 30
         message = str(info.value)
         assert "failed after 3 attempts" in message and db.uri in message, message
-        assert got == expected[:len(got)] and len(got) >= 120  # what did come was right
+        assert got == expected[: len(got)] and len(got) >= 120  # what did come was right
         db.close()
     finally:
         outage.close()
@@ -215,15 +234,20 @@ def test_past_the_retry_budget_a_read_fails_with_database_unavailable(
 
 
 def test_a_fit_whose_database_dies_fails_and_resumes_from_its_checkpoint_once_it_is_back(
-        tiny: Path, pg_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny: Path, pg_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Data on PostgreSQL, metadata and artifacts elsewhere (SQLite, a folder), so the run
     can still be marked failed while the data database is gone."""
     from llmtrain.training import run as run_module
 
     fill(pg_uri, "docs", doc_rows(32))
     meta = f"sqlite:///{tmp_path / 'meta.db'}"
-    db = lt.connect(pg_uri, metadata_uri=meta, artifacts=tmp_path / "artifacts",
-                    retry=RetryPolicy(attempts=3, base=0.01, cap=0.02))
+    db = lt.connect(
+        pg_uri,
+        metadata_uri=meta,
+        artifacts=tmp_path / "artifacts",
+        retry=RetryPolicy(attempts=3, base=0.01, cap=0.02),
+    )
     options = {"max_steps": 12, "save_steps": 2, "cache_size": 4}
 
     traces: dict[str, KeyTrace] = {}
@@ -231,8 +255,9 @@ def test_a_fit_whose_database_dies_fails_and_resumes_from_its_checkpoint_once_it
     def fit(name: str, trace: str, **kwargs: Any) -> Any:
         traces[trace] = KeyTrace()
         with registered(traces[trace]):
-            return trainer(tiny, name, **options).fit(X="instruction", Y="output", db=db,
-                                                      select=lt.Table("docs"), **kwargs)
+            return trainer(tiny, name, **options).fit(
+                X="instruction", Y="output", db=db, select=lt.Table("docs"), **kwargs
+            )
 
     reference = fit("straight", "straight")
 

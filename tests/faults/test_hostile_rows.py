@@ -56,16 +56,32 @@ def first_bad_field(row: Mapping[str, Any]) -> str | None:
 
 
 texts = st.one_of(
-    st.text(max_size=40), st.just(""),
+    st.text(max_size=40),
+    st.just(""),
     st.integers(1, 3).map(lambda n: "huge " * (5_000 * n)),  # 25k-75k characters
-    st.sampled_from(["'; DROP TABLE docs; --", "</s><s><pad>", "{X} {Y} {{", "nul\x00byte",
-                     "\u202eright-to-left", "🙂" * 20, "\r\n\t", "ẞ̵̡͠ ǆ ﬁ"]),
+    st.sampled_from(
+        [
+            "'; DROP TABLE docs; --",
+            "</s><s><pad>",
+            "{X} {Y} {{",
+            "nul\x00byte",
+            "\u202eright-to-left",
+            "🙂" * 20,
+            "\r\n\t",
+            "ẞ̵̡͠ ǆ ﬁ",
+        ]
+    ),
 )
-lone_surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
-                          min_size=1, max_size=3).map(lambda s: "ok " + s)
+lone_surrogates = st.text(
+    st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3
+).map(lambda s: "ok " + s)
 others = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(),
-    st.binary(max_size=8), st.lists(st.integers(0, 9), max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(),
+    st.binary(max_size=8),
+    st.lists(st.integers(0, 9), max_size=3),
     st.dictionaries(st.text("abc", min_size=1, max_size=3), st.text(max_size=3), max_size=2),
 )
 row_values = st.one_of(texts, others, lone_surrogates)
@@ -74,14 +90,20 @@ rows = st.fixed_dictionaries({}, optional={"x": row_values, "y": row_values})
 
 @pytest.fixture(scope="module")
 def formatter(tiny: Path) -> Formatter:
-    return Formatter(AutoTokenizer.from_pretrained(tiny), TEMPLATE,
-                     max_length=MAX_LENGTH, x_field="x", y_field="y")
+    return Formatter(
+        AutoTokenizer.from_pretrained(tiny),
+        TEMPLATE,
+        max_length=MAX_LENGTH,
+        x_field="x",
+        y_field="y",
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(row=rows, key=st.one_of(st.integers(), st.text(max_size=5)))
 def test_formatter_trains_any_text_and_names_key_and_field_of_anything_else(
-        formatter: Formatter, row: dict[str, Any], key: Any) -> None:
+    formatter: Formatter, row: dict[str, Any], key: Any
+) -> None:
     bad = first_bad_field(row)
     if bad is None:
         example = formatter.format(row, key=key, source="rows")
@@ -94,22 +116,25 @@ def test_formatter_trains_any_text_and_names_key_and_field_of_anything_else(
     assert repr(key) in str(info.value) and repr(bad) in str(info.value)
 
 
-def _check_dataset(db: Any, select: lt.Query, keyed: list[tuple[int, dict[str, Any]]],
-                   formatter: Formatter) -> None:
+def _check_dataset(
+    db: Any, select: lt.Query, keyed: list[tuple[int, dict[str, Any]]], formatter: Formatter
+) -> None:
     """Skip mode yields exactly the text rows (and counts the rest, by key); raise mode stops
     at the first bad row, naming it; the formatter takes every row the dataset lets through."""
     good = [k for k, r in keyed if first_bad_field(r) is None]
     bad = [k for k, r in keyed if first_bad_field(r) is not None]
-    skip = lt.CachedQueryDataset(db, select, list(FIELDS), cache_size=4, shuffle=False,
-                                 on_bad_row="skip", return_keys=True)
+    skip = lt.CachedQueryDataset(
+        db, select, list(FIELDS), cache_size=4, shuffle=False, on_bad_row="skip", return_keys=True
+    )
     yielded = list(skip)
     assert [r["_key"] for r in yielded] == good
     assert skip.stats.skipped == len(bad) and skip.stats.skipped_keys == bad
     examples = formatter.format_batch([(r["_key"], r) for r in yielded], source=select.source)
     assert all(len(e) <= MAX_LENGTH for e in examples) and len(examples) == len(good)
 
-    strict = lt.CachedQueryDataset(db, select, list(FIELDS), cache_size=4, shuffle=False,
-                                   return_keys=True)
+    strict = lt.CachedQueryDataset(
+        db, select, list(FIELDS), cache_size=4, shuffle=False, return_keys=True
+    )
     if not bad:
         assert [r["_key"] for r in strict] == good
         return
@@ -122,13 +147,18 @@ def _check_dataset(db: Any, select: lt.Query, keyed: list[tuple[int, dict[str, A
     assert seen == [k for k in good if k < first]
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(docs=st.lists(st.fixed_dictionaries({}, optional={"x": st.one_of(texts, others),
-                                                          "y": st.one_of(texts, others)}),
-                     max_size=12))
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    docs=st.lists(
+        st.fixed_dictionaries(
+            {}, optional={"x": st.one_of(texts, others), "y": st.one_of(texts, others)}
+        ),
+        max_size=12,
+    )
+)
 def test_mongo_documents_of_any_shape_are_trained_or_named(
-        formatter: Formatter, docs: list[dict[str, Any]]) -> None:
+    formatter: Formatter, docs: list[dict[str, Any]]
+) -> None:
     """(BSON cannot hold a lone surrogate, so MongoDB never returns one.)"""
     uri = f"mongomock://localhost/lt_hostile_{os.getpid()}"
     name = f"docs{next(_tables)}"
@@ -145,27 +175,30 @@ def test_mongo_documents_of_any_shape_are_trained_or_named(
 sqlite_cells = st.one_of(
     st.tuples(st.just("text"), texts.filter(lambda s: "\x00" not in s)),
     st.tuples(st.just("null"), st.none()),
-    st.tuples(st.just("int"), st.integers(-2**63, 2**63 - 1)),
+    st.tuples(st.just("int"), st.integers(-(2**63), 2**63 - 1)),
     st.tuples(st.just("float"), st.floats(allow_nan=False)),
     st.tuples(st.just("blob"), st.binary(max_size=8)),
     st.tuples(st.just("bad utf-8"), st.binary(max_size=6).map(lambda b: b + b"\xff")),
 )
 
 
-@settings(max_examples=30, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cells=st.lists(st.tuples(sqlite_cells, sqlite_cells), max_size=12))
 def test_sqlite_values_of_any_type_and_invalid_utf8_are_trained_or_named(
-        formatter: Formatter, tmp_path_factory: pytest.TempPathFactory,
-        cells: list[tuple[tuple[str, Any], tuple[str, Any]]]) -> None:
+    formatter: Formatter,
+    tmp_path_factory: pytest.TempPathFactory,
+    cells: list[tuple[tuple[str, Any], tuple[str, Any]]],
+) -> None:
     path = tmp_path_factory.getbasetemp() / "hostile.db"
     name = f"docs{next(_tables)}"
     with sqlite3.connect(path) as conn:
         conn.execute(f"CREATE TABLE {name} (id INTEGER PRIMARY KEY, x, y)")
         for key, cell_pair in enumerate(cells):
             sql = ["CAST(? AS TEXT)" if kind == "bad utf-8" else "?" for kind, _ in cell_pair]
-            conn.execute(f"INSERT INTO {name} VALUES (?, {', '.join(sql)})",
-                         [key, *[value for _, value in cell_pair]])
+            conn.execute(
+                f"INSERT INTO {name} VALUES (?, {', '.join(sql)})",
+                [key, *[value for _, value in cell_pair]],
+            )
     keyed = []
     for key, ((kx, vx), (ky, vy)) in enumerate(cells):
         # what the oracle expects to read back: invalid UTF-8 as a lone-surrogate string
@@ -177,8 +210,7 @@ def test_sqlite_values_of_any_type_and_invalid_utf8_are_trained_or_named(
     _check_dataset(db, lt.Table(name), keyed, formatter)
 
 
-def test_invalid_utf8_in_sqlite_names_the_row_at_once_instead_of_retrying(
-        tmp_path: Path) -> None:
+def test_invalid_utf8_in_sqlite_names_the_row_at_once_instead_of_retrying(tmp_path: Path) -> None:
     """It is a bad row, not a lost connection: no backoff, no DatabaseUnavailableError."""
     import time
 
@@ -211,42 +243,52 @@ def hostile_db(tmp_path: Path) -> Any:
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, instruction, output)")
         good = doc_rows(28)
-        good += [{"id": 200, "instruction": "", "output": ""},  # empty: still trains the EOS
-                 {"id": 201, "instruction": "word " * 20_000, "output": "long " * 20_000},
-                 {"id": 202, "instruction": "'; DROP TABLE docs; --", "output": "🙂 ẞ"}]
+        good += [
+            {"id": 200, "instruction": "", "output": ""},  # empty: still trains the EOS
+            {"id": 201, "instruction": "word " * 20_000, "output": "long " * 20_000},
+            {"id": 202, "instruction": "'; DROP TABLE docs; --", "output": "🙂 ẞ"},
+        ]
         conn.executemany("INSERT INTO docs VALUES (:id, :instruction, :output)", good)
         for key, (field, value, _) in HOSTILE.items():
             other = "output" if field == "instruction" else "instruction"
             if value == "bad utf-8":
-                conn.execute(f"INSERT INTO docs (id, {other}, {field}) "
-                             "VALUES (?, 'fine', CAST(x'ff' AS TEXT))", [key])
+                conn.execute(
+                    f"INSERT INTO docs (id, {other}, {field}) "
+                    "VALUES (?, 'fine', CAST(x'ff' AS TEXT))",
+                    [key],
+                )
             else:
-                conn.execute(f"INSERT INTO docs (id, {other}, {field}) VALUES (?, 'fine', ?)",
-                             [key, value])
+                conn.execute(
+                    f"INSERT INTO docs (id, {other}, {field}) VALUES (?, 'fine', ?)", [key, value]
+                )
     return lt.connect(f"sqlite:///{path}", artifacts=tmp_path / "artifacts")
 
 
 def test_a_fit_skips_hostile_rows_by_key_and_field_and_trains_all_the_others(
-        tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     db = hostile_db(tmp_path)
     trace = KeyTrace()
     with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
-        trainer(tiny, "hostile", max_steps=-1, epochs=1, batch_size=4, on_bad_row="skip",
-                max_length=128).fit(X="instruction", Y="output", db=db,
-                                    select=lt.Table("docs"))
+        trainer(
+            tiny, "hostile", max_steps=-1, epochs=1, batch_size=4, on_bad_row="skip", max_length=128
+        ).fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
     (run,) = db.metadata.list_runs("trainer", "hostile")
     assert run.status == "completed"
     assert sorted(trace.keys) == sorted(f"int:{k}" for k in [*range(28), 200, 201, 202])
     for key, (field, _, problem) in HOSTILE.items():
-        assert any(f"skipping row {key}: field {field!r}" in w and problem in w
-                   for w in warned), (key, warned)
+        assert any(f"skipping row {key}: field {field!r}" in w and problem in w for w in warned), (
+            key,
+            warned,
+        )
 
 
 def test_a_fit_stops_at_the_first_hostile_row_naming_it(tiny: Path, tmp_path: Path) -> None:
     db = hostile_db(tmp_path)
     with pytest.raises(BadRowError) as info:
         trainer(tiny, "strict", max_steps=-1, epochs=1, batch_size=4).fit(
-            X="instruction", Y="output", db=db, select=lt.Table("docs"))
+            X="instruction", Y="output", db=db, select=lt.Table("docs")
+        )
     key, error = info.value.key, info.value
     assert key in HOSTILE and error.field == HOSTILE[key][0] and HOSTILE[key][2] in str(error)
     (run,) = db.metadata.list_runs("trainer", "strict")

@@ -34,9 +34,17 @@ pytestmark = pytest.mark.slow
 DRIVER = Path(__file__).with_name("driver.py")
 #: 32 rows in batches of 4: 8 steps an epoch, so 12 steps cross into the second epoch;
 #: windows of 8 rows, so a resume lands inside a window as well as between them
-OPTIONS: dict[str, Any] = {"max_steps": 12, "save_steps": 3, "batch_size": 4, "cache_size": 8,
-                           "learning_rate": 1e-2, "lora_r": 8, "lora_dropout": 0.1,
-                           "progress_bar": False, "logging_steps": 1}
+OPTIONS: dict[str, Any] = {
+    "max_steps": 12,
+    "save_steps": 3,
+    "batch_size": 4,
+    "cache_size": 8,
+    "learning_rate": 1e-2,
+    "lora_r": 8,
+    "lora_dropout": 0.1,
+    "progress_bar": False,
+    "logging_steps": 1,
+}
 #: case -> (where the process is held and killed, at which step, the last good checkpoint)
 CASES: dict[str, tuple[str, int, int]] = {
     "after-step-5": ("after-step", 5, 3),
@@ -75,12 +83,19 @@ def read_trace(path: Path) -> Trace:
 
 
 def launch(cfg: dict[str, Any], trace: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, str(DRIVER),
-                                 json.dumps({**cfg, "trace": str(trace)})], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [sys.executable, str(DRIVER), json.dumps({**cfg, "trace": str(trace)})],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> dict[str, Any]:
@@ -88,11 +103,12 @@ def finish(proc: subprocess.Popen[bytes], log: Path, timeout: float = 300) -> di
     text = log.read_text(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     line = next(s for s in text.splitlines() if s.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
-def kill_when_held(procs: dict[str, subprocess.Popen[bytes]], root: Path,
-                   timeout: float = 400) -> dict[str, str]:
+def kill_when_held(
+    procs: dict[str, subprocess.Popen[bytes]], root: Path, timeout: float = 400
+) -> dict[str, str]:
     """SIGKILL each process as soon as it reports its hold point (they hold in any order:
     one held inside the artifact store can make another wait for the store's lock)."""
     held: dict[str, str] = {}
@@ -101,14 +117,16 @@ def kill_when_held(procs: dict[str, subprocess.Popen[bytes]], root: Path,
         for name, proc in procs.items():
             marker = root / f"{name}.held"
             if name in held or not marker.exists():
-                assert name in held or proc.poll() is None, \
-                    f"{name} exited before its hold point:\n" \
+                assert name in held or proc.poll() is None, (
+                    f"{name} exited before its hold point:\n"
                     f"{(root / f'{name}.first.log').read_text(errors='replace')[-4000:]}"
+                )
                 continue
             held[name] = marker.read_text()
             proc.send_signal(signal.SIGKILL)  # kill -9: no finally block, no atexit, nothing
-        assert time.monotonic() < deadline, f"never reached their hold points: " \
-                                            f"{sorted(set(procs) - set(held))}"
+        assert time.monotonic() < deadline, (
+            f"never reached their hold points: {sorted(set(procs) - set(held))}"
+        )
         time.sleep(0.05)
     return held
 
@@ -118,8 +136,12 @@ def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
     root = tmp_path_factory.mktemp("kill9")
     uri = f"sqlite:///{root / 'data.db'}"
     fill(uri, "docs", doc_rows(32))
-    base = {"uri": uri, "artifacts": str(root / "artifacts"), "model": str(tiny),
-            "options": OPTIONS}
+    base = {
+        "uri": uri,
+        "artifacts": str(root / "artifacts"),
+        "model": str(tiny),
+        "options": OPTIONS,
+    }
     db = lt.connect(uri, artifacts=root / "artifacts")
     started: list[subprocess.Popen[bytes]] = []
     try:
@@ -131,20 +153,25 @@ def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
                 proc.wait(timeout=60)
 
 
-def _run_the_world(db: Any, root: Path, base: dict[str, Any],
-                   started: list[subprocess.Popen[bytes]]) -> World:
+def _run_the_world(
+    db: Any, root: Path, base: dict[str, Any], started: list[subprocess.Popen[bytes]]
+) -> World:
     def start(cfg: dict[str, Any], trace: Path, log: Path) -> subprocess.Popen[bytes]:
         started.append(launch(cfg, trace, log))
         return started[-1]
 
     # phase 1: the uninterrupted reference, and three fits that get killed
-    reference = start({**base, "identifier": "reference"}, root / "reference.trace",
-                      root / "reference.log")
+    reference = start(
+        {**base, "identifier": "reference"}, root / "reference.trace", root / "reference.log"
+    )
     killed = {}
     for name, (kind, step, _) in CASES.items():
         hold = {"kind": kind, "step": step, "marker": str(root / f"{name}.held")}
-        killed[name] = start({**base, "identifier": name, "hold": hold},
-                             root / f"{name}.first", root / f"{name}.first.log")
+        killed[name] = start(
+            {**base, "identifier": name, "hold": hold},
+            root / f"{name}.first",
+            root / f"{name}.first.log",
+        )
     cases = {name: Case() for name in CASES}
     held = kill_when_held(killed, root)
     for name, proc in killed.items():
@@ -159,9 +186,14 @@ def _run_the_world(db: Any, root: Path, base: dict[str, Any],
     reference_result = finish(reference, root / "reference.log")
 
     # phase 2: every killed fit resumes in a fresh process
-    resumed = {name: start({**base, "identifier": name, "resume": True},
-                           root / f"{name}.resumed", root / f"{name}.resumed.log")
-               for name in CASES}
+    resumed = {
+        name: start(
+            {**base, "identifier": name, "resume": True},
+            root / f"{name}.resumed",
+            root / f"{name}.resumed.log",
+        )
+        for name in CASES
+    }
     for name, proc in resumed.items():
         cases[name].result = finish(proc, root / f"{name}.resumed.log")
         cases[name].resumed = read_trace(root / f"{name}.resumed")
@@ -170,7 +202,8 @@ def _run_the_world(db: Any, root: Path, base: dict[str, Any],
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_resumed_run_trains_every_row_exactly_as_often_as_an_uninterrupted_one(
-        world: World, name: str) -> None:
+    world: World, name: str
+) -> None:
     last_good = CASES[name][2]
     case = world.cases[name]
     assert case.returncode == -signal.SIGKILL, case.returncode
@@ -195,7 +228,8 @@ def test_resumed_run_trains_every_row_exactly_as_often_as_an_uninterrupted_one(
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_resumed_run_ends_with_the_uninterrupted_adapter_bit_for_bit(
-        world: World, name: str, tmp_path: Path) -> None:
+    world: World, name: str, tmp_path: Path
+) -> None:
     case, db = world.cases[name], world.db
     (run,) = db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and run.run_id == case.result["run_id"]

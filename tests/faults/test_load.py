@@ -49,12 +49,13 @@ def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     yield from fresh_any_database(request.param, tmp_path)
 
 
-def test_four_processes_adding_versions_at_once_get_unique_consecutive_ones(
-        store_uri: str) -> None:
+def test_four_processes_adding_versions_at_once_get_unique_consecutive_ones(store_uri: str) -> None:
     ctx = multiprocessing.get_context("spawn")
     barrier, queue = ctx.Barrier(4), ctx.Queue()
-    procs = [ctx.Process(target=workers.add_versions, args=(store_uri, barrier, queue, 10))
-             for _ in range(4)]
+    procs = [
+        ctx.Process(target=workers.add_versions, args=(store_uri, barrier, queue, 10))
+        for _ in range(4)
+    ]
     with running(procs):
         results = dict(queue.get(timeout=180) for _ in procs)
     assert all(isinstance(v, list) for v in results.values()), results
@@ -70,7 +71,8 @@ def test_four_processes_adding_versions_at_once_get_unique_consecutive_ones(
 
 
 def test_two_trainers_training_into_one_store_at_once_lose_and_mix_nothing(
-        tiny: Path, tmp_path: Path) -> None:
+    tiny: Path, tmp_path: Path
+) -> None:
     steps = 6
     databases = [fresh_any_database(kind, tmp_path) for kind in ("sqlite", "postgresql")]
     uris = [next(d) for d in databases]
@@ -80,9 +82,12 @@ def test_two_trainers_training_into_one_store_at_once_lose_and_mix_nothing(
         ctx = multiprocessing.get_context("spawn")
         barrier, queue = ctx.Barrier(2), ctx.Queue()
         folders = [str(tmp_path / f"artifacts-{i}") for i in range(len(uris))]
-        procs = [ctx.Process(target=workers.fit_at_once,
-                             args=(uris, folders, str(tiny), barrier, queue, steps))
-                 for _ in range(2)]
+        procs = [
+            ctx.Process(
+                target=workers.fit_at_once, args=(uris, folders, str(tiny), barrier, queue, steps)
+            )
+            for _ in range(2)
+        ]
         with running(procs):
             results = [queue.get(timeout=400) for _ in range(2 * len(uris))]
         assert not [r for r in results if r[1] == "error"], results
@@ -113,14 +118,21 @@ def _check_two_runs(uri: str, run_ids: set[str], steps: int) -> None:
 
 
 def test_a_million_row_read_with_a_slow_consumer_holds_nothing_open_between_windows(
-        pg_uri: str) -> None:
+    pg_uri: str,
+) -> None:
     rows, window = 1_000_000, 100_000
     admin = sa.create_engine(pg_uri, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     with admin.connect() as conn:
-        conn.execute(sa.text("CREATE TABLE docs (id integer PRIMARY KEY, instruction text, "
-                             "output text)"))
-        conn.execute(sa.text("INSERT INTO docs SELECT g, 'instruction ' || g, 'output ' || g "
-                             "FROM generate_series(0, :n - 1) g"), {"n": rows})
+        conn.execute(
+            sa.text("CREATE TABLE docs (id integer PRIMARY KEY, instruction text, output text)")
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO docs SELECT g, 'instruction ' || g, 'output ' || g "
+                "FROM generate_series(0, :n - 1) g"
+            ),
+            {"n": rows},
+        )
         conn.execute(sa.text("ANALYZE docs"))
     name = database_name(pg_uri)
     server = admin_engine("postgresql")
@@ -128,13 +140,21 @@ def test_a_million_row_read_with_a_slow_consumer_holds_nothing_open_between_wind
 
     def sessions() -> list[dict[str, Any]]:
         with server.connect() as conn:
-            return [dict(r) for r in conn.execute(sa.text(
-                "SELECT pid, state, xact_start, backend_xmin, query FROM pg_stat_activity "
-                "WHERE datname = :d AND pid <> pg_backend_pid()"), {"d": name}).mappings()]
+            return [
+                dict(r)
+                for r in conn.execute(
+                    sa.text(
+                        "SELECT pid, state, xact_start, backend_xmin, query FROM pg_stat_activity "
+                        "WHERE datname = :d AND pid <> pg_backend_pid()"
+                    ),
+                    {"d": name},
+                ).mappings()
+            ]
 
     db = lt.connect(pg_uri)
-    ds = lt.CachedQueryDataset(db, lt.Table("docs"), ["instruction", "output"],
-                               cache_size=window, seed=1, return_keys=True)
+    ds = lt.CachedQueryDataset(
+        db, lt.Table("docs"), ["instruction", "output"], cache_size=window, seed=1, return_keys=True
+    )
     seen = bytearray(rows)
     started = time.monotonic()
     for i, row in enumerate(ds):
@@ -151,9 +171,13 @@ def test_a_million_row_read_with_a_slow_consumer_holds_nothing_open_between_wind
     assert seen.count(1) == rows  # every row exactly once
     assert elapsed < 60, elapsed
     assert len(samples) == 3 * rows // window
-    held = [s for sample in samples for s in sample
-            if s["state"] in ("idle in transaction", "idle in transaction (aborted)")
-            or (s["state"] == "idle" and (s["xact_start"] or s["backend_xmin"]))]
+    held = [
+        s
+        for sample in samples
+        for s in sample
+        if s["state"] in ("idle in transaction", "idle in transaction (aborted)")
+        or (s["state"] == "idle" and (s["xact_start"] or s["backend_xmin"]))
+    ]
     assert not held, held[:3]
     # the sampling did look at llmtrain's own (pooled, idle) session
     assert any(s["state"] == "idle" for sample in samples for s in sample)

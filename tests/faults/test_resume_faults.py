@@ -47,14 +47,16 @@ def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> World:
     uri = f"sqlite:///{root / 'data.db'}"
     fill(uri, "docs", doc_rows(32))
     db = lt.connect(uri, artifacts=root / "artifacts")
-    model = trainer(tiny, "straight", **OPTIONS).fit(X="instruction", Y="output", db=db,
-                                                     select=lt.Table("docs"))
+    model = trainer(tiny, "straight", **OPTIONS).fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs")
+    )
     return World(db, root, adapter(db, model, root))
 
 
 def fit(world: World, tiny: Path, name: str, **kwargs: Any) -> Any:
-    return trainer(tiny, name, **OPTIONS).fit(X="instruction", Y="output", db=world.db,
-                                              select=lt.Table(f"docs_{name}"), **kwargs)
+    return trainer(tiny, name, **OPTIONS).fit(
+        X="instruction", Y="output", db=world.db, select=lt.Table(f"docs_{name}"), **kwargs
+    )
 
 
 def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
@@ -72,17 +74,25 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 # -- rows that changed between a run and its resume -------------------------------------------
 CHANGES = {
     "row deleted": ("DELETE FROM {t} WHERE id = 5", "row count 32 -> 31"),
-    "row added": ("INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
-                  "row count 32 -> 33"),
-    "row re-keyed": ("UPDATE {t} SET id = 1005 WHERE id = 5",
-                     r"added, removed or re-keyed \(same count\)"),
+    "row added": (
+        "INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
+        "row count 32 -> 33",
+    ),
+    "row re-keyed": (
+        "UPDATE {t} SET id = 1005 WHERE id = 5",
+        r"added, removed or re-keyed \(same count\)",
+    ),
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
-        world: World, tiny: Path, change: str,
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    world: World,
+    tiny: Path,
+    change: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     name = "changed" + str(list(CHANGES).index(change))
     table = f"docs_{name}"
     fill(world.db.secret_uri(), table, doc_rows(32))
@@ -108,8 +118,9 @@ def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
     trace = KeyTrace()
     with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
         model = fit(world, tiny, name, resume=True, allow_changed_data=True)
-    assert any("changed since the state was taken" in w and "continuing as asked" in w
-               for w in warned), warned
+    assert any(
+        "changed since the state was taken" in w and "continuing as asked" in w for w in warned
+    ), warned
     (run,) = world.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and model.record.run_id == run.run_id
     steps = [e["step"] for e in trace.steps]
@@ -125,7 +136,7 @@ class _FullDisk:
 
     def write(self, data: bytes) -> int:
         if len(data) > self.room:
-            self.raw.write(data[:self.room])
+            self.raw.write(data[: self.room])
             self.room = 0
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= len(data)
@@ -163,7 +174,8 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_checkpoint_the_store_cannot_take_fails_clearly_and_the_last_one_resumes(
-        world: World, tiny: Path, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    world: World, tiny: Path, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llmtrain.artifacts import local
 
     name = "store" + str(list(FAULTS).index(fault))
@@ -177,8 +189,7 @@ def test_a_checkpoint_the_store_cannot_take_fails_clearly_and_the_last_one_resum
 
         def unwritable(*args: Any, **kwargs: Any) -> Any:
             if armed["on"]:
-                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES),
-                                      kwargs.get("dir"))
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), kwargs.get("dir"))
             return mkstemp(*args, **kwargs)
 
         monkeypatch.setattr(local.tempfile, "mkstemp", unwritable)

@@ -74,30 +74,47 @@ def _tamperings(uri: str, marker: Path) -> dict[str, dict[str, Any]]:
     tamperings: dict[str, dict[str, Any]] = {
         "pickle as text": {"payload": text},  # protocol 0 is printable ASCII
         "JSON list": {"payload": json.dumps([1, 2, 3])},
-        "JSON of unknown shape": {"payload": json.dumps(
-            {"py/reduce": [{"py/function": "builtins.exec"}, "import os"]})},
-        "trainer with a code-like field": {"payload": json.dumps(
-            {"identifier": "t", "model_args": {"model_name_or_path": "m"}, "lora_args": {},
-             "training_args": {}, "data_args": {}, "prompt_template": "{X}{Y}",
-             "__reduce__": "builtins.exec"})},
+        "JSON of unknown shape": {
+            "payload": json.dumps({"py/reduce": [{"py/function": "builtins.exec"}, "import os"]})
+        },
+        "trainer with a code-like field": {
+            "payload": json.dumps(
+                {
+                    "identifier": "t",
+                    "model_args": {"model_name_or_path": "m"},
+                    "lora_args": {},
+                    "training_args": {},
+                    "data_args": {},
+                    "prompt_template": "{X}{Y}",
+                    "__reduce__": "builtins.exec",
+                }
+            )
+        },
         "unknown component type": {"type_id": "os.system"},
     }
     if uri.startswith(("sqlite", "mongo", "mysql")):  # PostgreSQL TEXT cannot hold NUL
         # a BLOB in SQLite's TEXT column, BSON Binary in Mongo, raw bytes in LONGTEXT
-        tamperings["pickle bytes"] = {"payload": binary if not uri.startswith("mysql")
-                                      else binary.decode("latin-1")}
+        tamperings["pickle bytes"] = {
+            "payload": binary if not uri.startswith("mysql") else binary.decode("latin-1")
+        }
     if uri.startswith("mongo"):
         tamperings["payload of another BSON type"] = {"payload": {"$numberLong": "1"}}
         tamperings["version of another type"] = {"version": {"a": 1}}
     return tamperings
 
 
-RECORD_LEVEL = {"pickle bytes", "pickle as text", "JSON list", "payload of another BSON type",
-                "version of another type"}
+RECORD_LEVEL = {
+    "pickle bytes",
+    "pickle as text",
+    "JSON list",
+    "payload of another BSON type",
+    "version of another type",
+}
 
 
 def test_a_tampered_component_record_is_a_store_error_and_never_runs_code(
-        uri_of: str, tiny: Path, tmp_path: Path) -> None:
+    uri_of: str, tiny: Path, tmp_path: Path
+) -> None:
     marker = tmp_path / "pwned"
     for what, fields in _tamperings(uri_of, marker).items():
         db = lt.connect(uri_of, artifacts=tmp_path / "artifacts")
@@ -134,7 +151,8 @@ def crashed(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     mp.setattr(run_module.FitRun, "save_checkpoint", crash)
     with pytest.raises(KeyboardInterrupt):
         trainer(tiny, "victim", max_steps=4, save_steps=2).fit(
-            X="instruction", Y="output", db=db, select=lt.Table("docs"))
+            X="instruction", Y="output", db=db, select=lt.Table("docs")
+        )
     mp.undo()
     (run,) = db.metadata.list_runs("trainer", "victim")
     return db, root, run.run_id
@@ -154,34 +172,43 @@ def _swap_in(db: Any, root: Path, artifact_id: str, name: str, make: Any) -> str
     return db.artifacts.put_dir(folder)
 
 
-@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng_rank0.pt",
-                                  "weights.safetensors"])
+@pytest.mark.parametrize(
+    "name", ["optimizer.pt", "scheduler.pt", "rng_rank0.pt", "weights.safetensors"]
+)
 def test_a_checkpoint_file_swapped_for_a_malicious_pickle_fails_to_resume_without_running_it(
-        crashed: Any, tiny: Path, name: str) -> None:
+    crashed: Any, tiny: Path, name: str
+) -> None:
     db, root, run_id = crashed
     marker = root / f"pwned-{name}"
     (record,) = db.metadata.list_checkpoints(run_id)
-    evil = _swap_in(db, root, record.artifact_id, name,
-                    lambda path: live_torch_pickle(marker, path))
+    evil = _swap_in(
+        db, root, record.artifact_id, name, lambda path: live_torch_pickle(marker, path)
+    )
     engine = sql_engine(db.secret_uri())
     with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE _llmtrain_checkpoints SET artifact_id = :a "
-                             "WHERE run_id = :r"), {"a": evil, "r": run_id})
+        conn.execute(
+            sa.text("UPDATE _llmtrain_checkpoints SET artifact_id = :a WHERE run_id = :r"),
+            {"a": evil, "r": run_id},
+        )
     try:
         with pytest.raises(CheckpointError, match=name):
             trainer(tiny, "victim", max_steps=4, save_steps=2).fit(
-                X="instruction", Y="output", db=db, select=lt.Table("docs"), resume=True)
+                X="instruction", Y="output", db=db, select=lt.Table("docs"), resume=True
+            )
         assert not marker.exists(), "the pickle ran"
         (run,) = db.metadata.list_runs("trainer", "victim")
         assert run.status == "failed" and name in (run.error or "")
     finally:
         with engine.begin() as conn:
-            conn.execute(sa.text("UPDATE _llmtrain_checkpoints SET artifact_id = :a "
-                                 "WHERE run_id = :r"), {"a": record.artifact_id, "r": run_id})
+            conn.execute(
+                sa.text("UPDATE _llmtrain_checkpoints SET artifact_id = :a WHERE run_id = :r"),
+                {"a": record.artifact_id, "r": run_id},
+            )
 
 
-def test_a_checkpoint_file_changed_without_its_manifest_is_refused(crashed: Any,
-                                                                   tmp_path: Path) -> None:
+def test_a_checkpoint_file_changed_without_its_manifest_is_refused(
+    crashed: Any, tmp_path: Path
+) -> None:
     from llmtrain.training.checkpoint import verify
 
     db, _, run_id = crashed
@@ -193,22 +220,30 @@ def test_a_checkpoint_file_changed_without_its_manifest_is_refused(crashed: Any,
 
 
 def test_a_model_whose_adapter_was_swapped_for_a_pickle_loads_without_running_it(
-        crashed: Any, tiny: Path, tmp_path: Path) -> None:
+    crashed: Any, tiny: Path, tmp_path: Path
+) -> None:
     db, root, _ = crashed
-    model = trainer(tiny, "served", max_steps=1).fit(X="instruction", Y="output", db=db,
-                                                    select=lt.Table("docs"))
+    model = trainer(tiny, "served", max_steps=1).fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs")
+    )
     marker = tmp_path / "pwned-adapter"
     folder = db.artifacts.get_dir(model.record.adapter, tmp_path / "adapter")
     (folder / "adapter_model.safetensors").unlink()
     live_torch_pickle(marker, folder / "adapter_model.bin")  # PEFT's legacy name
     evil = db.artifacts.put_dir(folder)
     with sql_engine(db.secret_uri()).begin() as conn:
-        rows = conn.execute(sa.text("SELECT id, payload FROM _llmtrain_components "
-                                    "WHERE type_id = 'model' AND identifier = 'served'")).all()
+        rows = conn.execute(
+            sa.text(
+                "SELECT id, payload FROM _llmtrain_components "
+                "WHERE type_id = 'model' AND identifier = 'served'"
+            )
+        ).all()
         for key, text in rows:
             payload = {**json.loads(text), "adapter": evil}
-            conn.execute(sa.text("UPDATE _llmtrain_components SET payload = :p WHERE id = :i"),
-                         {"p": json.dumps(payload), "i": key})
+            conn.execute(
+                sa.text("UPDATE _llmtrain_components SET payload = :p WHERE id = :i"),
+                {"p": json.dumps(payload), "i": key},
+            )
     with pytest.raises(Exception) as info:  # noqa: PT011 - any refusal will do, if nothing ran
         db.load("model", "served").load(device="cpu")
     assert not marker.exists(), "the pickle ran"

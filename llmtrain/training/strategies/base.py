@@ -69,8 +69,9 @@ class Strategy(ABC):
         """Join the process group (if any). Called once, before the model is built."""
 
     @abstractmethod
-    def setup(self, model: Any, make_optimizer: MakeOptimizer,
-              precision: Precision | None = None) -> tuple[Any, Any]:
+    def setup(
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+    ) -> tuple[Any, Any]:
         """Wrap the model for this strategy and build its optimizer over trainable params."""
 
     def teardown(self) -> None:
@@ -89,8 +90,9 @@ class Strategy(ABC):
     def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
         """Clip, step and zero the gradients; return the gradient norm before clipping."""
 
-    def clip_and_step(self, params: list[torch.nn.Parameter], optimizer: Any,
-                      max_grad_norm: float | None) -> float:
+    def clip_and_step(
+        self, params: list[torch.nn.Parameter], optimizer: Any, max_grad_norm: float | None
+    ) -> float:
         """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)

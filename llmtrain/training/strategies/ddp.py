@@ -17,8 +17,9 @@ from llmtrain.training.strategies.base import (
 class DDP(ProcessGroupStrategy):
     name = "ddp"
 
-    def setup(self, model: Any, make_optimizer: MakeOptimizer,
-              precision: Precision | None = None) -> tuple[Any, Any]:
+    def setup(
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+    ) -> tuple[Any, Any]:
         from torch.nn.parallel import DistributedDataParallel
 
         self.scaler = precision.grad_scaler() if precision is not None else None

@@ -59,13 +59,20 @@ def load_raw(raw: dict[str, Any] | str) -> dict[str, Any]:
     try:
         return json.loads(Path(raw).read_text())
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"deepspeed_config.raw: cannot read a JSON config from {raw!r}: "
-                          f"{exc}") from None
+        raise ConfigError(
+            f"deepspeed_config.raw: cannot read a JSON config from {raw!r}: {exc}"
+        ) from None
 
 
-def build_config(config: DeepspeedConfig, args: TrainingArguments, *, world_size: int,
-                 trainable_dtype: torch.dtype, on_gpu: bool,
-                 fp16_compute: bool = False) -> dict[str, Any]:
+def build_config(
+    config: DeepspeedConfig,
+    args: TrainingArguments,
+    *,
+    world_size: int,
+    trainable_dtype: torch.dtype,
+    on_gpu: bool,
+    fp16_compute: bool = False,
+) -> dict[str, Any]:
     """The DeepSpeed config: ``raw`` as given, else the stage and offload options; batch
     sizes, accumulation and clipping filled from TrainingArguments where absent or "auto".
     ``fp16_compute`` (mixed_precision="fp16") turns on DeepSpeed's fp16 mode, whose dynamic
@@ -74,8 +81,10 @@ def build_config(config: DeepspeedConfig, args: TrainingArguments, *, world_size
         cfg = load_raw(config.raw)
         present = [s for s in _OWN_SECTIONS if s in cfg]
         if present:
-            raise ConfigError(f"deepspeed_config.raw has {present}: the trainer builds the "
-                              "optimizer and LR scheduler from training_args; remove them")
+            raise ConfigError(
+                f"deepspeed_config.raw has {present}: the trainer builds the "
+                "optimizer and LR scheduler from training_args; remove them"
+            )
     else:
         zero: dict[str, Any] = {"stage": config.stage}
         if config.offload_optimizer:
@@ -179,9 +188,12 @@ def _local_rank_for_deepspeed(local_rank: int) -> Iterator[None]:
 class DeepSpeed(ProcessGroupStrategy):
     name = "deepspeed"
 
-    def __init__(self, config: DeepspeedConfig | None = None,
-                 training_args: TrainingArguments | None = None,
-                 placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        config: DeepspeedConfig | None = None,
+        training_args: TrainingArguments | None = None,
+        placement: Placement | None = None,
+    ) -> None:
         super().__init__(placement)
         self.config = config or DeepspeedConfig()
         self.training_args = training_args or TrainingArguments()
@@ -213,21 +225,29 @@ class DeepSpeed(ProcessGroupStrategy):
             dist.destroy_process_group()
         self._environment.close()
 
-    def setup(self, model: Any, make_optimizer: MakeOptimizer,
-              precision: Precision | None = None) -> tuple[Any, Any]:
+    def setup(
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+    ) -> tuple[Any, Any]:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
         params = trainable_parameters(model)
         if not params:
             raise ConfigError("DeepSpeed: the model has no trainable parameter")
-        cfg = build_config(self.config, self.training_args, world_size=self.world_size,
-                           trainable_dtype=params[0].dtype, on_gpu=self.device.type == "cuda",
-                           fp16_compute=precision is not None and precision.scaled)
+        cfg = build_config(
+            self.config,
+            self.training_args,
+            world_size=self.world_size,
+            trainable_dtype=params[0].dtype,
+            on_gpu=self.device.type == "cuda",
+            fp16_compute=precision is not None and precision.scaled,
+        )
         if cfg["fp16"].get("enabled") is True and not get_accelerator().is_fp16_supported():
-            raise ConfigError(f"DeepSpeed has no fp16 mode on this device ({self.device.type}): "
-                              "set training_args.mixed_precision to 'bf16' or 'no' (and no "
-                              "fp16 section in deepspeed_config.raw)")
+            raise ConfigError(
+                f"DeepSpeed has no fp16 mode on this device ({self.device.type}): "
+                "set training_args.mixed_precision to 'bf16' or 'no' (and no "
+                "fp16 section in deepspeed_config.raw)"
+            )
         self.stage = zero_stage(cfg)
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)
@@ -276,14 +296,16 @@ class DeepSpeed(ProcessGroupStrategy):
 
     def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
         """Collective: each rank writes its ZeRO partitions into the (shared, local) folder."""
-        model.save_checkpoint(str(folder / "deepspeed"), tag=_TAG,
-                              exclude_frozen_parameters=True)
+        model.save_checkpoint(str(folder / "deepspeed"), tag=_TAG, exclude_frozen_parameters=True)
 
     def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
         with _weights_only_loads(model):
-            path, _ = model.load_checkpoint(str(folder / "deepspeed"), tag=_TAG,
-                                            load_module_strict=False,
-                                            load_optimizer_states=True,
-                                            load_lr_scheduler_states=False)
+            path, _ = model.load_checkpoint(
+                str(folder / "deepspeed"),
+                tag=_TAG,
+                load_module_strict=False,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
         if path is None:
             raise CheckpointError(f"DeepSpeed found no engine checkpoint under {folder}")

@@ -44,14 +44,23 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if found:
         return found
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in _LAYER_LISTS \
-                and len(module) > 0:
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and name.rsplit(".", 1)[-1] in _LAYER_LISTS
+            and len(module) > 0
+        ):
             return list(module)
     return []
 
 
-def shard_model(model: torch.nn.Module, mesh: Any, *, mp_policy: Any = None,
-                offload_policy: Any = None, reshard_after_forward: bool = True) -> int:
+def shard_model(
+    model: torch.nn.Module,
+    mesh: Any,
+    *,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    reshard_after_forward: bool = True,
+) -> int:
     """``fully_shard`` every decoder layer, then the root; returns how many layers.
 
     Raises ConfigError when no layer is found or no parameter ended up sharded: a model
@@ -67,8 +76,10 @@ def shard_model(model: torch.nn.Module, mesh: Any, *, mp_policy: Any = None,
         options["offload_policy"] = offload_policy
     layers = decoder_layers(model)
     if not layers:
-        raise ConfigError(f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
-                          "(no _no_split_modules and no 'layers' module list)")
+        raise ConfigError(
+            f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
+            "(no _no_split_modules and no 'layers' module list)"
+        )
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
@@ -82,9 +93,12 @@ def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
     on the loaded model; those the config decides were refused when the trainer was built."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     problems = quantization_problems(
-        quantized_bits(model), fsdp=True, cuda=device.type == "cuda",
+        quantized_bits(model),
+        fsdp=True,
+        cuda=device.type == "cuda",
         quant_storage=dtype_name(getattr(quant, "bnb_4bit_quant_storage", None)),
-        compute_dtype=dtype_name(getattr(quant, "bnb_4bit_compute_dtype", None)))
+        compute_dtype=dtype_name(getattr(quant, "bnb_4bit_compute_dtype", None)),
+    )
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -92,8 +106,9 @@ def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
 class FSDP2(ProcessGroupStrategy):
     name = "fsdp"
 
-    def __init__(self, config: FSDPConfig | None = None,
-                 placement: Placement | None = None) -> None:
+    def __init__(
+        self, config: FSDPConfig | None = None, placement: Placement | None = None
+    ) -> None:
         super().__init__(placement)
         self.config = config or FSDPConfig()
 
@@ -101,8 +116,9 @@ class FSDP2(ProcessGroupStrategy):
         init_single_process_group(self.placement)
         super().launch()
 
-    def setup(self, model: Any, make_optimizer: MakeOptimizer,
-              precision: Precision | None = None) -> tuple[Any, Any]:
+    def setup(
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+    ) -> tuple[Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -115,12 +131,19 @@ class FSDP2(ProcessGroupStrategy):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         mp = None
         if cfg.mixed_precision != "no":
-            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.mixed_precision],
-                                      reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") \
-            if cfg.cpu_offload else None
-        shard_model(model, mesh, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=cfg.reshard_after_forward)
+            mp = MixedPrecisionPolicy(
+                param_dtype=_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32
+            )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cfg.cpu_offload else None
+        )
+        shard_model(
+            model,
+            mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=cfg.reshard_after_forward,
+        )
         # after sharding: fully_shard replaced the parameters with DTensor ones
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
@@ -153,9 +176,13 @@ class FSDP2(ProcessGroupStrategy):
             if isinstance(value, DTensor):
                 local = value.to_local()
                 if local.device.type != self.device.type:  # offloaded shard: gather on device
-                    value = DTensor.from_local(local.to(self.device), value.device_mesh,
-                                               value.placements, shape=value.shape,
-                                               stride=value.stride())
+                    value = DTensor.from_local(
+                        local.to(self.device),
+                        value.device_mesh,
+                        value.placements,
+                        shape=value.shape,
+                        stride=value.stride(),
+                    )
                 value = value.full_tensor()
             if self.is_main:
                 full[key] = value.detach().cpu().clone()
@@ -172,8 +199,9 @@ class FSDP2(ProcessGroupStrategy):
             ref = current.get(key)
             if isinstance(ref, DTensor):
                 local = value.to(device=ref.to_local().device, dtype=ref.dtype)
-                value = distribute_tensor(local, ref.device_mesh, ref.placements,
-                                          src_data_rank=None)
+                value = distribute_tensor(
+                    local, ref.device_mesh, ref.placements, src_data_rank=None
+                )
             sharded[key] = value
         if isinstance(model, PeftModel):
             set_peft_model_state_dict(model, sharded)
@@ -187,8 +215,9 @@ class FSDP2(ProcessGroupStrategy):
             get_optimizer_state_dict,
         )
 
-        state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        state = get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.is_main:
             torch.save(self._with_scaler(state), folder / "optimizer.pt")
 
@@ -198,7 +227,9 @@ class FSDP2(ProcessGroupStrategy):
             set_optimizer_state_dict,
         )
 
-        state = self._without_scaler(torch.load(folder / "optimizer.pt", weights_only=True,
-                                                map_location="cpu"))
-        set_optimizer_state_dict(model, optimizer, state,
-                                 options=StateDictOptions(full_state_dict=True))
+        state = self._without_scaler(
+            torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        )
+        set_optimizer_state_dict(
+            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )

@@ -17,8 +17,9 @@ class SingleProcess(Strategy):
         local = (placement or Placement.from_environment()).local_rank
         super().__init__(Placement(local_rank=local))
 
-    def setup(self, model: Any, make_optimizer: MakeOptimizer,
-              precision: Precision | None = None) -> tuple[Any, Any]:
+    def setup(
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+    ) -> tuple[Any, Any]:
         self.scaler = precision.grad_scaler() if precision is not None else None
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
