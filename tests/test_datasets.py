@@ -296,15 +296,12 @@ def test_raw_sql_join(sql_uri: str) -> None:
 def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
     fill(any_uri, "docs", _rows(100))
     db = lt.connect(any_uri)
-    plain = lambda: lt.CachedQueryDataset(
-        db,
-        _select(any_uri),
-        "instruction",  # noqa: E731
-        cache_size=32,
-        seed=2,
-        rank=0,
-        world_size=1,
-    )
+
+    def plain() -> lt.CachedQueryDataset:
+        return lt.CachedQueryDataset(
+            db, _select(any_uri), "instruction", cache_size=32, seed=2, rank=0, world_size=1
+        )
+
     full = [r["instruction"] for r in plain()]
     ds = plain()
     it = iter(ds)

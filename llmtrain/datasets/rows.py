@@ -54,8 +54,8 @@ def check_row(
     readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
         problem = (
-            text_problem(row, field)
-            if readable  # type: ignore[arg-type]
+            text_problem(row, field)  # type: ignore[arg-type]
+            if readable
             else f"cannot be read: the row is a {type(row).__name__}, not a mapping"
         )
         if problem is None:

@@ -55,7 +55,7 @@ def rng_state() -> dict[str, Any]:
 
 def _numpy_state() -> list[Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return [kind, keys.tolist(), pos, has_gauss, gauss]
+    return [kind, np.asarray(keys).tolist(), pos, has_gauss, gauss]
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

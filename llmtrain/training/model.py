@@ -81,7 +81,7 @@ class TrainedModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainedModel:
-        return cls(build(ModelRecord, data))  # type: ignore[arg-type]
+        return cls(build(ModelRecord, data))
 
     def _attach(self, db: Datalayer) -> None:
         self.db = db

@@ -169,7 +169,7 @@ def apply_adapter(model: Any, lora: LoraArguments) -> Any:
 
     config = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.lora_alpha,
+        lora_alpha=lora.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, takes floats
         lora_dropout=lora.lora_dropout,
         target_modules=target_modules_for(model, lora),
         bias=lora.bias,

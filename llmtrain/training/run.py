@@ -149,7 +149,7 @@ class FitRun:
             scan = s.broadcast_object(scan)
         if scan is None:
             raise DataError(f"rank 0 could not scan {select.source}")
-        return scan  # type: ignore[no-any-return]
+        return scan
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
