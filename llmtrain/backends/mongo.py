@@ -36,20 +36,19 @@ def _brackets() -> list[tuple[tuple[type, ...], Any]]:
     from ``k`` on, plus every later bracket from its start.
     """
     import datetime as dt
+    import uuid
 
-    from bson import Binary, Decimal128, Int64, ObjectId, Regex, Timestamp
+    from bson import Binary, Decimal128, Int64, ObjectId
 
     return [
         ((int, float, Int64, Decimal128), float("-inf")),
         ((str,), ""),
         ((dict,), {}),
-        ((bytes, Binary), Binary(b"")),
+        ((bytes, Binary, uuid.UUID), Binary(b"")),
         ((ObjectId,), ObjectId(b"\x00" * 12)),
         ((bool,), False),
         ((dt.datetime,), dt.datetime.min),
-        ((Timestamp,), Timestamp(0, 0)),
-        ((Regex,), Regex("")),
-    ]
+    ]  # Timestamp _ids (after dates) are left out: nothing writes them, mongomock cannot sort them
 
 
 def key_after(lower: Key, *, inclusive: bool) -> dict[str, Any]:
