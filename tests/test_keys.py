@@ -152,7 +152,8 @@ def test_a_key_that_is_not_unique_is_refused(sql_uri: str, eval_fraction: float)
 def test_a_composite_primary_key_says_what_to_do(sql_uri: str) -> None:
     _two_parts_per_doc(sql_uri)
     db = lt.connect(sql_uri)
-    with pytest.raises(lt.QueryError, match=r"composite primary key \['doc_id', 'part'\].*key=.*sql"):
+    message = r"composite primary key \['doc_id', 'part'\].*key=.*llmtrain.sql"
+    with pytest.raises(lt.QueryError, match=message):
         len(_dataset(db, lt.Table("parts")))
 
 
