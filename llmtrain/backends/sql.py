@@ -11,6 +11,7 @@ ROLLBACK round trips around every page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -233,7 +234,9 @@ class SQLBackend(DataBackend):
         probe = self._retrying(
             "reading the query's columns", lambda: self._probe_columns(text), query.source
         )
-        repeated = sorted({c for c in probe if probe.count(c) > 1})
+        # SQLite renames a repeated name to "name:1" where the others keep both or refuse
+        renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
+        repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
         if repeated:
             raise QueryError(
                 f"{query.source}: result column(s) {repeated} appear more than once, so "

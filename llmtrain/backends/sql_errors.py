@@ -26,8 +26,19 @@ _SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o
 def database_message(exc: BaseException) -> str:
     """The database's own message, first line (without SQLAlchemy's wrapping)."""
     orig = getattr(exc, "orig", None) or exc
+    code, args = _mysql_code(orig), getattr(orig, "args", ())
+    if code is not None and len(args) > 1:  # pymysql's str() is the (code, message) tuple
+        return f"{str(args[1]).splitlines()[0]} (error {code})"
     text = str(orig).strip()
     return text.splitlines()[0] if text else type(orig).__name__
+
+
+# a server that answered and turned the connection away for good (libpq gives no SQLSTATE)
+_PG_REFUSALS = ("does not exist", "authentication failed", "no password supplied", "pg_hba.conf")
+
+
+def _pg_refused(orig: Any) -> bool:
+    return any(p in str(orig) for p in _PG_REFUSALS)
 
 
 def _mysql_code(orig: Any) -> int | None:
@@ -45,8 +56,8 @@ def is_transient(exc: BaseException) -> bool:
     module = type(orig).__module__
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
-        if state is None:  # no reply from a server at all: refused, reset, timed out
-            return True
+        if state is None:  # libpq's own error: refused, reset, timed out, or turned away
+            return not _pg_refused(orig)
         return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in _MYSQL_TRANSIENT
@@ -62,8 +73,10 @@ def is_connection_error(exc: BaseException) -> bool:
     orig = getattr(exc, "orig", None)
     module = type(orig).__module__ if orig is not None else ""
     if module.startswith("psycopg"):
-        state = getattr(orig, "sqlstate", None) or ""
-        return state in ("3D000",) or state.startswith("28")
+        state = getattr(orig, "sqlstate", None)
+        if state is None:
+            return _pg_refused(orig)
+        return state == "3D000" or state.startswith("28")
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in (1044, 1045, 1049)
     return "unable to open database file" in str(orig).lower()
