@@ -26,7 +26,7 @@ _SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o
 def database_message(exc: BaseException) -> str:
     """The database's own message, first line (without SQLAlchemy's wrapping)."""
     orig = getattr(exc, "orig", None) or exc
-    code, args = _mysql_code(orig), getattr(orig, "args", ())
+    code, args = _mysql_code(orig), tuple(getattr(orig, "args", ()))
     if code is not None and len(args) > 1:  # pymysql's str() is the (code, message) tuple
         return f"{str(args[1]).splitlines()[0]} (error {code})"
     text = str(orig).strip()
