@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import sqlalchemy as sa
+
 # PostgreSQL SQLSTATE classes and codes that heal: connection exceptions (08), operator
 # intervention while the server shuts down or starts (57P01-57P03), serialization failure,
 # deadlock, lock not available, insufficient resources (53: too many connections, ...).
@@ -48,8 +50,8 @@ def _mysql_code(orig: Any) -> int | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying ``exc`` (a SQLAlchemy DBAPIError) can succeed."""
-    if getattr(exc, "connection_invalidated", False):
-        return True
+    if getattr(exc, "connection_invalidated", False) or isinstance(exc, sa.exc.InterfaceError):
+        return True  # InterfaceError: the driver's own connection is closed or broken
     orig = getattr(exc, "orig", None)
     if orig is None:
         return False
