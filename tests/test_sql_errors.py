@@ -150,3 +150,37 @@ def test_query_types_are_checked_against_the_database(sqlite_uri: str) -> None:
         _size(mongo, lt.sql("SELECT id, text FROM docs", key="id"))
     with pytest.raises(lt.QueryError, match="MongoDB query and cannot run on SQL.*Table"):
         _size(sqlite_uri, lt.Collection("docs"))
+
+
+def _wrapped(orig: BaseException) -> sa.exc.OperationalError:
+    return sa.exc.OperationalError("SELECT 1", {}, orig)
+
+
+def test_what_heals_is_told_from_what_does_not() -> None:
+    import sqlite3
+
+    import psycopg.errors
+    import pymysql.err
+
+    from llmtrain.backends.sql_errors import is_transient
+
+    heals = [
+        pymysql.err.OperationalError(1213, "Deadlock found when trying to get lock"),
+        pymysql.err.OperationalError(1205, "Lock wait timeout exceeded"),
+        pymysql.err.OperationalError(2013, "Lost connection to MySQL server during query"),
+        psycopg.errors.DeadlockDetected("deadlock detected"),
+        psycopg.errors.AdminShutdown("terminating connection due to administrator command"),
+        psycopg.errors.LockNotAvailable("could not obtain lock"),
+        psycopg.OperationalError("connection to server at 127.0.0.1 failed: Connection refused"),
+        sqlite3.OperationalError("database is locked"),
+    ]
+    stays = [
+        pymysql.err.OperationalError(1142, "SELECT command denied to user"),
+        pymysql.err.OperationalError(1049, "Unknown database 'x'"),
+        psycopg.errors.InsufficientPrivilege("permission denied for table docs"),
+        psycopg.OperationalError('connection failed: FATAL:  database "x" does not exist'),
+        sqlite3.OperationalError("unable to open database file"),
+        sqlite3.OperationalError("no such column: nope"),
+    ]
+    assert [is_transient(_wrapped(e)) for e in heals] == [True] * len(heals)
+    assert [is_transient(_wrapped(e)) for e in stays] == [False] * len(stays)
