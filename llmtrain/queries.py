@@ -111,6 +111,10 @@ class Table(Query):
         """Add a WHERE fragment with ``:name`` placeholders; values are always bound."""
         if not isinstance(condition, str) or not condition.strip():
             raise QueryError("where() needs a non-empty SQL condition")
+        if ";" in condition:
+            raise QueryError(
+                f"where({condition!r}): one condition, without ';' (bind values as :params)"
+            )
         merged = f"({self.where_sql}) AND ({condition})" if self.where_sql else condition
         clash = set(params) & set(self.params)
         if clash:

@@ -62,6 +62,7 @@ def test_fingerprint_is_stable_across_processes() -> None:
         (lambda: lt.Table("docs").where("a = :x", x=[1, 2]), "only str, int"),
         (lambda: lt.Table("docs").where("a = :x", x=1).where("b = :x", x=2), "already bound"),
         (lambda: lt.sql("SELECT 1; DROP TABLE docs", key="id"), "single SELECT"),
+        (lambda: lt.Table("docs").where("1 = 1; DROP TABLE docs"), "without ';'"),
         (lambda: lt.sql("SELECT id FROM docs", key=""), "key="),
         (lambda: lt.Collection("docs").find({"$where": "sleep(1000)"}), r"\$where"),
         (

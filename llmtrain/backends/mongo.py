@@ -28,6 +28,48 @@ def get_path(doc: dict[str, Any], path: str) -> Any:
     return value
 
 
+def _brackets() -> list[tuple[tuple[type, ...], Any]]:
+    """MongoDB's sort order of ``_id`` types, each with its smallest value.
+
+    ``{"$gt": 5}`` only matches numbers (comparisons stay inside a type's bracket), while
+    a sort walks every bracket in this order: a page after key ``k`` is ``k``'s own bracket
+    from ``k`` on, plus every later bracket from its start.
+    """
+    import datetime as dt
+    import uuid
+
+    from bson import Binary, Decimal128, Int64, ObjectId
+
+    return [
+        ((int, float, Int64, Decimal128), float("-inf")),
+        ((str,), ""),
+        ((dict,), {}),
+        ((bytes, Binary, uuid.UUID), Binary(b"")),
+        ((ObjectId,), ObjectId(b"\x00" * 12)),
+        ((bool,), False),
+        ((dt.datetime,), dt.datetime.min),
+    ]  # Timestamp _ids (after dates) are left out: nothing writes them, mongomock cannot sort them
+
+
+def key_after(lower: Key, *, inclusive: bool) -> dict[str, Any]:
+    """The condition for ``_id`` >= ``lower`` (> unless inclusive) in MongoDB's sort order,
+    across type brackets (ints, strings and ObjectIds in one collection page correctly)."""
+    brackets = _brackets()
+    own = next(
+        (
+            i
+            for i, (types, _) in enumerate(brackets)
+            if isinstance(lower, types) and not (isinstance(lower, bool) and i == 0)
+        ),
+        None,
+    )
+    cond = {"_id": {"$gte" if inclusive else "$gt": lower}}
+    if own is None:  # a type this table does not know: its own bracket only, as before
+        return cond
+    later = [{"_id": {"$gte": start}} for _, start in brackets[own + 1 :]]
+    return {"$or": [cond, *later]}
+
+
 def _transient_errors() -> tuple[type[BaseException], ...]:
     from pymongo.errors import AutoReconnect, ConnectionFailure, NetworkTimeout
 
@@ -41,12 +83,15 @@ class MongoBackend(DataBackend):
         self.retry = retry or RetryPolicy()
 
     def _collection(self, query: Query) -> Any:
+        return mongo_database(self._uri)[self._query(query).name]
+
+    def _query(self, query: Query) -> Collection:
         if not isinstance(query, Collection):
             raise QueryError(
-                f"{type(query).__name__} cannot run on MongoDB {self.uri}; "
+                f"{query.source} is a SQL query and cannot run on MongoDB {self.uri}; "
                 "use llmtrain.Collection(name).find(...)"
             )
-        return mongo_database(self._uri)[query.name]
+        return query
 
     def _run(self, what: str, call: Any) -> Any:
         return with_retry(
@@ -74,11 +119,11 @@ class MongoBackend(DataBackend):
 
     def scan_keys(self, query: Query, block_size: int) -> KeyScan:
         """Walks ``_id`` only, in short keyset pages, keeping every ``block_size``-th key."""
-        assert isinstance(query, Collection)
+        query = self._query(query)
         boundaries: list[Key] = []
         count, last = 0, None
         while True:
-            cond = None if last is None else {"_id": {"$gt": last}}
+            cond = None if last is None else key_after(last, inclusive=False)
             page = self._run(
                 "scanning keys",
                 lambda cond=cond: [
@@ -124,8 +169,8 @@ class MongoBackend(DataBackend):
         *,
         inclusive: bool = True,
     ) -> list[tuple[Key, Row]]:
-        assert isinstance(query, Collection)
-        cond = None if lower is None else {"_id": {"$gte" if inclusive else "$gt": lower}}
+        query = self._query(query)
+        cond = None if lower is None else key_after(lower, inclusive=inclusive)
         docs = self._run(
             "reading documents",
             lambda: list(
@@ -138,13 +183,13 @@ class MongoBackend(DataBackend):
         return self._rows(docs, fields)
 
     def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
-        assert isinstance(query, Collection)
+        query = self._query(query)
         return self._run(
             "reading keys",
             lambda: [
                 d["_id"]
                 for d in self._collection(query)
-                .find(self._where(query, {"_id": {"$gte": lower}}), {"_id": 1})
+                .find(self._where(query, key_after(lower, inclusive=True)), {"_id": 1})
                 .sort("_id", 1)
                 .limit(limit)
             ],
@@ -153,7 +198,7 @@ class MongoBackend(DataBackend):
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]
     ) -> list[tuple[Key, Row]]:
-        assert isinstance(query, Collection)
+        query = self._query(query)
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
             chunk = list(keys[i : i + _IN_CHUNK])

@@ -52,17 +52,18 @@ def with_retry(
         except transient as exc:
             if permanent(exc):
                 raise
+            first_line = str(exc).splitlines()[0] if str(exc) else ""  # one line to show
             if attempt == policy.attempts - 1:
                 raise DatabaseUnavailableError(
                     f"{what} on {where} failed after {policy.attempts} attempts: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{type(exc).__name__}: {first_line}"
                 ) from exc
             log.warning(
                 "%s on %s failed (%s: %s); retrying in %.1fs",
                 what,
                 where,
                 type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
+                first_line,
                 delays[attempt],
             )
             reconnect()

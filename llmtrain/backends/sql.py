@@ -11,6 +11,7 @@ ROLLBACK round trips around every page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,8 @@ import sqlalchemy as sa
 from llmtrain.backends.base import DataBackend, Key, KeyScan, Row
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
 from llmtrain.backends.retry import RetryPolicy, with_retry
-from llmtrain.errors import QueryError
+from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
+from llmtrain.errors import ConfigError, DatabaseNotFoundError, LlmtrainError, QueryError
 from llmtrain.queries import Query, RawSQL, Table
 from llmtrain.uri import redact_uri
 
@@ -33,23 +35,9 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
-_PERMANENT = (
-    "no such table",
-    "no such column",
-    "syntax error",
-    "unknown column",
-    "doesn't exist",
-    "does not exist",
-    "unknown table",
-)
-
-
 def is_permanent(exc: BaseException) -> bool:
-    """An OperationalError about the statement itself (SQLite and MySQL raise those as
-    OperationalError too): retrying cannot help, so it is reported at once."""
-    if getattr(exc, "connection_invalidated", False):
-        return False
-    return any(p in str(getattr(exc, "orig", exc)).lower() for p in _PERMANENT)
+    """An error that no retry can cure (see :mod:`llmtrain.backends.sql_errors`)."""
+    return not is_transient(exc)
 
 
 def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
@@ -119,8 +107,41 @@ class SQLBackend(DataBackend):
     def reconnect(self) -> None:
         self.close()
 
+    def _failure(self, source: str, exc: sa.exc.StatementError) -> LlmtrainError:
+        """One line for an error no retry cures, with the database's own message: the
+        database or credentials are wrong (ConfigError), or the statement is (QueryError)."""
+        message = database_message(exc)
+        if is_connection_error(exc):
+            found = "database" in message.lower() and "denied" not in message.lower()
+            cls = DatabaseNotFoundError if found else ConfigError
+            return cls(f"cannot open {self.uri}: {message}")
+        return QueryError(f"{source} failed on {self.uri}: {message}")
+
+    def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
+        """``call`` with retries for faults that heal; any other database error becomes one
+        clear error at once."""
+        try:
+            return with_retry(
+                call,
+                policy=self.retry,
+                transient=(sa.exc.OperationalError, sa.exc.InterfaceError),
+                reconnect=self.reconnect,
+                what=what,
+                where=self.uri,
+                permanent=is_permanent,
+            )
+        except sa.exc.StatementError as exc:
+            raise self._failure(source, exc) from None
+        except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
+            raise QueryError(f"{source}: {exc}") from None
+
     def _run(
-        self, what: str, stmt: sa.Executable, params: dict[str, Any] | None = None
+        self,
+        what: str,
+        stmt: sa.Executable,
+        params: dict[str, Any] | None = None,
+        *,
+        source: str,
     ) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
@@ -134,15 +155,7 @@ class SQLBackend(DataBackend):
                         raise
                     return _lenient_rows(conn, stmt, params or {})
 
-        return with_retry(
-            call,
-            policy=self.retry,
-            transient=(sa.exc.OperationalError, sa.exc.InterfaceError),
-            reconnect=self.reconnect,
-            what=what,
-            where=self.uri,
-            permanent=is_permanent,
-        )
+        return list(self._retrying(what, call, source))
 
     def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> sa.Select[Any]:
         """The statement for ``shape``, built once. Bound types are keyed by identity
@@ -159,14 +172,7 @@ class SQLBackend(DataBackend):
         fingerprint = fingerprint or query.fingerprint()
         cached = self._sources.get(fingerprint)
         if cached is None:
-            try:
-                cached = self._sources[fingerprint] = self._build(query)
-            except sa.exc.DBAPIError as exc:
-                if not is_permanent(exc):
-                    raise
-                raise QueryError(
-                    f"{query.source} cannot run on {self.uri}: {str(exc.orig).splitlines()[0]}"
-                ) from None
+            cached = self._sources[fingerprint] = self._build(query)
         return cached
 
     def _build(self, query: Query) -> _Source:
@@ -174,20 +180,19 @@ class SQLBackend(DataBackend):
             return self._build_table(query)
         if isinstance(query, RawSQL):
             return self._build_raw(query)
-        raise QueryError(f"{type(query).__name__} cannot run on SQL database {self.uri}")
+        raise QueryError(
+            f"{query.source} is a MongoDB query and cannot run on SQL database {self.uri}; "
+            "use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
+        )
 
     def _build_table(self, query: Table) -> _Source:
         try:
-            table = with_retry(
+            table = self._retrying(
+                "reading the table schema",
                 lambda: sa.Table(
                     query.name, sa.MetaData(), schema=query.schema, autoload_with=self.engine
                 ),
-                policy=self.retry,
-                transient=(sa.exc.OperationalError,),
-                reconnect=self.reconnect,
-                what="reading the table schema",
-                where=self.uri,
-                permanent=is_permanent,
+                query.source,
             )
         except sa.exc.NoSuchTableError:
             raise QueryError(f"{query.source} does not exist in {self.uri}") from None
@@ -198,10 +203,11 @@ class SQLBackend(DataBackend):
         else:
             pk = list(table.primary_key.columns)
             if len(pk) != 1:
+                what = f"a composite primary key {[c.name for c in pk]}" if pk else "no primary key"
                 raise QueryError(
-                    f"{query.source} has {'a composite' if pk else 'no'} primary key, so rows "
-                    "cannot be paged in a stable order; pass Table(..., key='column') naming a "
-                    "unique, non-null column"
+                    f"{query.source} has {what}, so rows cannot be paged in a stable order; "
+                    "pass Table(..., key='column') naming a unique, non-null column, or use "
+                    "llmtrain.sql(select, key=...) with a unique expression"
                 )
             key = pk[0]
         names = query.columns or tuple(c.name for c in table.c)
@@ -212,20 +218,30 @@ class SQLBackend(DataBackend):
                     f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
                 )
             columns[name] = table.c[name]
-        where = sa.text(query.where_sql).bindparams(**query.params) if query.where_sql else None
+        where = None
+        if query.where_sql:
+            try:
+                where = sa.text(query.where_sql).bindparams(**query.params)
+            except sa.exc.ArgumentError as exc:
+                raise QueryError(f"{query.source}: {exc}") from None
         return _Source(key, columns, where, query.source)
 
     def _build_raw(self, query: RawSQL) -> _Source:
-        text = sa.text(query.text).bindparams(**query.params)
-        probe = with_retry(
-            lambda: self._probe_columns(text),
-            policy=self.retry,
-            transient=(sa.exc.OperationalError,),
-            reconnect=self.reconnect,
-            what="reading the query's columns",
-            where=self.uri,
-            permanent=is_permanent,
+        try:
+            text = sa.text(query.text).bindparams(**query.params)
+        except sa.exc.ArgumentError as exc:
+            raise QueryError(f"{query.source}: {exc}") from None
+        probe = self._retrying(
+            "reading the query's columns", lambda: self._probe_columns(text), query.source
         )
+        # SQLite renames a repeated name to "name:1" where the others keep both or refuse
+        renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
+        repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
+        if repeated:
+            raise QueryError(
+                f"{query.source}: result column(s) {repeated} appear more than once, so "
+                f"{query.key!r} would be ambiguous; give each a distinct name with AS"
+            )
         if query.key not in probe:
             raise QueryError(
                 f"{query.source}: key column {query.key!r} is not in its result columns {probe}"
@@ -245,21 +261,41 @@ class SQLBackend(DataBackend):
         return self._source(query).key.name
 
     def scan_keys(self, query: Query, block_size: int) -> KeyScan:
+        """One statement: each row numbered in key order, keeping every ``block_size``-th
+        and the last. ``dense_rank`` rides on the same sort, so a repeated key costs nothing
+        to find (and no ``MAX(key)``, which PostgreSQL lacks for uuid)."""
         src = self._source(query)
-        totals = self._run("counting rows", src.select(sa.func.count(), sa.func.max(src.key)))
-        count, last = totals[0]
-        if not count:
-            return KeyScan(0, block_size, [], None)
+        order = src.key.asc()
         numbered = src.select(
-            src.key.label("k"), sa.func.row_number().over(order_by=src.key).label("rn")
+            src.key.label("k"),
+            sa.func.row_number().over(order_by=order).label("rn"),
+            sa.func.dense_rank().over(order_by=order).label("dr"),
+            sa.func.count().over().label("n"),
         ).subquery("llmtrain_numbered")
+        c = numbered.c
         stmt = (
-            sa.select(numbered.c.k)
-            .where((numbered.c.rn - 1) % block_size == 0)
-            .order_by(numbered.c.k)
+            sa.select(c.k, c.rn, c.dr, c.n)
+            .where(sa.or_((c.rn - 1) % block_size == 0, c.rn == c.n))
+            .order_by(c.rn)
         )
-        boundaries = [r[0] for r in self._run("scanning keys", stmt)]
-        return KeyScan(int(count), block_size, boundaries, last)
+        rows = self._run("scanning keys", stmt, source=query.source)
+        if not rows:
+            return KeyScan(0, block_size, [], None)
+        last, count = rows[-1], int(rows[-1].n)
+        if any(r.k is None for r in rows):
+            raise QueryError(
+                f"{query.source}: key column {src.key.name!r} holds NULL, so rows cannot be "
+                "paged; pass key= naming a unique, non-null column"
+            )
+        if int(last.dr) != count:
+            raise QueryError(
+                f"{query.source}: key column {src.key.name!r} is not unique ({count} rows, "
+                f"{int(last.dr)} distinct keys), so rows would be read twice or skipped; pass "
+                "key= naming a unique column, or use llmtrain.sql(select, key=...) with a "
+                "unique expression"
+            )
+        boundaries = [r.k for r in rows if (int(r.rn) - 1) % block_size == 0]
+        return KeyScan(count, block_size, boundaries, last.k)
 
     def fetch_rows(
         self,
@@ -284,7 +320,8 @@ class SQLBackend(DataBackend):
 
         shape = ("rows", fingerprint, names, inclusive, lower_type)
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
-        return _pairs(self._run("reading rows", self._page(shape, build), values), names)
+        rows = self._run("reading rows", self._page(shape, build), values, source=query.source)
+        return _pairs(rows, names)
 
     def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
         fingerprint = query.fingerprint()
@@ -300,7 +337,8 @@ class SQLBackend(DataBackend):
             )
 
         page = self._page(("keys", fingerprint, lower_type), build)
-        return [r[0] for r in self._run("reading keys", page, {_LOWER: lower, _LIMIT: limit})]
+        values = {_LOWER: lower, _LIMIT: limit}
+        return [r[0] for r in self._run("reading keys", page, values, source=query.source)]
 
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]
@@ -311,5 +349,5 @@ class SQLBackend(DataBackend):
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
             stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
-            out.extend(_pairs(self._run("reading rows", stmt), names))
+            out.extend(_pairs(self._run("reading rows", stmt, source=query.source), names))
         return out

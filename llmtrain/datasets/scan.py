@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llmtrain.backends.base import DataBackend, Key, KeyScan
+from llmtrain.errors import QueryError
 from llmtrain.queries import Query
 
 Split = Literal["all", "train", "held_out"]
@@ -46,6 +47,20 @@ def data_fingerprint(scan: KeyScan) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def same_key(a: Key, b: Key) -> bool:
+    """Equal keys of one type (MongoDB keeps ``1`` and ``True`` apart, Python does not)."""
+    return type(a) is type(b) and a == b
+
+
+def _not_unique(backend: DataBackend, query: Query, key: Key) -> QueryError:
+    what = "NULL" if key is None else f"the key {key!r} more than once"
+    return QueryError(
+        f"{query.source}: key column {backend.key_name(query)!r} holds {what}, so rows would "
+        "be read twice or skipped; pass key= naming a unique, non-null column, or use "
+        "llmtrain.sql(select, key=...) with a unique expression"
+    )
+
+
 @dataclass(frozen=True)
 class SelectionScan:
     """The whole selection's :class:`KeyScan` and, with ``eval_fraction``, one per view."""
@@ -55,7 +70,7 @@ class SelectionScan:
     eval_fraction: float = 0.0
     train: KeyScan | None = None  # None: no split, the view is the whole selection
     held: KeyScan | None = None
-    statements: int = 2
+    statements: int = 1
 
     @property
     def fingerprint(self) -> str:
@@ -102,8 +117,9 @@ def scan_selection(
 ) -> SelectionScan:
     """Count the selection and note every ``block_size``-th key of it and of each view.
 
-    Without a split the backend does it in two statements. A split needs every key hashed
-    on the client: keys only, in keyset pages (about a second per million rows).
+    Without a split the backend does it in one statement. A split needs every key hashed
+    on the client: keys only, in keyset pages (about a second per million rows). Either way
+    a key that is not unique is refused: paging on it would read rows twice or skip them.
     """
     if eval_fraction <= 0:
         return SelectionScan(query.fingerprint(), backend.scan_keys(query, block_size))
@@ -111,9 +127,16 @@ def scan_selection(
     lower: Any = None
     statements = 0
     while True:
-        page = backend.fetch_rows(query, (), lower, _KEY_PAGE, inclusive=lower is None)
+        # each page after the first starts *at* the last key seen, so a key repeated across
+        # the page boundary shows up as a repeat too; that one overlapping key is dropped
+        page = backend.fetch_rows(query, (), lower, _KEY_PAGE)
         statements += 1
-        for key, _ in page:
+        keys = [k for k, _ in page]
+        if lower is not None and keys and same_key(keys[0], lower):
+            keys = keys[1:]
+        for key in keys:
+            if key is None or (whole.count and same_key(key, whole.last)):
+                raise _not_unique(backend, query, key)
             whole.add(key)
             (held if held_out(key, eval_fraction) else train).add(key)
         if len(page) < _KEY_PAGE:
