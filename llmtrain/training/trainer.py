@@ -90,6 +90,7 @@ class LLMTrainer:
         the trainer's recipe (default: ``data_args.allow_changed_data``). Third-party
         banners, warnings and loading bars stay out of the output unless ``verbose=True``.
         """
+        from llmtrain.datalayer import require_datalayer
         from llmtrain.launchers import execute
         from llmtrain.placement import Placement
         from llmtrain.training.launch import once_per_job
@@ -97,6 +98,7 @@ class LLMTrainer:
         db = db if db is not None else self.db
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
+        require_datalayer(db, "fit(db=)")
         if allow_changed_data is not None and not isinstance(allow_changed_data, bool):
             raise ConfigError(
                 f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
