@@ -30,6 +30,17 @@ _NOISY_WARNINGS = (
     (DeprecationWarning, r".*torch\.jit\.script_method.*"),
     (UserWarning, r".*TypedStorage is deprecated.*"),
 )
+# Deprecations raised inside the libraries a fit drives: news for us, noise for the user
+# (transformers 5 warns on every fit about its own v6 renames).
+_THIRD_PARTY = r"(transformers|peft|accelerate|bitsandbytes|deepspeed|torch)(\.|$)"
+_NOISY_MODULE_WARNINGS = ((FutureWarning, _THIRD_PARTY), (DeprecationWarning, _THIRD_PARTY))
+
+
+def _ignore_noisy_warnings() -> None:
+    for category, pattern in _NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for category, module in _NOISY_MODULE_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
 
 
 class _DropPrefixes(logging.Filter):
@@ -61,8 +72,7 @@ def quiet() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes([prefix]))
-    for category, pattern in _NOISY_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern, category=category)
+    _ignore_noisy_warnings()
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -101,8 +111,7 @@ def quieted(enabled: bool = True) -> Iterator[None]:
     hub_bars = not hub_utils.are_progress_bars_disabled()
     try:
         with warnings.catch_warnings():
-            for category, pattern in _NOISY_WARNINGS:
-                warnings.filterwarnings("ignore", message=pattern, category=category)
+            _ignore_noisy_warnings()
             if lower:
                 hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
