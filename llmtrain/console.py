@@ -52,10 +52,14 @@ class _DropPrefixes(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+#: set (to "1") while a fit is quiet; the launched worker processes read it
+QUIET_ENV = "LLMTRAIN_QUIET"
+
 _QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    QUIET_ENV: "1",  # worker processes a quiet fit launches are quiet too
 }
 
 

@@ -268,18 +268,21 @@ db = lt.connect(f"sqlite:///{folder}/data.db")
 trainer = lt.LLMTrainer(
     "noise", model=sys.argv[3], prompt_template="Q: {X} A: {Y}", bits=4, max_steps=2,
     batch_size=2, progress_bar=False, gradient_checkpointing=True,
+    launcher=lt.Launcher(kind=sys.argv[4], num_processes=1) if sys.argv[4] != "-" else None,
 )
 model = trainer.fit("q", "a", db, lt.Table("qa"), verbose=verbose)
 print("stored", model.identifier, model.version)
 """
 
 
-@pytest.mark.parametrize("verbose", [False, True])
+@pytest.mark.parametrize(("verbose", "launcher"), [(False, "-"), (True, "-"), (False, "torchrun")])
 def test_a_fit_keeps_third_party_noise_out_unless_verbose(
-    tiny: Path, tmp_path: Path, verbose: bool
+    tiny: Path, tmp_path: Path, verbose: bool, launcher: str
 ) -> None:
+    """In this process, and in the worker processes a launched fit starts."""
+    mode = "verbose" if verbose else "quiet"
     result = subprocess.run(
-        [sys.executable, "-c", FIT, str(tmp_path), "verbose" if verbose else "quiet", str(tiny)],
+        [sys.executable, "-c", FIT, str(tmp_path), mode, str(tiny), launcher],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},
