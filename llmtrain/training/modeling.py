@@ -37,7 +37,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 HUB_CHECK_TIMEOUT_S = 3.0
 
 
-def check_model_path(name: str, *, tokenizer: bool = False) -> dict[str, Any]:
+def check_model_path(
+    name: str, *, tokenizer: bool = False, revision: str | None = None
+) -> dict[str, Any]:
     """Refuse a model source that cannot load, at once and naming it; returns the extra
     ``from_pretrained`` keywords (``local_files_only`` when the hub is offline but the
     cache has the model).
@@ -70,7 +72,7 @@ def check_model_path(name: str, *, tokenizer: bool = False) -> dict[str, Any]:
     offline = _hub_offline()
     if offline is None:
         return {}
-    if _in_hub_cache(name):
+    if _in_hub_cache(name, revision):
         return {"local_files_only": True}
     raise ConfigError(
         f"model_args.model_name_or_path: {name!r} is not a local folder and {offline}, "
@@ -119,11 +121,11 @@ def _reachable(endpoint: str) -> bool:
     return bool(result and result[0])
 
 
-def _in_hub_cache(name: str) -> bool:
+def _in_hub_cache(name: str, revision: str | None) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+        return isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str)
     except ValueError:  # not a valid repo id
         return False
 
@@ -136,7 +138,7 @@ def load_tokenizer(args: ModelArguments) -> Any:
     """
     from transformers import AutoTokenizer
 
-    hub = check_model_path(args.model_name_or_path, tokenizer=True)
+    hub = check_model_path(args.model_name_or_path, tokenizer=True, revision=args.revision)
     tok = AutoTokenizer.from_pretrained(
         args.model_name_or_path,
         revision=args.revision,
@@ -183,7 +185,7 @@ def load_model(
 
     precision = precision or Precision.resolve(args, device)
     kwargs: dict[str, Any] = {
-        **check_model_path(args.model_name_or_path),
+        **check_model_path(args.model_name_or_path, revision=args.revision),
         "revision": args.revision,
         "trust_remote_code": args.trust_remote_code,
         "dtype": precision.weights,
