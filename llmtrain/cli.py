@@ -1,7 +1,10 @@
 """The ``llmtrain`` command: fit from a YAML file, show what is stored, replay, merge, demo.
 
-Exit status: 0 done, 1 the work failed (missing component, changed data, ...), 2 the
-command or configuration is invalid (the message names the option), 130 interrupted.
+Exit status: 0 done; 2 a user mistake the message names (an invalid option or config, a
+query the database refuses, unusable or changed data, an unknown component or database);
+1 the work failed for another reason (the database unreachable, a corrupt artifact or
+checkpoint, a failed worker, a file system error); 130 interrupted. Every error is one line
+on stderr; output cut short by its reader (``llmtrain show | head``) ends quietly.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from typing import Any
 
 from llmtrain.config_file import DB_ENV
 from llmtrain.console import quiet, table
-from llmtrain.errors import ConfigError, LlmtrainError, QueryError
+from llmtrain.errors import (
+    ComponentNotFoundError,
+    ConfigError,
+    DatabaseUnavailableError,
+    DataError,
+    LlmtrainError,
+    QueryError,
+)
 from llmtrain.uri import redact_uri
 
 USAGE_EXAMPLES = """\
@@ -137,10 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"show": cmd_show, "replay": cmd_replay, "merge": cmd_merge, "demo": cmd_demo}
     try:
         cmd_fit(args, extra) if args.command == "fit" else handler[args.command](args)
-    except (ConfigError, QueryError) as exc:
+    except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
+        _drop_stdout()
+        return 0
+    except DatabaseUnavailableError as exc:  # an outage, not the user's mistake
         _error(exc)
+        return 1
+    except _USER_MISTAKES as exc:
+        _error(exc, one_line=True)
         return 2
-    except (LlmtrainError, OSError) as exc:  # OSError: e.g. a model folder that is not there
+    except (LlmtrainError, OSError) as exc:  # OSError: e.g. a disk full, a folder not writable
         _error(exc)
         return 1
     except KeyboardInterrupt:
@@ -149,8 +165,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _error(exc: Exception) -> None:
-    print(f"llmtrain: error: {exc}", file=sys.stderr, flush=True)
+#: errors the user can fix by changing the command, the config or the data (exit status 2)
+_USER_MISTAKES = (ConfigError, QueryError, DataError, ComponentNotFoundError)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe
+    cannot print "Exception ignored ... BrokenPipeError" after we exit quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+        pass
+    finally:
+        os.close(devnull)
+
+
+def _error(exc: Exception, *, one_line: bool = False) -> None:
+    """``one_line``: a user mistake is one line, even when the database's own message spans
+    several; a failed worker's error keeps its traceback below its first line."""
+    text = str(exc) or type(exc).__name__
+    if one_line:
+        text = " ".join(text.split())
+    print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
 
 
 def _say(*lines: str) -> None:

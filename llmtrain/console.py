@@ -1,16 +1,22 @@
 """Terminal output for the CLI and the demo: quiet third-party noise, print aligned tables.
 
 Only programs (``llmtrain ...``, the demo, the examples) call :func:`quiet`: importing the
-library never changes logging or warning filters behind a user's back.
+library never changes logging or warning filters behind a user's back. A fit is quiet for
+its own duration only (:func:`quieted`), unless called with ``verbose=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Messages that are noise on every run: (logger name, message prefix).
 _NOISY_LOGS = (
@@ -24,6 +30,17 @@ _NOISY_WARNINGS = (
     (DeprecationWarning, r".*torch\.jit\.script_method.*"),
     (UserWarning, r".*TypedStorage is deprecated.*"),
 )
+# Deprecations raised inside the libraries a fit drives: news for us, noise for the user
+# (transformers 5 warns on every fit about its own v6 renames).
+_THIRD_PARTY = r"(transformers|peft|accelerate|bitsandbytes|deepspeed|torch)(\.|$)"
+_NOISY_MODULE_WARNINGS = ((FutureWarning, _THIRD_PARTY), (DeprecationWarning, _THIRD_PARTY))
+
+
+def _ignore_noisy_warnings() -> None:
+    for category, pattern in _NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for category, module in _NOISY_MODULE_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
 
 
 class _DropPrefixes(logging.Filter):
@@ -35,27 +52,99 @@ class _DropPrefixes(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+#: set (to "1") while a fit is quiet; the launched worker processes read it
+QUIET_ENV = "LLMTRAIN_QUIET"
+
+_QUIET_ENV = {
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    QUIET_ENV: "1",  # worker processes a quiet fit launches are quiet too
+}
+
+
 def quiet() -> None:
-    """Silence the known banners and warnings of transformers, bitsandbytes and DeepSpeed.
+    """Silence the known banners and warnings of transformers, bitsandbytes and DeepSpeed
+    for the rest of the program (the CLI and the demo call this).
 
     Call before those libraries are imported: some of them log while being imported.
     Real errors still show; set ``TRANSFORMERS_VERBOSITY`` yourself to see more.
     """
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
     for name, prefix in _NOISY_LOGS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes([prefix]))
-    for category, pattern in _NOISY_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern, category=category)
+    _ignore_noisy_warnings()
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:  # pragma: no cover - transformers is a dependency
         return
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # "Writing model shards" bars on every save
+
+
+@contextlib.contextmanager
+def quieted(enabled: bool = True) -> Iterator[None]:
+    """:func:`quiet` for one call (a fit), then the caller's logging, warning filters,
+    progress bars and environment exactly as they were.
+
+    What the caller configured wins: a noisy logger with a level of its own, or
+    transformers set to a verbosity other than its default (``TRANSFORMERS_VERBOSITY`` or
+    ``set_verbosity_*``), is left to speak.
+    """
+    if not enabled:
+        yield
+        return
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    env = {name: os.environ.get(name) for name in _QUIET_ENV}
+    for name, value in _QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+    added: list[tuple[logging.Logger, logging.Filter]] = []
+    for name, prefix in _NOISY_LOGS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            added.append((logger, _DropPrefixes([prefix])))
+            logger.addFilter(added[-1][1])
+    verbosity = hf_logging.get_verbosity()
+    lower = env["TRANSFORMERS_VERBOSITY"] is None and verbosity == logging.WARNING
+    bars = hf_logging.is_progress_bar_enabled()
+    hub_bars = not hub_utils.are_progress_bars_disabled()
+    try:
+        with warnings.catch_warnings():
+            _ignore_noisy_warnings()
+            if lower:
+                hf_logging.set_verbosity_error()
+            hf_logging.disable_progress_bar()
+            hub_utils.disable_progress_bars()
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+        if hub_bars:
+            hub_utils.enable_progress_bars()
+        for logger, log_filter in added:
+            logger.removeFilter(log_filter)
+        for name, old in env.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
+    """Run ``method`` under :func:`quieted` unless it is called with ``verbose=True``."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        with quieted(not kwargs.get("verbose", False)):
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:

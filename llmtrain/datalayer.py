@@ -40,6 +40,50 @@ def default_artifact_dir(uri: str) -> Path:
     return llmtrain_home() / "artifacts" / safe
 
 
+def check_uri(uri: object, where: str) -> None:
+    """A database URI that some backend can serve: a string with a scheme whose SQLAlchemy
+    dialect and driver are installed, or a MongoDB one; else one ConfigError naming it.
+    Nothing is opened (that waits for first use)."""
+    if not isinstance(uri, str) or "://" not in uri:
+        shown = repr(redact_uri(uri)) if isinstance(uri, str) else f"{type(uri).__name__} {uri!r}"
+        raise ConfigError(f"{where} needs a database URI like sqlite:///data.db, got {shown}")
+    if is_mongo_uri(uri):
+        return
+    import sqlalchemy as sa
+
+    from llmtrain.backends.engines import sqlalchemy_url
+
+    try:
+        sa.engine.make_url(sqlalchemy_url(uri)).get_dialect().import_dbapi()
+    except sa.exc.NoSuchModuleError:
+        raise ConfigError(
+            f"{where}: no database backend serves {scheme_of(uri)!r} URIs "
+            f"({redact_uri(uri)}); use sqlite://, postgresql://, mysql://, mariadb://, "
+            "mongodb:// or another installed SQLAlchemy dialect"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(
+            f"{where}: the database driver for {redact_uri(uri)} is not installed ({exc})"
+        ) from None
+    except sa.exc.ArgumentError as exc:
+        message = f"{where}: {redact_uri(uri)} is not a valid database URI: {exc}"
+        raise ConfigError(message) from None
+
+
+def require_datalayer(db: object, where: str) -> None:
+    """``db`` is what :func:`connect` returns, not a URI or an engine: say how to get one."""
+    if isinstance(db, Datalayer):
+        return
+    if isinstance(db, str):
+        hint = f"the string {redact_uri(db)!r}: pass llmtrain.connect({redact_uri(db)!r})"
+    else:
+        url = getattr(db, "url", None)  # a SQLAlchemy engine or connection
+        hint = f"{type(db).__name__}" + (
+            f": pass llmtrain.connect({redact_uri(str(url))!r})" if url is not None else ""
+        )
+    raise ConfigError(f"{where} needs a database opened with llmtrain.connect(), got {hint}")
+
+
 class Datalayer:
     """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
 
@@ -51,10 +95,17 @@ class Datalayer:
         artifacts: str | Path | ArtifactStore | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
-        if not isinstance(uri, str) or "://" not in uri:
+        check_uri(uri, "connect()")
+        if metadata_uri is not None:
+            check_uri(metadata_uri, "connect(metadata_uri=)")
+        if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
-                f"connect() needs a database URI like sqlite:///data.db, "
-                f"got {redact_uri(str(uri))!r}"
+                "connect(artifacts=) must be a folder, 'gridfs' or an ArtifactStore, "
+                f"got {type(artifacts).__name__} {artifacts!r}"
+            )
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise ConfigError(
+                f"connect(retry=) must be a RetryPolicy, got {type(retry).__name__} {retry!r}"
             )
         self._uri = uri
         self._metadata_uri = metadata_uri or uri

@@ -227,9 +227,9 @@ def test_missing_components_and_databases_fail_cleanly(
     fitted: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     code, _, err = run_cli(capsys, "replay", "nope", "--db", fitted)
-    assert code == 1 and "'nope'" in err and "Traceback" not in err
+    assert code == 2 and "'nope'" in err and "Traceback" not in err  # a user's mistake: 2
     code, _, err = run_cli(capsys, "show", "trainer", "nope", "--db", fitted)
-    assert code == 1 and "known: cli-test" in err
+    assert code == 2 and "known: cli-test" in err
     monkeypatch.delenv("LLMTRAIN_DB_URI", raising=False)
     code, _, err = run_cli(capsys, "show")
     assert code == 2 and "--db" in err
@@ -338,3 +338,66 @@ def test_demo_refuses_a_folder_that_is_not_its_own(
     code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path))
     assert code == 2 and "not a demo folder" in err
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*llmtrain_command(), *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["fit", str(CONFIG), "--data.X", "nope", *FAST],
+            "llmtrain: error: table docs has no column 'nope'; "
+            "columns: ['id', 'instruction', 'lang', 'output']",
+        ),
+        (
+            ["show", "--db", "sqlite:///typo.db"],
+            "llmtrain: error: no SQLite database at typo.db (sqlite:///typo.db): check the path",
+        ),
+        (
+            ["replay", "no-such-trainer", "--db", "sqlite:///llmtrain-demo/demo.db"],
+            "llmtrain: error: no trainer 'no-such-trainer' (any version) in "
+            "sqlite:///llmtrain-demo/demo.db",
+        ),
+        (
+            ["fit", str(CONFIG), "--model_args.model_name_or_path", "./no-model-here"],
+            "llmtrain: error: model_args.model_name_or_path: no model folder at",
+        ),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(workdir: Path, argv: list[str], message: str) -> None:
+    result = _cli(workdir, *argv)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1, result.stderr
+    assert not (workdir / "typo.db").exists()
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(fitted: str, workdir: Path) -> None:
+    """`llmtrain show run X | head`: the reader is gone before the command writes."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader at all: the first write fails with EPIPE
+    try:
+        result = subprocess.run(
+            [*llmtrain_command(), "show", "run", "cli-test", "--db", fitted],
+            cwd=workdir,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (0, "")
+    # and with a reader, the same command writes the runs
+    shown = _cli(workdir, "show", "run", "cli-test", "--db", fitted)
+    assert shown.returncode == 0 and "completed" in shown.stdout

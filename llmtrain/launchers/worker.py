@@ -15,6 +15,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from llmtrain.console import QUIET_ENV, quieted
 from llmtrain.launchers.command import ARTIFACTS_ENV, DB_ENV, JOB_ENV, METADATA_ENV
 from llmtrain.launchers.process import error_file, pid_file
 from llmtrain.placement import Placement
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if job_dir is not None:
         pid_file(job_dir, rank).write_text(str(os.getpid()))
     try:
-        train(args, placement)
+        with quieted(os.environ.get(QUIET_ENV) == "1"):  # as quiet as the fit that launched it
+            train(args, placement)
     except BaseException as exc:
         text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
         if job_dir is not None:

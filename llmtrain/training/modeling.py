@@ -3,7 +3,9 @@ gradient checkpointing)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 from typing import Any
 
 import torch
@@ -28,13 +30,104 @@ _DEFAULT_TARGETS: dict[str, list[str]] = {
 }
 
 
-def check_model_path(name: str) -> None:
-    """A name that is clearly a local path must exist (else transformers asks the hub)."""
-    import os
+# Files that make a folder a model / a tokenizer that transformers can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# How long the hub gets to answer before a name that is not a local folder is refused: a
+# mistyped path otherwise spends ~48 s in transformers' retries against an unreachable hub.
+HUB_CHECK_TIMEOUT_S = 3.0
 
+
+def check_model_path(
+    name: str, *, tokenizer: bool = False, revision: str | None = None
+) -> dict[str, Any]:
+    """Refuse a model source that cannot load, at once and naming it; returns the extra
+    ``from_pretrained`` keywords (``local_files_only`` when the hub is offline but the
+    cache has the model).
+
+    A local folder must hold a model (``config.json``, and tokenizer files for the
+    tokenizer); a name that is no local folder is a hub id, looked up only when the hub
+    is online (``HF_HUB_OFFLINE`` unset and answering within a few seconds) or cached.
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        files = set(os.listdir(path))
+        if "config.json" not in files and not files.intersection(_TOKENIZER_FILES):
+            raise ConfigError(
+                f"model_args.model_name_or_path: the folder {name!r} has no model "
+                "(no config.json, no tokenizer files)"
+            )
+        if tokenizer and not files.intersection(_TOKENIZER_FILES):
+            raise ConfigError(
+                f"model_args.model_name_or_path: the folder {name!r} has no tokenizer "
+                f"(none of {', '.join(_TOKENIZER_FILES)})"
+            )
+        if not tokenizer and "config.json" not in files:
+            raise ConfigError(
+                f"model_args.model_name_or_path: the folder {name!r} has no model (no config.json)"
+            )
+        return {}
     local = name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name
-    if local and not os.path.isdir(os.path.expanduser(name)):
+    if local or name.count("/") > 1:
         raise ConfigError(f"model_args.model_name_or_path: no model folder at {name!r}")
+    offline = _hub_offline()
+    if offline is None:
+        return {}
+    if _in_hub_cache(name, revision):
+        return {"local_files_only": True}
+    raise ConfigError(
+        f"model_args.model_name_or_path: {name!r} is not a local folder and {offline}, "
+        "so it cannot be downloaded (and it is not in the Hugging Face cache)"
+    )
+
+
+def _hub_offline() -> str | None:
+    """Why the hub cannot be asked (``None``: it can)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        return "the hub is offline (HF_HUB_OFFLINE is set)"
+    endpoint = constants.ENDPOINT
+    if not _reachable(endpoint):
+        return f"the hub {endpoint} is unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s)"
+    return None
+
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+@functools.lru_cache(maxsize=8)
+def _reachable(endpoint: str) -> bool:
+    """The endpoint answers an HTTP request (any status) within the timeout. Name lookup
+    has no timeout of its own, so the request runs in a thread that is waited for."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            request = urllib.request.Request(endpoint, method="HEAD")
+            urllib.request.urlopen(request, timeout=HUB_CHECK_TIMEOUT_S).close()  # noqa: S310
+            result.append(True)
+        except urllib.error.HTTPError:  # an answer, if not a welcome one
+            result.append(True)
+        except (OSError, ValueError):
+            result.append(False)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(HUB_CHECK_TIMEOUT_S + 0.5)
+    return bool(result and result[0])
+
+
+def _in_hub_cache(name: str, revision: str | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def load_tokenizer(args: ModelArguments) -> Any:
@@ -45,9 +138,12 @@ def load_tokenizer(args: ModelArguments) -> Any:
     """
     from transformers import AutoTokenizer
 
-    check_model_path(args.model_name_or_path)
+    hub = check_model_path(args.model_name_or_path, tokenizer=True, revision=args.revision)
     tok = AutoTokenizer.from_pretrained(
-        args.model_name_or_path, revision=args.revision, trust_remote_code=args.trust_remote_code
+        args.model_name_or_path,
+        revision=args.revision,
+        trust_remote_code=args.trust_remote_code,
+        **hub,
     )
     if tok.pad_token is None:
         if tok.eos_token is None:
@@ -89,6 +185,7 @@ def load_model(
 
     precision = precision or Precision.resolve(args, device)
     kwargs: dict[str, Any] = {
+        **check_model_path(args.model_name_or_path, revision=args.revision),
         "revision": args.revision,
         "trust_remote_code": args.trust_remote_code,
         "dtype": precision.weights,

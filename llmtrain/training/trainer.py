@@ -10,6 +10,7 @@ import uuid
 from typing import Any
 
 from llmtrain.components import check_identifier, register_component
+from llmtrain.console import quiet_unless_verbose
 from llmtrain.errors import ConfigError, DataChangedError
 from llmtrain.queries import Query
 from llmtrain.training.args import DataArguments, TrainerConfig, build, keyword_reference
@@ -66,6 +67,7 @@ class LLMTrainer:
         return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
 
     # -- training --------------------------------------------------------------------------
+    @quiet_unless_verbose
     def fit(
         self,
         X: str | None = None,
@@ -77,6 +79,7 @@ class LLMTrainer:
         resume: bool | str = False,
         merge: bool = False,
         allow_changed_data: bool | None = None,
+        verbose: bool = False,
     ) -> Any:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
 
@@ -84,8 +87,10 @@ class LLMTrainer:
         trained model component (``db.load("model", identifier)`` gives it back later).
         ``allow_changed_data=True`` trains even though the rows changed since the last fit
         (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
-        the trainer's recipe (default: ``data_args.allow_changed_data``).
+        the trainer's recipe (default: ``data_args.allow_changed_data``). Third-party
+        banners, warnings and loading bars stay out of the output unless ``verbose=True``.
         """
+        from llmtrain.datalayer import require_datalayer
         from llmtrain.launchers import execute
         from llmtrain.placement import Placement
         from llmtrain.training.launch import once_per_job
@@ -93,6 +98,7 @@ class LLMTrainer:
         db = db if db is not None else self.db
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
+        require_datalayer(db, "fit(db=)")
         if allow_changed_data is not None and not isinstance(allow_changed_data, bool):
             raise ConfigError(
                 f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
