@@ -186,7 +186,7 @@ def test_a_resume_that_cannot_start_leaves_the_run_as_it_was(
         ("missing model", ConfigError, "no model folder"),
         ("not a model folder", ConfigError, "no config.json"),
         ("unmatched target", ConfigError, r"\['qkv'\] match no linear layer"),
-        ("empty selection", DataError, "selects no rows"),
+        ("empty selection", DataError, "selects 0 rows"),
     ],
 )
 def test_a_fit_that_cannot_train_records_no_version_and_no_run(

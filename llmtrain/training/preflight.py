@@ -26,7 +26,7 @@ def check_before_recording(config: TrainerConfig, db: Any, scan: Any) -> None:
     assert fit is not None  # set by fit() before it checks
     select = fit.query()
     if scan.whole.count == 0:
-        raise DataError(f"{select.source} selects no rows: nothing to train on")
+        raise DataError(f"{select.source} selects 0 rows: nothing to train on")
     check_fields(db, select, fit.X, fit.Y)
     eval_query = fit.eval_query()
     if eval_query is not None:
