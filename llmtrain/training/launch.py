@@ -94,11 +94,26 @@ def run_in_process(
         completed = True
         return model
     except BaseException as exc:
-        if strategy.is_main and not completed and (started or not resume):
+        if not strategy.is_main or completed:
+            raise
+        if started or not resume:
             mark_failed(db, run_id, exc, steps=run.step, tokens=run.tokens_seen)
+        else:  # the attempt never continued the run: its status stays, the reason is noted
+            note_refused_resume(db, run_id, exc)
         raise
     finally:
         run.cleanup()
+
+
+def note_refused_resume(db: Any, run_id: str, exc: BaseException) -> None:
+    """A resume that could not start (rows changed, a bad checkpoint): the run keeps its
+    status, and its error says why the last attempt to continue it was refused."""
+    try:
+        if db.metadata.get_run(run_id).status != "completed":
+            message = f"resume refused: {type(exc).__name__}: {exc}"
+            db.metadata.update_run(run_id, error=message[:4000])
+    except Exception:  # noqa: BLE001 - the original error matters more
+        log.exception("could not note the refused resume of run %s", run_id)
 
 
 def mark_failed(
