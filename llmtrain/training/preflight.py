@@ -24,6 +24,9 @@ def check_before_recording(config: TrainerConfig, db: Any, scan: Any) -> None:
     recorded: an empty selection, an X/Y field missing, a missing model, unmatched targets."""
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
+    folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
+    if folder is not None and config.lora_args is not None:
+        check_lora_targets(folder, config)
     select = fit.query()
     if scan.whole.count == 0:
         raise DataError(f"{select.source} selects 0 rows: nothing to train on")
@@ -31,9 +34,6 @@ def check_before_recording(config: TrainerConfig, db: Any, scan: Any) -> None:
     eval_query = fit.eval_query()
     if eval_query is not None:
         check_fields(db, eval_query, fit.X, fit.Y)
-    folder = local_model_folder(config.model_args.model_name_or_path)
-    if folder is not None and config.lora_args is not None:
-        check_lora_targets(folder, config)
 
 
 def check_fields(db: Any, select: Query, x: str, y: str) -> None:
