@@ -111,7 +111,7 @@ def test_resuming_a_completed_run_trains_nothing_and_returns_its_model(tiny: Pat
     (run,) = db.metadata.list_runs("trainer", "prov")
     metrics = db.metadata.get_metrics(run.run_id)
     with sa.create_engine(db.uri).begin() as conn:  # rows changed: a resume would refuse
-        conn.execute(sa.text("UPDATE docs SET output = 'teal' WHERE id = 1"))
+        conn.execute(sa.text("DELETE FROM docs WHERE id = 1"))
     again = _fit(_trainer(tiny), db, resume=True)
     assert again.record.run_id == run.run_id and again.version == model.version
     (after,) = db.metadata.list_runs("trainer", "prov")
@@ -148,13 +148,15 @@ def _art(db: Any) -> Path:
 def test_an_interrupt_after_the_run_completed_leaves_it_completed(
     tiny: Path, db: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original = run_module.FitRun.cleanup
+    original = type(db.metadata).update_run
 
-    def cleanup_then_interrupt(self: Any) -> None:
-        original(self)
-        raise KeyboardInterrupt
+    def interrupt_once_completed(self: Any, run_id: str, **changes: Any) -> Any:
+        record = original(self, run_id, **changes)
+        if changes.get("status") == "completed":  # Ctrl-C lands just after the work is done
+            raise KeyboardInterrupt
+        return record
 
-    monkeypatch.setattr(run_module.FitRun, "cleanup", cleanup_then_interrupt)
+    monkeypatch.setattr(type(db.metadata), "update_run", interrupt_once_completed)
     with pytest.raises(KeyboardInterrupt):
         _fit(_trainer(tiny), db)
     (run,) = db.metadata.list_runs("trainer", "prov")
