@@ -330,6 +330,42 @@ def test_an_interrupted_run_says_so_with_the_steps_and_tokens_it_reached(
     assert run.info["steps"] == 3 and run.info["tokens"] > 0
 
 
+SIGTERM_FIT = """
+import os, signal, sys
+import llmtrain as lt
+from llmtrain.training import run as run_module
+
+original = run_module.FitRun._log
+
+def log_then_terminate(self, metrics):
+    original(self, metrics)
+    if self.step == 3 and "loss" in metrics:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stopping the job would
+
+run_module.FitRun._log = log_then_terminate
+db = lt.connect(sys.argv[1], artifacts=sys.argv[2])
+trainer = lt.LLMTrainer(
+    "prov", model=sys.argv[3], prompt_template=sys.argv[4], max_steps=6, batch_size=4,
+    lora_r=4, progress_bar=False, logging_steps=1, save_steps=2,
+)
+trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+"""
+
+
+def test_a_fit_stopped_by_sigterm_is_recorded_as_interrupted(
+    tiny: Path, db: Any, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-c", SIGTERM_FIT, db.uri, str(_art(db)), str(tiny), TEMPLATE]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=os.environ)
+    assert done.returncode != 0 and "terminated by SIGTERM" in done.stderr
+    (run,) = db.metadata.list_runs("trainer", "prov")
+    assert run.status == "interrupted" and "SIGTERM" in (run.error or "")
+    assert run.info["steps"] == 3 and run.info["tokens"] > 0
+
+
 def test_the_stores_accept_the_interrupted_status(store: MetadataStore) -> None:
     store.create_run("r", "trainer", "t", 0, {})
     store.update_run("r", status="interrupted", error="KeyboardInterrupt", info={"steps": 3})
