@@ -82,6 +82,8 @@ class LLMTrainer:
 
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
         trained model component (``db.load("model", identifier)`` gives it back later).
+        ``resume=`` continues the newest run of this same recipe (trainer version) from a
+        checkpoint; another version's run is refused, a completed run returns its model.
         ``allow_changed_data=True`` trains even though the rows changed since the last fit
         (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
         the trainer's recipe (default: ``data_args.allow_changed_data``).
