@@ -252,7 +252,7 @@ def _report_fit(db: Any, trainer: Any, model: Any) -> None:
     loss_text = f", final loss {loss:.4f}" if loss is not None else ""
     _say(
         f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
-        f"stored trainer {trainer.identifier} v{trainer.version} and model "
+        f"stored trainer {trainer.identifier} v{run.version} and model "
         f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
         f"database {db.uri}; artifacts in {_artifact_location(db)}",
     )

@@ -150,7 +150,7 @@ def test_resume_after_interruption_gives_the_same_adapter(
     with pytest.raises(KeyboardInterrupt):
         _fit(_trainer(tiny, "crashy", **options), db)
     (failed,) = db.metadata.list_runs("trainer", "crashy")
-    assert failed.status == "failed" and "simulated crash" in failed.error
+    assert failed.status == "interrupted" and "simulated crash" in failed.error
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
 
     resumed = _fit(_trainer(tiny, "crashy", **options), db, resume=True)
@@ -256,8 +256,9 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
     trainer = _trainer(tiny, "targets", target_modules=["query"])
     with pytest.raises(ConfigError, match=r"match no linear layer.*q_proj"):
         _fit(trainer, db)
-    (run,) = db.metadata.list_runs("trainer", "targets")
-    assert run.status == "failed"
+    # found before anything is recorded: no trainer version, no failed run
+    assert db.metadata.list_runs("trainer", "targets") == []
+    assert "targets" not in db.show("trainer")
 
 
 def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
@@ -310,9 +311,11 @@ def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: 
 
     with sql_engine(db.secret_uri()).begin() as conn:
         conn.execute(sa.text("UPDATE docs SET output = NULL WHERE id = 1"))
-    trainer.fit(X="instruction", Y="output", db=db, select=rows)
-    (run,) = db.metadata.list_runs("trainer", "skipall")
-    assert run.status == "completed" and run.info["steps"] == 0
+    with pytest.raises(lt.DataError, match=r"no example was trained: 1 row\(s\) skipped"):
+        trainer.fit(X="instruction", Y="output", db=db, select=rows)
+    (run,) = db.metadata.list_runs("trainer", "skipall")  # it stopped, and stored no model
+    assert run.status == "failed" and run.info["steps"] == 0
+    assert "skipall" not in db.show("model")
 
 
 def test_8bit_base_with_paged_8bit_adamw(tiny: Path, db: Any) -> None:

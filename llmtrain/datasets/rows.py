@@ -47,9 +47,16 @@ def text_problem(row: Mapping[str, object], field: str) -> str | None:
 
 
 def check_row(
-    source: str, key: Key, row: object, fields: Sequence[str], on_bad_row: OnBadRow = "raise"
+    source: str,
+    key: Key,
+    row: object,
+    fields: Sequence[str],
+    on_bad_row: OnBadRow = "raise",
+    *,
+    warn: bool = True,
 ) -> bool:
-    """True: use the row. False: skip it (``on_bad_row="skip"``, logged). Otherwise raise
+    """True: use the row. False: skip it (``on_bad_row="skip"``, logged unless ``warn`` is
+    False: a reader logs a row once per run, not once per epoch). Otherwise raise
     BadRowError naming the source, the row's key and its first bad field."""
     readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
@@ -62,6 +69,7 @@ def check_row(
             continue
         if on_bad_row == "raise":
             raise BadRowError(source, key, field, problem)
-        log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
+        if warn:
+            log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
         return False
     return True

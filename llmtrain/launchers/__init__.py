@@ -12,7 +12,11 @@ imports them.
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +48,29 @@ def execute(
     launcher = trainer.config.launcher
     if launcher is not None and launcher.kind != "python" and not placement.launched:
         return launch_workers(trainer, db, run_id, resume=resume, merge=merge)
-    return run_in_process(
-        trainer, db, run_id, strategy_for(trainer.config, placement), resume=resume, merge=merge
-    )
+    strategy = strategy_for(trainer.config, placement)
+    if placement.launched:  # the launcher owns its workers' signals
+        return run_in_process(trainer, db, run_id, strategy, resume=resume, merge=merge)
+    with sigterm_as_interrupt():
+        return run_in_process(trainer, db, run_id, strategy, resume=resume, merge=merge)
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler or ``kill`` stopping the fit) ends the run as Ctrl-C does, so it
+    is recorded as interrupted with the steps it reached instead of staying "running"."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("terminated by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge: bool) -> Any:

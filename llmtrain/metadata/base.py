@@ -216,10 +216,24 @@ class MetadataStore(ABC):
 
     # -- metrics and checkpoints ----------------------------------------------------------------
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
-        text = dumps(float_values(values), f"run {run_id!r} metrics")
+        """Store ``values`` for ``step``; a metric the step already has is replaced, so a
+        step redone after a resume is listed once."""
+        numbers = float_values(values)
+        text = dumps(numbers, f"run {run_id!r} metrics")
+
+        def without_these(row: Row) -> str | None:
+            """The row's values less the metrics logged again (None: nothing left)."""
+            kept = {
+                k: v
+                for k, v in loads(row["values"], f"metrics of run {run_id!r}").items()
+                if k not in numbers
+            }
+            return dumps(kept, f"run {run_id!r} metrics") if kept else None
+
         with self._errors(f"logging metrics of run {run_id!r}"):
             self._insert_metrics(
-                {"run_id": run_id, "step": int(step), "values": text, "created_at": self._now()}
+                {"run_id": run_id, "step": int(step), "values": text, "created_at": self._now()},
+                without_these,
             )
 
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
@@ -356,7 +370,9 @@ class MetadataStore(ABC):
         """The run, its metrics and its checkpoint records."""
 
     @abstractmethod
-    def _insert_metrics(self, row: Row) -> None: ...
+    def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
+        """In one write: every stored row of the same run and step gets ``without_these(row)``
+        as its values (removed when None, untouched when unchanged), then ``row`` goes in."""
 
     @abstractmethod
     def _find_metrics(self, run_id: str) -> list[Row]:

@@ -140,7 +140,15 @@ class MongoMetadataStore(MetadataStore):
             self._coll(name).delete_many({"run_id": run_id})
 
     # -- metrics and checkpoints ----------------------------------------------------------------
-    def _insert_metrics(self, row: Row) -> None:
+    def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
+        """One writer per run (rank 0): the replace needs no transaction."""
+        coll = self._coll(METRICS, write=True)
+        for old in coll.find({"run_id": row["run_id"], "step": row["step"]}):
+            kept = without_these(old)
+            if kept is None:
+                coll.delete_one({"_id": old["_id"]})
+            elif kept != old["values"]:
+                coll.update_one({"_id": old["_id"]}, {"$set": {"values": kept}})
         self._insert(METRICS, row)
 
     def _find_metrics(self, run_id: str) -> list[Row]:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from llmtrain.errors import StoreError
 
 UTC = timezone.utc
-RunStatus = Literal["created", "running", "completed", "failed"]
+RunStatus = Literal["created", "running", "completed", "failed", "interrupted"]
 
 
 class ComponentRecord(BaseModel):

@@ -330,9 +330,24 @@ class SQLMetadataStore(MetadataStore):
         self._write(delete, creates=False)
 
     # -- metrics and checkpoints ----------------------------------------------------------------
-    def _insert_metrics(self, row: Row) -> None:
+    def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
         values = {("metric_values" if k == "values" else k): v for k, v in row.items()}
-        self._write(lambda conn: conn.execute(metrics.insert().values(**values)))
+        m = metrics.c
+        same_step = sa.select(metrics).where(m.run_id == row["run_id"], m.step == row["step"])
+
+        def replace(conn: sa.Connection) -> None:
+            for old in self._rows(conn, same_step.with_for_update()):
+                kept = without_these({**old, "values": old["metric_values"]})
+                if kept == old["metric_values"]:
+                    continue
+                where = metrics.c.id == old["id"]
+                if kept is None:
+                    conn.execute(metrics.delete().where(where))
+                else:
+                    conn.execute(metrics.update().where(where).values(metric_values=kept))
+            conn.execute(metrics.insert().values(**values))
+
+        self._write(replace)
 
     def _find_metrics(self, run_id: str) -> list[Row]:
         query = (

@@ -43,18 +43,23 @@ def once_per_job(placement: Placement, fn: Callable[..., T], *args: Any) -> T:
 def run_in_process(
     trainer: Any, db: Any, run_id: str, strategy: Strategy, *, resume: bool | str, merge: bool
 ) -> Any:
-    """setup -> train -> final checkpoint -> adapter -> model component; marks the run."""
+    """setup -> train -> final checkpoint -> adapter -> model component; marks the run.
+
+    The run is "running" only once its setup succeeded: a resume attempt that cannot even
+    start (rows changed, a corrupt checkpoint) leaves the run's record as it was, and nothing
+    after "completed" changes that status again.
+    """
     from llmtrain.training.model import TrainedModel
 
     run = FitRun(trainer, db, run_id, strategy, resume=resume)
+    started = completed = False
     try:
-        if strategy.is_main:
-            db.metadata.update_run(run_id, status="running")
         run.setup()
         if strategy.is_main:
             targs = trainer.config.training_args
             db.metadata.update_run(
                 run_id,
+                status="running",
                 info={
                     "strategy": strategy.name,
                     "world_size": strategy.world_size,
@@ -63,6 +68,7 @@ def run_in_process(
                     * strategy.world_size,
                 },
             )
+        started = True
         run.train()
         latest = run.checkpointer.latest() if strategy.is_main else None
         if strategy.broadcast_object(latest is None or latest.step != run.step):
@@ -85,21 +91,54 @@ def run_in_process(
                     "final_loss": run.history[-1]["loss"] if run.history else None,
                 },
             )
+        completed = True
         return model
     except BaseException as exc:
-        if strategy.is_main:
-            mark_failed(db, run_id, exc)
+        if not strategy.is_main or completed:
+            raise
+        if started or not resume:
+            mark_failed(db, run_id, exc, steps=run.step, tokens=run.tokens_seen)
+        else:  # the attempt never continued the run: its status stays, the reason is noted
+            note_refused_resume(db, run_id, exc)
         raise
     finally:
         run.cleanup()
 
 
-def mark_failed(db: Any, run_id: str, exc: BaseException) -> None:
-    """Record ``exc`` on the run; a store that fails too must not hide the original error."""
+def note_refused_resume(db: Any, run_id: str, exc: BaseException) -> None:
+    """A resume that could not start (rows changed, a bad checkpoint): the run keeps its
+    status, and its error says why the last attempt to continue it was refused."""
+    try:
+        if db.metadata.get_run(run_id).status != "completed":
+            message = f"resume refused: {type(exc).__name__}: {exc}"
+            db.metadata.update_run(run_id, error=message[:4000])
+    except Exception:  # noqa: BLE001 - the original error matters more
+        log.exception("could not note the refused resume of run %s", run_id)
+
+
+def mark_failed(
+    db: Any, run_id: str, exc: BaseException, *, steps: int | None = None, tokens: int | None = None
+) -> None:
+    """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed", with the
+    steps and tokens reached when known. A completed run stays completed (an interrupt that
+    lands after the work is done is not the run's failure). A store that fails too must not
+    hide the original error."""
     from llmtrain.errors import DistributedError
 
-    message = str(exc) if isinstance(exc, DistributedError) else f"{type(exc).__name__}: {exc}"
+    interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
+    if isinstance(exc, DistributedError) or (interrupted and not str(exc)):
+        message = str(exc) or type(exc).__name__
+    else:
+        message = f"{type(exc).__name__}: {exc}"
+    reached = {k: v for k, v in (("steps", steps), ("tokens", tokens)) if v is not None}
     try:
-        db.metadata.update_run(run_id, status="failed", error=message[:4000])
+        if db.metadata.get_run(run_id).status == "completed":
+            return
+        db.metadata.update_run(
+            run_id,
+            status="interrupted" if interrupted else "failed",
+            error=message[:4000],
+            info=reached or None,
+        )
     except Exception:  # noqa: BLE001 - the original error matters more
         log.exception("could not mark run %s failed", run_id)

@@ -240,10 +240,24 @@ class FitRun:
                     self._log({"eval_loss": self.evaluate()})
                 if t.save_steps and self.step % t.save_steps == 0:
                     self.save_checkpoint()
+        if self.step == 0:
+            self._nothing_trained()
         if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
             self._log({"eval_loss": self.evaluate()})
         for callback in self.callbacks:
             callback.on_train_end(self)
+
+    def _nothing_trained(self) -> None:
+        """A fit that trained no example fails: storing the untouched model as trained would
+        hide that every row was skipped."""
+        stats = self.batches.dataset.stats
+        first = list({repr(k): None for k in stats.skipped_keys})  # in reading order, once
+        keys = f" (keys {', '.join(first[:5])}{', ...' if len(first) > 5 else ''})" if first else ""
+        raise DataError(
+            f"{self.config.fit.query().source}: no example was trained: "
+            f"{len(stats.skipped_once)} row(s) skipped as bad{keys}; fix the rows or the "
+            "X/Y fields (the warnings above name each row's problem)"
+        )
 
     def _next_group(self, stream: Iterator[tuple[int, Any]]) -> list[dict[str, Any]]:
         """The next accumulation group, cut to the same size on every rank."""

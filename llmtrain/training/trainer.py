@@ -85,6 +85,8 @@ class LLMTrainer:
 
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
         trained model component (``db.load("model", identifier)`` gives it back later).
+        ``resume=`` continues the newest run of this same recipe (trainer version) from a
+        checkpoint; another version's run is refused, a completed run returns its model.
         ``allow_changed_data=True`` trains even though the rows changed since the last fit
         (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
         the trainer's recipe (default: ``data_args.allow_changed_data``). Third-party
@@ -132,12 +134,41 @@ class LLMTrainer:
         self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
         self.db = db
         # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
-        self.version, run_id = once_per_job(placement, self._register, db, resume, allow)
-        return execute(self, db, run_id, placement, resume=resume, merge=merge)
+        self.version, run_id, state = once_per_job(placement, self._register, db, resume, allow)
+        if state == "complete":  # resuming a completed run trains nothing: its model is it
+            return _model_of_run(db, self.identifier, run_id)
+        return execute(
+            self, db, run_id, placement, resume=resume if state == "resume" else False, merge=merge
+        )
 
-    def _register(self, db: Any, resume: bool | str, allow: bool) -> tuple[int | None, str]:
-        self._store(db)
-        return self.version, self._run_for(db, resume, allow)
+    def _register(self, db: Any, resume: bool | str, allow: bool) -> tuple[int | None, str, str]:
+        """Check, then record: the trainer version (unless stored already) and the run.
+        Returns (version, run id, "new" | "resume" | "complete"). A fit that cannot train
+        fails in :func:`check_before_recording` and records nothing."""
+        from llmtrain.training.preflight import check_before_recording
+
+        check_before_recording(self.config, db, self.data_scan)
+        version = self._stored_version(db)
+        if resume:
+            found = self._run_to_resume(db, version, resume)
+            if found is not None:
+                run, complete = found
+                self.version = version
+                if complete:
+                    return version, run.run_id, "complete"
+                db.metadata.update_run(run.run_id, info={"allow_changed_data": allow})
+                return version, run.run_id, "resume"
+            if resume not in (True, "latest"):
+                raise ConfigError(
+                    f"fit(resume={resume!r}): no run of trainer {self.identifier!r} has that "
+                    "checkpoint (give a step or a checkpoint's artifact id, or resume=True)"
+                )
+            log.info("nothing to resume for %s: starting a new run", self.identifier)
+        if version is None:
+            db.add(self)
+        else:
+            self.version = version
+        return self.version, self._new_run(db, allow), "new"
 
     def _fit_spec(
         self,
@@ -173,37 +204,60 @@ class LLMTrainer:
             db=db.uri,
         )
 
-    def _store(self, db: Any) -> None:
-        """Add a new version only when the configuration differs from the newest one."""
+    def _stored_version(self, db: Any) -> int | None:
+        """The stored version with this recipe: the loaded one (a replay of version N stays
+        version N), else the newest; None when this recipe is new."""
         from llmtrain.errors import ComponentNotFoundError
 
-        try:
-            newest = db.metadata.get_component(self.type_id, self.identifier)
-        except ComponentNotFoundError:
-            newest = None
-        if newest is not None and _same_recipe(newest.payload, self.to_dict()):
-            self.version = newest.version
-        else:
-            db.add(self)
+        mine = self.to_dict()
+        for version in dict.fromkeys([self.version, None]):
+            try:
+                stored = db.metadata.get_component(self.type_id, self.identifier, version)
+            except ComponentNotFoundError:
+                continue
+            if _same_recipe(stored.payload, mine):
+                return stored.version
+        return None
 
-    def _run_for(self, db: Any, resume: bool | str, allow_changed_data: bool) -> str:
-        """A new run, or for ``resume`` the newest run of this trainer that has checkpoints.
-        The run records this call's ``allow_changed_data``: every rank reads it from there."""
-        if resume:
-            for run in reversed(db.metadata.list_runs(self.type_id, self.identifier)):
-                checkpoints = db.metadata.list_checkpoints(run.run_id)
-                wanted = resume in (True, "latest") or any(
-                    str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints
-                )
-                if checkpoints and wanted:
-                    db.metadata.update_run(
+    def _run_to_resume(
+        self, db: Any, version: int | None, resume: bool | str
+    ) -> tuple[Any, bool] | None:
+        """(the newest run of this recipe with the wanted checkpoint, whether it completed),
+        or None when there is none. A resumable run of another version of the trainer is an
+        error: resuming it would train one recipe's run with another's settings."""
+        others = []
+        for run in reversed(db.metadata.list_runs(self.type_id, self.identifier)):
+            checkpoints = db.metadata.list_checkpoints(run.run_id)
+            wanted = resume in (True, "latest") or any(
+                str(resume) in (c.artifact_id, str(c.step)) for c in checkpoints
+            )
+            if not (checkpoints and wanted):
+                continue
+            if version is not None and run.version == version:
+                if run.status == "completed":
+                    log.info(
+                        "run %s of %s v%d is complete: nothing to resume",
                         run.run_id,
-                        status="running",
-                        error=None,
-                        info={"allow_changed_data": allow_changed_data},
+                        self.identifier,
+                        version,
                     )
-                    return run.run_id
-            log.info("nothing to resume for %s: starting a new run", self.identifier)
+                return run, run.status == "completed"
+            others.append(run)
+        if others:
+            this = "a new version" if version is None else f"v{version}"
+            newest = others[0]
+            raise ConfigError(
+                f"fit(resume=): the run to resume ({newest.run_id}) is of trainer "
+                f"{self.identifier!r} v{newest.version}, but this recipe is {this}; a resume "
+                "continues only a run of the same recipe: drop resume= to start a fresh run, "
+                f"or resume with db.load('trainer', {self.identifier!r}, "
+                f"version={newest.version}).fit(resume=True)"
+            )
+        return None
+
+    def _new_run(self, db: Any, allow_changed_data: bool) -> str:
+        """A new run of this version. It records this call's ``allow_changed_data``: every
+        rank reads it from there."""
         run_id, fit = uuid.uuid4().hex, self.config.fit
         assert fit is not None  # set by fit() before it registers
         db.metadata.create_run(
@@ -223,6 +277,17 @@ class LLMTrainer:
             },
         )
         return run_id
+
+
+def _model_of_run(db: Any, identifier: str, run_id: str) -> Any:
+    """The newest model version a run produced."""
+    for record in reversed(db.metadata.list_components("model", identifier)):
+        if record.payload.get("run_id") == run_id:
+            return db.load("model", identifier, record.version)
+    raise ConfigError(
+        f"run {run_id} of {identifier!r} is complete but its model is no longer stored; "
+        "drop resume= to train a fresh run"
+    )
 
 
 def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
@@ -282,7 +347,12 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 
 def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
-    strip = lambda d: {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None}}  # noqa: E731
+    """Same settings and selection: the data fingerprint and the database URI (a relative
+    SQLite path, a redacted password) describe where and when, not the recipe."""
+
+    def strip(d: dict[str, Any]) -> dict[str, Any]:
+        return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
+
     return strip(stored) == strip(current)
 
 

@@ -111,7 +111,9 @@ def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
         fit(world, tiny, name, resume=True)
     assert "allow_changed_data=True" in str(refused.value)
     (run,) = world.db.metadata.list_runs("trainer", name)
-    assert run.status == "failed" and "DataChangedError" in (run.error or "")
+    # the refused attempt never continued the run: it is still the interrupted run, with
+    # the refusal noted
+    assert run.status == "interrupted" and "resume refused: DataChangedError" in (run.error or "")
     # the refusal touched nothing: the checkpoints are the ones the crash left
     assert [c.step for c in world.db.metadata.list_checkpoints(run.run_id)] == checkpoints
 
