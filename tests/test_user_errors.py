@@ -313,6 +313,9 @@ def test_quiet_is_scoped_to_the_call_and_respects_the_callers_settings() -> None
 
     os.environ.pop("TRANSFORMERS_VERBOSITY", None)
     hf_logging.set_verbosity_warning()
+    # a known start: an earlier in-process CLI call may have switched the bars off for good
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
     before = state()
     with quieted():
         assert hf_logging.get_verbosity() == logging.ERROR
@@ -339,3 +342,5 @@ def test_quiet_is_scoped_to_the_call_and_respects_the_callers_settings() -> None
             assert hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.set_verbosity_warning()
+        if not bars_were_on:
+            hf_logging.disable_progress_bar()
