@@ -22,7 +22,7 @@ from llmtrain.datasets.loader import QueryDataLoader
 from llmtrain.datasets.plan import Piece, WorkerSlice, rank_pieces, rows_per_rank, worker_slices
 from llmtrain.datasets.position import Position, Positioned
 from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.datasets.scan import SelectionScan, Split, held_out, key_repr, scan_selection
+from llmtrain.datasets.scan import SelectionScan, Split, held_out, scan_selection
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 from llmtrain.queries import Query
@@ -399,14 +399,18 @@ class CachedQueryDataset(IterableDataset):
 
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
-        name = key_repr(key)
-        seen = name in self.stats.skipped_once
         try:
-            if check_row(self.query.source, key, row, self.fields, self.on_bad_row, warn=not seen):
+            if check_row(
+                self.query.source,
+                key,
+                row,
+                self.fields,
+                self.on_bad_row,
+                logged=self.stats.skipped_once,
+            ):
                 return row
         except BadRowError as exc:
             return exc
-        self.stats.skipped_once.add(name)
         self.stats.skipped += 1
         if len(self.stats.skipped_keys) < 100:
             self.stats.skipped_keys.append(key)

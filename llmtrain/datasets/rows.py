@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from llmtrain.backends.base import Key
+from llmtrain.datasets.scan import key_repr
 from llmtrain.errors import BadRowError, ConfigError
 
 log = logging.getLogger("llmtrain.datasets")
@@ -53,11 +54,13 @@ def check_row(
     fields: Sequence[str],
     on_bad_row: OnBadRow = "raise",
     *,
-    warn: bool = True,
+    logged: set[str] | None = None,
 ) -> bool:
-    """True: use the row. False: skip it (``on_bad_row="skip"``, logged unless ``warn`` is
-    False: a reader logs a row once per run, not once per epoch). Otherwise raise
-    BadRowError naming the source, the row's key and its first bad field."""
+    """True: use the row. False: skip it (``on_bad_row="skip"``). Otherwise raise
+    BadRowError naming the source, the row's key and its first bad field.
+
+    A skipped row is logged once per ``logged`` set (a reader keeps one per run, so a row is
+    not logged again every epoch); only bad rows pay for that bookkeeping."""
     readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
         problem = (
@@ -69,7 +72,11 @@ def check_row(
             continue
         if on_bad_row == "raise":
             raise BadRowError(source, key, field, problem)
-        if warn:
-            log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
+        if logged is not None:
+            name = key_repr(key)
+            if name in logged:
+                return False
+            logged.add(name)
+        log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
         return False
     return True
