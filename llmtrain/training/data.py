@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, SelectionScan
+from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, SelectionScan
 from llmtrain.datasets.scan import Split, held_out, key_repr
 from llmtrain.formatting import Formatter, PackedCollator, pad_collate
 from llmtrain.formatting.collate import mask_dtype_for
@@ -105,6 +105,11 @@ class TrainBatches:
     @property
     def epoch(self) -> int:
         return self.dataset.epoch
+
+    @property
+    def stats(self) -> ReadStats:
+        """What this process read and skipped (the loop reports it; it never reaches past)."""
+        return self.dataset.stats
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""

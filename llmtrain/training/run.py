@@ -250,7 +250,7 @@ class FitRun:
     def _nothing_trained(self) -> None:
         """A fit that trained no example fails: storing the untouched model as trained would
         hide that every row was skipped."""
-        stats = self.batches.dataset.stats
+        stats = self.batches.stats
         first = list({repr(k): None for k in stats.skipped_keys})  # in reading order, once
         keys = f" (keys {', '.join(first[:5])}{', ...' if len(first) > 5 else ''})" if first else ""
         raise DataError(
