@@ -26,82 +26,59 @@ DEFAULT_STEPS = 60
 _MARKER = ".llmtrain-demo"
 _DB_FILE = "demo.db"
 
-# (English phrasings, English answer, French phrasings, French answer): three English and
-# two French rows per fact, so the `lang = 'en'` selection visibly matters.
-_CAPITALS = [
-    ("France", "Paris", "la France", "Paris"),
-    ("Japan", "Tokyo", "le Japon", "Tokyo"),
-    ("Italy", "Rome", "l'Italie", "Rome"),
-    ("Egypt", "Cairo", "l'Egypte", "Le Caire"),
-    ("Peru", "Lima", "le Pérou", "Lima"),
+# (English phrasings, French phrasings, [(English, answer, French, French answer)]): three
+# English and two French rows per fact, so the `lang = 'en'` selection visibly matters.
+_KINDS = [
+    (
+        ["What is the capital of {}?", "Name the capital of {}.", "{}: which city is the capital?"],
+        ["Quelle est la capitale de {} ?", "Capitale de {} ?"],
+        [
+            ("France", "Paris", "la France", "Paris"),
+            ("Japan", "Tokyo", "le Japon", "Tokyo"),
+            ("Italy", "Rome", "l'Italie", "Rome"),
+            ("Egypt", "Cairo", "l'Egypte", "Le Caire"),
+            ("Peru", "Lima", "le Pérou", "Lima"),
+        ],
+    ),
+    (
+        ["What is the opposite of {}?", "Give the opposite of {}.", "Opposite of {}?"],
+        ["Quel est le contraire de {} ?", "Contraire de {} ?"],
+        [
+            ("hot", "cold", "chaud", "froid"),
+            ("up", "down", "haut", "bas"),
+            ("day", "night", "jour", "nuit"),
+            ("fast", "slow", "rapide", "lent"),
+        ],
+    ),
+    (
+        ["What sound does a {} make?", "What does a {} say?", "A {} makes which sound?"],
+        ["Quel bruit fait {} ?", "Que dit {} ?"],
+        [
+            ("cat", "meow", "le chat", "miaou"),
+            ("dog", "woof", "le chien", "ouaf"),
+            ("cow", "moo", "la vache", "meuh"),
+            ("duck", "quack", "le canard", "coin-coin"),
+        ],
+    ),
+    (
+        ["What is {} plus {}?", "Compute {} + {}.", "{} + {} = ?"],
+        ["Combien font {} plus {} ?", "Calcule {} + {}."],
+        [((a, b), str(a + b), (a, b), str(a + b)) for a, b in [(2, 2), (3, 4), (5, 5)]],
+    ),
 ]
-_OPPOSITES = [
-    ("hot", "cold", "chaud", "froid"),
-    ("up", "down", "haut", "bas"),
-    ("day", "night", "jour", "nuit"),
-    ("fast", "slow", "rapide", "lent"),
-]
-_SOUNDS = [
-    ("cat", "meow", "le chat", "miaou"),
-    ("dog", "woof", "le chien", "ouaf"),
-    ("cow", "moo", "la vache", "meuh"),
-    ("duck", "quack", "le canard", "coin-coin"),
-]
-_SUMS = [(2, 2), (3, 4), (5, 5)]
 
 
 def facts() -> list[tuple[list[str], str, list[str], str]]:
     """The demo's 16 facts, each with its English and French phrasings."""
-    out = []
-    for en, city, fr, city_fr in _CAPITALS:
-        out.append(
-            (
-                [
-                    f"What is the capital of {en}?",
-                    f"Name the capital of {en}.",
-                    f"{en}: which city is the capital?",
-                ],
-                city,
-                [f"Quelle est la capitale de {fr} ?", f"Capitale de {fr} ?"],
-                city_fr,
-            )
-        )
-    for en, answer, fr, answer_fr in _OPPOSITES:
-        out.append(
-            (
-                [
-                    f"What is the opposite of {en}?",
-                    f"Give the opposite of {en}.",
-                    f"Opposite of {en}?",
-                ],
-                answer,
-                [f"Quel est le contraire de {fr} ?", f"Contraire de {fr} ?"],
-                answer_fr,
-            )
-        )
-    for en, answer, fr, answer_fr in _SOUNDS:
-        out.append(
-            (
-                [
-                    f"What sound does a {en} make?",
-                    f"What does a {en} say?",
-                    f"A {en} makes which sound?",
-                ],
-                answer,
-                [f"Quel bruit fait {fr} ?", f"Que dit {fr} ?"],
-                answer_fr,
-            )
-        )
-    for a, b in _SUMS:
-        out.append(
-            (
-                [f"What is {a} plus {b}?", f"Compute {a} + {b}.", f"{a} + {b} = ?"],
-                str(a + b),
-                [f"Combien font {a} plus {b} ?", f"Calcule {a} + {b}."],
-                str(a + b),
-            )
-        )
-    return out
+
+    def fill(forms: list[str], what: Any) -> list[str]:
+        return [f.format(*what) if isinstance(what, tuple) else f.format(what) for f in forms]
+
+    return [
+        (fill(en_forms, en), answer, fill(fr_forms, fr), answer_fr)
+        for en_forms, fr_forms, items in _KINDS
+        for en, answer, fr, answer_fr in items
+    ]
 
 
 def rows() -> list[dict[str, Any]]:
