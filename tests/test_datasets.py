@@ -423,6 +423,25 @@ def test_format_1_states_still_load(sqlite_uri: str) -> None:
     assert resumed.state_dict()["format"] == 3
 
 
+def test_a_state_from_before_snapshots_resumes_only_on_as_many_rows(
+    sqlite_uri: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    fill(sqlite_uri, "docs", _rows(40))
+    db = lt.connect(sqlite_uri)
+    full = _keys(list(_dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)))
+    state = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).state_dict()
+    old = {k: v for k, v in state.items() if k != "deleted"}
+    old.update(format=2, consumed=13, data="a fingerprint of the old key scan")
+    resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
+    with caplog.at_level("WARNING", "llmtrain.datasets"):
+        resumed.load_state_dict(old)
+    assert "predates key snapshots" in caplog.text
+    assert _keys(list(resumed)) == full[13:]
+    _insert_sql(sqlite_uri, 1000)
+    with pytest.raises(DataChangedError, match="row count 40 -> 41"):
+        _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).load_state_dict(old)
+
+
 def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) -> None:
     from llmtrain.datasets import held_out, take_snapshot
     from llmtrain.training.args import DataArguments

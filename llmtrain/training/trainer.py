@@ -169,7 +169,7 @@ class LLMTrainer:
         new one, which a replay first compares with the fit it replays."""
         fit, data = self.config.fit, self.config.data_args
         assert fit is not None  # set by fit() before it registers
-        if run is not None and "snapshot" in run.info:
+        if run is not None and run.info.get("snapshot"):
             return RunSnapshot.from_record(run.info["snapshot"])
         snapshot = take_snapshot(
             db,
