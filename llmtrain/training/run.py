@@ -90,6 +90,7 @@ class FitRun:
             quantized=bool(cfg.model_args.bits),
             gradient_checkpointing=self.targs.gradient_checkpointing,
         )
+        self._start_from_parent(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
 
@@ -134,6 +135,25 @@ class FitRun:
         )
         if self.resume:
             self._restore()
+
+    def _start_from_parent(self, model: Any) -> None:
+        """An incremental run starts from its parent model's adapter, which its record names
+        (a checkpoint restored later overrides it)."""
+        parent = self.db.metadata.get_run(self.run_id).info.get("parent")
+        if not parent:
+            return
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = self.workdir / "parent"
+        self.db.artifacts.get_dir(parent["adapter"], folder)
+        loaded = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        unexpected = list(getattr(loaded, "unexpected_keys", None) or [])
+        if unexpected:
+            raise CheckpointError(
+                f"the adapter of model v{parent.get('model_version')} does not fit this "
+                f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
+            )
 
     def _selection_scan(self, select: Query) -> SelectionScan:
         """The run's one scan of its selection: the one fit() took, else rank 0's."""
