@@ -4,15 +4,16 @@ from llmtrain.datasets.cached import CachedQueryDataset, ReadStats
 from llmtrain.datasets.loader import QueryDataLoader
 from llmtrain.datasets.plan import rows_per_rank
 from llmtrain.datasets.query import QueryDataset
-from llmtrain.datasets.scan import SelectionScan, held_out, scan_selection
+from llmtrain.datasets.snapshot import KeySnapshot, RunSnapshot, held_out, take_snapshot
 
 __all__ = [
     "CachedQueryDataset",
     "QueryDataLoader",
     "QueryDataset",
+    "KeySnapshot",
     "ReadStats",
-    "SelectionScan",
+    "RunSnapshot",
     "held_out",
     "rows_per_rank",
-    "scan_selection",
+    "take_snapshot",
 ]

@@ -1,14 +1,15 @@
 """CachedQueryDataset: stream a selection in fixed-size windows, sharded by rank and worker.
 
 Memory holds at most three windows (the one being yielded, one fetched ahead, one being
-fetched) whatever the table's size. Each (rank, worker) reads only its own rows, as short
-keyset statements; no cursor or transaction stays open while the model trains.
+fetched) whatever the table's size. The rows are those of a pinned snapshot of the
+selection's keys (:mod:`llmtrain.datasets.snapshot`): each window reads its keys from the
+snapshot and its rows by key, one short statement, so rows inserted meanwhile are not read
+and rows deleted meanwhile are skipped and counted. No cursor or transaction stays open.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
@@ -17,18 +18,27 @@ from typing import Any, get_args
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from llmtrain.backends.base import Key, KeyScan, Row
+from llmtrain.backends.base import Key, Row
 from llmtrain.datasets.loader import QueryDataLoader
-from llmtrain.datasets.plan import Piece, WorkerSlice, rank_pieces, rows_per_rank, worker_slices
+from llmtrain.datasets.plan import WorkerSlice, rank_pieces, rows_per_rank, worker_slices
 from llmtrain.datasets.position import Position, Positioned
 from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.datasets.scan import SelectionScan, Split, held_out, scan_selection
+from llmtrain.datasets.snapshot import (
+    KeySnapshot,
+    MemoryStore,
+    RunSnapshot,
+    Split,
+    key_repr,
+    take_snapshot,
+)
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 from llmtrain.queries import Query
 
 log = logging.getLogger("llmtrain.datasets")
-STATE_FORMAT = 2  # 2 added split and eval_fraction; format 1 reads as the whole selection
+# 3: the rows are a stored snapshot's (named in the state), deleted keys are kept;
+# 2 added split and eval_fraction; format 1 reads as the whole selection
+STATE_FORMAT = 3
 Window = list[Positioned]  # a skipped bad row comes as None, a refused one as its BadRowError
 
 
@@ -43,6 +53,8 @@ class ReadStats:
     skipped_keys: list[Any] = field(default_factory=list)
     #: the skipped rows' keys (as key_repr), each logged once however many epochs read it
     skipped_once: set[str] = field(default_factory=set)
+    #: keys of the snapshot whose rows were gone when their window was read (as key_repr)
+    deleted: set[str] = field(default_factory=set)
 
 
 class CachedQueryDataset(IterableDataset):
@@ -56,7 +68,8 @@ class CachedQueryDataset(IterableDataset):
 
     ``split`` with ``eval_fraction`` reads one view of the selection: the rows whose key
     hash falls outside the held-out fraction (``"train"``) or inside it (``"held_out"``).
-    ``scan``: a :class:`SelectionScan` of this selection taken already (a run scans once).
+    ``snapshot``: the run's :class:`RunSnapshot` of this selection, its chunks in ``store``
+    (default ``db.artifacts``); without one the dataset takes its own, kept in memory.
     """
 
     def __init__(
@@ -76,7 +89,8 @@ class CachedQueryDataset(IterableDataset):
         prefetch: bool | None = None,
         split: Split = "all",
         eval_fraction: float = 0.0,
-        scan: SelectionScan | None = None,
+        snapshot: RunSnapshot | None = None,
+        store: Any = None,
     ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
@@ -86,10 +100,10 @@ class CachedQueryDataset(IterableDataset):
             raise ConfigError(f"split must be one of {get_args(Split)}, got {split!r}")
         if not 0 <= eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
-        if scan is not None and not scan.fits(select, cache_size, eval_fraction):
+        if snapshot is not None and not snapshot.fits(select, eval_fraction):
             raise ConfigError(
-                f"scan= describes another query, cache_size or eval_fraction "
-                f"than {select.source} with cache_size={cache_size}"
+                f"snapshot= describes another query or eval_fraction than {select.source} "
+                f"with eval_fraction={eval_fraction}"
             )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
@@ -99,7 +113,8 @@ class CachedQueryDataset(IterableDataset):
         self.split, self.eval_fraction = split, float(eval_fraction)
         self._rank, self._world = rank, world_size
         self._placement: Placement | None = None
-        self._scan = scan
+        self._snapshot = snapshot
+        self.store = store if store is not None or snapshot is None else db.artifacts
         self.position = Position()
         self.stats = ReadStats()
 
@@ -123,28 +138,25 @@ class CachedQueryDataset(IterableDataset):
     def epoch(self) -> int:
         return self.position.epoch
 
-    def scan(self) -> SelectionScan:
-        """The selection's scan: the one given, else taken on first use and kept."""
-        if self._scan is None:
-            self._scan = scan_selection(
-                self.db.backend, self.query, self.cache_size, self.eval_fraction
+    def snapshot(self) -> RunSnapshot:
+        """The selection's snapshot: the one given, else taken (into memory) on first use."""
+        if self._snapshot is None:
+            self.store = MemoryStore()
+            self._snapshot = take_snapshot(
+                self.db, self.query, eval_fraction=self.eval_fraction, store=self.store
             )
-            self.stats.statements += self._scan.statements
-            self.stats.keys_fetched += (
-                self._scan.whole.count
-                if self._scan.eval_fraction > 0
-                else len(self._scan.whole.boundaries)
-            )
-        return self._scan
+            self.stats.statements += self._snapshot.statements
+            self.stats.keys_fetched += self._snapshot.count
+        return self._snapshot
 
     @property
-    def view(self) -> KeyScan:
-        """Count and window boundaries of the rows this dataset reads."""
-        return self.scan().view(self.split)
+    def view(self) -> KeySnapshot:
+        """The keys of the rows this dataset reads, in key order."""
+        return self.snapshot().view(self.split)
 
     @property
     def data_fingerprint(self) -> str:
-        return self.scan().fingerprint
+        return self.snapshot().fingerprint
 
     def __len__(self) -> int:
         return rows_per_rank(self.view.count, self.world_size, self.drop_remainder)
@@ -160,7 +172,7 @@ class CachedQueryDataset(IterableDataset):
             "format": STATE_FORMAT,
             "query": self.query.fingerprint(),
             "data": self.data_fingerprint,
-            "count": self.scan().whole.count,
+            "count": self.snapshot().count,
             "seed": self.seed,
             "epoch": epoch,
             "consumed": consumed,
@@ -170,14 +182,17 @@ class CachedQueryDataset(IterableDataset):
             "drop_remainder": self.drop_remainder,
             "split": self.split,
             "eval_fraction": self.eval_fraction,
+            "deleted": sorted(self.stats.deleted),
         }
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False) -> None:
-        """Continue where ``state`` was taken; refuses if the selection's rows changed."""
+        """Continue where ``state`` was taken. A run's dataset reads the run's own snapshot,
+        so its rows cannot have changed; a dataset that took its own snapshot refuses one
+        whose rows differ from the state's (unless ``allow_changed_data``)."""
         fmt = state.get("format") if isinstance(state, dict) else None
-        if fmt not in (1, STATE_FORMAT):
+        if fmt not in (1, 2, STATE_FORMAT):
             raise ConfigError(
-                f"not a CachedQueryDataset state (format 1 or {STATE_FORMAT}): {str(state)[:200]}"
+                f"not a CachedQueryDataset state (format 1 to {STATE_FORMAT}): {str(state)[:200]}"
             )
         if state["query"] != self.query.fingerprint():
             raise DataChangedError(
@@ -185,34 +200,44 @@ class CachedQueryDataset(IterableDataset):
                 f"({state['query']} != {self.query.fingerprint()})"
             )
         names = ["seed", "world_size", "cache_size", "shuffle", "drop_remainder"]
-        for name in names + (["split", "eval_fraction"] if fmt == STATE_FORMAT else []):
+        for name in names + (["split", "eval_fraction"] if fmt != 1 else []):
             mine = getattr(self, name)
             if state[name] != mine:
                 raise ConfigError(
                     f"cannot resume: the state has {name}={state[name]!r} but "
                     f"this dataset has {name}={mine!r}; the order would differ"
                 )
-        scan = self.scan()
-        if state["data"] != scan.fingerprint:
-            count = scan.whole.count
+        snapshot = self.snapshot()
+        # a state from before snapshots (format 1, 2) can only be matched by its row count
+        same = state["data"] == snapshot.fingerprint if fmt == STATE_FORMAT else None
+        if not same and (fmt == STATE_FORMAT or state["count"] != snapshot.count):
             what = (
-                f"row count {state['count']} -> {count}"
-                if state["count"] != count
+                f"row count {state['count']} -> {snapshot.count}"
+                if state["count"] != snapshot.count
                 else "rows were added, removed or re-keyed (same count)"
             )
             message = f"the rows of {self.query.source} changed since the state was taken: {what}"
             if not allow_changed_data:
                 raise DataChangedError(message + "; pass allow_changed_data=True to go on")
             log.warning("%s; continuing as asked", message)
+        elif same is None:
+            log.warning(
+                "%s: the state (format %d) predates key snapshots; continuing on a new "
+                "snapshot of the same %d rows",
+                self.query.source,
+                fmt,
+                snapshot.count,
+            )
         consumed = state["consumed"]
-        if fmt == 1 and self.view is not scan.whole:
+        if fmt == 1 and self.split != "all" and self.eval_fraction > 0:
             # format 1 counted every row of the selection: continue at the same share of it
-            consumed = consumed * self.view.count // max(scan.whole.count, 1)
+            consumed = consumed * self.view.count // max(snapshot.count, 1)
             log.warning(
                 "resuming a format-1 state: continuing at row %d of the %s rows",
                 consumed,
                 self.split,
             )
+        self.stats.deleted |= set(state.get("deleted", ()))
         self.position.restore(state["epoch"], min(consumed, len(self)))
 
     # -- iteration -------------------------------------------------------------------------
@@ -332,70 +357,32 @@ class CachedQueryDataset(IterableDataset):
                     thread.join(timeout=0.05)
 
     # -- reading the view ------------------------------------------------------------------
-    @property
-    def _filtered(self) -> bool:
-        """The view skips some keys of the selection (a held-out split is in effect)."""
-        return self.split != "all" and self.eval_fraction > 0
-
-    def _view_keys(self, lower: Key, n: int) -> list[Key]:
-        """The first ``n`` keys of the view from ``lower`` (inclusive) on, in key order."""
-        backend = self.db.backend
-        if not self._filtered:
-            keys = backend.fetch_keys(self.query, lower, n)
-            self.stats.keys_fetched += len(keys)
-            self.stats.statements += 1
-            return keys
-        keep_held = self.split == "held_out"
-        share = self.eval_fraction if keep_held else 1 - self.eval_fraction
-        out: list[Key] = []
-        inclusive = True
-        while len(out) < n:
-            limit = math.ceil((n - len(out)) / share) + 16
-            page = backend.fetch_rows(self.query, (), lower, limit, inclusive=inclusive)
-            self.stats.keys_fetched += len(page)
-            self.stats.statements += 1
-            out += [k for k, _ in page if held_out(k, self.eval_fraction) == keep_held]
-            if len(page) < limit:
-                break
-            lower, inclusive = page[-1][0], False
-        return out[:n]
-
-    def _piece_lower_key(self, piece: Piece) -> Key:
-        """The first key of ``piece``: a window boundary, or (a rank's edge inside a window,
-        at most two per rank and epoch) found by reading the keys up to it."""
-        lower = self.view.boundaries[piece.block]
-        if not piece.start:
-            return lower
-        keys = self._view_keys(lower, piece.start + 1)
-        if len(keys) <= piece.start:
-            raise self._changed(piece, len(keys))
-        return keys[piece.start]
-
     def _fetch(self, ws: WorkerSlice) -> Window:
-        piece, backend = ws.piece, self.db.backend
-        lower = self._piece_lower_key(piece)
-        if ws.whole and not self._filtered:  # the hot path: one statement for the window
-            pairs = backend.fetch_rows(self.query, self.fields, lower, len(piece))
-            self.stats.statements += 1
-            self.stats.rows_fetched += len(pairs)
-            if len(pairs) != len(piece):
-                raise self._changed(piece, len(pairs))
-            pairs = [pairs[i] for i in piece.order()]
-            positions: Sequence[int] = range(ws.offset, ws.offset + len(piece))
-        else:  # this worker's rows of the window, or the view's: keys first, then the rows
-            keys = self._view_keys(lower, len(piece))
-            if len(keys) != len(piece):
-                raise self._changed(piece, len(keys))
-            visit, picks = piece.order(), ws.picks
-            wanted = [keys[visit[p]] for p in picks]
-            found = dict(backend.fetch_by_keys(self.query, self.fields, wanted))
-            self.stats.statements += 1
-            pairs = [(k, found[k]) for k in wanted if k in found]
-            self.stats.rows_fetched += len(pairs)
-            if len(pairs) != len(picks):
-                raise self._changed(piece, len(pairs))
-            positions = [ws.offset + p for p in picks]
-        return [(pos, key, self._checked(key, row)) for pos, (key, row) in zip(positions, pairs)]
+        """This worker's rows of one piece: the keys from the snapshot, the rows by key (one
+        statement). A row deleted since the snapshot comes as None, counted and noted."""
+        piece = ws.piece
+        first = piece.block * self.cache_size + piece.start
+        keys = self.view.keys(self.store, first, first + len(piece))
+        visit = piece.order()
+        picks = range(len(piece)) if ws.whole else ws.picks
+        wanted = [keys[visit[p]] for p in picks]
+        found = dict(self.db.backend.fetch_by_keys(self.query, self.fields, wanted))
+        self.stats.statements += 1
+        self.stats.rows_fetched += len(found)
+        missing = [key_repr(k) for k in wanted if k not in found]
+        if missing:
+            self.stats.deleted.update(missing)
+            log.warning(
+                "%s: %d row(s) of this window were deleted since the run's snapshot; "
+                "skipped (%d deleted so far)",
+                self.query.source,
+                len(missing),
+                len(self.stats.deleted),
+            )
+        return [
+            (ws.offset + p, k, self._checked(k, found[k]) if k in found else None)
+            for p, k in zip(picks, wanted)
+        ]
 
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
@@ -415,10 +402,3 @@ class CachedQueryDataset(IterableDataset):
         if len(self.stats.skipped_keys) < 100:
             self.stats.skipped_keys.append(key)
         return None
-
-    def _changed(self, piece: Piece, got: int) -> DataChangedError:
-        return DataChangedError(
-            f"{self.query.source}: expected {len(piece)} rows in window {piece.block} but read "
-            f"{got}; rows were added or removed while training. Restart the epoch, or resume "
-            "with allow_changed_data=True"
-        )

@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from llmtrain.backends.base import Row
 from llmtrain.datasets.cached import ReadStats
 from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.datasets.scan import data_fingerprint
+from llmtrain.datasets.snapshot import MemoryStore, take_snapshot
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 
@@ -36,7 +36,7 @@ class QueryDataset(Dataset):
         self.keys: list[Any] = []
         self.rows: list[Row] = []
         self._read(page_size)
-        self.data_fingerprint = data_fingerprint(db.backend.scan_keys(select, page_size))
+        self.data_fingerprint = take_snapshot(db, select, store=MemoryStore()).fingerprint
 
     def _read(self, page_size: int) -> None:
         lower, inclusive = None, True

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from llmtrain.backends.base import Key
-from llmtrain.datasets.scan import key_repr
+from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import BadRowError, ConfigError
 
 log = logging.getLogger("llmtrain.datasets")

@@ -215,7 +215,9 @@ class DataArguments(_Args):
     max_eval_rows: int = Field(default=1000, ge=1)
     """Held-out rows scored per evaluation."""
     allow_changed_data: bool = False
-    """Resume even if rows changed (fit(allow_changed_data=) wins)."""
+    """Replay a fit on changed rows (fit(allow_changed_data=) wins)."""
+    version_column: str | None = None
+    """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
 
 
 class DeepspeedConfig(_Args):
