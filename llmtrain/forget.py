@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmtrain.backends.base import Key
-from llmtrain.datasets.scan import key_repr
+from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.lineage import TrainedOn, trained_on
 from llmtrain.training.incremental import FORGOTTEN

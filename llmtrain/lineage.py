@@ -16,13 +16,13 @@ import heapq
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 
 from llmtrain.backends.base import Key
 from llmtrain.datasets.plan import rank_pieces, rows_per_rank
-from llmtrain.datasets.scan import key_repr
+from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import StoreError
 
 #: record field: {key_repr: first epoch it was skipped in} (bad rows, rows deleted mid-run)
@@ -44,8 +44,7 @@ class KeyList(Protocol):
         """Every key in order, a chunk at a time."""
 
 
-@dataclass(frozen=True)
-class Consumed:
+class Consumed(NamedTuple):
     """One row trained at one optimizer step of one run."""
 
     key: Key
@@ -94,15 +93,6 @@ class Plan:
     @property
     def per_rank(self) -> int:
         return rows_per_rank(self.count, self.world_size, self.drop_remainder)
-
-    def order(self, epoch: int, rank: int) -> Iterator[tuple[int, int, int]]:
-        """(position in the rank's epoch sequence, block, index in key order), as read."""
-        pos = 0
-        for piece in self._pieces(epoch, rank):
-            base = piece.block * self.block_size + piece.start
-            for offset in piece.order():
-                yield pos, piece.block, base + offset
-                pos += 1
 
     def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
         """Every (rank, position) the row at ``index`` is read at in ``epoch`` (none when
@@ -166,16 +156,23 @@ class Steps:
     def batch_of(self, pos: int) -> int:
         return pos // self.plan.batch_size
 
-    def step(self, rank: int, epoch: int, batch: int) -> int | None:
-        """The step that trained batch ``batch`` of ``rank``'s ``epoch``; None if none did."""
+    def steps_of(self, rank: int, epoch: int, batches: np.ndarray) -> np.ndarray:
+        """The step that trained each batch number of ``rank``'s ``epoch``; 0 where none did
+        (every row skipped, or after the run's last step)."""
         p = self.plan
         per_epoch = math.ceil(p.per_rank / p.batch_size)
-        if batch in self.empty.get((rank, epoch), ()):
-            return None
+        empty = np.asarray(self.empty.get((rank, epoch), ()), dtype=np.int64)
         earlier = sum(len(v) for (r, e), v in self.empty.items() if r == rank and e < epoch)
-        within = sum(1 for b in self.empty.get((rank, epoch), ()) if b < batch)
-        counter = epoch * per_epoch - earlier + batch - within
-        return counter // p.accum + 1 if counter < self.limit else None
+        counter = epoch * per_epoch - earlier + batches - np.searchsorted(empty, batches)
+        steps = counter // p.accum + 1
+        steps[counter >= self.limit] = 0
+        if len(empty):
+            steps[np.isin(batches, empty)] = 0
+        return steps
+
+    def step(self, rank: int, epoch: int, batch: int) -> int | None:
+        found = int(self.steps_of(rank, epoch, np.array([batch], dtype=np.int64))[0])
+        return found or None
 
     def last_epoch(self) -> int:
         """An upper bound of the epochs the run read (exclusive)."""
@@ -222,22 +219,37 @@ class Steps:
         return found
 
     # -- the walk --------------------------------------------------------------------------
-    def batches(self, rank: int) -> Iterator[tuple[int, int, list[int]]]:
-        """(step, epoch, key indexes) of every batch ``rank`` trained, in order."""
+    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(step, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
+        positions are taken ``span`` at a time (a few whole pieces) and stepped with arrays."""
         p = self.plan
+        skipped = np.fromiter(self.skipped_at, dtype=np.int64, count=len(self.skipped_at))
+        firsts = np.fromiter(self.skipped_at.values(), dtype=np.int64, count=len(skipped))
         for epoch in range(self.last_epoch()):
-            batch: list[int] = []
-            number = 0
-            for pos, _, index in p.order(epoch, rank):
-                if not self.is_skipped(index, epoch):
-                    batch.append(index)
-                if (pos + 1) % p.batch_size == 0 or pos + 1 == p.per_rank:
-                    step = self.step(rank, epoch, number) if batch else None
-                    if batch and step is None:
-                        return
-                    if step is not None:
-                        yield step, epoch, batch
-                    batch, number = [], number + 1
+            gone = skipped[firsts <= epoch]
+            pieces: list[np.ndarray] = []
+            held = start = 0
+            for piece in [*p._pieces(epoch, rank), None]:
+                if piece is not None:
+                    base = piece.block * p.block_size + piece.start
+                    pieces.append(base + np.asarray(piece.order(), dtype=np.int64))
+                    held += len(piece)
+                    if held < span:
+                        continue
+                if not pieces:
+                    break
+                indexes = np.concatenate(pieces)
+                steps = self.steps_of(rank, epoch, (start + np.arange(held)) // p.batch_size)
+                if len(gone):
+                    steps[np.isin(indexes, gone)] = 0
+                cut = np.flatnonzero(np.diff(steps)) + 1
+                for first, stop in zip([0, *cut.tolist()], [*cut.tolist(), held]):
+                    if steps[first]:
+                        yield int(steps[first]), epoch, indexes[first:stop]
+                if steps[-1] == 0 and not len(gone) and start + held < p.per_rank:
+                    return  # past the run's last step
+                start += held
+                pieces, held = [], 0
 
     def trained(self) -> np.ndarray:
         """A mask over the run's keys: which rows it trained at least once."""
@@ -262,6 +274,14 @@ class _Blocks:
             self.block, self.values = block, self.keys.slice(start, start + self.size)
         return self.values[index - block * self.size]
 
+    def take(self, indexes: np.ndarray) -> list[Key]:
+        first = int(indexes[0]) // self.size
+        if first == int(indexes[-1]) // self.size and (indexes // self.size == first).all():
+            self[first * self.size]  # noqa: B018 - reads the block
+            values = self.values
+            return [values[i] for i in (indexes - first * self.size).tolist()]
+        return [self[i] for i in indexes.tolist()]
+
 
 def run_rows(steps: Steps) -> Iterator[Consumed]:
     """Every row the run trained, in step order (ranks interleaved within a step)."""
@@ -271,9 +291,10 @@ def run_rows(steps: Steps) -> Iterator[Consumed]:
         for rank in range(plan.world_size)
     ]
     keys = [_Blocks(steps.keys, plan.block_size) for _ in range(plan.world_size)]
+    run_id = plan.run_id
     for step, rank, epoch, indexes in heapq.merge(*streams, key=lambda b: (b[0], b[1])):
-        for index in indexes:
-            yield Consumed(keys[rank][index], epoch, step, rank, plan.run_id)
+        for key in keys[rank].take(indexes):
+            yield Consumed(key, epoch, step, rank, run_id)
 
 
 def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
@@ -492,7 +513,7 @@ def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
 def _find(keys: SnapshotKeys, wanted: Sequence[Key]) -> list[tuple[int, Key]]:
     """(index, key) of every key of ``keys`` in ``wanted``, of the same type (``1`` is not
     ``True``): a set lookup per key, about 50 ms per million."""
-    from llmtrain.datasets.scan import same_key
+    from llmtrain.datasets.snapshot import same_key
 
     lookup = {k: k for k in wanted}
     found, base = [], 0
