@@ -341,16 +341,14 @@ def test_loader_can_hand_over_key_row_pairs(sqlite_uri: str) -> None:
 
 
 def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
-    from llmtrain.datasets import held_out, scan_selection
+    from llmtrain.datasets import held_out, take_snapshot
+    from llmtrain.datasets.snapshot import MemoryStore
 
     fill(any_uri, "docs", _rows(300))
     db = lt.connect(any_uri)
-    scan = scan_selection(db.backend, _select(any_uri), 16, 0.2)
-    # the whole selection's fingerprint is the one a scan without a split gives
-    assert (
-        scan.fingerprint
-        == lt.CachedQueryDataset(db, _select(any_uri), "output", cache_size=16).data_fingerprint
-    )
+    store = MemoryStore()
+    scan = take_snapshot(db, _select(any_uri), eval_fraction=0.2, chunk_size=20, store=store)
+    assert scan.count == 300 and scan.fingerprint != scan.train.fingerprint
     held = [k for k in range(300) if held_out(k, 0.2)]
     assert (scan.view("train").count, scan.view("held_out").count) == (300 - len(held), len(held))
 
@@ -360,7 +358,8 @@ def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
             any_uri,
             split=split,
             eval_fraction=0.2,
-            scan=scan,
+            snapshot=scan,
+            store=store,
             rank=rank,
             world_size=world,
             seed=4,
@@ -378,7 +377,7 @@ def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
     first = view("held_out", 0, 1, shuffle=False, prefetch=False)
     it = iter(first)
     assert _keys([next(it) for _ in range(10)]) == held[:10]
-    assert first.stats.rows_fetched == 16 and first.stats.keys_fetched < 150
+    assert first.stats.rows_fetched == 16 and first.stats.keys_fetched == 0
 
     # resuming a training view continues at the next training row, with workers too
     ds = view("train", 1, 2)
@@ -395,16 +394,18 @@ def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
         _dataset(db, any_uri, seed=4, rank=1, world_size=2).load_state_dict(ds.state_dict())
 
 
-def test_a_given_scan_is_used_and_must_fit(sqlite_uri: str) -> None:
-    from llmtrain.datasets import scan_selection
+def test_a_given_snapshot_is_used_and_must_fit(sqlite_uri: str) -> None:
+    from llmtrain.datasets import take_snapshot
+    from llmtrain.datasets.snapshot import MemoryStore
 
     fill(sqlite_uri, "docs", _rows(50))
     db = lt.connect(sqlite_uri)
-    scan = scan_selection(db.backend, lt.Table("docs"), 16)
-    ds = _dataset(db, sqlite_uri, scan=scan, rank=0, world_size=1)
+    store = MemoryStore()
+    snap = take_snapshot(db, lt.Table("docs"), store=store)
+    ds = _dataset(db, sqlite_uri, snapshot=snap, store=store, rank=0, world_size=1)
     assert len(ds) == 50 and ds.stats.statements == 0  # nothing scanned again
-    with pytest.raises(ConfigError, match="scan= describes another query"):
-        _dataset(db, sqlite_uri, scan=scan, cache_size=8)
+    with pytest.raises(ConfigError, match="snapshot= describes another query"):
+        _dataset(db, sqlite_uri, snapshot=snap, split="train", eval_fraction=0.5)
     with pytest.raises(ConfigError, match="split must be one of"):
         _dataset(db, sqlite_uri, split="eval")
 
@@ -419,25 +420,25 @@ def test_format_1_states_still_load(sqlite_uri: str) -> None:
     resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
     resumed.load_state_dict(old)
     assert _keys(list(resumed)) == full[13:]
-    assert resumed.state_dict()["format"] == 2
+    assert resumed.state_dict()["format"] == 3
 
 
 def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) -> None:
-    from llmtrain.datasets import held_out, scan_selection
+    from llmtrain.datasets import held_out, take_snapshot
     from llmtrain.training.args import DataArguments
     from llmtrain.training.data import TrainBatches, view_dataset
 
     fill(sqlite_uri, "docs", _rows(203))
     db = lt.connect(sqlite_uri)
     args = DataArguments(eval_fraction=0.25, cache_size=16)
-    scan = scan_selection(db.backend, lt.Table("docs"), 16, 0.25)
+    scan = take_snapshot(db, lt.Table("docs"), eval_fraction=0.25, chunk_size=40)  # db.artifacts
     train = view_dataset(
         db,
         lt.Table("docs"),
         ["instruction", "output"],
         args,
         split="train",
-        scan=scan,
+        snapshot=scan,
         rank=0,
         world_size=1,
         seed=3,

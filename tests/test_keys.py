@@ -16,8 +16,8 @@ from conftest import fill
 
 import llmtrain as lt
 from llmtrain.backends.engines import mongo_database, sql_engine
-from llmtrain.datasets import scan_selection
-from llmtrain.datasets.scan import key_repr
+from llmtrain.datasets.snapshot import MemoryStore, take_snapshot
+from llmtrain.datasets.snapshot import key_repr
 
 N = 50
 
@@ -88,9 +88,13 @@ def test_every_key_type_pages_and_resumes(sql_uri: str, kind: str) -> None:
     _make_table(sql_uri, kind)
     db = lt.connect(sql_uri)
     _check_epoch_and_resume(db, lt.Table("docs"))
-    held = scan_selection(db.backend, lt.Table("docs"), 8, 0.3)  # the client-side scan
-    assert held.whole.count == N and held.train.count + held.held.count == N  # type: ignore[union-attr]
-    view = _dataset(db, lt.Table("docs"), split="held_out", eval_fraction=0.3, scan=held)
+    store = MemoryStore()
+    held = take_snapshot(db, lt.Table("docs"), eval_fraction=0.3, chunk_size=5, store=store)
+    assert held.count == N and held.train.count + held.held.count == N  # type: ignore[union-attr]
+    assert held == take_snapshot(db, lt.Table("docs"), eval_fraction=0.3, chunk_size=5, store=store)
+    view = _dataset(
+        db, lt.Table("docs"), split="held_out", eval_fraction=0.3, snapshot=held, store=store
+    )
     assert len(list(view)) == held.held.count  # type: ignore[union-attr]
 
 
@@ -104,9 +108,11 @@ def test_mixed_bson_id_types_page_in_mongodb_order() -> None:
     coll = mongo_database(uri)["docs"]
     coll.insert_many([{"_id": k, "text": f"row {i}"} for i, k in enumerate(ids)])
     db = lt.connect(uri)
-    scan = scan_selection(db.backend, lt.Collection("docs"), 8)
-    assert scan.whole.count == N
-    assert scan.whole.boundaries[0] == -3 and scan.whole.last_key == dt.datetime(2024, 1, 8)
+    store = MemoryStore()
+    snapshot = take_snapshot(db, lt.Collection("docs"), chunk_size=8, store=store)
+    keys = list(snapshot.train.iter_keys(store))
+    assert len(keys) == snapshot.count == N and keys[0] == -3
+    assert keys[-1] == dt.datetime(2024, 1, 8) and sorted(map(repr, keys)) == sorted(map(repr, ids))
     _check_epoch_and_resume(db, lt.Collection("docs"))
     keys = [k for k, _ in db.backend.fetch_rows(lt.Collection("docs"), (), 20, 100)]
     assert keys[0] == 20 and keys[1] == "" and keys[-1] == dt.datetime(2024, 1, 8)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from llmtrain.backends.base import DataBackend, Key, KeyScan, Row
+from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.retry import RetryPolicy
 from llmtrain.uri import is_mongo_uri
 
-__all__ = ["DataBackend", "Key", "KeyScan", "Row", "RetryPolicy", "open_backend"]
+__all__ = ["DataBackend", "Key", "Row", "RetryPolicy", "open_backend"]
 
 
 def open_backend(uri: str, *, retry: RetryPolicy | None = None) -> DataBackend:

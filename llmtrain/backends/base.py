@@ -9,23 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from llmtrain.queries import Query
 
 Key = Any
 Row = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class KeyScan:
-    """The selection's size and the key at every ``block_size``-th row (in key order)."""
-
-    count: int
-    block_size: int
-    boundaries: list[Key]  # boundaries[i] is the key of row i * block_size
-    last_key: Key | None
 
 
 class DataBackend(ABC):
@@ -37,10 +26,6 @@ class DataBackend(ABC):
     @abstractmethod
     def key_name(self, query: Query) -> str:
         """The column/field the query is paged on; QueryError if there is no usable one."""
-
-    @abstractmethod
-    def scan_keys(self, query: Query, block_size: int) -> KeyScan:
-        """Count the rows and collect every ``block_size``-th key (keys only)."""
 
     @abstractmethod
     def fetch_rows(
@@ -57,10 +42,6 @@ class DataBackend(ABC):
         Each row is ``(key, {field: value})``; a field absent from the row is absent from the
         dict (the caller decides whether that is an error). Dotted Mongo paths are resolved.
         """
-
-    @abstractmethod
-    def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
-        """Up to ``limit`` keys >= lower in key order (key column only)."""
 
     @abstractmethod
     def fetch_by_keys(

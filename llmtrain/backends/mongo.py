@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llmtrain.backends.base import DataBackend, Key, KeyScan, Row
+from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
 from llmtrain.backends.retry import RetryPolicy, with_retry
 from llmtrain.errors import QueryError
 from llmtrain.queries import Collection, Query
 from llmtrain.uri import redact_uri
 
-_KEY_PAGE = 50_000
 _IN_CHUNK = 1000
 _MISSING = object()
 
@@ -117,34 +116,6 @@ class MongoBackend(DataBackend):
         self._collection(query)
         return "_id"
 
-    def scan_keys(self, query: Query, block_size: int) -> KeyScan:
-        """Walks ``_id`` only, in short keyset pages, keeping every ``block_size``-th key."""
-        query = self._query(query)
-        boundaries: list[Key] = []
-        count, last = 0, None
-        while True:
-            cond = None if last is None else key_after(last, inclusive=False)
-            page = self._run(
-                "scanning keys",
-                lambda cond=cond: [
-                    d["_id"]
-                    for d in self._collection(query)
-                    .find(self._where(query, cond), {"_id": 1})
-                    .sort("_id", 1)
-                    .limit(_KEY_PAGE)
-                ],
-            )
-            for i, key in enumerate(page):
-                if (count + i) % block_size == 0:
-                    boundaries.append(key)
-            count += len(page)
-            if len(page) < _KEY_PAGE:
-                break
-            last = page[-1]
-        if page:
-            last = page[-1]
-        return KeyScan(count, block_size, boundaries, last if count else None)
-
     def _projection(self, fields: Sequence[str]) -> dict[str, int]:
         return {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
 
@@ -181,19 +152,6 @@ class MongoBackend(DataBackend):
             ),
         )
         return self._rows(docs, fields)
-
-    def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
-        query = self._query(query)
-        return self._run(
-            "reading keys",
-            lambda: [
-                d["_id"]
-                for d in self._collection(query)
-                .find(self._where(query, key_after(lower, inclusive=True)), {"_id": 1})
-                .sort("_id", 1)
-                .limit(limit)
-            ],
-        )
 
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]

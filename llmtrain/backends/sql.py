@@ -3,7 +3,7 @@
 Names reach SQL only as quoted identifiers built by SQLAlchemy; values only as bound
 parameters. Each call checks out a connection, runs one SELECT and returns it.
 
-The row-reading SELECTs (``fetch_rows``, ``fetch_keys``) are built once per shape and cached,
+The row-reading SELECTs (``fetch_rows``) are built once per shape and cached,
 values bound per call, and run through SQLAlchemy like every other statement. On PostgreSQL
 reads run in autocommit: one SELECT sees one snapshot either way, and it saves the BEGIN and
 ROLLBACK round trips around every page.
@@ -17,7 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from llmtrain.backends.base import DataBackend, Key, KeyScan, Row
+from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
 from llmtrain.backends.retry import RetryPolicy, with_retry
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
@@ -260,43 +260,6 @@ class SQLBackend(DataBackend):
     def key_name(self, query: Query) -> str:
         return self._source(query).key.name
 
-    def scan_keys(self, query: Query, block_size: int) -> KeyScan:
-        """One statement: each row numbered in key order, keeping every ``block_size``-th
-        and the last. ``dense_rank`` rides on the same sort, so a repeated key costs nothing
-        to find (and no ``MAX(key)``, which PostgreSQL lacks for uuid)."""
-        src = self._source(query)
-        order = src.key.asc()
-        numbered = src.select(
-            src.key.label("k"),
-            sa.func.row_number().over(order_by=order).label("rn"),
-            sa.func.dense_rank().over(order_by=order).label("dr"),
-            sa.func.count().over().label("n"),
-        ).subquery("llmtrain_numbered")
-        c = numbered.c
-        stmt = (
-            sa.select(c.k, c.rn, c.dr, c.n)
-            .where(sa.or_((c.rn - 1) % block_size == 0, c.rn == c.n))
-            .order_by(c.rn)
-        )
-        rows = self._run("scanning keys", stmt, source=query.source)
-        if not rows:
-            return KeyScan(0, block_size, [], None)
-        last, count = rows[-1], int(rows[-1].n)
-        if any(r.k is None for r in rows):
-            raise QueryError(
-                f"{query.source}: key column {src.key.name!r} holds NULL, so rows cannot be "
-                "paged; pass key= naming a unique, non-null column"
-            )
-        if int(last.dr) != count:
-            raise QueryError(
-                f"{query.source}: key column {src.key.name!r} is not unique ({count} rows, "
-                f"{int(last.dr)} distinct keys), so rows would be read twice or skipped; pass "
-                "key= naming a unique column, or use llmtrain.sql(select, key=...) with a "
-                "unique expression"
-            )
-        boundaries = [r.k for r in rows if (int(r.rn) - 1) % block_size == 0]
-        return KeyScan(count, block_size, boundaries, last.k)
-
     def fetch_rows(
         self,
         query: Query,
@@ -322,23 +285,6 @@ class SQLBackend(DataBackend):
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
         rows = self._run("reading rows", self._page(shape, build), values, source=query.source)
         return _pairs(rows, names)
-
-    def fetch_keys(self, query: Query, lower: Key, limit: int) -> list[Key]:
-        fingerprint = query.fingerprint()
-        src = self._source(query, fingerprint)
-        lower_type = (src.key >= lower).right.type
-
-        def build() -> sa.Select[Any]:
-            return (
-                src.select(src.key)
-                .where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
-                .order_by(src.key)
-                .limit(sa.bindparam(_LIMIT, type_=sa.Integer))
-            )
-
-        page = self._page(("keys", fingerprint, lower_type), build)
-        values = {_LOWER: lower, _LIMIT: limit}
-        return [r[0] for r in self._run("reading keys", page, values, source=query.source)]
 
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]

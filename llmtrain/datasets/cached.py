@@ -100,7 +100,7 @@ class CachedQueryDataset(IterableDataset):
             raise ConfigError(f"split must be one of {get_args(Split)}, got {split!r}")
         if not 0 <= eval_fraction < 1:
             raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
-        if snapshot is not None and not snapshot.fits(select, eval_fraction):
+        if snapshot is not None and not snapshot.fits(select, eval_fraction * (split != "all")):
             raise ConfigError(
                 f"snapshot= describes another query or eval_fraction than {select.source} "
                 f"with eval_fraction={eval_fraction}"
@@ -143,7 +143,10 @@ class CachedQueryDataset(IterableDataset):
         if self._snapshot is None:
             self.store = MemoryStore()
             self._snapshot = take_snapshot(
-                self.db, self.query, eval_fraction=self.eval_fraction, store=self.store
+                self.db,
+                self.query,
+                eval_fraction=self.eval_fraction * (self.split != "all"),
+                store=self.store,
             )
             self.stats.statements += self._snapshot.statements
             self.stats.keys_fetched += self._snapshot.count
@@ -366,10 +369,13 @@ class CachedQueryDataset(IterableDataset):
         visit = piece.order()
         picks = range(len(piece)) if ws.whole else ws.picks
         wanted = [keys[visit[p]] for p in picks]
-        found = dict(self.db.backend.fetch_by_keys(self.query, self.fields, wanted))
+        # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
+        pairs = self.db.backend.fetch_by_keys(self.query, self.fields, wanted)
+        found = {key_repr(k): row for k, row in pairs}
         self.stats.statements += 1
         self.stats.rows_fetched += len(found)
-        missing = [key_repr(k) for k in wanted if k not in found]
+        reprs = [key_repr(k) for k in wanted]
+        missing = [r for r in reprs if r not in found]
         if missing:
             self.stats.deleted.update(missing)
             log.warning(
@@ -380,8 +386,8 @@ class CachedQueryDataset(IterableDataset):
                 len(self.stats.deleted),
             )
         return [
-            (ws.offset + p, k, self._checked(k, found[k]) if k in found else None)
-            for p, k in zip(picks, wanted)
+            (ws.offset + p, k, self._checked(k, found[r]) if r in found else None)
+            for p, k, r in zip(picks, wanted, reprs)
         ]
 
     def _checked(self, key: Key, row: Row) -> Any:

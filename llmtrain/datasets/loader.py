@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from llmtrain.datasets.position import Position, Positioned
+from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
 
 
@@ -18,6 +19,7 @@ class PositionedRows(Protocol):
     position: Position
     seed: int
     return_keys: bool
+    stats: Any
 
     def __len__(self) -> int: ...
 
@@ -83,8 +85,11 @@ class QueryDataLoader:
         self.collate_fn, self.with_keys = collate_fn, with_keys
         self.kwargs = kwargs
 
-    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any]:
-        """(last position, any rows?, the batch): skipped bad rows arrive as None."""
+    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any, list[str]]:
+        """(last position, any rows?, the batch, keys found deleted): skipped bad rows and
+        deleted rows arrive as None; a worker's deleted keys ride back with its batch."""
+        deleted = self.dataset.stats.deleted
+        gone = [r for _, k, row in items if row is None and (r := key_repr(k)) in deleted]
         if self.with_keys:
             rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
         elif self.dataset.return_keys:
@@ -93,8 +98,8 @@ class QueryDataLoader:
             rows = [row for _, _, row in items if row is not None]
         last = max(pos for pos, _, _ in items)
         if not rows:
-            return last, False, None
-        return last, True, (self.collate_fn(rows) if self.collate_fn else rows)
+            return last, False, None, gone
+        return last, True, (self.collate_fn(rows) if self.collate_fn else rows), gone
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -114,8 +119,9 @@ class QueryDataLoader:
             collate_fn=self._collate,
             **kwargs,
         )
-        for last, any_rows, batch in loader:
+        for last, any_rows, batch, gone in loader:
             position.consumed = last + 1
+            ds.stats.deleted.update(gone)
             if any_rows:
                 yield batch
         position.finish(length)

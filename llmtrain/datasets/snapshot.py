@@ -73,6 +73,8 @@ def _typed(value: Any) -> list[Any]:
         return ["d", value.isoformat()]
     if t is Decimal:
         return ["D", str(value)]
+    if t is dict:  # a MongoDB _id may be a document
+        return ["m", [[k, _typed(v)] for k, v in value.items()]]
     if t.__module__.startswith("bson") and t.__name__ == "ObjectId":
         return ["o", str(value)]
     raise QueryError(
@@ -89,7 +91,9 @@ def _untyped(item: list[Any]) -> Any:
         from bson import ObjectId
 
         return ObjectId(value)
-    decode = {
+    if tag == "m":
+        return {k: _untyped(v) for k, v in value}
+    decode: dict[str, Any] = {
         "f": float.fromhex,
         "u": uuid.UUID,
         "x": bytes.fromhex,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, SelectionScan
-from llmtrain.datasets.scan import Split, held_out, key_repr
+from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, RunSnapshot
+from llmtrain.datasets.snapshot import Split, held_out, key_repr
 from llmtrain.formatting import Formatter, PackedCollator, pad_collate
 from llmtrain.formatting.collate import mask_dtype_for
 from llmtrain.queries import Query
@@ -60,7 +60,7 @@ def view_dataset(
     args: DataArguments,
     *,
     split: Split,
-    scan: SelectionScan | None,
+    snapshot: RunSnapshot | None,
     rank: int,
     world_size: int,
     seed: int = 0,
@@ -81,7 +81,7 @@ def view_dataset(
         on_bad_row=args.on_bad_row,
         split=split,
         eval_fraction=args.eval_fraction if split != "all" else 0.0,
-        scan=scan,
+        snapshot=snapshot,
     )
 
 

@@ -19,7 +19,7 @@ from llmtrain.training.args import TrainerConfig
 FIRST_ROWS = 16
 
 
-def check_before_recording(config: TrainerConfig, db: Any, scan: Any) -> None:
+def check_before_recording(config: TrainerConfig, db: Any, snapshot: Any) -> None:
     """Raise ConfigError/DataError/QueryError for a fit that cannot train, before it is
     recorded: an empty selection, an X/Y field missing, a missing model, unmatched targets."""
     fit = config.fit
@@ -28,7 +28,7 @@ def check_before_recording(config: TrainerConfig, db: Any, scan: Any) -> None:
     if folder is not None and config.lora_args is not None:
         check_lora_targets(folder, config)
     select = fit.query()
-    if scan.whole.count == 0:
+    if snapshot.count == 0:
         raise DataError(f"{select.source} selects 0 rows: nothing to train on")
     check_fields(db, select, fit.X, fit.Y)
     eval_query = fit.eval_query()

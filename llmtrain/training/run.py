@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmtrain.datasets import SelectionScan, scan_selection
+from llmtrain.datasets import RunSnapshot, take_snapshot
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.queries import Query
@@ -105,7 +105,7 @@ class FitRun:
             y_field=fit.Y,
         )
         select = fit.query()
-        self.scan = self._selection_scan(select)
+        self.snapshot = self._selection_snapshot(select)
         collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
         train = view_dataset(
             self.db,
@@ -113,7 +113,7 @@ class FitRun:
             [fit.X, fit.Y],
             self.dargs,
             split="train",
-            scan=self.scan,
+            snapshot=self.snapshot,
             seed=self.targs.seed,
             rank=s.rank,
             world_size=s.world_size,
@@ -123,7 +123,7 @@ class FitRun:
         )
         if len(self.batches) == 0:
             raise DataError(
-                f"{select.source} selects {self.scan.whole.count} row(s), "
+                f"{select.source} selects {self.snapshot.count} row(s), "
                 f"{train.view.count} to train on: too few to give each of "
                 f"{s.world_size} process(es) one"
             )
@@ -155,21 +155,34 @@ class FitRun:
                 f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
             )
 
-    def _selection_scan(self, select: Query) -> SelectionScan:
-        """The run's one scan of its selection: the one fit() took, else rank 0's."""
+    def _selection_snapshot(self, select: Query) -> RunSnapshot:
+        """The run's snapshot of its rows' keys: the one fit() took or read, else the one in
+        the run record, else one rank 0 takes now and records. Only the manifest travels."""
         d, s = self.dargs, self.strategy
-        scan = self.trainer.data_scan
-        if scan is not None and scan.fits(select, d.cache_size, d.eval_fraction):
-            return scan
-        scan = None
+        snapshot = self.trainer.data_snapshot
+        if snapshot is not None and snapshot.fits(select, d.eval_fraction):
+            return snapshot
+        snapshot = None
         try:
             if s.is_main:
-                scan = scan_selection(self.db.backend, select, d.cache_size, d.eval_fraction)
-        finally:  # rank 0's scan for every rank; None when it failed, which stops them too
-            scan = s.broadcast_object(scan)
-        if scan is None:
-            raise DataError(f"rank 0 could not scan {select.source}")
-        return scan
+                record = self.db.metadata.get_run(self.run_id).info.get("snapshot")
+                if record is not None:
+                    snapshot = RunSnapshot.from_record(record)
+                else:
+                    snapshot = take_snapshot(
+                        self.db,
+                        select,
+                        eval_fraction=d.eval_fraction,
+                        version_column=d.version_column,
+                    )
+                    self.db.metadata.update_run(
+                        self.run_id, info={"snapshot": snapshot.to_record()}
+                    )
+        finally:  # rank 0's manifest for every rank; None when it failed, which stops them too
+            snapshot = s.broadcast_object(snapshot)
+        if snapshot is None:
+            raise DataError(f"rank 0 could not snapshot {select.source}")
+        return snapshot
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
@@ -364,14 +377,14 @@ class FitRun:
         held = fit.eval_query() is None
         if held and self.dargs.eval_fraction <= 0:
             return None
-        if self._eval_data is None:  # built once: the eval selection is scanned once a run
+        if self._eval_data is None:  # built once: the eval selection is snapshotted once a run
             self._eval_data = view_dataset(
                 self.db,
                 fit.query() if held else fit.eval_query(),
                 [fit.X, fit.Y],
                 self.dargs,
                 split="held_out" if held else "all",
-                scan=self.scan if held else None,
+                snapshot=self.snapshot if held else None,
                 shuffle=False,
                 drop_remainder=False,
                 rank=s.rank,
@@ -396,7 +409,15 @@ class FitRun:
         }
 
     def save_checkpoint(self) -> Any:
-        return self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.state())
+        """Collective. The state carries every rank's deleted keys, and so does the run."""
+        state = self.state()
+        gone = sorted(set().union(*self.strategy.gather_object(state["dataset"]["deleted"])))
+        state["dataset"]["deleted"] = gone
+        if self.strategy.is_main and gone:
+            self.db.metadata.update_run(
+                self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
+            )
+        return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""

@@ -11,9 +11,10 @@ from typing import Any
 
 from llmtrain.components import check_identifier, register_component
 from llmtrain.console import quiet_unless_verbose
+from llmtrain.datasets.snapshot import RunSnapshot, take_snapshot
 from llmtrain.errors import ConfigError, DataChangedError
 from llmtrain.queries import Query
-from llmtrain.training.args import DataArguments, TrainerConfig, build, keyword_reference
+from llmtrain.training.args import TrainerConfig, build, keyword_reference
 from llmtrain.training.spec import FitSpec
 from llmtrain.versions import library_versions
 
@@ -34,8 +35,8 @@ class LLMTrainer:
 
     type_id = "trainer"
 
-    #: the last fit's scan of its selection, which its run reuses instead of scanning again
-    data_scan: Any = None
+    #: the last fit's snapshot of its selection's keys (a RunSnapshot), which its run reads
+    data_snapshot: Any = None
 
     def __init__(self, identifier: str, **options: Any) -> None:
         self.config: TrainerConfig = _config(identifier, options)
@@ -87,8 +88,9 @@ class LLMTrainer:
         trained model component (``db.load("model", identifier)`` gives it back later).
         ``resume=`` continues the newest run of this same recipe (trainer version) from a
         checkpoint; another version's run is refused, a completed run returns its model.
-        ``allow_changed_data=True`` trains even though the rows changed since the last fit
-        (replay) or the checkpoint (resume): for this call only, recorded on the run, never in
+        ``allow_changed_data=True`` replays a fit even though the rows changed since it (a
+        resume reads its run's snapshot of the rows, so only a checkpoint older than
+        snapshots can find them changed): for this call only, recorded on the run, never in
         the trainer's recipe (default: ``data_args.allow_changed_data``). Third-party
         banners, warnings and loading bars stay out of the output unless ``verbose=True``.
         """
@@ -111,64 +113,87 @@ class LLMTrainer:
             else allow_changed_data
         )
         spec = self._fit_spec(X, Y, db, select, eval_select)
-        replaying = X is None and select is None
         placement = Placement.from_environment()  # resolved once for the whole fit
-        # the run's one scan of the selection: rank 0's in a launched job, shared with the run
-        self.data_scan = once_per_job(placement, _data_scan, db, spec, self.config.data_args)
-        fingerprint = self.data_scan.fingerprint
-        if (
-            replaying
-            and spec.data_fingerprint
-            and spec.db == db.uri
-            and spec.data_fingerprint != fingerprint
-            and not resume
-        ):
-            message = (
-                f"the rows of {spec.query().source} changed since trainer "
-                f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
-                f"{spec.data_fingerprint} -> {fingerprint})"
-            )
-            if not allow:
-                raise DataChangedError(message + "; pass allow_changed_data=True to train anyway")
-            log.warning("%s; training anyway as asked", message)
-        self.config.fit = spec.model_copy(update={"data_fingerprint": fingerprint})
-        self.db = db
-        # under torchrun/deepspeed every rank runs fit(): rank 0 alone stores and opens the run
-        self.version, run_id, state = once_per_job(placement, self._register, db, resume, allow)
+        self.config.fit, self.db = spec, db
+        # under torchrun/deepspeed every rank runs fit(): rank 0 alone snapshots the rows,
+        # stores and opens the run; the others get the snapshot's manifest from it
+        self.version, run_id, state, snapshot = once_per_job(
+            placement, self._register, db, resume, allow
+        )
+        self.data_snapshot = snapshot
+        self.config.fit = spec.model_copy(update={"data_fingerprint": snapshot.fingerprint})
         if state == "complete":  # resuming a completed run trains nothing: its model is it
             return _model_of_run(db, self.identifier, run_id)
         return execute(
             self, db, run_id, placement, resume=resume if state == "resume" else False, merge=merge
         )
 
-    def _register(self, db: Any, resume: bool | str, allow: bool) -> tuple[int | None, str, str]:
+    def _register(
+        self, db: Any, resume: bool | str, allow: bool
+    ) -> tuple[int | None, str, str, RunSnapshot]:
         """Check, then record: the trainer version (unless stored already) and the run.
-        Returns (version, run id, "new" | "resume" | "complete"). A fit that cannot train
-        fails in :func:`check_before_recording` and records nothing."""
+        Returns (version, run id, "new" | "resume" | "complete", the run's snapshot). A
+        resume reads its run's snapshot from the run record (no scan of the rows); a new run
+        takes one. A fit that cannot train fails in :func:`check_before_recording` and
+        records nothing."""
         from llmtrain.training.preflight import check_before_recording
 
-        check_before_recording(self.config, db, self.data_scan)
         version = self._stored_version(db)
-        if resume:
-            found = self._run_to_resume(db, version, resume)
-            if found is not None:
-                run, complete = found
-                self.version = version
-                if complete:
-                    return version, run.run_id, "complete"
-                db.metadata.update_run(run.run_id, info={"allow_changed_data": allow})
-                return version, run.run_id, "resume"
+        found = self._run_to_resume(db, version, resume) if resume else None
+        if resume and found is None:
             if resume not in (True, "latest"):
                 raise ConfigError(
                     f"fit(resume={resume!r}): no run of trainer {self.identifier!r} has that "
                     "checkpoint (give a step or a checkpoint's artifact id, or resume=True)"
                 )
             log.info("nothing to resume for %s: starting a new run", self.identifier)
+        snapshot = self._run_snapshot(db, found[0] if found else None, allow)
+        self.config.fit = self.config.fit.model_copy(  # type: ignore[union-attr]
+            update={"data_fingerprint": snapshot.fingerprint}
+        )
+        check_before_recording(self.config, db, snapshot)
+        if found is not None:
+            run, complete = found
+            self.version = version
+            if not complete:
+                db.metadata.update_run(run.run_id, info={"allow_changed_data": allow})
+            return version, run.run_id, "complete" if complete else "resume", snapshot
         if version is None:
             db.add(self)
         else:
             self.version = version
-        return self.version, self._new_run(db, allow), "new"
+        return self.version, self._new_run(db, allow, snapshot), "new", snapshot
+
+    def _run_snapshot(self, db: Any, run: Any, allow: bool) -> RunSnapshot:
+        """The run's snapshot of its rows: the resumed run's, read from its record; else a
+        new one, which a replay first compares with the fit it replays."""
+        fit, data = self.config.fit, self.config.data_args
+        assert fit is not None  # set by fit() before it registers
+        if run is not None and "snapshot" in run.info:
+            return RunSnapshot.from_record(run.info["snapshot"])
+        snapshot = take_snapshot(
+            db,
+            fit.query(),
+            eval_fraction=data.eval_fraction,
+            version_column=data.version_column,
+        )
+        if run is not None:  # a run from before snapshots: its resume state is checked
+            log.warning("run %s predates key snapshots: took one of its rows now", run.run_id)
+            db.metadata.update_run(run.run_id, info={"snapshot": snapshot.to_record()})
+        elif (
+            fit.data_fingerprint
+            and fit.db == db.uri
+            and fit.data_fingerprint != snapshot.fingerprint
+        ):
+            message = (
+                f"the rows of {fit.query().source} changed since trainer "
+                f"{self.identifier!r} v{self.version} was fitted (data fingerprint "
+                f"{fit.data_fingerprint} -> {snapshot.fingerprint})"
+            )
+            if not allow:
+                raise DataChangedError(message + "; pass allow_changed_data=True to train anyway")
+            log.warning("%s; training anyway as asked", message)
+        return snapshot
 
     def _fit_spec(
         self,
@@ -255,9 +280,9 @@ class LLMTrainer:
             )
         return None
 
-    def _new_run(self, db: Any, allow_changed_data: bool) -> str:
-        """A new run of this version. It records this call's ``allow_changed_data``: every
-        rank reads it from there."""
+    def _new_run(self, db: Any, allow_changed_data: bool, snapshot: RunSnapshot) -> str:
+        """A new run of this version. It records this call's ``allow_changed_data`` and the
+        manifest of its snapshot of the rows: every rank and every resume reads them there."""
         run_id, fit = uuid.uuid4().hex, self.config.fit
         assert fit is not None  # set by fit() before it registers
         db.metadata.create_run(
@@ -274,6 +299,7 @@ class LLMTrainer:
                 "db": db.uri,
                 "versions": library_versions(),
                 "allow_changed_data": allow_changed_data,
+                "snapshot": snapshot.to_record(),
             },
         )
         return run_id
@@ -354,12 +380,6 @@ def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
         return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
 
     return strip(stored) == strip(current)
-
-
-def _data_scan(db: Any, spec: FitSpec, data: DataArguments) -> Any:
-    from llmtrain.datasets import scan_selection
-
-    return scan_selection(db.backend, spec.query(), data.cache_size, data.eval_fraction)
 
 
 LLMTrainer.__doc__ = f"{LLMTrainer.__doc__}\n{textwrap.indent(keyword_reference(), '    ')}"

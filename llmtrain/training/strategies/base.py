@@ -117,6 +117,10 @@ class Strategy(ABC):
         """Rank 0's ``obj`` on every rank."""
         return obj
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        return [obj]
+
     # -- state -----------------------------------------------------------------------------
     def unwrap(self, model: Any) -> Any:
         """The PEFT (or plain) model inside any wrapper."""
@@ -193,3 +197,10 @@ class ProcessGroupStrategy(Strategy):
         box = [obj]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        if not self.placement.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
