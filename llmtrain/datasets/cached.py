@@ -55,6 +55,8 @@ class ReadStats:
     skipped_once: set[str] = field(default_factory=set)
     #: keys of the snapshot whose rows were gone when their window was read (as key_repr)
     deleted: set[str] = field(default_factory=set)
+    #: the epoch each row (deleted or bad) was first skipped in, by key_repr: lineage needs it
+    skipped_in: dict[str, int] = field(default_factory=dict)
 
 
 class CachedQueryDataset(IterableDataset):
@@ -385,10 +387,14 @@ class CachedQueryDataset(IterableDataset):
                 len(missing),
                 len(self.stats.deleted),
             )
-        return [
+        window = [
             (ws.offset + p, k, self._checked(k, found[r]) if r in found else None)
             for p, k, r in zip(picks, wanted, reprs)
         ]
+        for (_, _, row), r in zip(window, reprs):
+            if row is None:
+                self.stats.skipped_in.setdefault(r, piece.epoch)
+        return window
 
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""

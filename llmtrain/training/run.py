@@ -417,7 +417,22 @@ class FitRun:
             self.db.metadata.update_run(
                 self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
             )
+        self._record_skipped()
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
+
+    def _record_skipped(self) -> None:
+        """Collective. The epoch each skipped row (deleted or bad) was first skipped in, from
+        every rank, kept on the run: the one per-key fact its lineage cannot derive."""
+        from llmtrain.lineage import SKIPPED
+
+        ranks = self.strategy.gather_object(self.batches.stats.skipped_in)
+        if not self.strategy.is_main or not any(ranks):
+            return
+        merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
+        for found in ranks:
+            for key, epoch in found.items():
+                merged[key] = min(merged.get(key, epoch), epoch)
+        self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
 
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""
