@@ -286,10 +286,11 @@ class _Blocks:
 def run_rows(steps: Steps) -> Iterator[Consumed]:
     """Every row the run trained, in step order (ranks interleaved within a step)."""
     plan = steps.plan
-    streams = [
-        ((step, rank, epoch, indexes) for step, epoch, indexes in steps.batches(rank))
-        for rank in range(plan.world_size)
-    ]
+    def stream(rank: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        for step, epoch, indexes in steps.batches(rank):
+            yield step, rank, epoch, indexes
+
+    streams = [stream(rank) for rank in range(plan.world_size)]
     keys = [_Blocks(steps.keys, plan.block_size) for _ in range(plan.world_size)]
     run_id = plan.run_id
     for step, rank, epoch, indexes in heapq.merge(*streams, key=lambda b: (b[0], b[1])):

@@ -183,4 +183,12 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert key not in {k for k, _ in _trace_rows(third)}
     assert len({k for k, _ in _trace_rows(third)}) == 23
     assert _lineage(db, "lin") == {retrain_run.run_id: _trace_rows(third)}
+
+    # the CLI: forget lists what trained on a row; user mistakes exit 2
+    other = next(k for k, _ in _trace_rows(third)).split(":")[1]
+    assert main(["forget", "docs", other, "--db", uri]) == 0
+    out = capsys.readouterr().out
+    assert retrain_run.run_id in out and f"lin v{retrained.version}" in out
+    assert main(["trained-on", "docs", other]) == 2  # no --db
+    assert "no database" in capsys.readouterr().err
     db.close()
