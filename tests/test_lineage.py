@@ -80,6 +80,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [_row(i) for i in range(18)])
     db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    where = ["--db", uri, "--artifacts", str(tmp_path / "artifacts")]
     trainer = lt.LLMTrainer("lin", model=tiny, prompt_template=TEMPLATE, **OPTIONS)
 
     # a run that crashes after its step-6 checkpoint, then resumes
@@ -161,12 +162,12 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert db.trained_on("docs", 10_000).runs == []
 
     # the CLI says the same
-    assert main(["trained-on", "docs", key.split(":")[1], "--db", uri]) == 0
+    assert main(["trained-on", "docs", key.split(":")[1], *where]) == 0
     assert run.run_id in capsys.readouterr().out
-    assert main(["lineage", "lin", "--version", str(parent.version), "--db", uri]) == 0
+    assert main(["lineage", "lin", "--version", str(parent.version), *where]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sorted((f"int:{ln.split()[0]}", int(ln.split()[2])) for ln in lines) == trained
-    assert main(["lineage", "nope", "--db", uri]) == 2
+    assert main(["lineage", "nope", *where]) == 2
 
     # forget the row: the models are reported and the runs marked, nothing deleted; the
     # retrain leaves the row out and records so, and a later run does too
@@ -186,7 +187,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
 
     # the CLI: forget lists what trained on a row; user mistakes exit 2
     other = next(k for k, _ in _trace_rows(third)).split(":")[1]
-    assert main(["forget", "docs", other, "--db", uri]) == 0
+    assert main(["forget", "docs", other, *where]) == 0
     out = capsys.readouterr().out
     assert retrain_run.run_id in out and f"lin v{retrained.version}" in out
     assert main(["trained-on", "docs", other]) == 2  # no --db
