@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.datasets import RunSnapshot, take_snapshot
-from llmtrain.errors import CheckpointError, DataError
+from llmtrain.errors import CheckpointError, DataError, StoreError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.queries import Query
 from llmtrain.training.callbacks import Callback, registered_callbacks
@@ -139,7 +139,10 @@ class FitRun:
     def _start_from_parent(self, model: Any) -> None:
         """An incremental run starts from its parent model's adapter, which its record names
         (a checkpoint restored later overrides it)."""
-        parent = self.db.metadata.get_run(self.run_id).info.get("parent")
+        try:
+            parent = self.db.metadata.get_run(self.run_id).info.get("parent")
+        except StoreError:  # a run set up without a record (a probe): no parent to start from
+            return
         if not parent:
             return
         from peft import set_peft_model_state_dict
