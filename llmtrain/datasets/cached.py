@@ -149,6 +149,7 @@ class CachedQueryDataset(IterableDataset):
                 self.query,
                 eval_fraction=self.eval_fraction * (self.split != "all"),
                 store=self.store,
+                cache_size=self.cache_size,
             )
             self.stats.statements += self._snapshot.statements
             self.stats.keys_fetched += self._snapshot.count

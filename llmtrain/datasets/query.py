@@ -36,7 +36,8 @@ class QueryDataset(Dataset):
         self.keys: list[Any] = []
         self.rows: list[Row] = []
         self._read(page_size)
-        self.data_fingerprint = take_snapshot(db, select, store=MemoryStore()).fingerprint
+        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
+        self.data_fingerprint = snapshot.fingerprint
 
     def _read(self, page_size: int) -> None:
         lower, inclusive = None, True

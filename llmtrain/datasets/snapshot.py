@@ -245,19 +245,13 @@ class RunSnapshot:
     train: KeySnapshot
     held: KeySnapshot | None = None
     eval_fraction: float = 0.0
+    #: the data fingerprint runs and models record (see :func:`data_fingerprint`)
+    fingerprint: str = ""
     statements: int = field(default=0, compare=False)  # taking it (not recorded)
 
     @property
     def count(self) -> int:
         return self.train.count + (self.held.count if self.held else 0)
-
-    @property
-    def fingerprint(self) -> str:
-        """The data fingerprint stored on runs and models: which rows, in which views."""
-        if self.held is None:
-            return self.train.fingerprint
-        both = f"{self.train.fingerprint}:{self.held.fingerprint}:{self.eval_fraction}"
-        return hashlib.sha256(both.encode()).hexdigest()[:32]
 
     def view(self, split: Split) -> KeySnapshot:
         """The keys a ``split`` reads: all rows, the training rows or the held-out rows."""
@@ -275,6 +269,7 @@ class RunSnapshot:
             "format": 1,
             "query": self.query,
             "eval_fraction": self.eval_fraction,
+            "fingerprint": self.fingerprint,
             "train": self.train.to_record(),
             "held": None if self.held is None else self.held.to_record(),
         }
@@ -289,6 +284,7 @@ class RunSnapshot:
             KeySnapshot.from_record(data["train"]),
             None if held is None else KeySnapshot.from_record(held),
             float(data["eval_fraction"]),
+            str(data["fingerprint"]),
         )
 
 
@@ -344,11 +340,13 @@ def take_snapshot(
     chunk_size: int = CHUNK_SIZE,
     version_column: str | None = None,
     store: Any = None,
+    cache_size: int = 1024,
 ) -> RunSnapshot:
     """Read the selection's keys once (keys only, keyset pages) into chunks in ``store``
     (default: ``db.artifacts``). A key that is NULL or repeated is refused: paging on it
     would read rows twice or skip them. With ``version_column`` each key's value of that
-    column is kept too, read in the same pass."""
+    column is kept too, read in the same pass. ``cache_size``: the window size the data
+    fingerprint notes keys at (see :func:`data_fingerprint`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     backend, store = db.backend, db.artifacts if store is None else store
@@ -359,6 +357,7 @@ def take_snapshot(
     lower: Any = None
     last: Any = None
     statements = seen = 0
+    boundaries: list[str] = []
     while True:
         # each page after the first starts *at* the last key seen, so a key repeated across
         # the page boundary shows up as a repeat too; that one overlapping key is dropped
@@ -371,6 +370,8 @@ def take_snapshot(
             version = row.get(version_column) if version_column else None
             view = held if held is not None and held_out(key, eval_fraction) else train
             view.add(key, version)
+            if seen % cache_size == 0:
+                boundaries.append(key_repr(key))
             seen, last = seen + 1, key
         if len(page) < _KEY_PAGE:
             break
@@ -380,5 +381,15 @@ def take_snapshot(
         train.done(),
         held.done() if held is not None else None,
         float(eval_fraction) if split else 0.0,
+        data_fingerprint(seen, cache_size, boundaries, key_repr(last)),
         statements,
     )
+
+
+def data_fingerprint(count: int, block_size: int, boundaries: list[str], last: str) -> str:
+    """Changes when rows are added, removed or re-keyed at a window's edge: the whole
+    selection's count and every ``block_size``-th key, as llmtrain has always recorded it
+    (so a replay of a fit recorded by 0.1.0 compares). The snapshot's manifest fingerprints
+    every key exactly."""
+    payload = json.dumps([count, block_size, boundaries, last])
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]

@@ -14,7 +14,14 @@ from __future__ import annotations
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from llmtrain.errors import ConfigError
 from llmtrain.training.spec import FitSpec
@@ -58,6 +65,17 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_new_fields(self, handler: Any) -> dict[str, Any]:
+        """A field added after 0.1.0 (marked ``since``) stays out of the record while it
+        holds its default: stored records round-trip unchanged."""
+        data = handler(self)
+        for name, info in type(self).model_fields.items():
+            extra = info.json_schema_extra
+            if isinstance(extra, dict) and "since" in extra and getattr(self, name) == info.default:
+                data.pop(name, None)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
@@ -216,7 +234,7 @@ class DataArguments(_Args):
     """Held-out rows scored per evaluation."""
     allow_changed_data: bool = False
     """Replay a fit on changed rows (fit(allow_changed_data=) wins)."""
-    version_column: str | None = None
+    version_column: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
     """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
 
 

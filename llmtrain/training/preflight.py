@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmtrain.errors import ConfigError, DataError
+from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 from llmtrain.training.args import TrainerConfig
 
@@ -19,17 +19,16 @@ from llmtrain.training.args import TrainerConfig
 FIRST_ROWS = 16
 
 
-def check_before_recording(config: TrainerConfig, db: Any, snapshot: Any) -> None:
-    """Raise ConfigError/DataError/QueryError for a fit that cannot train, before it is
-    recorded: an empty selection, an X/Y field missing, a missing model, unmatched targets."""
+def check_before_recording(config: TrainerConfig, db: Any) -> None:
+    """Raise ConfigError/QueryError for a fit that cannot train, before it is recorded: an
+    X/Y field missing, a missing model, unmatched targets (an empty selection is found when
+    the run's rows are snapshotted)."""
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
     folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
     if folder is not None and config.lora_args is not None:
         check_lora_targets(folder, config)
     select = fit.query()
-    if snapshot.count == 0:
-        raise DataError(f"{select.source} selects 0 rows: nothing to train on")
     check_fields(db, select, fit.X, fit.Y)
     eval_query = fit.eval_query()
     if eval_query is not None:

@@ -177,6 +177,7 @@ class FitRun:
                         select,
                         eval_fraction=d.eval_fraction,
                         version_column=d.version_column,
+                        cache_size=d.cache_size,
                     )
                     self.db.metadata.update_run(
                         self.run_id, info={"snapshot": snapshot.to_record()}

@@ -12,7 +12,7 @@ from typing import Any
 from llmtrain.components import check_identifier, register_component
 from llmtrain.console import quiet_unless_verbose
 from llmtrain.datasets.snapshot import RunSnapshot, take_snapshot
-from llmtrain.errors import ConfigError, DataChangedError
+from llmtrain.errors import ConfigError, DataChangedError, DataError
 from llmtrain.queries import Query
 from llmtrain.training.args import TrainerConfig, build, keyword_reference
 from llmtrain.training.spec import FitSpec
@@ -145,6 +145,7 @@ class LLMTrainer:
         records nothing."""
         from llmtrain.training.preflight import check_before_recording
 
+        check_before_recording(self.config, db)
         version = self._stored_version(db)
         found = self._run_to_resume(db, version, resume) if resume else None
         if resume and found is None:
@@ -166,7 +167,6 @@ class LLMTrainer:
         self.config.fit = self.config.fit.model_copy(  # type: ignore[union-attr]
             update={"data_fingerprint": snapshot.fingerprint}
         )
-        check_before_recording(self.config, db, snapshot)
         if found is not None:
             run, complete = found
             self.version = version
@@ -191,7 +191,10 @@ class LLMTrainer:
             fit.query(),
             eval_fraction=data.eval_fraction,
             version_column=data.version_column,
+            cache_size=data.cache_size,
         )
+        if snapshot.count == 0:
+            raise DataError(f"{fit.query().source} selects 0 rows: nothing to train on")
         if run is not None:  # a run from before snapshots: its resume state is checked
             log.warning("run %s predates key snapshots: took one of its rows now", run.run_id)
             db.metadata.update_run(run.run_id, info={"snapshot": snapshot.to_record()})
