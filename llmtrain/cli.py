@@ -388,6 +388,9 @@ def _show_model(db: Any, name: str) -> None:
     records = db.metadata.list_components("model", name)
     if not records:
         raise _not_found(db, "model", name)
+    forgotten = {  # rows forgotten since (db.forget): the model still carries them
+        r.run_id: len(r.info.get("forgotten_keys") or ()) for r in db.metadata.list_runs()
+    }
     rows = []
     for r in records:
         p = r.payload
@@ -401,13 +404,11 @@ def _show_model(db: Any, name: str) -> None:
                 history[-1]["loss"] if history else None,
                 p.get("adapter"),
                 p.get("merged"),
+                forgotten.get(p["run_id"]) or None,
             )
         )
-    _say(
-        table(
-            rows, ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
-        )
-    )
+    headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
+    _say(table(rows, [*headers, "forgotten rows"]))
 
 
 def _show_runs(db: Any, name: str | None) -> None:

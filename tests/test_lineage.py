@@ -176,6 +176,8 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert forgotten.trainers == [("lin", run.version)]
     assert key in db.metadata.get_run(run.run_id).info["forgotten_keys"]
     assert db.load("model", "lin", parent.version).record.adapter == parent.record.adapter
+    assert main(["show", "model", "lin", *where]) == 0
+    assert "forgotten rows" in capsys.readouterr().out
     third = KeyTrace()
     with registered(third):
         (retrained,) = forgotten.retrain()
