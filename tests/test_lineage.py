@@ -195,3 +195,50 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert main(["trained-on", "docs", other]) == 2  # no --db
     assert "no database" in capsys.readouterr().err
     db.close()
+
+
+def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_path: Path) -> None:
+    """No model: the real dataset and loader read 3 shuffled epochs while a whole block (two
+    batches) and a single row are deleted after epoch 0; the batches it yields, grouped into
+    steps as the loop does, are the lineage derived from the record of the skips."""
+    from llmtrain.datasets import CachedQueryDataset
+    from llmtrain.datasets.snapshot import take_snapshot
+    from llmtrain.lineage import Plan, SnapshotKeys, Steps, run_rows
+
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [_row(i) for i in range(20)])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    snapshot = take_snapshot(db, lt.Table("docs"))
+    data = CachedQueryDataset(
+        db,
+        lt.Table("docs"),
+        ["q"],
+        cache_size=4,
+        seed=5,
+        rank=0,
+        world_size=1,
+        snapshot=snapshot,
+    )
+    loader = data.loader(2, with_keys=True, collate_fn=lambda rows: [k for k, _ in rows])
+    batches, accum = [], 3
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        batches += [(epoch, keys) for keys in loader]
+        if epoch == 0:
+            engine = sa.create_engine(uri)
+            with engine.begin() as conn:
+                conn.execute(sa.text("DELETE FROM docs WHERE id IN (8, 9, 10, 11, 17)"))
+            engine.dispose()
+    assert sum(len(k) for _, k in batches) == 20 + 2 * 15  # 10, then 8 batches an epoch
+    expected = sorted(
+        (key_repr(k), epoch, n // accum + 1)
+        for n, (epoch, keys) in enumerate(batches)
+        for k in keys
+    )
+    steps = -(-len(batches) // accum)
+    plan = Plan("r", 20, 4, 5, True, True, 1, 2, accum, 3, steps)
+    derived = Steps(plan, data.stats.skipped_in, SnapshotKeys(snapshot.train, db.artifacts))
+    assert data.stats.skipped_in == {f"int:{i}": 1 for i in (8, 9, 10, 11, 17)}
+    rows = sorted((key_repr(r.key), r.epoch, r.step) for r in run_rows(derived))
+    assert rows == expected
+    db.close()
