@@ -16,7 +16,7 @@ import heapq
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -31,17 +31,33 @@ SKIPPED = "skipped_keys"
 PARENT = "parent"
 
 
-class KeyList(Protocol):
-    """The keys a run trained from, in key order (its training view): what lineage reads."""
+class SnapshotKeys:
+    """A run's training keys, read from its stored snapshot a chunk at a time."""
+
+    def __init__(self, view: Any, store: Any) -> None:
+        self.view, self.store = view, store
 
     @property
-    def count(self) -> int: ...
+    def count(self) -> int:
+        return int(self.view.count)
 
     def slice(self, start: int, stop: int) -> Sequence[Key]:
-        """Keys ``start:stop`` (a span inside one block of the plan)."""
+        return self.view.keys(self.store, start, stop)
 
     def chunks(self) -> Iterator[Sequence[Key]]:
-        """Every key in order, a chunk at a time."""
+        size = self.view.chunk_size
+        for start in range(0, self.count, size):
+            yield self.view.keys(self.store, start, start + size)
+
+    def versions(self) -> Iterator[Sequence[Any]] | None:
+        """The versions of the keys, chunk by chunk alongside :meth:`chunks`; None without."""
+        if self.view.versions is None:
+            return None
+        size = self.view.chunk_size
+        return (
+            self.view.versions_of(self.store, start, start + size)
+            for start in range(0, self.count, size)
+        )
 
 
 class Consumed(NamedTuple):
@@ -130,7 +146,7 @@ class Steps:
 
     plan: Plan
     skipped: Mapping[str, int]  # key_repr -> first epoch skipped
-    keys: KeyList
+    keys: SnapshotKeys
     #: (rank, epoch) -> sorted batch numbers with every row skipped
     empty: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     #: key index -> first epoch skipped
@@ -263,7 +279,7 @@ class Steps:
 class _Blocks:
     """Keys by index, a block read at a time (a walk visits a block's keys together)."""
 
-    def __init__(self, keys: KeyList, block_size: int) -> None:
+    def __init__(self, keys: SnapshotKeys, block_size: int) -> None:
         self.keys, self.size = keys, block_size
         self.block, self.values = -1, cast(Sequence[Key], ())
 
@@ -286,6 +302,7 @@ class _Blocks:
 def run_rows(steps: Steps) -> Iterator[Consumed]:
     """Every row the run trained, in step order (ranks interleaved within a step)."""
     plan = steps.plan
+
     def stream(rank: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
         for step, epoch, indexes in steps.batches(rank):
             yield step, rank, epoch, indexes
@@ -311,69 +328,19 @@ def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
                 yield epoch, step, rank
 
 
-# -- 8-byte key digests: sets of keys at 10M rows without Python sets -------------------------
-def digests(keys: Sequence[Key]) -> np.ndarray:
-    """uint64 digests of the keys' ``key_repr`` (blake2b); collisions are about n^2 / 2^65:
-    1e-5 at 10M keys, in which case one changed row may be counted as trained already."""
-    import hashlib
-
-    return np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(key_repr(k).encode(), digest_size=8).digest(), "big")
-            for k in keys
-        ),
-        dtype=np.uint64,
-        count=len(keys),
-    )
-
-
-def check_record(run: Any) -> None:
-    """A run whose record lacks what lineage needs (edited by hand, or not a fit)."""
-    if not isinstance(run.info.get("config"), dict) or not isinstance(run.info.get("query"), dict):
-        raise StoreError(f"run {run.run_id} has no trainer config or query: no lineage to derive")
-
-
 # -- the stored runs ----------------------------------------------------------------------------
-class SnapshotKeys:
-    """A run's training keys, read from its stored snapshot a chunk at a time."""
-
-    def __init__(self, view: Any, store: Any) -> None:
-        self.view, self.store = view, store
-
-    @property
-    def count(self) -> int:
-        return int(self.view.count)
-
-    def slice(self, start: int, stop: int) -> Sequence[Key]:
-        return self.view.keys(self.store, start, stop)
-
-    def chunks(self) -> Iterator[Sequence[Key]]:
-        size = self.view.chunk_size
-        for start in range(0, self.count, size):
-            yield self.view.keys(self.store, start, start + size)
-
-    def versions(self) -> Iterator[Sequence[Any]] | None:
-        """The versions of the keys, chunk by chunk alongside :meth:`chunks`; None without."""
-        if self.view.versions is None:
-            return None
-        size = self.view.chunk_size
-        return (
-            self.view.versions_of(self.store, start, start + size)
-            for start in range(0, self.count, size)
-        )
-
-
 def run_keys(db: Any, run: Any) -> SnapshotKeys:
     """The training keys a run pinned; a run recorded before snapshots has none to give."""
     from llmtrain.datasets.snapshot import RunSnapshot
 
-    check_record(run)
     record = run.info.get("snapshot")
     if not isinstance(record, dict):
         raise StoreError(
             f"run {run.run_id} of {run.identifier!r} recorded no key snapshot (it predates "
             "them): the rows it trained cannot be derived"
         )
+    if not isinstance(run.info.get("config"), dict):
+        raise StoreError(f"run {run.run_id} records no trainer config: no lineage to derive")
     return SnapshotKeys(RunSnapshot.from_record(record).view("train"), db.artifacts)
 
 

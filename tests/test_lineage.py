@@ -177,7 +177,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert key in db.metadata.get_run(run.run_id).info["forgotten_keys"]
     assert db.load("model", "lin", parent.version).record.adapter == parent.record.adapter
     assert main(["show", "model", "lin", *where]) == 0
-    assert "forgotten rows" in capsys.readouterr().out
+    assert "FORGOTTEN ROWS" in capsys.readouterr().out.upper()
     third = KeyTrace()
     with registered(third):
         (retrained,) = forgotten.retrain()
