@@ -16,8 +16,7 @@ from conftest import fill
 
 import llmtrain as lt
 from llmtrain.backends.engines import mongo_database, sql_engine
-from llmtrain.datasets.snapshot import MemoryStore, take_snapshot
-from llmtrain.datasets.snapshot import key_repr
+from llmtrain.datasets.snapshot import MemoryStore, key_repr, take_snapshot
 
 N = 50
 

@@ -476,34 +476,35 @@ def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> Non
 
 
 @pytest.mark.parametrize("eval_fraction", [0.0, 0.25])
-def test_a_fit_scans_its_selection_once_also_on_resume(
+def test_a_fit_snapshots_its_selection_once_and_a_resume_not_at_all(
     tiny: Path, db: Any, eval_fraction: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llmtrain.datasets
     import llmtrain.datasets.cached
     import llmtrain.training.run
-    from llmtrain.backends.sql import SQLBackend
+    import llmtrain.training.trainer
+    from llmtrain.datasets import take_snapshot
 
-    scans: list[str] = []
-    original, scan_keys = llmtrain.datasets.scan_selection, SQLBackend.scan_keys
+    snapshots: list[str] = []
 
-    def counting(backend: Any, query: Any, *args: Any) -> Any:
-        scans.append(query.source)
-        return original(backend, query, *args)
+    def counting(db: Any, query: Any, **kwargs: Any) -> Any:
+        snapshots.append(query.source)
+        return take_snapshot(db, query, **kwargs)
 
-    for module in (llmtrain.datasets, llmtrain.datasets.cached, llmtrain.training.run):
-        monkeypatch.setattr(module, "scan_selection", counting)
-    monkeypatch.setattr(
-        SQLBackend, "scan_keys", lambda self, *a: (scans.append("backend"), scan_keys(self, *a))[1]
-    )
+    for module in (llmtrain.datasets.cached, llmtrain.training.run, llmtrain.training.trainer):
+        monkeypatch.setattr(module, "take_snapshot", counting)
     options: dict[str, Any] = {"max_steps": 4, "save_steps": 2, "eval_fraction": eval_fraction}
     if eval_fraction:
         options["eval_steps"] = 2
     _fit(_trainer(tiny, "onescan", **options), db)
-    expected = ["table docs"] + (["backend"] if not eval_fraction else [])
-    assert scans == expected  # the fingerprint, the training rows and the held-out rows
+    assert snapshots == ["table docs"]  # the training rows and the held-out rows: one pass
+    (run,) = db.metadata.list_runs("trainer", "onescan")
+    assert (
+        run.info["snapshot"]["train"]["count"]
+        + (run.info["snapshot"]["held"] or {"count": 0})["count"]
+        == 48
+    )
     _fit(_trainer(tiny, "onescan", **options), db, resume=True)
-    assert scans == expected * 2  # the resume check compares with this run's one scan
+    assert snapshots == ["table docs"]  # the resume read the run's snapshot from its record
 
 
 def test_every_evaluation_reads_the_same_held_out_rows(tiny: Path, db: Any) -> None:

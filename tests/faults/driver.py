@@ -100,15 +100,38 @@ def main() -> None:
     register(KeyTrace(cfg["trace"]))
     if cfg.get("hold"):
         install_hold(cfg["hold"])
+    key_pages: list[int] = []
+    if cfg.get("count_key_pages"):  # keyset pages of keys only: a snapshot being taken
+        from llmtrain.backends.sql import SQLBackend
+
+        fetch_rows = SQLBackend.fetch_rows
+
+        def counted(self: Any, query: Any, fields: Any, *args: Any, **kwargs: Any) -> Any:
+            if not fields:
+                key_pages.append(1)
+            return fetch_rows(self, query, fields, *args, **kwargs)
+
+        SQLBackend.fetch_rows = counted  # type: ignore[method-assign]
     db = lt.connect(cfg["uri"], artifacts=cfg["artifacts"])
     trainer = lt.LLMTrainer(
         cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE, **cfg["options"]
     )
     model = trainer.fit(
-        X="instruction", Y="output", db=db, select=lt.Table("docs"), resume=cfg.get("resume", False)
+        X="instruction",
+        Y="output",
+        db=db,
+        select=lt.Table(cfg.get("table", "docs")),
+        resume=cfg.get("resume", False),
     )
     print(
-        "RESULT " + json.dumps({"run_id": model.record.run_id, "adapter": model.record.adapter}),
+        "RESULT "
+        + json.dumps(
+            {
+                "run_id": model.record.run_id,
+                "adapter": model.record.adapter,
+                "key_pages": len(key_pages),
+            }
+        ),
         flush=True,
     )
 

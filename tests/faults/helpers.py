@@ -260,7 +260,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture, logger: str) -> Iterator[list[
 class CountingBackend:
     """Wraps a Datalayer's backend and counts what it reads (to prove nothing was read)."""
 
-    READS = ("scan_keys", "fetch_rows", "fetch_keys", "fetch_by_keys")
+    READS = ("fetch_rows", "fetch_by_keys")
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner

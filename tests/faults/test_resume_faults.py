@@ -1,8 +1,8 @@
 """What a resume meets: rows that changed since the checkpoint, and an artifact store that
 cannot take the next checkpoint (disk full, unwritable).
 
-Promises: changed rows stop a resume with a clear ``DataChangedError`` unless the caller opts
-in (``allow_changed_data``), then training goes on with a warning; a checkpoint that cannot be
+Promises: a resume reads the run's snapshot of its rows, so rows added since are not trained
+and rows deleted since are skipped and recorded; a checkpoint that cannot be
 written fails the fit with a clear ``CheckpointError``, leaves no partial file, and the
 previous checkpoint stays intact and resumable (to the uninterrupted run's adapter, bit for
 bit).
@@ -24,12 +24,12 @@ from conftest import fill
 
 import llmtrain as lt
 from llmtrain.backends.engines import sql_engine
-from llmtrain.errors import CheckpointError, DataChangedError
+from llmtrain.errors import CheckpointError
 from llmtrain.training import run as run_module
 from llmtrain.training.callbacks import KeyTrace, registered
 from llmtrain.training.checkpoint import verify
 
-from .helpers import adapter, assert_same_weights, doc_rows, trainer, warnings_of
+from .helpers import adapter, assert_same_weights, doc_rows, trainer
 
 OPTIONS: dict[str, Any] = {"max_steps": 8, "save_steps": 2, "cache_size": 8}
 
@@ -73,25 +73,18 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 # -- rows that changed between a run and its resume -------------------------------------------
 CHANGES = {
-    "row deleted": ("DELETE FROM {t} WHERE id = 5", "row count 32 -> 31"),
-    "row added": (
-        "INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
-        "row count 32 -> 33",
-    ),
-    "row re-keyed": (
-        "UPDATE {t} SET id = 1005 WHERE id = 5",
-        r"added, removed or re-keyed \(same count\)",
-    ),
+    "row deleted": "DELETE FROM {t} WHERE id = 5",
+    "row added": "INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
+    "row re-keyed": "UPDATE {t} SET id = 1005 WHERE id = 5",
 }
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
+def test_a_resume_reads_the_runs_snapshot_whatever_changed_since(
     world: World,
     tiny: Path,
     change: str,
     monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
 ) -> None:
     name = "changed" + str(list(CHANGES).index(change))
     table = f"docs_{name}"
@@ -102,31 +95,20 @@ def test_rows_changed_before_a_resume_stop_it_unless_the_caller_allows_it(
     monkeypatch.undo()
     (run,) = world.db.metadata.list_runs("trainer", name)
     checkpoints = [c.step for c in world.db.metadata.list_checkpoints(run.run_id)]
-
-    statement, message = CHANGES[change]
     with sql_engine(world.db.secret_uri()).begin() as conn:
-        conn.execute(sa.text(statement.format(t=table)))
-
-    with pytest.raises(DataChangedError, match=message) as refused:
-        fit(world, tiny, name, resume=True)
-    assert "allow_changed_data=True" in str(refused.value)
-    (run,) = world.db.metadata.list_runs("trainer", name)
-    # the refused attempt never continued the run: it is still the interrupted run, with
-    # the refusal noted
-    assert run.status == "interrupted" and "resume refused: DataChangedError" in (run.error or "")
-    # the refusal touched nothing: the checkpoints are the ones the crash left
-    assert [c.step for c in world.db.metadata.list_checkpoints(run.run_id)] == checkpoints
+        conn.execute(sa.text(CHANGES[change].format(t=table)))
 
     trace = KeyTrace()
-    with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
-        model = fit(world, tiny, name, resume=True, allow_changed_data=True)
-    assert any(
-        "changed since the state was taken" in w and "continuing as asked" in w for w in warned
-    ), warned
+    with registered(trace):
+        model = fit(world, tiny, name, resume=True)  # no allow_changed_data needed
     (run,) = world.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and model.record.run_id == run.run_id
     steps = [e["step"] for e in trace.steps]
     assert steps == list(range(max(checkpoints) + 1, OPTIONS["max_steps"] + 1))
+    # only the snapshot's rows: an added or re-keyed row is not trained, a deleted one is
+    # skipped and recorded on the run when its window comes
+    assert not {"int:99", "int:1005", "int:5"} & set(trace.keys)
+    assert set(run.info.get("deleted_keys", [])) <= ({"int:5"} if change != "row added" else set())
 
 
 # -- a checkpoint the artifact store cannot take ----------------------------------------------
