@@ -388,14 +388,10 @@ class CachedQueryDataset(IterableDataset):
                 len(missing),
                 len(self.stats.deleted),
             )
-        window = [
+        return [
             (ws.offset + p, k, self._checked(k, found[r]) if r in found else None)
             for p, k, r in zip(picks, wanted, reprs)
         ]
-        for (_, _, row), r in zip(window, reprs):
-            if row is None:
-                self.stats.skipped_in.setdefault(r, piece.epoch)
-        return window
 
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
