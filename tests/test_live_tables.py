@@ -168,6 +168,7 @@ def test_a_fit_on_a_live_table_trains_its_snapshot_once_per_epoch(
     assert set(snapshot) - recorded <= {k for (e, k) in trace.epochs if e == 1}
 
 
+@pytest.mark.slow
 def test_a_resume_after_kill_9_reads_the_snapshot_and_continues_batch_for_batch(
     pg: str, tiny: Path, tmp_path: Path
 ) -> None:

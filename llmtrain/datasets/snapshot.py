@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import operator
 import threading
 import uuid
 import zlib
@@ -299,28 +300,42 @@ class _Writer:
         self.version_chunks: list[str] = []
         self.count = 0
 
-    def add(self, key: Key, version: Any = None) -> None:
-        self.keys.append(key)
+    def extend(self, keys: list[Key], versions: list[Any]) -> None:
+        self.keys += keys
         if self.versions is not None:
-            self.versions.append(version)
-        self.count += 1
-        if len(self.keys) == self.chunk_size:
-            self._flush()
+            self.versions += versions
+        self.count += len(keys)
+        while len(self.keys) >= self.chunk_size:
+            self._flush(self.chunk_size)
 
-    def _flush(self) -> None:
+    def _flush(self, n: int) -> None:
         if self.keys:
-            self.chunks.append(self.store.put_bytes(encode_chunk(self.keys)))
+            self.chunks.append(self.store.put_bytes(encode_chunk(self.keys[:n])))
+            del self.keys[:n]
             if self.versions is not None:
-                self.version_chunks.append(self.store.put_bytes(encode_chunk(self.versions)))
-                self.versions = []
-            self.keys = []
+                self.version_chunks.append(self.store.put_bytes(encode_chunk(self.versions[:n])))
+                del self.versions[:n]
 
     def done(self) -> KeySnapshot:
-        self._flush()
+        self._flush(len(self.keys))
         versions = None if self.versions is None else tuple(self.version_chunks)
         chunks = tuple(self.chunks)
         fingerprint = KeySnapshot.digest(self.count, chunks, versions)
         return KeySnapshot(self.count, self.chunk_size, chunks, CODEC, fingerprint, versions)
+
+
+_NONE = object()  # no key before this page
+
+
+def _check_unique(keys: list[Key], before: Any, key_name: str, source: str) -> None:
+    """Refuse a NULL key or a key equal to the one before it (keys come sorted)."""
+    if None in keys:
+        raise _not_unique(key_name, source, None)
+    prev = [before, *keys[:-1]]
+    if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
+        for a, b in zip(prev, keys):
+            if same_key(a, b):
+                raise _not_unique(key_name, source, b)
 
 
 def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
@@ -364,15 +379,18 @@ def take_snapshot(
         page = backend.fetch_rows(query, fields, lower, _KEY_PAGE)
         statements += 1
         rows = page[1:] if lower is not None and page and same_key(page[0][0], lower) else page
-        for key, row in rows:
-            if key is None or (seen and same_key(key, last)):
-                raise _not_unique(backend.key_name(query), query.source, key)
-            version = row.get(version_column) if version_column else None
-            view = held if held is not None and held_out(key, eval_fraction) else train
-            view.add(key, version)
-            if seen % cache_size == 0:
-                boundaries.append(key_repr(key))
-            seen, last = seen + 1, key
+        keys = [k for k, _ in rows]
+        versions = [r.get(version_column) for _, r in rows] if version_column else []
+        _check_unique(keys, last if seen else _NONE, backend.key_name(query), query.source)
+        boundaries += [key_repr(k) for k in keys[-seen % cache_size :: cache_size]]
+        if held is None:
+            train.extend(keys, versions)
+        else:  # one key at a time: the split hashes each
+            for i, key in enumerate(keys):
+                view = held if held_out(key, eval_fraction) else train
+                view.extend([key], versions[i : i + 1])
+        if keys:
+            seen, last = seen + len(keys), keys[-1]
         if len(page) < _KEY_PAGE:
             break
         lower = page[-1][0]
