@@ -102,6 +102,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _db_options(merge)
 
+    lineage = sub.add_parser(
+        "lineage",
+        help="the rows that trained a model: key, epoch, step and rank, one line each",
+    )
+    lineage.add_argument("name", help="the model's identifier")
+    lineage.add_argument("--version", type=int, help="model version (default: the newest)")
+    _db_options(lineage)
+
+    trained_on = sub.add_parser(
+        "trained-on", help="the runs, checkpoints and models that trained on a row"
+    )
+    trained_on.add_argument("table", help="the table or collection")
+    trained_on.add_argument("key", help="the row's key (matched as text and as an integer)")
+    _db_options(trained_on)
+
+    forget = sub.add_parser(
+        "forget",
+        help="forget rows: later runs leave them out; list (and retrain) what trained on them",
+    )
+    forget.add_argument("table", help="the table or collection")
+    forget.add_argument("keys", nargs="+", help="row keys (matched as text and as integers)")
+    forget.add_argument(
+        "--retrain", action="store_true", help="fit the affected trainers again without them"
+    )
+    _db_options(forget)
+
     from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
 
     demo = sub.add_parser("demo", help="fine-tune a tiny model on a demo SQLite table")
@@ -144,7 +170,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
-    handler = {"show": cmd_show, "replay": cmd_replay, "merge": cmd_merge, "demo": cmd_demo}
+    handler = {
+        "show": cmd_show,
+        "replay": cmd_replay,
+        "merge": cmd_merge,
+        "demo": cmd_demo,
+        "lineage": cmd_lineage,
+        "trained-on": cmd_trained_on,
+        "forget": cmd_forget,
+    }
     try:
         cmd_fit(args, extra) if args.command == "fit" else handler[args.command](args)
     except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
@@ -354,6 +388,9 @@ def _show_model(db: Any, name: str) -> None:
     records = db.metadata.list_components("model", name)
     if not records:
         raise _not_found(db, "model", name)
+    forgotten = {  # rows forgotten since (db.forget): the model still carries them
+        r.run_id: len(r.info.get("forgotten_keys") or ()) for r in db.metadata.list_runs()
+    }
     rows = []
     for r in records:
         p = r.payload
@@ -367,13 +404,11 @@ def _show_model(db: Any, name: str) -> None:
                 history[-1]["loss"] if history else None,
                 p.get("adapter"),
                 p.get("merged"),
+                forgotten.get(p["run_id"]) or None,
             )
         )
-    _say(
-        table(
-            rows, ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
-        )
-    )
+    headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
+    _say(table(rows, [*headers, "forgotten rows"]))
 
 
 def _show_runs(db: Any, name: str | None) -> None:
@@ -484,6 +519,81 @@ def _versions(versions: list[int]) -> str:
 
 def _when(value: Any) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S") if hasattr(value, "strftime") else str(value)
+
+
+# -- lineage ------------------------------------------------------------------------------------
+def _keys(texts: Sequence[str]) -> list[Any]:
+    """A key typed on the command line: the text, and the integer when it reads as one."""
+    keys: list[Any] = []
+    for text in texts:
+        keys.append(text)
+        if text.lstrip("-").isdigit():
+            keys.append(int(text))
+    return keys
+
+
+def cmd_lineage(args: argparse.Namespace) -> None:
+    db = _connect(args)
+    try:
+        if not db.metadata.list_components("model", args.name):
+            raise _not_found(db, "model", args.name)
+        for row in db.lineage("model", args.name, args.version):
+            print(f"{row.key}\t{row.epoch}\t{row.step}\t{row.rank}")
+        sys.stdout.flush()
+    finally:
+        db.close()
+
+
+def _report_usage(found: Any) -> None:
+    if found.uses:
+        _say(
+            table(
+                [
+                    (u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step)
+                    for u in found.uses
+                ],
+                ["run id", "trainer", "key", "epoch", "step"],
+            )
+        )
+    else:
+        _say("no run trained on it")
+    if found.checkpoints:
+        _say(
+            table(
+                [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints],
+                ["run id", "step", "checkpoint"],
+            )
+        )
+    if found.models:
+        _say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
+    if found.underivable:
+        _say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
+
+
+def cmd_trained_on(args: argparse.Namespace) -> None:
+    from llmtrain.lineage import trained_on
+
+    db = _connect(args)
+    try:
+        _report_usage(trained_on(db, args.table, _keys([args.key])))
+    finally:
+        db.close()
+
+
+def cmd_forget(args: argparse.Namespace) -> None:
+    db = _connect(args)
+    try:
+        result = db.forget(args.table, _keys(args.keys))
+        _say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
+        _report_usage(result.found)
+        if args.retrain:
+            for model in result.retrain():
+                _say(f"retrained {model.identifier} v{model.version} without them")
+        elif result.trainers:
+            names = ", ".join(f"{name} v{version}" for name, version in result.trainers)
+            _say(f"to retrain {names} without them: llmtrain forget ... --retrain")
+    finally:
+        db.close()
 
 
 # -- merge / demo ----------------------------------------------------------------------------

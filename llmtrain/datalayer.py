@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,32 @@ class Datalayer:
         for run in self.metadata.list_runs():
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
+
+    # -- lineage --------------------------------------------------------------------------------
+    def lineage(self, type_id: str, identifier: str, version: int | None = None) -> Iterator[Any]:
+        """The rows that trained model ``identifier`` (newest version unless given), across
+        the runs it continued from: :class:`llmtrain.lineage.Consumed` (key, epoch, step,
+        rank, run id), streamed in step order, derived from the runs' records."""
+        from llmtrain.lineage import model_lineage
+
+        if type_id != "model":
+            raise ConfigError(f"lineage() is of a model, not a {type_id!r}: use 'model'")
+        return model_lineage(self, check_identifier(identifier), version)
+
+    def trained_on(self, source: Any, key: Any) -> Any:
+        """Every run, checkpoint and model version that consumed row ``key`` of ``source``
+        (a table or collection name, or a query): see :func:`llmtrain.lineage.trained_on`."""
+        from llmtrain.lineage import trained_on
+
+        return trained_on(self, source, [key])
+
+    def forget(self, source: Any, keys: Any, *, retrain: bool = False) -> Any:
+        """Forget rows: later runs leave them out, the runs that trained on them are marked;
+        returns the affected models and checkpoints, with ``retrain()`` (done now with
+        ``retrain=True``). See :mod:`llmtrain.forget`."""
+        from llmtrain.forget import forget
+
+        return forget(self, source, keys, retrain=retrain)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -367,6 +367,26 @@ def test_the_reference_run_clips_so_clipping_is_compared_too(env: Env, reference
     assert max(norms) > OPTIONS["max_grad_norm"], norms
 
 
+def test_lineage_of_a_two_rank_run_is_what_each_rank_traced(env: Env) -> None:
+    """Derived from the record alone (snapshot, plan, world size, steps), the lineage names
+    each rank's rows at the steps the ranks themselves traced; trained_on agrees."""
+    result = _train(env, "ddp")
+    traced = sorted(
+        (key, line["step"], rank)
+        for rank, trace in enumerate(result.traces)
+        for line in trace
+        for key in line["keys"]
+    )
+    rows = list(env.db.lineage("model", result.model.identifier))
+    assert sorted((f"int:{r.key}", r.step, r.rank) for r in rows) == traced
+    assert [r.step for r in rows] == sorted(r.step for r in rows)  # streamed in step order
+    found = env.db.trained_on("docs", BAD_ID)
+    assert [(u.step, u.rank) for u in found.uses] == [
+        (step, rank) for key, step, rank in traced if key == f"int:{BAD_ID}"
+    ]
+    assert found.models == [(result.model.identifier, result.model.version)]
+
+
 # -- secrets ----------------------------------------------------------------------------------
 def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
     db = lt.connect(

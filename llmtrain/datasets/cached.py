@@ -55,6 +55,8 @@ class ReadStats:
     skipped_once: set[str] = field(default_factory=set)
     #: keys of the snapshot whose rows were gone when their window was read (as key_repr)
     deleted: set[str] = field(default_factory=set)
+    #: the epoch each row (deleted or bad) was first skipped in, by key_repr: lineage needs it
+    skipped_in: dict[str, int] = field(default_factory=dict)
 
 
 class CachedQueryDataset(IterableDataset):

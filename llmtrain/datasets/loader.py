@@ -85,11 +85,12 @@ class QueryDataLoader:
         self.collate_fn, self.with_keys = collate_fn, with_keys
         self.kwargs = kwargs
 
-    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any, list[str]]:
-        """(last position, any rows?, the batch, keys found deleted): skipped bad rows and
-        deleted rows arrive as None; a worker's deleted keys ride back with its batch."""
+    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any, list[str], list[str]]:
+        """(last position, any rows?, the batch, keys found deleted, keys skipped): skipped
+        bad rows and deleted rows arrive as None; a worker's keys ride back with its batch."""
         deleted = self.dataset.stats.deleted
-        gone = [r for _, k, row in items if row is None and (r := key_repr(k)) in deleted]
+        skipped = [key_repr(k) for _, k, row in items if row is None]
+        gone = [r for r in skipped if r in deleted]
         if self.with_keys:
             rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
         elif self.dataset.return_keys:
@@ -98,8 +99,8 @@ class QueryDataLoader:
             rows = [row for _, _, row in items if row is not None]
         last = max(pos for pos, _, _ in items)
         if not rows:
-            return last, False, None, gone
-        return last, True, (self.collate_fn(rows) if self.collate_fn else rows), gone
+            return last, False, None, gone, skipped
+        return last, True, (self.collate_fn(rows) if self.collate_fn else rows), gone, skipped
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -119,9 +120,11 @@ class QueryDataLoader:
             collate_fn=self._collate,
             **kwargs,
         )
-        for last, any_rows, batch, gone in loader:
+        for last, any_rows, batch, gone, skipped in loader:
             position.consumed = last + 1
             ds.stats.deleted.update(gone)
+            for key in skipped:  # lineage needs the epoch a row was first skipped in
+                ds.stats.skipped_in.setdefault(key, epoch)
             if any_rows:
                 yield batch
         position.finish(length)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.datasets import RunSnapshot, take_snapshot
-from llmtrain.errors import CheckpointError, DataError
+from llmtrain.errors import CheckpointError, DataError, StoreError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.queries import Query
 from llmtrain.training.callbacks import Callback, registered_callbacks
@@ -90,6 +90,7 @@ class FitRun:
             quantized=bool(cfg.model_args.bits),
             gradient_checkpointing=self.targs.gradient_checkpointing,
         )
+        self._start_from_parent(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
 
@@ -134,6 +135,28 @@ class FitRun:
         )
         if self.resume:
             self._restore()
+
+    def _start_from_parent(self, model: Any) -> None:
+        """An incremental run starts from its parent model's adapter, which its record names
+        (a checkpoint restored later overrides it)."""
+        try:
+            parent = self.db.metadata.get_run(self.run_id).info.get("parent")
+        except StoreError:  # a run set up without a record (a probe): no parent to start from
+            return
+        if not parent:
+            return
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        folder = self.workdir / "parent"
+        self.db.artifacts.get_dir(parent["adapter"], folder)
+        loaded = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        unexpected = list(getattr(loaded, "unexpected_keys", None) or [])
+        if unexpected:
+            raise CheckpointError(
+                f"the adapter of model v{parent.get('model_version')} does not fit this "
+                f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
+            )
 
     def _selection_snapshot(self, select: Query) -> RunSnapshot:
         """The run's snapshot of its rows' keys: the one fit() took or read, else the one in
@@ -398,7 +421,22 @@ class FitRun:
             self.db.metadata.update_run(
                 self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
             )
+        self._record_skipped()
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
+
+    def _record_skipped(self) -> None:
+        """Collective. The epoch each skipped row (deleted or bad) was first skipped in, from
+        every rank, kept on the run: the one per-key fact its lineage cannot derive."""
+        from llmtrain.lineage import SKIPPED
+
+        ranks = self.strategy.gather_object(self.batches.stats.skipped_in)
+        if not self.strategy.is_main or not any(ranks):
+            return
+        merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
+        for found in ranks:
+            for key, epoch in found.items():
+                merged[key] = min(merged.get(key, epoch), epoch)
+        self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
 
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""

@@ -80,6 +80,7 @@ class LLMTrainer:
         resume: bool | str = False,
         merge: bool = False,
         allow_changed_data: bool | None = None,
+        incremental: bool = False,
         verbose: bool = False,
     ) -> Any:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
@@ -91,7 +92,11 @@ class LLMTrainer:
         ``allow_changed_data=True`` replays a fit even though the rows changed since it (a
         resume reads its run's snapshot of the rows, so only a checkpoint older than
         snapshots can find them changed): for this call only, recorded on the run, never in
-        the trainer's recipe (default: ``data_args.allow_changed_data``). Third-party
+        the trainer's recipe (default: ``data_args.allow_changed_data``).
+        ``incremental=True`` trains only the rows of the selection that no completed run of
+        this trainer trained on (new keys; with ``data_args.version_column`` also rows whose
+        version changed), starting from the newest model's adapter; the run records its
+        parent, and with nothing new the newest model is returned. Third-party
         banners, warnings and loading bars stay out of the output unless ``verbose=True``.
         """
         from llmtrain.datalayer import require_datalayer
@@ -107,6 +112,8 @@ class LLMTrainer:
             raise ConfigError(
                 f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
             )
+        if not isinstance(incremental, bool):
+            raise ConfigError(f"fit(incremental=) must be True or False, got {incremental!r}")
         allow = (
             self.config.data_args.allow_changed_data
             if allow_changed_data is None
@@ -118,7 +125,7 @@ class LLMTrainer:
         # under torchrun/deepspeed every rank runs fit(): rank 0 alone snapshots the rows,
         # stores and opens the run; the others get the snapshot's manifest from it
         self.version, run_id, state, snapshot = once_per_job(
-            placement, self._register, db, resume, allow
+            placement, self._register, db, resume, allow, incremental
         )
         self.data_snapshot = snapshot
         self.config.fit = spec.model_copy(update={"data_fingerprint": snapshot.fingerprint})
@@ -129,7 +136,7 @@ class LLMTrainer:
         )
 
     def _register(
-        self, db: Any, resume: bool | str, allow: bool
+        self, db: Any, resume: bool | str, allow: bool, incremental: bool = False
     ) -> tuple[int | None, str, str, RunSnapshot]:
         """Check, then record: the trainer version (unless stored already) and the run.
         Returns (version, run id, "new" | "resume" | "complete", the run's snapshot). A
@@ -148,7 +155,15 @@ class LLMTrainer:
                     "checkpoint (give a step or a checkpoint's artifact id, or resume=True)"
                 )
             log.info("nothing to resume for %s: starting a new run", self.identifier)
-        snapshot = self._run_snapshot(db, found[0] if found else None, allow)
+        snapshot = self._run_snapshot(db, found[0] if found else None, allow or incremental)
+        rows: dict[str, Any] = {}
+        if found is None:  # a new run: less forgotten rows, and trained ones if incremental
+            from llmtrain.training.incremental import select_rows
+
+            snapshot, rows = select_rows(db, self, snapshot, incremental=incremental)
+            if incremental and snapshot.train.count == 0 and "parent" in rows:
+                log.info("%s: no new rows since run %s", self.identifier, rows["parent"]["run_id"])
+                return version, rows["parent"]["run_id"], "complete", snapshot
         self.config.fit = self.config.fit.model_copy(  # type: ignore[union-attr]
             update={"data_fingerprint": snapshot.fingerprint}
         )
@@ -162,7 +177,7 @@ class LLMTrainer:
             db.add(self)
         else:
             self.version = version
-        return self.version, self._new_run(db, allow, snapshot), "new", snapshot
+        return self.version, self._new_run(db, allow, snapshot, rows), "new", snapshot
 
     def _run_snapshot(self, db: Any, run: Any, allow: bool) -> RunSnapshot:
         """The run's snapshot of its rows: the resumed run's, read from its record; else a
@@ -283,9 +298,12 @@ class LLMTrainer:
             )
         return None
 
-    def _new_run(self, db: Any, allow_changed_data: bool, snapshot: RunSnapshot) -> str:
-        """A new run of this version. It records this call's ``allow_changed_data`` and the
-        manifest of its snapshot of the rows: every rank and every resume reads them there."""
+    def _new_run(
+        self, db: Any, allow_changed_data: bool, snapshot: RunSnapshot, rows: dict[str, Any]
+    ) -> str:
+        """A new run of this version. It records this call's ``allow_changed_data``, the
+        manifest of its snapshot of the rows and how they were chosen (``rows``: the parent of
+        an incremental fit, the keys left out): every rank and every resume reads them there."""
         run_id, fit = uuid.uuid4().hex, self.config.fit
         assert fit is not None  # set by fit() before it registers
         db.metadata.create_run(
@@ -303,6 +321,7 @@ class LLMTrainer:
                 "versions": library_versions(),
                 "allow_changed_data": allow_changed_data,
                 "snapshot": snapshot.to_record(),
+                **rows,
             },
         )
         return run_id
