@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,110 @@ def test_bad_rows(tok: Any, chat: bool, field: str, value: object, problem: str)
 def test_missing_field_is_a_bad_row(tok: Any) -> None:
     with pytest.raises(BadRowError, match="'Y' is missing"):
         Formatter(tok, TEMPLATE).format({"X": "a"}, key=3)
+
+
+# -- the trained ids are the tokenizer's own for the whole text ------------------------------
+STYLE_CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "Translate good morning to French: Bonjour, comment allez-vous?",
+    "Question two plus two Answer four. The sea folds into foam.",
+]
+STYLE_ROWS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("two plus two", " four"),
+    ("Translate good morning", "Bonjour"),
+    ("", "Paris"),
+    ("France", ""),
+]
+
+
+def _style_tokenizer(style: str) -> Any:
+    """A small tokenizer in one of the styles that mark the start of a text differently. The
+    corpus has no newline, so no token spans the template's newline before the response."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    if style == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer: Any = trainers.WordPieceTrainer(
+            vocab_size=200, special_tokens=special, show_progress=False
+        )
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        alphabet = ["\n", "#", ":", "▁"]
+        trainer = trainers.BpeTrainer(
+            vocab_size=200, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+        )
+        if style == "metaspace":  # tokenizers' Llama/Mistral style: "▁" before the first word
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+            tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        else:  # legacy: the normaliser prepends "▁" to every text (Llama-2 tokenizer.json)
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(STYLE_CORPUS, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+@pytest.mark.parametrize("style", ["bytelevel", "metaspace", "legacy", "wordpiece"])
+def test_trained_ids_are_the_joint_tokenization(tok: Any, style: str) -> None:
+    tokenizer = tok if style == "bytelevel" else _style_tokenizer(style)
+    fmt = Formatter(tokenizer, TEMPLATE)
+    rows = [(i, {"X": x, "Y": y}) for i, (x, y) in enumerate(STYLE_ROWS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean boundary: no warning
+        examples = fmt.format_batch(rows)
+    split_somewhere = False
+    for ex, (x, y) in zip(examples, STYLE_ROWS):
+        prompt = PromptTemplate(TEMPLATE).prompt(x)
+        joint = tokenizer(prompt + y, return_offsets_mapping=True)
+        assert ex.input_ids == joint["input_ids"] + [tokenizer.eos_token_id]
+        # the targets: exactly the tokens of the response text, then EOS
+        # (BOS has offsets (0, 0): it counts as prompt)
+        n = sum(1 for a, b in joint["offset_mapping"] if b <= len(prompt) and a < len(prompt))
+        assert ex.labels == [IGNORE_INDEX] * n + ex.input_ids[n:]
+        assert trained(ex) == joint["input_ids"][n:] + [tokenizer.eos_token_id]
+        # generation is given the very prompt ids training had before the first target
+        assert fmt.prompt_ids(x) == ex.input_ids[:n]
+        alone = tokenizer(y, add_special_tokens=False)["input_ids"]
+        split_somewhere |= bool(y) and alone != joint["input_ids"][n:]
+    # negative control: tokenizing the response alone (a new text) differs for these styles
+    assert split_somewhere == (style in ("metaspace", "legacy"))
+
+
+def test_a_token_straddling_the_boundary_is_trained_and_warned_once() -> None:
+    tokenizer = _style_tokenizer("metaspace")
+    fmt = Formatter(tokenizer, "Q: {X} A: {Y}")
+    with pytest.warns(UserWarning, match="ends inside a token") as caught:
+        examples = fmt.format_batch([(i, {"X": "two", "Y": "four"}) for i in range(3)])
+    assert len(caught) == 1
+    joint = tokenizer("Q: two A: four")["input_ids"]
+    for ex in examples:
+        assert ex.input_ids == joint + [tokenizer.eos_token_id]
+        first = next(i for i, label in enumerate(ex.labels) if label != IGNORE_INDEX)
+        assert ex.labels[first:] == ex.input_ids[first:]
+        # the first target holds the prompt's last space ("▁fo..."): the prompt ends before it
+        assert tokenizer.convert_ids_to_tokens(ex.input_ids[first]).startswith("▁f")
+        assert tokenizer.decode(ex.input_ids[:first]) == "<s> Q: two A:"
 
 
 # -- padding ---------------------------------------------------------------------------------
