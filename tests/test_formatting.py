@@ -20,11 +20,11 @@ from llmtrain.formatting import (
     Formatter,
     PackedCollator,
     PromptTemplate,
-    mask_dtype_for,
     pack_examples,
     pad_collate,
     padding_efficiency,
 )
+from llmtrain.formatting.collate import _round_up
 from llmtrain.testing import tiny_model
 
 TEMPLATE = "### Question:\n{X}\n### Answer:\n{Y}"
@@ -367,11 +367,13 @@ def _packed_losses(
 ) -> torch.Tensor:
     """Per-example losses of ``examples`` packed by ``collator``, in input order."""
     batch = collator(examples)
-    inputs = {"input_ids": batch["input_ids"], **forward}
-    logits = model(**inputs).logits
+    logits = model(input_ids=batch["input_ids"], **forward).logits
     losses = _token_losses(logits, batch["labels"])
+    rows = pack_examples(examples, collator.max_length)[0]
+    if collator.flat:
+        rows = [[e for row in rows for e in row]]
     out = {}
-    for row, packed in enumerate(pack_examples(examples, collator.max_length)):
+    for row, packed in enumerate(rows):
         start = 0
         for e in packed:
             end = start + len(e)
@@ -391,17 +393,19 @@ def gqa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_packed_loss_equals_unpacked_loss(
     llama_path: Path, gqa_path: Path, tok: Any, attn: str, heads: str
 ) -> None:
+    """Concatenated examples, restarting position ids, no mask: the unpacked losses."""
     path = llama_path if heads == "mha" else gqa_path
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
     examples = _examples(tok)
-    collator = PackedCollator(PACK, tok.pad_token_id, mask_dtype=mask_dtype_for(model))
-    rows = pack_examples(examples, PACK)
+    collator = PackedCollator(PACK, tok.pad_token_id)
+    rows = pack_examples(examples, PACK)[0]
     assert len(rows) < len(examples) and max(map(len, rows)) >= 3  # really packed
-    assert sum(len(e) for e in rows[-1]) < max(sum(map(len, r)) for r in rows)  # and padded
+    assert min(sum(map(len, r)) for r in rows) < max(sum(map(len, r)) for r in rows)  # padded
     with torch.no_grad():
         expected = _unpacked_losses(model, examples, tok.pad_token_id)
         batch = collator(examples)
-        forward = {k: batch[k] for k in ("attention_mask", "position_ids")}
+        assert set(batch) == {"input_ids", "labels", "position_ids", "num_target_tokens"}
+        forward = {"position_ids": batch["position_ids"], "use_cache": False}
         got = _packed_losses(model, examples, collator, **forward)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         # The model's own loss (mean over every target token) agrees too; this also checks
@@ -411,25 +415,23 @@ def test_packed_loss_equals_unpacked_loss(
             **{k: padded[k] for k in ("input_ids", "attention_mask", "labels")}
         ).loss
         loss_packed = model(
-            **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
+            **{k: batch[k] for k in ("input_ids", "position_ids", "labels")}, use_cache=False
         ).loss
         torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
         assert batch["num_target_tokens"] == padded["num_target_tokens"]
-        # The default additive float32 mask is right for both kernels as well.
-        additive = PackedCollator(PACK, tok.pad_token_id)(examples)
+        # the one-row layout (for flash kernels) is right for these kernels as well
+        flat = PackedCollator(PACK, tok.pad_token_id, flat=True)
+        one_row = flat(examples)
+        assert one_row["input_ids"].shape == (1, sum(map(len, examples)))  # no padding
         got = _packed_losses(
-            model,
-            examples,
-            collator,
-            attention_mask=additive["attention_mask"],
-            position_ids=additive["position_ids"],
+            model, examples, flat, position_ids=one_row["position_ids"], use_cache=False
         )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: str) -> None:
-    """Negative controls: without the block mask the losses differ, so the test above can fail."""
+    """Negative controls: without the boundaries the losses differ, so the test above can fail."""
     model = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation=attn).eval()
     examples = _examples(tok)
     collator = PackedCollator(PACK, tok.pad_token_id)
@@ -444,31 +446,12 @@ def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: s
             {
                 "position_ids": batch["position_ids"],
                 "attention_mask": (batch["input_ids"] != tok.pad_token_id).long(),
+                "use_cache": False,
             },
         ]
-        if attn == "eager":  # a boolean 4D mask is *added* to eager scores: silently wrong
-            bool_mask = PackedCollator(PACK, tok.pad_token_id, mask_dtype=torch.bool)(examples)
-            naive.append({k: bool_mask[k] for k in ("attention_mask", "position_ids")})
         for forward in naive:
             got = _packed_losses(model, examples, collator, **forward)
             assert (got - expected).abs().max() > 1e-2
-        # and with no cache transformers does detect packing from the position ids
-        got = _packed_losses(
-            model, examples, collator, position_ids=batch["position_ids"], use_cache=False
-        )
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_mask_dtype_for(llama_path: Path) -> None:
-    sdpa = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="sdpa")
-    eager = AutoModelForCausalLM.from_pretrained(
-        llama_path, attn_implementation="eager", dtype=torch.bfloat16
-    )
-    assert mask_dtype_for(sdpa) == torch.bool
-    assert mask_dtype_for(eager) == torch.bfloat16
-    eager.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ConfigError, match="eager"):
-        mask_dtype_for(eager)
 
 
 # -- packing: structure ----------------------------------------------------------------------
@@ -486,31 +469,38 @@ def _synthetic(lengths: list[int], data: st.DataObject) -> list[Example]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(max_length=st.integers(1, 48), multiple=st.sampled_from([None, 1, 4]), data=st.data())
+@given(
+    max_length=st.integers(1, 48),
+    multiple=st.sampled_from([None, 1, 4]),
+    flat=st.booleans(),
+    data=st.data(),
+)
 def test_packed_collator_structure(
-    max_length: int, multiple: int | None, data: st.DataObject
+    max_length: int, multiple: int | None, flat: bool, data: st.DataObject
 ) -> None:
     if multiple:
         max_length = -(-max_length // multiple) * multiple
     lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=12))
     examples = _synthetic(lengths, data)
-    batch = PackedCollator(max_length, PAD, mask_dtype=torch.bool, pad_to_multiple_of=multiple)(
-        examples
-    )
+    batch = PackedCollator(max_length, PAD, flat=flat, pad_to_multiple_of=multiple)(examples)
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    mask = batch["attention_mask"]
     rows, width = ids.shape
-    assert width <= max_length and mask.shape == (rows, 1, width, width)
+    assert "attention_mask" not in batch
+    if flat:
+        assert rows == 1 and width == _round_up(sum(lengths), multiple)
+    else:
+        assert width <= max_length
+        # best-fit-decreasing: no two rows could have been merged
+        fills = sorted(int((ids[r] != PAD).sum()) for r in range(rows))
+        assert rows == 1 or fills[0] + fills[1] > max_length
     if multiple:
         assert width % multiple == 0
     seen: dict[int, list[int]] = {}
     for r in range(rows):
         starts = [t for t in range(width) if pos[r, t] == 0] + [width]
-        segment = torch.empty(width, dtype=torch.long)
-        for n, (s, e) in enumerate(zip(starts, starts[1:])):
-            segment[s:e] = n
+        for s, e in zip(starts, starts[1:]):
             assert pos[r, s:e].tolist() == list(range(e - s))
-            if ids[r, s] == PAD:  # trailing padding: one block, never trained
+            if ids[r, s] == PAD:  # trailing padding: one run of positions, never trained
                 assert e == width and (ids[r, s:] == PAD).all()
                 assert (labels[r, s:] == IGNORE_INDEX).all()
                 continue
@@ -518,15 +508,22 @@ def test_packed_collator_structure(
             assert key not in seen  # every example at most once ...
             seen[key] = ids[r, s:e].tolist()
             original = examples[key]
-            # ... and its labels intact, except the boundary one, which is ignored
+            # ... and its labels intact, except the boundary one, which is never a target
             assert labels[r, s:e].tolist() == [IGNORE_INDEX, *original.labels[1:]]
-        assert sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
-        allowed = (segment[:, None] == segment[None, :]) & torch.ones(
-            width, width, dtype=torch.bool
-        ).tril()
-        assert torch.equal(mask[r, 0], allowed)
+        assert flat or sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
     assert seen == {e.key: e.input_ids for e in examples}  # ... and exactly once
     assert batch["num_target_tokens"].item() == sum(e.num_target_tokens for e in examples)
+
+
+def test_pack_examples_best_fit_decreasing_within_a_row_budget() -> None:
+    examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate([3, 6, 2, 5, 4, 1])]
+    rows, left = pack_examples(examples, 8)
+    # 6, 5, 4, 3, 2, 1 -> [6, 2], [5, 3], [4, 1]; rows and their examples in input order
+    assert [[e.key for e in row] for row in rows] == [[0, 3], [1, 2], [4, 5]]
+    assert left == []
+    rows, left = pack_examples(examples, 8, max_rows=2)
+    assert [[e.key for e in row] for row in rows] == [[0, 3], [1, 2]]
+    assert [e.key for e in left] == [4, 5]
 
 
 def test_packing_rejects_overlong_examples() -> None:
