@@ -542,3 +542,36 @@ def test_padding_efficiency() -> None:
     per_batch = padding_efficiency(examples, max_length=8, batch_size=2)
     assert per_batch.padded == pytest.approx(16 / (2 * 8 + 2 * 4))
     assert per_batch.packed == pytest.approx(16 / (2 * 8 + 1 * 6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 32), min_size=1, max_size=40),
+    rows_per_batch=st.integers(1, 5),
+)
+def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> None:
+    """Every example once, rows of at most max_length, at most the budget's rows, and under
+    3% padding in every micro-batch (rows x its fullest row)."""
+    from llmtrain.training.data import FILL, micro_batches
+
+    examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate(lengths)]
+    batches = micro_batches(examples, 32, 32 * rows_per_batch + 7)
+    keys = [e.key for batch in batches for row in batch for e in row]
+    assert sorted(keys) == list(range(len(lengths)))
+    for batch in batches:
+        fills = [sum(map(len, row)) for row in batch]
+        assert len(batch) <= rows_per_batch and max(fills) <= 32
+        assert sum(fills) >= FILL * len(batch) * max(fills)
+
+
+def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
+    """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
+    from llmtrain.training.data import _empty_like
+    from llmtrain.training.run import loss_sum
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path)
+    empty = _empty_like({"input_ids": torch.tensor([[5, 6, 7]])})
+    loss = loss_sum(model, empty)
+    loss.backward()
+    assert loss.item() == 0.0 and empty["num_target_tokens"] == 0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -6,11 +6,12 @@ rows (an epoch's last may have fewer) and the step count comes from training row
 
 With a token budget (``max_tokens_per_batch``) an optimizer step still trains a fixed number
 of rows, ``batch_size x gradient_accumulation_steps`` per process, read as one loader batch:
-those rows are packed best-fit-decreasing into as few micro-batches of at most the budget as
-they need. The look-ahead is the step's rows, so the steps per epoch (the LR schedule), the
-resume state (rows consumed, at step boundaries) and the step count every rank agrees on stay
-exactly what they are without a budget; only the micro-batches per step vary, and processes
-agree on their number (the shorter ones add an empty micro-batch: collectives stay paired).
+they are packed best-fit-decreasing into rows of ``max_length``, grouped into micro-batches
+of at most the budget with under 3% padding. The look-ahead is the step's rows, so the steps
+per epoch (the LR schedule), the resume state (rows consumed, at step boundaries) and the step
+count every rank agrees on stay what they are without a budget; only the micro-batches per
+step vary, and processes agree on their number (the shorter ones add an empty micro-batch:
+collectives stay paired).
 """
 
 from __future__ import annotations
@@ -68,15 +69,31 @@ def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, An
     return batch
 
 
+#: a row shares a micro-batch only with rows at least this full relative to its fullest, so
+#: at most 3% of the positions a micro-batch feeds the model are padding
+FILL = 0.97
+
+
 def micro_batches(
     examples: Sequence[Example], max_length: int, max_tokens: int
 ) -> list[list[list[Example]]]:
-    """Rows of at most ``max_length`` tokens, packed best-fit-decreasing, grouped into
-    micro-batches of ``max_tokens // max_length`` rows, fullest first (so the rows that share
-    a micro-batch, padded to its fullest, are alike)."""
+    """Rows of at most ``max_length`` tokens, packed best-fit-decreasing, then grouped fullest
+    first into micro-batches of at most ``max_tokens // max_length`` rows that are alike in
+    length (:data:`FILL`): the step's last, partly filled rows go alone or together."""
     rows = sorted(pack_examples(examples, max_length)[0], key=lambda r: -sum(map(len, r)))
     per_batch = max(1, max_tokens // max_length)
-    return [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
+    batches: list[list[list[Example]]] = []
+    for row in rows:
+        batch = batches[-1] if batches else None
+        if (
+            batch
+            and len(batch) < per_batch
+            and sum(map(len, row)) >= FILL * sum(map(len, batch[0]))
+        ):
+            batch.append(row)
+        else:
+            batches.append([row])
+    return batches
 
 
 def make_collate(
