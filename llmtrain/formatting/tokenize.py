@@ -29,7 +29,7 @@ Every truncated example has ``truncated=True``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -88,8 +88,8 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
-def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[..., list[Any]] | None:
-    """The Rust tokenizer's batch encoder, which costs half of ``tokenizer(...)`` (that converts
+def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The Rust tokenizer, whose batch encoders cost half of ``tokenizer(...)`` (that converts
     every encoding in Python), or None when the two disagree on a probe (a tokenizer class
     that preprocesses text in Python). A private copy with truncation and padding off: some
     tokenizer.json files enable them, and transformers only resets them per call."""
@@ -99,7 +99,7 @@ def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[..., list[A
     probe = ["Hello world", " two  spaces\n", "ünïcode ✓ 你好 🙂", "text </s> <s>"]
     expected = tokenizer(probe, add_special_tokens=False)["input_ids"]
     got = [e.ids for e in backend.encode_batch(probe, add_special_tokens=False)]
-    return backend.encode_batch if got == expected else None
+    return backend if got == expected else None
 
 
 class Formatter:
@@ -211,7 +211,10 @@ class Formatter:
     # -- internals -------------------------------------------------------------------------
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of ``texts`` without special tokens, in one batched call."""
-        return [ids for ids, _ in self._encode_offsets(texts)]
+        if self._backend is None:
+            return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """(token ids, character spans) of ``texts`` without special tokens, batched."""
@@ -220,7 +223,9 @@ class Formatter:
                 texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False
             )
             return list(zip(out["input_ids"], out["offset_mapping"]))
-        return [(e.ids, e.offsets) for e in self._backend(texts, add_special_tokens=False)]
+        return [
+            (e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
+        ]
 
     def _warn_boundary(self, prompt: str, tokens: list[int]) -> None:
         """Once per formatter: a prompt that tokenizes differently before its response."""
