@@ -198,7 +198,8 @@ class Formatter:
 
     def prompt_ids(self, x: str) -> list[int]:
         """The token ids a model is given at inference for input ``x``; identical to the
-        untrained part of a training example (before truncation)."""
+        untrained part of a training example (before truncation) unless the formatter warned
+        that the prompt ends inside a token."""
         if self.chat_template:
             return list(
                 self._chat([[{"role": "user", "content": x}]], generation_prompt=True)["input_ids"][
