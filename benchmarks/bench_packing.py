@@ -69,7 +69,7 @@ def layouts(
     return {
         "padded": lambda: [[[e] for e in c] for c in chunks(examples, size)],
         "rows, first-fit": lambda: [first_fit(c, max_length) for c in chunks(examples, size)],
-        "rows, BFD": lambda: [pack_examples(c, max_length)[0] for c in chunks(examples, size)],
+        "rows, BFD": lambda: [pack_examples(c, max_length) for c in chunks(examples, size)],
         "budget": lambda: [
             batch
             for step in chunks(examples, size * accumulation)

@@ -369,7 +369,7 @@ def _packed_losses(
     batch = collator(examples)
     logits = model(input_ids=batch["input_ids"], **forward).logits
     losses = _token_losses(logits, batch["labels"])
-    rows = pack_examples(examples, collator.max_length)[0]
+    rows = pack_examples(examples, collator.max_length)
     if collator.flat:
         rows = [[e for row in rows for e in row]]
     out = {}
@@ -398,7 +398,7 @@ def test_packed_loss_equals_unpacked_loss(
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
     examples = _examples(tok)
     collator = PackedCollator(PACK, tok.pad_token_id)
-    rows = pack_examples(examples, PACK)[0]
+    rows = pack_examples(examples, PACK)
     assert len(rows) < len(examples) and max(map(len, rows)) >= 3  # really packed
     assert min(sum(map(len, r)) for r in rows) < max(sum(map(len, r)) for r in rows)  # padded
     with torch.no_grad():
@@ -515,15 +515,10 @@ def test_packed_collator_structure(
     assert batch["num_target_tokens"].item() == sum(e.num_target_tokens for e in examples)
 
 
-def test_pack_examples_best_fit_decreasing_within_a_row_budget() -> None:
+def test_pack_examples_best_fit_decreasing() -> None:
     examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate([3, 6, 2, 5, 4, 1])]
-    rows, left = pack_examples(examples, 8)
     # 6, 5, 4, 3, 2, 1 -> [6, 2], [5, 3], [4, 1]; rows and their examples in input order
-    assert [[e.key for e in row] for row in rows] == [[0, 3], [1, 2], [4, 5]]
-    assert left == []
-    rows, left = pack_examples(examples, 8, max_rows=2)
-    assert [[e.key for e in row] for row in rows] == [[0, 3], [1, 2]]
-    assert [e.key for e in left] == [4, 5]
+    assert [[e.key for e in row] for row in pack_examples(examples, 8)] == [[0, 3], [1, 2], [4, 5]]
 
 
 def test_packing_rejects_overlong_examples() -> None:

@@ -57,36 +57,28 @@ def pad_collate(
     }
 
 
-def pack_examples(
-    examples: Sequence[Example], max_length: int, *, max_rows: int | None = None
-) -> tuple[list[list[Example]], list[Example]]:
+def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
     """Best-fit-decreasing: longest first (ties in input order), each into the fullest row it
-    fits. Returns the rows, each in input order, and the examples that did not fit in
-    ``max_rows`` rows (none when unbounded), in input order."""
-    rows: list[list[tuple[int, Example]]] = []
-    used: list[int] = []
-    left: list[tuple[int, Example]] = []
+    fits. Rows, and the examples in each, come in input order."""
     for e in examples:
         if not 0 < len(e) <= max_length:
             raise ConfigError(
                 f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
                 f"max_length={max_length} (format with the same max_length)"
             )
+    rows: list[list[tuple[int, Example]]] = []
+    used: list[int] = []
     for i, e in sorted(enumerate(examples), key=lambda item: -len(item[1])):
         fits = [r for r, n in enumerate(used) if n + len(e) <= max_length]
         if fits:
             best = max(fits, key=lambda r: used[r])
             rows[best].append((i, e))
             used[best] += len(e)
-        elif max_rows is None or len(rows) < max_rows:
+        else:
             rows.append([(i, e)])
             used.append(len(e))
-        else:
-            left.append((i, e))
-    ordered = sorted(rows, key=lambda row: min(i for i, _ in row))
-    return [[e for _, e in sorted(row, key=lambda item: item[0])] for row in ordered], [
-        e for _, e in sorted(left, key=lambda item: item[0])
-    ]
+    rows.sort(key=lambda row: min(i for i, _ in row))
+    return [[e for _, e in sorted(row, key=lambda item: item[0])] for row in rows]
 
 
 class PackedCollator:
@@ -116,7 +108,7 @@ class PackedCollator:
         self.flat, self.pad_to_multiple_of = flat, pad_to_multiple_of
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
-        return self.collate_rows(pack_examples(examples, self.max_length)[0])
+        return self.collate_rows(pack_examples(examples, self.max_length))
 
     def collate_rows(self, rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:
         """The batch of rows already packed (each at most ``max_length`` tokens)."""
@@ -171,7 +163,7 @@ def padding_efficiency(
     for start in range(0, len(examples), size):
         batch = examples[start : start + size]
         padded += len(batch) * _round_up(max(map(len, batch)), pad_to_multiple_of)
-        rows = pack_examples(batch, max_length)[0]
+        rows = pack_examples(batch, max_length)
         packed += len(rows) * _round_up(max(sum(map(len, r)) for r in rows), pad_to_multiple_of)
     return PaddingEfficiency(
         padded=tokens / padded if padded else 1.0,

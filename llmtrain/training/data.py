@@ -80,7 +80,7 @@ def micro_batches(
     """Rows of at most ``max_length`` tokens, packed best-fit-decreasing, then grouped fullest
     first into micro-batches of at most ``max_tokens // max_length`` rows that are alike in
     length (:data:`FILL`): the step's last, partly filled rows go alone or together."""
-    rows = sorted(pack_examples(examples, max_length)[0], key=lambda r: -sum(map(len, r)))
+    rows = sorted(pack_examples(examples, max_length), key=lambda r: -sum(map(len, r)))
     per_batch = max(1, max_tokens // max_length)
     batches: list[list[list[Example]]] = []
     for row in rows:
