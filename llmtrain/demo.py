@@ -28,7 +28,7 @@ _DB_FILE = "demo.db"
 
 # (English phrasings, French phrasings, [(English, answer, French, French answer)]): three
 # English and two French rows per fact, so the `lang = 'en'` selection visibly matters.
-_KINDS = [
+_KINDS: list[tuple[list[str], list[str], list[tuple[Any, str, Any, str]]]] = [
     (
         ["What is the capital of {}?", "Name the capital of {}.", "{}: which city is the capital?"],
         ["Quelle est la capitale de {} ?", "Capitale de {} ?"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,11 @@ from llmtrain.formatting import (
     Formatter,
     PackedCollator,
     PromptTemplate,
-    mask_dtype_for,
     pack_examples,
     pad_collate,
     padding_efficiency,
 )
+from llmtrain.formatting.collate import _round_up
 from llmtrain.testing import tiny_model
 
 TEMPLATE = "### Question:\n{X}\n### Answer:\n{Y}"
@@ -209,6 +210,110 @@ def test_missing_field_is_a_bad_row(tok: Any) -> None:
         Formatter(tok, TEMPLATE).format({"X": "a"}, key=3)
 
 
+# -- the trained ids are the tokenizer's own for the whole text ------------------------------
+STYLE_CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "Translate good morning to French: Bonjour, comment allez-vous?",
+    "Question two plus two Answer four. The sea folds into foam.",
+]
+STYLE_ROWS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("two plus two", " four"),
+    ("Translate good morning", "Bonjour"),
+    ("", "Paris"),
+    ("France", ""),
+]
+
+
+def _style_tokenizer(style: str) -> Any:
+    """A small tokenizer in one of the styles that mark the start of a text differently. The
+    corpus has no newline, so no token spans the template's newline before the response."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>", "<pad>"]
+    if style == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer: Any = trainers.WordPieceTrainer(
+            vocab_size=200, special_tokens=special, show_progress=False
+        )
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        alphabet = ["\n", "#", ":", "▁"]
+        trainer = trainers.BpeTrainer(
+            vocab_size=200, special_tokens=special, initial_alphabet=alphabet, show_progress=False
+        )
+        if style == "metaspace":  # tokenizers' Llama/Mistral style: "▁" before the first word
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+            tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        else:  # legacy: the normaliser prepends "▁" to every text (Llama-2 tokenizer.json)
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator(STYLE_CORPUS, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+@pytest.mark.parametrize("style", ["bytelevel", "metaspace", "legacy", "wordpiece"])
+def test_trained_ids_are_the_joint_tokenization(tok: Any, style: str) -> None:
+    tokenizer = tok if style == "bytelevel" else _style_tokenizer(style)
+    fmt = Formatter(tokenizer, TEMPLATE)
+    rows = [(i, {"X": x, "Y": y}) for i, (x, y) in enumerate(STYLE_ROWS)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean boundary: no warning
+        examples = fmt.format_batch(rows)
+    split_somewhere = False
+    for ex, (x, y) in zip(examples, STYLE_ROWS):
+        prompt = PromptTemplate(TEMPLATE).prompt(x)
+        joint = tokenizer(prompt + y, return_offsets_mapping=True)
+        assert ex.input_ids == joint["input_ids"] + [tokenizer.eos_token_id]
+        # the targets: exactly the tokens of the response text, then EOS
+        # (BOS has offsets (0, 0): it counts as prompt)
+        n = sum(1 for a, b in joint["offset_mapping"] if b <= len(prompt) and a < len(prompt))
+        assert ex.labels == [IGNORE_INDEX] * n + ex.input_ids[n:]
+        assert trained(ex) == joint["input_ids"][n:] + [tokenizer.eos_token_id]
+        # generation is given the very prompt ids training had before the first target
+        assert fmt.prompt_ids(x) == ex.input_ids[:n]
+        alone = tokenizer(y, add_special_tokens=False)["input_ids"]
+        split_somewhere |= bool(y) and alone != joint["input_ids"][n:]
+    # negative control: tokenizing the response alone (a new text) differs for these styles
+    assert split_somewhere == (style in ("metaspace", "legacy"))
+
+
+def test_a_token_straddling_the_boundary_is_trained_and_warned_once() -> None:
+    tokenizer = _style_tokenizer("metaspace")
+    fmt = Formatter(tokenizer, "Q: {X} A: {Y}")
+    with pytest.warns(UserWarning, match="ends inside a token") as caught:
+        examples = fmt.format_batch([(i, {"X": "two", "Y": "four"}) for i in range(3)])
+    assert len(caught) == 1
+    joint = tokenizer("Q: two A: four")["input_ids"]
+    for ex in examples:
+        assert ex.input_ids == joint + [tokenizer.eos_token_id]
+        first = next(i for i, label in enumerate(ex.labels) if label != IGNORE_INDEX)
+        assert ex.labels[first:] == ex.input_ids[first:]
+        # the first target holds the prompt's last space ("▁fo..."): the prompt ends before it
+        assert tokenizer.convert_ids_to_tokens(ex.input_ids[first]).startswith("▁f")
+        assert tokenizer.decode(ex.input_ids[:first]) == "<s> Q: two A:"
+
+
 # -- padding ---------------------------------------------------------------------------------
 def test_pad_collate(tok: Any) -> None:
     examples = [Example([5, 6, 7], [IGNORE_INDEX, 6, 7]), Example([8, 9], [IGNORE_INDEX, 9])]
@@ -262,11 +367,13 @@ def _packed_losses(
 ) -> torch.Tensor:
     """Per-example losses of ``examples`` packed by ``collator``, in input order."""
     batch = collator(examples)
-    inputs = {"input_ids": batch["input_ids"], **forward}
-    logits = model(**inputs).logits
+    logits = model(input_ids=batch["input_ids"], **forward).logits
     losses = _token_losses(logits, batch["labels"])
+    rows = pack_examples(examples, collator.max_length)
+    if collator.flat:
+        rows = [[e for row in rows for e in row]]
     out = {}
-    for row, packed in enumerate(pack_examples(examples, collator.max_length)):
+    for row, packed in enumerate(rows):
         start = 0
         for e in packed:
             end = start + len(e)
@@ -286,17 +393,19 @@ def gqa_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_packed_loss_equals_unpacked_loss(
     llama_path: Path, gqa_path: Path, tok: Any, attn: str, heads: str
 ) -> None:
+    """Concatenated examples, restarting position ids, no mask: the unpacked losses."""
     path = llama_path if heads == "mha" else gqa_path
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
     examples = _examples(tok)
-    collator = PackedCollator(PACK, tok.pad_token_id, mask_dtype=mask_dtype_for(model))
+    collator = PackedCollator(PACK, tok.pad_token_id)
     rows = pack_examples(examples, PACK)
     assert len(rows) < len(examples) and max(map(len, rows)) >= 3  # really packed
-    assert sum(len(e) for e in rows[-1]) < max(sum(map(len, r)) for r in rows)  # and padded
+    assert min(sum(map(len, r)) for r in rows) < max(sum(map(len, r)) for r in rows)  # padded
     with torch.no_grad():
         expected = _unpacked_losses(model, examples, tok.pad_token_id)
         batch = collator(examples)
-        forward = {k: batch[k] for k in ("attention_mask", "position_ids")}
+        assert set(batch) == {"input_ids", "labels", "position_ids", "num_target_tokens"}
+        forward = {"position_ids": batch["position_ids"], "use_cache": False}
         got = _packed_losses(model, examples, collator, **forward)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         # The model's own loss (mean over every target token) agrees too; this also checks
@@ -306,25 +415,23 @@ def test_packed_loss_equals_unpacked_loss(
             **{k: padded[k] for k in ("input_ids", "attention_mask", "labels")}
         ).loss
         loss_packed = model(
-            **{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "labels")}
+            **{k: batch[k] for k in ("input_ids", "position_ids", "labels")}, use_cache=False
         ).loss
         torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-5)
         assert batch["num_target_tokens"] == padded["num_target_tokens"]
-        # The default additive float32 mask is right for both kernels as well.
-        additive = PackedCollator(PACK, tok.pad_token_id)(examples)
+        # the one-row layout (for flash kernels) is right for these kernels as well
+        flat = PackedCollator(PACK, tok.pad_token_id, flat=True)
+        one_row = flat(examples)
+        assert one_row["input_ids"].shape == (1, sum(map(len, examples)))  # no padding
         got = _packed_losses(
-            model,
-            examples,
-            collator,
-            attention_mask=additive["attention_mask"],
-            position_ids=additive["position_ids"],
+            model, examples, flat, position_ids=one_row["position_ids"], use_cache=False
         )
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: str) -> None:
-    """Negative controls: without the block mask the losses differ, so the test above can fail."""
+    """Negative controls: without the boundaries the losses differ, so the test above can fail."""
     model = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation=attn).eval()
     examples = _examples(tok)
     collator = PackedCollator(PACK, tok.pad_token_id)
@@ -339,31 +446,12 @@ def test_naive_packing_leaks_across_examples(llama_path: Path, tok: Any, attn: s
             {
                 "position_ids": batch["position_ids"],
                 "attention_mask": (batch["input_ids"] != tok.pad_token_id).long(),
+                "use_cache": False,
             },
         ]
-        if attn == "eager":  # a boolean 4D mask is *added* to eager scores: silently wrong
-            bool_mask = PackedCollator(PACK, tok.pad_token_id, mask_dtype=torch.bool)(examples)
-            naive.append({k: bool_mask[k] for k in ("attention_mask", "position_ids")})
         for forward in naive:
             got = _packed_losses(model, examples, collator, **forward)
             assert (got - expected).abs().max() > 1e-2
-        # and with no cache transformers does detect packing from the position ids
-        got = _packed_losses(
-            model, examples, collator, position_ids=batch["position_ids"], use_cache=False
-        )
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_mask_dtype_for(llama_path: Path) -> None:
-    sdpa = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="sdpa")
-    eager = AutoModelForCausalLM.from_pretrained(
-        llama_path, attn_implementation="eager", dtype=torch.bfloat16
-    )
-    assert mask_dtype_for(sdpa) == torch.bool
-    assert mask_dtype_for(eager) == torch.bfloat16
-    eager.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(ConfigError, match="eager"):
-        mask_dtype_for(eager)
 
 
 # -- packing: structure ----------------------------------------------------------------------
@@ -381,31 +469,38 @@ def _synthetic(lengths: list[int], data: st.DataObject) -> list[Example]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(max_length=st.integers(1, 48), multiple=st.sampled_from([None, 1, 4]), data=st.data())
+@given(
+    max_length=st.integers(1, 48),
+    multiple=st.sampled_from([None, 1, 4]),
+    flat=st.booleans(),
+    data=st.data(),
+)
 def test_packed_collator_structure(
-    max_length: int, multiple: int | None, data: st.DataObject
+    max_length: int, multiple: int | None, flat: bool, data: st.DataObject
 ) -> None:
     if multiple:
         max_length = -(-max_length // multiple) * multiple
     lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=12))
     examples = _synthetic(lengths, data)
-    batch = PackedCollator(max_length, PAD, mask_dtype=torch.bool, pad_to_multiple_of=multiple)(
-        examples
-    )
+    batch = PackedCollator(max_length, PAD, flat=flat, pad_to_multiple_of=multiple)(examples)
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    mask = batch["attention_mask"]
     rows, width = ids.shape
-    assert width <= max_length and mask.shape == (rows, 1, width, width)
+    assert "attention_mask" not in batch
+    if flat:
+        assert rows == 1 and width == _round_up(sum(lengths), multiple)
+    else:
+        assert width <= max_length
+        # best-fit-decreasing: no two rows could have been merged
+        fills = sorted(int((ids[r] != PAD).sum()) for r in range(rows))
+        assert rows == 1 or fills[0] + fills[1] > max_length
     if multiple:
         assert width % multiple == 0
     seen: dict[int, list[int]] = {}
     for r in range(rows):
         starts = [t for t in range(width) if pos[r, t] == 0] + [width]
-        segment = torch.empty(width, dtype=torch.long)
-        for n, (s, e) in enumerate(zip(starts, starts[1:])):
-            segment[s:e] = n
+        for s, e in zip(starts, starts[1:]):
             assert pos[r, s:e].tolist() == list(range(e - s))
-            if ids[r, s] == PAD:  # trailing padding: one block, never trained
+            if ids[r, s] == PAD:  # trailing padding: one run of positions, never trained
                 assert e == width and (ids[r, s:] == PAD).all()
                 assert (labels[r, s:] == IGNORE_INDEX).all()
                 continue
@@ -413,15 +508,17 @@ def test_packed_collator_structure(
             assert key not in seen  # every example at most once ...
             seen[key] = ids[r, s:e].tolist()
             original = examples[key]
-            # ... and its labels intact, except the boundary one, which is ignored
+            # ... and its labels intact, except the boundary one, which is never a target
             assert labels[r, s:e].tolist() == [IGNORE_INDEX, *original.labels[1:]]
-        assert sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
-        allowed = (segment[:, None] == segment[None, :]) & torch.ones(
-            width, width, dtype=torch.bool
-        ).tril()
-        assert torch.equal(mask[r, 0], allowed)
+        assert flat or sum(1 for t in range(width) if ids[r, t] != PAD) <= max_length
     assert seen == {e.key: e.input_ids for e in examples}  # ... and exactly once
     assert batch["num_target_tokens"].item() == sum(e.num_target_tokens for e in examples)
+
+
+def test_pack_examples_best_fit_decreasing() -> None:
+    examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate([3, 6, 2, 5, 4, 1])]
+    # 6, 5, 4, 3, 2, 1 -> [6, 2], [5, 3], [4, 1]; rows and their examples in input order
+    assert [[e.key for e in row] for row in pack_examples(examples, 8)] == [[0, 3], [1, 2], [4, 5]]
 
 
 def test_packing_rejects_overlong_examples() -> None:
@@ -440,3 +537,36 @@ def test_padding_efficiency() -> None:
     per_batch = padding_efficiency(examples, max_length=8, batch_size=2)
     assert per_batch.padded == pytest.approx(16 / (2 * 8 + 2 * 4))
     assert per_batch.packed == pytest.approx(16 / (2 * 8 + 1 * 6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 32), min_size=1, max_size=40),
+    rows_per_batch=st.integers(1, 5),
+)
+def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> None:
+    """Every example once, rows of at most max_length, at most the budget's rows, and under
+    3% padding in every micro-batch (rows x its fullest row)."""
+    from llmtrain.training.data import FILL, micro_batches
+
+    examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate(lengths)]
+    batches = micro_batches(examples, 32, 32 * rows_per_batch + 7)
+    keys = [e.key for batch in batches for row in batch for e in row]
+    assert sorted(keys) == list(range(len(lengths)))
+    for batch in batches:
+        fills = [sum(map(len, row)) for row in batch]
+        assert len(batch) <= rows_per_batch and max(fills) <= 32
+        assert sum(fills) >= FILL * len(batch) * max(fills)
+
+
+def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
+    """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
+    from llmtrain.training.data import _empty_like
+    from llmtrain.training.run import loss_sum
+
+    model = AutoModelForCausalLM.from_pretrained(llama_path)
+    empty = _empty_like({"input_ids": torch.tensor([[5, 6, 7]])})
+    loss = loss_sum(model, empty)
+    loss.backward()
+    assert loss.item() == 0.0 and empty["num_target_tokens"] == 0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -528,3 +528,68 @@ def test_every_evaluation_reads_the_same_held_out_rows(tiny: Path, db: Any) -> N
     ]
     assert len(losses) == 2
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+
+
+def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
+    tiny: Path, db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """max_tokens_per_batch: a step's 8 rows in micro-batches of at most 2 rows of 64 tokens;
+    each row once per epoch; the LR reaches 0 on the last step; a resume (with other
+    num_workers) puts the same rows in the same micro-batches and gives the same adapter."""
+    from llmtrain.training import run as run_module
+
+    options = {
+        "max_steps": -1,
+        "num_train_epochs": 1,
+        "gradient_accumulation_steps": 2,  # 4 x 2 = 8 rows a step: 6 steps an epoch
+        "packing": True,
+        "max_length": 64,
+        "max_tokens_per_batch": 128,
+        "save_steps": 3,
+        "lr_scheduler_type": "linear",
+        "lora_dropout": 0.1,
+    }
+    seen: dict[str, list[tuple[int, list[list[str]], list[tuple[int, int]]]]] = {}
+    train_step, save = run_module.FitRun._train_step, run_module.FitRun.save_checkpoint
+
+    def traced(self: Any, group: list[dict[str, Any]]) -> float:
+        seen.setdefault(self.trainer.identifier, []).append(
+            (
+                self.step + 1,
+                [b["keys"] for b in group],
+                [tuple(b["input_ids"].shape) for b in group],
+            )
+        )
+        return train_step(self, group)
+
+    def crash_after_step_3(self: Any) -> Any:
+        record = save(self)
+        if self.step == 3:
+            raise KeyboardInterrupt("simulated crash")
+        return record
+
+    monkeypatch.setattr(run_module.FitRun, "_train_step", traced)
+    reference = _fit(_trainer(tiny, "budget", **options), db)
+    ref = seen["budget"]
+    assert [step for step, _, _ in ref] == list(range(1, 7))
+    for _, keys, shapes in ref:
+        assert sum(map(len, keys)) == 8
+        assert all(rows * width <= 128 and rows <= 2 and width <= 64 for rows, width in shapes)
+    assert max(len(keys) for _, keys, _ in ref) > 1  # several micro-batches in a step
+    assert max(rows for _, _, shapes in ref for rows, _ in shapes) == 2  # and rows packed
+    keys = [k for _, batches, _ in ref for b in batches for k in b]
+    assert sorted(keys) == sorted(f"int:{i}" for i in range(48))  # each row once an epoch
+    (run,) = db.metadata.list_runs("trainer", "budget")
+    lrs = [m for m in db.metadata.get_metrics(run.run_id) if "lr" in m.values]
+    assert lrs[-1].step == 6 and lrs[-1].values["lr"] == 0.0 < lrs[-2].values["lr"]
+
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_3)
+    with pytest.raises(KeyboardInterrupt):  # two DataLoader workers this time
+        _fit(_trainer(tiny, "budget-crash", num_workers=2, **options), db)
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", save)
+    assert seen.pop("budget-crash") == ref[:3]
+    resumed = _fit(_trainer(tiny, "budget-crash", num_workers=2, **options), db, resume=True)
+    assert seen["budget-crash"] == ref[3:]
+    a, b = _adapter(db, reference, tmp_path), _adapter(db, resumed, tmp_path)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)

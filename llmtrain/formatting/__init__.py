@@ -3,8 +3,6 @@
 from llmtrain.formatting.collate import (
     PackedCollator,
     PaddingEfficiency,
-    block_causal_mask,
-    mask_dtype_for,
     pack_examples,
     pad_collate,
     padding_efficiency,
@@ -19,8 +17,6 @@ __all__ = [
     "PackedCollator",
     "PaddingEfficiency",
     "PromptTemplate",
-    "block_causal_mask",
-    "mask_dtype_for",
     "pack_examples",
     "pad_collate",
     "padding_efficiency",

@@ -1,36 +1,28 @@
-"""Examples to batches: right-padded, or packed several to a row without cross-attention.
+"""Examples to batches: right-padded, or packed several to a row by concatenation.
 
-Packing, as transformers 5.x (Llama, Qwen2, ...) supports it for eager and SDPA attention:
-``create_causal_mask`` returns a 4D ``attention_mask`` unchanged, so :class:`PackedCollator`
-passes a block-diagonal causal mask of shape ``[batch, 1, seq, seq]`` plus ``position_ids``
-that restart at 0 for each example (RoPE then sees each example at its own positions).
-
-Two traps this avoids, both checked by the tests:
-
-* transformers only infers packing from ``position_ids`` alone when ``attention_mask`` is None
-  *and* no cache exists; with the config default ``use_cache=True`` a cache is created even in
-  training, the check is skipped and examples silently attend to each other;
-* eager attention *adds* the 4D mask to the scores, so a boolean mask there is silently wrong
-  (True becomes +1); eager needs an additive float mask in the model's dtype, while SDPA takes
-  a boolean one. :func:`mask_dtype_for` picks the right one for a model.
+Packing concatenates examples with ``position_ids`` that restart at 0 for each one and passes
+no ``attention_mask``: transformers 5.x (Llama, Qwen2, ...) then finds the example boundaries
+from the position ids, for eager, SDPA and flex attention within each row, and for
+``flash_attention_2`` (varlen) when the batch is a single row, so :class:`PackedCollator`
+lays the whole batch out as one row for flash kernels (``flat``), with no padding at all.
+Call the model with ``use_cache=False``: with a cache (the config default creates one even in
+training) transformers skips the detection and examples silently attend to each other.
 
 Within a packed row, the first label of each example is set to ignored: it would otherwise be
 predicted from the previous example's last token (it is never a target when unpacked either).
+Padding, when rows differ in length, goes after a row's last example as its own run of
+positions, so it forms its own block and is never a target.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.formatting.tokenize import IGNORE_INDEX, Example
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 def _round_up(n: int, multiple: int | None) -> int:
@@ -66,63 +58,35 @@ def pad_collate(
 
 
 def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
-    """Greedy first-fit: each example goes into the first row with room, in input order."""
-    rows: list[list[Example]] = []
-    used: list[int] = []
+    """Best-fit-decreasing: longest first (ties in input order), each into the fullest row it
+    fits. Rows, and the examples in each, come in input order."""
     for e in examples:
         if not 0 < len(e) <= max_length:
             raise ConfigError(
                 f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
                 f"max_length={max_length} (format with the same max_length)"
             )
-        for i, n in enumerate(used):
-            if n + len(e) <= max_length:
-                rows[i].append(e)
-                used[i] += len(e)
-                break
+    rows: list[list[tuple[int, Example]]] = []
+    used: list[int] = []
+    for i, e in sorted(enumerate(examples), key=lambda item: -len(item[1])):
+        fits = [r for r, n in enumerate(used) if n + len(e) <= max_length]
+        if fits:
+            best = max(fits, key=lambda r: used[r])
+            rows[best].append((i, e))
+            used[best] += len(e)
         else:
-            rows.append([e])
+            rows.append([(i, e)])
             used.append(len(e))
-    return rows
-
-
-def block_causal_mask(sequence_ids: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-    """``[batch, 1, seq, seq]`` mask letting a token see only earlier tokens of its own
-    sequence (same id in ``sequence_ids [batch, seq]``). Boolean (True = attend) for
-    ``dtype=torch.bool``, otherwise additive: 0 to attend, the dtype's minimum to block."""
-    index = torch.arange(sequence_ids.shape[-1], device=sequence_ids.device)
-    allowed = sequence_ids[:, :, None] == sequence_ids[:, None, :]
-    allowed &= index[None, :] <= index[:, None]  # in place: 5x faster than a tril'd ones
-    allowed = allowed[:, None]
-    if dtype == torch.bool:
-        return allowed
-    return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def mask_dtype_for(model: PreTrainedModel) -> torch.dtype:
-    """The 4D mask dtype ``model`` needs: bool for SDPA, an additive float mask in the model's
-    dtype for eager (which adds the mask to the scores). Other kernels are refused."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl == "sdpa":
-        return torch.bool
-    if impl == "eager":
-        return model.dtype
-    raise ConfigError(
-        f"packing passes a 4D attention mask, which only the 'eager' and 'sdpa' "
-        f"attention implementations accept; this model uses {impl!r}"
-    )
+    rows.sort(key=lambda row: min(i for i, _ in row))
+    return [[e for _, e in sorted(row, key=lambda item: item[0])] for row in rows]
 
 
 class PackedCollator:
-    """Packs examples into rows of at most ``max_length`` tokens.
+    """Packs examples into rows of at most ``max_length`` tokens (best-fit-decreasing).
 
-    Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per example), a 4D
-    block-diagonal causal ``attention_mask`` of ``mask_dtype`` and ``num_target_tokens``. The
-    default, an additive float32 mask, is correct for both eager and SDPA; pass
-    ``mask_dtype_for(model)`` to get the 4x smaller boolean mask under SDPA. Padding after the
-    last example forms its own causal block (so no attention row is empty, which would give
-    NaN) and is never a target. Pass ``use_cache=False`` to the model when training: a cache
-    is not needed and would only hold memory.
+    Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per example) and
+    ``num_target_tokens``; no attention mask. With ``flat`` (flash attention kernels, which
+    find packed examples only in a single row) the rows are concatenated into one.
     """
 
     def __init__(
@@ -130,7 +94,7 @@ class PackedCollator:
         max_length: int,
         pad_id: int,
         *,
-        mask_dtype: torch.dtype = torch.float32,
+        flat: bool = False,
         pad_to_multiple_of: int | None = None,
     ) -> None:
         if max_length < 1:
@@ -141,35 +105,36 @@ class PackedCollator:
                 f"pad_to_multiple_of {pad_to_multiple_of}"
             )
         self.max_length, self.pad_id = max_length, pad_id
-        self.mask_dtype, self.pad_to_multiple_of = mask_dtype, pad_to_multiple_of
+        self.flat, self.pad_to_multiple_of = flat, pad_to_multiple_of
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
-        rows = pack_examples(examples, self.max_length)
+        return self.collate_rows(pack_examples(examples, self.max_length))
+
+    def collate_rows(self, rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:
+        """The batch of rows already packed (each at most ``max_length`` tokens)."""
         if not rows:
             raise ValueError("PackedCollator: no examples")
+        if self.flat:
+            rows = [[e for row in rows for e in row]]
         width = _round_up(max(sum(map(len, row)) for row in rows), self.pad_to_multiple_of)
-        ids, labels, positions, sequences = [], [], [], []
+        ids, labels, positions = [], [], []
         for row in rows:
             row_ids: list[int] = []
             row_labels: list[int] = []
             row_pos: list[int] = []
-            row_seq: list[int] = []
-            for n, e in enumerate(row):
+            for e in row:
                 row_ids += e.input_ids
                 row_labels += [IGNORE_INDEX, *e.labels[1:]]
                 row_pos += range(len(e))
-                row_seq += [n] * len(e)
             pad = width - len(row_ids)
             ids.append(row_ids + [self.pad_id] * pad)
             labels.append(row_labels + [IGNORE_INDEX] * pad)
             positions.append(row_pos + list(range(pad)))
-            sequences.append(row_seq + [-1] * pad)
         label_tensor = torch.tensor(labels, dtype=torch.long)
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": label_tensor,
             "position_ids": torch.tensor(positions, dtype=torch.long),
-            "attention_mask": block_causal_mask(torch.tensor(sequences), self.mask_dtype),
             "num_target_tokens": _count_targets(label_tensor),
         }
 

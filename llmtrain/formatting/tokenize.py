@@ -1,8 +1,15 @@
 """Rows to token ids and labels.
 
-A row ``{X: input, Y: response}`` becomes an :class:`Example`. Prompt and response are
-tokenized separately, so the boundary between untrained and trained tokens is exact and the
-prompt tokens are the very ones :meth:`Formatter.prompt_ids` gives at inference.
+A row ``{X: input, Y: response}`` becomes an :class:`Example`. The whole text (prompt +
+response) is tokenized at once, so the trained ids are the very ones the tokenizer produces for
+it (tokenizing the response on its own would put a spurious ``▁`` before every response with
+tokenizers that mark the start of a text, Llama-2 style). Character offsets then split the
+tokens: those that reach past the end of the prompt text are the response. A token that
+straddles the boundary (a prompt ending in a space, merged into the response's first word)
+therefore counts as response; the prompt is then tokenized differently in context than alone,
+which is what :meth:`Formatter.prompt_ids` gives at inference, so the formatter warns once:
+end such prompts with a newline. Wherever the boundary is clean (the usual case), the untrained
+tokens are exactly the inference prompt ids.
 
 Labels: ``IGNORE_INDEX`` (-100) on prompt tokens (unless ``train_on_inputs``); the response
 and the EOS after it are trained, so the model learns to stop. An empty response therefore
@@ -22,7 +29,7 @@ Every truncated example has ``truncated=True``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -81,18 +88,18 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
-def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Callable[..., list[Any]] | None:
-    """The Rust tokenizer's batch encoder, which costs half of ``tokenizer(...)`` (that converts
+def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The Rust tokenizer, whose batch encoders cost half of ``tokenizer(...)`` (that converts
     every encoding in Python), or None when the two disagree on a probe (a tokenizer class
     that preprocesses text in Python). A private copy with truncation and padding off: some
     tokenizer.json files enable them, and transformers only resets them per call."""
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_truncation()
     backend.no_padding()
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     probe = ["Hello world", " two  spaces\n", "ünïcode ✓ 你好 🙂", "text </s> <s>"]
     expected = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    return encode if [e.ids for e in encode(probe, add_special_tokens=False)] == expected else None
+    got = [e.ids for e in backend.encode_batch(probe, add_special_tokens=False)]
+    return backend if got == expected else None
 
 
 class Formatter:
@@ -141,6 +148,7 @@ class Formatter:
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
         }
         self._backend = None if chat_template else _backend_encoder(tokenizer)
+        self._boundary_warned = False
         self._prefix = self._check_chat_template() if chat_template else _special_prefix(tokenizer)
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
             raise ConfigError(
@@ -173,17 +181,25 @@ class Formatter:
         if self.chat_template:
             return self._format_chat([key for key, _ in rows], texts)
         assert self.template is not None
-        prompts = self._encode([self.template.prompt(x) for x, _ in texts])
-        responses = self._encode([y for _, y in texts])
-        eos = [self.eos_id]
-        return [
-            self._assemble(key, self._prefix, prompt, response + eos, None, [])
-            for (key, _), prompt, response in zip(rows, prompts, responses)
-        ]
+        prompts = [self.template.prompt(x) for x, _ in texts]
+        alone = self._encode(prompts)
+        examples = []
+        for (key, _), prompt, (ids, offsets), prompt_ids in zip(
+            rows, prompts, self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)]), alone
+        ):
+            end = len(prompt)  # the first token that reaches into the response starts it
+            cut = next((i for i, (a, b) in enumerate(offsets) if b > end or a >= end), len(ids))
+            if ids[:cut] != prompt_ids:
+                self._warn_boundary(prompt, ids[cut - 1 : cut + 1] if cut else ids[:1])
+            examples.append(
+                self._assemble(key, self._prefix, ids[:cut], ids[cut:] + [self.eos_id], None, [])
+            )
+        return examples
 
     def prompt_ids(self, x: str) -> list[int]:
         """The token ids a model is given at inference for input ``x``; identical to the
-        untrained part of a training example (before truncation)."""
+        untrained part of a training example (before truncation) unless the formatter warned
+        that the prompt ends inside a token."""
         if self.chat_template:
             return list(
                 self._chat([[{"role": "user", "content": x}]], generation_prompt=True)["input_ids"][
@@ -198,7 +214,32 @@ class Formatter:
         """Token ids of ``texts`` without special tokens, in one batched call."""
         if self._backend is None:
             return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        return [e.ids for e in self._backend(texts, add_special_tokens=False)]
+        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(token ids, character spans) of ``texts`` without special tokens, batched."""
+        if self._backend is None:
+            out = self.tokenizer(
+                texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+            )
+            return list(zip(out["input_ids"], out["offset_mapping"]))
+        return [
+            (e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
+        ]
+
+    def _warn_boundary(self, prompt: str, tokens: list[int]) -> None:
+        """Once per formatter: a prompt that tokenizes differently before its response."""
+        if self._boundary_warned:
+            return
+        self._boundary_warned = True
+        warnings.warn(
+            f"the prompt {prompt[-20:]!r} ends inside a token when followed by its response "
+            f"(tokens {self.tokenizer.convert_ids_to_tokens(tokens)!r}): the token spanning "
+            "both is trained as part of the response, and the prompt tokenizes differently "
+            "at inference; end the template's prompt with a newline (no trailing space)",
+            stacklevel=4,
+        )
 
     def _chat(
         self, conversations: list[list[dict[str, str]]], *, generation_prompt: bool = False

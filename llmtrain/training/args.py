@@ -218,6 +218,8 @@ class DataArguments(_Args):
     """Use the tokenizer's chat template."""
     packing: bool = False
     """Pack examples into rows; no cross-attention."""
+    max_tokens_per_batch: int | None = Field(default=None, ge=8)
+    """Token cap of a packed micro-batch (rows of max_length); a step packs into as few as fit."""
     cache_size: int = Field(default=1024, ge=1)
     """Rows per database window."""
     shuffle: bool = True
@@ -402,6 +404,14 @@ class TrainerConfig(_Args):
         problems = self._template_problems()
         if self.deepspeed_config is not None and self.fsdp_config is not None:
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
+        d = self.data_args
+        if d.max_tokens_per_batch is not None and not d.packing:
+            problems.append("data_args.max_tokens_per_batch needs packing=True")
+        if d.max_tokens_per_batch is not None and d.max_tokens_per_batch < d.max_length:
+            problems.append(
+                f"data_args.max_tokens_per_batch={d.max_tokens_per_batch} is less than one "
+                f"row of max_length={d.max_length}"
+            )
         m = self.model_args
         if m.bits and self.lora_args is None:
             problems.append(

@@ -3,11 +3,21 @@
 The held-out split is part of the dataset's plan (``split="train"`` / ``"held_out"``): the
 collate function tokenizes every row it gets, so every training batch has ``batch_size``
 rows (an epoch's last may have fewer) and the step count comes from training rows only.
+
+With a token budget (``max_tokens_per_batch``) an optimizer step still trains a fixed number
+of rows, ``batch_size x gradient_accumulation_steps`` per process, read as one loader batch:
+they are packed best-fit-decreasing into rows of ``max_length``, grouped into micro-batches
+of at most the budget with under 3% padding. The look-ahead is the step's rows, so the steps
+per epoch (the LR schedule), the resume state (rows consumed, at step boundaries) and the step
+count every rank agrees on stay what they are without a budget; only the micro-batches per
+step vary, and processes agree on their number (the shorter ones add an empty micro-batch:
+collectives stay paired).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +25,14 @@ import torch
 
 from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, RunSnapshot
 from llmtrain.datasets.snapshot import Split, held_out, key_repr
-from llmtrain.formatting import Formatter, PackedCollator, pad_collate
-from llmtrain.formatting.collate import mask_dtype_for
+from llmtrain.formatting import (
+    IGNORE_INDEX,
+    Example,
+    Formatter,
+    PackedCollator,
+    pack_examples,
+    pad_collate,
+)
 from llmtrain.queries import Query
 from llmtrain.training.args import DataArguments
 
@@ -25,32 +41,79 @@ __all__ = ["Collate", "TrainBatches", "held_out", "make_collate", "to_device", "
 
 @dataclass
 class Collate:
-    """(key, row) pairs -> tokenized, padded (or packed) batch; runs in DataLoader workers."""
+    """(key, row) pairs -> tokenized, padded (or packed) batch; runs in DataLoader workers.
+    With ``max_tokens`` the rows are one optimizer step's, and the result is the list of
+    packed micro-batches of at most ``max_tokens`` tokens they fill."""
 
     formatter: Formatter
     pad_id: int
     source: str
     packer: PackedCollator | None
+    max_tokens: int | None = None
 
-    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
         examples = self.formatter.format_batch(rows, source=self.source)
-        batch: dict[str, Any] = (
-            self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
-        )
-        batch["num_tokens"] = torch.tensor(sum(len(e) for e in examples))
-        batch["keys"] = [key_repr(k) for k, _ in rows]
-        return batch
+        if self.max_tokens is None:
+            batch = self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
+            return _counted(batch, examples)
+        assert self.packer is not None
+        return [
+            _counted(self.packer.collate_rows(rows), [e for row in rows for e in row])
+            for rows in micro_batches(examples, self.packer.max_length, self.max_tokens)
+        ]
+
+
+def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
+    batch["num_tokens"] = torch.tensor(sum(len(e) for e in examples))
+    batch["keys"] = [key_repr(e.key) for e in examples]
+    return batch
+
+
+#: a row shares a micro-batch only with rows at least this full relative to its fullest, so
+#: at most 3% of the positions a micro-batch feeds the model are padding
+FILL = 0.97
+
+
+def micro_batches(
+    examples: Sequence[Example], max_length: int, max_tokens: int
+) -> list[list[list[Example]]]:
+    """Rows of at most ``max_length`` tokens, packed best-fit-decreasing, then grouped fullest
+    first into micro-batches of at most ``max_tokens // max_length`` rows that are alike in
+    length (:data:`FILL`): the step's last, partly filled rows go alone or together."""
+    rows = sorted(pack_examples(examples, max_length), key=lambda r: -sum(map(len, r)))
+    per_batch = max(1, max_tokens // max_length)
+    batches: list[list[list[Example]]] = []
+    for row in rows:
+        batch = batches[-1] if batches else None
+        if (
+            batch
+            and len(batch) < per_batch
+            and sum(map(len, row)) >= FILL * sum(map(len, batch[0]))
+        ):
+            batch.append(row)
+        else:
+            batches.append([row])
+    return batches
 
 
 def make_collate(
-    formatter: Formatter, tokenizer: Any, model: Any, args: DataArguments, source: str
+    formatter: Formatter,
+    tokenizer: Any,
+    model: Any,
+    args: DataArguments,
+    source: str,
+    *,
+    token_budget: bool = False,
 ) -> Collate:
+    """The collate function of ``args``; ``token_budget``: the training one, which packs a
+    step's rows to ``max_tokens_per_batch`` (evaluation keeps batches of rows)."""
     packer = None
     if args.packing:
-        packer = PackedCollator(
-            args.max_length, tokenizer.pad_token_id, mask_dtype=mask_dtype_for(model)
-        )
-    return Collate(formatter, tokenizer.pad_token_id, source, packer)
+        # flash kernels find packed examples from position ids only in a one-row batch
+        impl = str(getattr(model.config, "_attn_implementation", None))
+        packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
+    budget = args.max_tokens_per_batch if token_budget else None
+    return Collate(formatter, tokenizer.pad_token_id, source, packer, budget)
 
 
 def view_dataset(
@@ -86,21 +149,38 @@ def view_dataset(
 
 
 class TrainBatches:
-    """The one data object the training loop knows: batches across epochs, the batch count
-    per epoch, and the dataset position as resume state."""
+    """The one data object the training loop knows: each optimizer step's micro-batches
+    across epochs, the steps per epoch, and the dataset position as resume state.
+
+    ``agree`` (the maximum over processes; None in one process) makes every process take
+    the same number of micro-batches in a step when a token budget lets them vary.
+    """
 
     def __init__(
-        self, dataset: CachedQueryDataset, args: DataArguments, *, batch_size: int, collate: Collate
+        self,
+        dataset: CachedQueryDataset,
+        args: DataArguments,
+        *,
+        batch_size: int,
+        collate: Collate,
+        accumulation: int = 1,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.dataset = dataset
+        # with a token budget one loader batch is one step's rows (collate packs them)
+        self.per_step = args.max_tokens_per_batch is not None
+        self.accumulation = 1 if self.per_step else accumulation
         self.loader: QueryDataLoader = dataset.loader(
-            batch_size, num_workers=args.num_workers, collate_fn=collate, with_keys=True
+            batch_size * accumulation if self.per_step else batch_size,
+            num_workers=args.num_workers,
+            collate_fn=collate,
+            with_keys=True,
         )
-        self.batch_size = batch_size
+        self.batch_size, self.agree = batch_size, agree
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        return len(self.loader)
+        """Optimizer steps per epoch on this rank (the same on every rank)."""
+        return -(-len(self.loader) // self.accumulation)
 
     @property
     def epoch(self) -> int:
@@ -110,6 +190,18 @@ class TrainBatches:
     def stats(self) -> ReadStats:
         """What this process read and skipped (the loop reports it; it never reaches past)."""
         return self.dataset.stats
+
+    def steps(self, start_epoch: int, num_epochs: int | None) -> Iterator[list[Any]]:
+        """Each optimizer step's micro-batches from ``start_epoch`` on (a group of batches may
+        run into the next epoch, as without a budget it always has)."""
+        batches = (batch for _, batch in self.epochs(start_epoch, num_epochs))
+        if not self.per_step:
+            while group := list(itertools.islice(batches, self.accumulation)):
+                yield group
+            return
+        for group in batches:
+            missing = (self.agree(len(group)) if self.agree else len(group)) - len(group)
+            yield group + [_empty_like(group[0])] * missing
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""
@@ -131,6 +223,19 @@ class TrainBatches:
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool) -> None:
         self.loader.load_state_dict(state, allow_changed_data=allow_changed_data)
+
+
+def _empty_like(batch: dict[str, Any]) -> dict[str, Any]:
+    """A one-token micro-batch with no target: it adds nothing to the loss or gradients, but
+    runs the forward and backward (and their collectives) that the other processes run."""
+    return {
+        "input_ids": batch["input_ids"][:1, :1],
+        "labels": torch.full((1, 1), IGNORE_INDEX),
+        "position_ids": torch.zeros((1, 1), dtype=torch.long),
+        "num_target_tokens": torch.tensor(0),
+        "num_tokens": torch.tensor(0),
+        "keys": [],
+    }
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

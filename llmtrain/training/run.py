@@ -6,7 +6,6 @@ checkpointer and the stores are collaborators handed in, never base classes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import shutil
@@ -106,7 +105,9 @@ class FitRun:
         )
         select = fit.query()
         self.snapshot = self._selection_snapshot(select)
-        collate = make_collate(self.formatter, self.tokenizer, model, self.dargs, select.source)
+        collate = make_collate(
+            self.formatter, self.tokenizer, model, self.dargs, select.source, token_budget=True
+        )
         train = view_dataset(
             self.db,
             select,
@@ -119,7 +120,12 @@ class FitRun:
             world_size=s.world_size,
         )
         self.batches = TrainBatches(
-            train, self.dargs, batch_size=self.targs.per_device_train_batch_size, collate=collate
+            train,
+            self.dargs,
+            batch_size=self.targs.per_device_train_batch_size,
+            collate=collate,
+            accumulation=self.targs.gradient_accumulation_steps,
+            agree=None if s.world_size == 1 else self._max_over_ranks,
         )
         if len(self.batches) == 0:
             raise DataError(
@@ -206,8 +212,10 @@ class FitRun:
     def _total_steps(self) -> int:
         if self.targs.max_steps > 0:
             return self.targs.max_steps
-        per_epoch = -(-len(self.batches) // self.targs.gradient_accumulation_steps)
-        return max(1, per_epoch * self.targs.num_train_epochs)
+        return max(1, len(self.batches) * self.targs.num_train_epochs)
+
+    def _max_over_ranks(self, n: int) -> int:
+        return int(self.strategy.all_reduce(torch.tensor(n), "max"))
 
     def _make_scheduler(self) -> Any:
         from transformers import get_scheduler
@@ -246,7 +254,7 @@ class FitRun:
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
         t = self.targs
-        stream = self.batches.epochs(
+        stream = self.batches.steps(
             self.start_epoch, None if t.max_steps > 0 else t.num_train_epochs
         )
         self.model.train()
@@ -296,13 +304,10 @@ class FitRun:
             "X/Y fields (the warnings above name each row's problem)"
         )
 
-    def _next_group(self, stream: Iterator[tuple[int, Any]]) -> list[dict[str, Any]]:
+    def _next_group(self, stream: Iterator[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         """The next accumulation group, cut to the same size on every rank."""
         s = self.strategy
-        group = [
-            to_device(batch, s.device)
-            for _, batch in itertools.islice(stream, self.targs.gradient_accumulation_steps)
-        ]
+        group = [to_device(batch, s.device) for batch in next(stream, [])]
         size = int(s.all_reduce(torch.tensor(len(group)), "min"))
         return group[:size]
 

@@ -396,11 +396,16 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 def _same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
     """Same settings and selection: the data fingerprint and the database URI (a relative
-    SQLite path, a redacted password) describe where and when, not the recipe."""
+    SQLite path, a redacted password) describe where and when, not the recipe. The stored
+    record is read through today's schema, so an option added since is at its default."""
 
     def strip(d: dict[str, Any]) -> dict[str, Any]:
         return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
 
+    try:
+        stored = build(TrainerConfig, stored).model_dump(mode="json")
+    except ConfigError:
+        return False
     return strip(stored) == strip(current)
 
 
