@@ -1,0 +1,175 @@
+"""The training loss without the full logits: hidden states -> lm_head -> cross-entropy per
+chunk of target tokens.
+
+The plain path (:func:`plain_loss_sum`) materialises ``[batch, T, vocab]`` logits, upcasts
+them to float32 and keeps them, and their gradient, for the backward: with a 128k vocabulary
+and 8 x 2048 tokens that is 8.4 GB each. :class:`LossFunction` instead
+
+* runs the *wrapped* model's forward (DDP's, FSDP2's and DeepSpeed's hooks fire as usual)
+  with the output embedding's ``forward`` swapped, for that one call, for one that receives
+  the final hidden states and returns the loss in place of the logits, so the model never
+  computes logits at all;
+* keeps only the positions that are targets (prompt and padding positions never reach the
+  vocabulary projection), and projects them a chunk of tokens at a time, calling the
+  output embedding module itself, so a LoRA adapter on ``lm_head`` applies;
+* computes each chunk's gradients right there, in the forward (:class:`_ChunkedCrossEntropy`,
+  the scheme of Liger's fused linear cross-entropy), and frees the chunk's logits before the
+  next: the backward only scales the stored gradients (hidden-state sized, plus the head's
+  trainable weights). Recomputing the chunk in the backward instead would cost one more
+  vocabulary projection per token for the same peak memory, and would have to replay the
+  dropout of a LoRA adapter on ``lm_head``.
+
+With ``liger_kernel`` installed, on CUDA, and a plain ``nn.Linear`` head (no adapter on it),
+Liger's fused Triton kernel does the same in one call. Models whose head output is not the
+logits as such (Gemma-2's ``final_logit_softcapping``) keep the plain path.
+
+Measured (``benchmarks/bench_loss_memory.py``, CPU, vocabulary 128k, T=2048, one step):
+the chunked step's peak RSS is 0.14x the plain path's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.formatting import IGNORE_INDEX
+
+__all__ = ["LossFunction", "plain_loss_sum"]
+
+#: logits elements per chunk: 2**24 float32 values (64 MB, and as much for their gradient)
+CHUNK_ELEMENTS = 2**24
+_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    return {k: batch[k] for k in _INPUTS if k in batch}
+
+
+def plain_loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
+    """Summed next-token loss over target tokens from the full logits (the reference)."""
+    logits = model(**_model_inputs(batch), use_cache=False).logits[:, :-1]
+    targets = batch["labels"][:, 1:]
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """sum(cross_entropy(head(hidden), targets)), a chunk of rows at a time; gradients are
+    taken per chunk in the forward, so no chunk's logits outlive its iteration."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        chunk: int,
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
+        wanted = [hidden, *params]
+        need = [bool(n) for i, n in enumerate(ctx.needs_input_grad) if i == 0 or i >= 4]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grads: list[torch.Tensor | None] = [None] * len(wanted)
+        grad_hidden = torch.zeros_like(hidden) if need[0] else None
+        for start in range(0, hidden.size(0), chunk):
+            stop = min(start + chunk, hidden.size(0))
+            if not any(need):
+                total += F.cross_entropy(head(hidden[start:stop]).float(), targets[start:stop], reduction="sum")
+                continue
+            with torch.enable_grad():
+                h = hidden[start:stop].detach().requires_grad_(need[0])
+                loss = F.cross_entropy(head(h).float(), targets[start:stop], reduction="sum")
+                inputs = [t for t, n in zip([h, *params], need, strict=True) if n]
+                found = iter(torch.autograd.grad(loss, inputs, allow_unused=True))
+            total += loss.detach()
+            for i, n in enumerate(need):
+                if not n:
+                    continue
+                g = next(found)
+                if i == 0:
+                    assert grad_hidden is not None
+                    grad_hidden[start:stop] = g if g is not None else 0
+                elif g is not None:
+                    grads[i] = g if grads[i] is None else grads[i] + g  # type: ignore[operator]
+        grads[0] = grad_hidden
+        for i in range(1, len(wanted)):  # a weight no target touched (no targets at all)
+            if need[i] and grads[i] is None:
+                grads[i] = torch.zeros_like(wanted[i])
+        ctx.grads = grads
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        scaled = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
+        ctx.grads = None
+        return (scaled[0], None, None, None, *scaled[1:])
+
+
+def _liger_available(device: torch.device, head: torch.nn.Module) -> bool:
+    if device.type != "cuda" or type(head) is not torch.nn.Linear:
+        return False
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _head_returns(head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """``head(x)`` is ``fn(x)`` for the duration (module hooks still run around it)."""
+    head.forward = fn  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+class LossFunction:
+    """The loop's loss: ``loss(model, batch)`` is the summed next-token cross-entropy over the
+    batch's target tokens (float32), normalised by the caller across micro-batches and ranks.
+
+    ``base`` is the unwrapped (PEFT or plain) model whose output embedding is swapped;
+    ``model`` at call time is whatever wraps it (DDP, FSDP2, a DeepSpeed engine, or itself).
+    """
+
+    def __init__(self, base: Any, *, chunked: bool = True, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        self.head: torch.nn.Module = base.get_output_embeddings()
+        config = getattr(base, "config", None)
+        softcapped = getattr(config, "final_logit_softcapping", None) is not None
+        self.chunked = chunked and self.head is not None and not softcapped
+        vocab = int(getattr(self.head, "out_features", 0) or getattr(config, "vocab_size", 1))
+        self.chunk = max(1, chunk_elements // max(vocab, 1))
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        if not self.chunked:
+            return plain_loss_sum(model, batch)
+        targets = batch["labels"][:, 1:]
+        keep = targets != IGNORE_INDEX
+        head = self.head
+        own_forward = type(head).forward.__get__(head)  # the module's own forward, adapters included
+
+        def loss_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
+            selected = hidden[:, :-1][keep]
+            picked = targets[keep]
+            if _liger_available(selected.device, head):
+                from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+                linear = head  # a plain nn.Linear (checked above)
+                return liger_fused_linear_cross_entropy(
+                    selected, linear.weight, picked, linear.bias, reduction="sum"
+                ).float()
+            params = [p for p in head.parameters() if p.requires_grad]
+            return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
+
+        with _head_returns(head, loss_from_hidden):
+            loss = model(**_model_inputs(batch), use_cache=False).logits
+        return loss

@@ -1,0 +1,112 @@
+"""The chunked loss equals the plain one (full logits + cross-entropy), loss and gradients,
+with LoRA on every linear layer including ``lm_head``, and for full fine-tuning."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmtrain.formatting import IGNORE_INDEX
+from llmtrain.testing import tiny_model
+from llmtrain.training.loss import LossFunction, plain_loss_sum
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(
+        tmp_path_factory.mktemp("models") / "llama", hidden_size=32, num_layers=1, vocab_size=400
+    )
+
+
+def _model(path: Path, lora_targets: list[str] | None) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora_targets is None:
+        return model
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=lora_targets)
+    model = get_peft_model(model, config)
+    for name, p in model.named_parameters():  # LoRA B starts at zero: give it a gradient path
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _batch(vocab: int) -> dict[str, torch.Tensor]:
+    """Two padded rows with prompt positions ignored, and a packed-style position reset."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, vocab, (2, 24), generator=g)
+    labels = ids.clone()
+    labels[:, :6] = IGNORE_INDEX  # the prompt
+    labels[1, 18:] = IGNORE_INDEX  # padding
+    mask = torch.ones_like(ids)
+    mask[1, 18:] = 0
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _loss_and_grads(model: Any, loss: Any, batch: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    model.zero_grad(set_to_none=True)
+    value = loss(model, batch)
+    (value * 0.37).backward()  # a scaled loss, as the loop scales it
+    return value.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+    }
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [["q_proj", "v_proj", "down_proj", "lm_head"], None],
+    ids=["lora_with_lm_head", "full_fine_tuning"],
+)
+def test_chunked_loss_and_gradients_equal_the_plain_path(tiny: Path, targets: Any) -> None:
+    model = _model(tiny, targets)
+    batch = _batch(model.config.vocab_size)
+    expected, expected_grads = _loss_and_grads(model, plain_loss_sum, batch)
+    # 7 target tokens per chunk: several chunks, the last one partial
+    chunked = LossFunction(model, chunk_elements=7 * model.config.vocab_size)
+    assert chunked.chunked and chunked.chunk == 7
+    got, grads = _loss_and_grads(model, chunked, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    head = [n for n in grads if "lm_head" in n]
+    assert head and all(grads[n].abs().sum() > 0 for n in head)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # the head's forward is the module's own again, and evaluation (no grad) agrees too
+    assert "forward" not in vars(chunked.head)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(model, batch), expected, rtol=1e-6, atol=1e-5)
+
+
+def test_a_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny: Path) -> None:
+    model = _model(tiny, ["q_proj", "lm_head"])
+    batch = _batch(model.config.vocab_size)
+    batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
+    value, grads = _loss_and_grads(model, LossFunction(model), batch)
+    assert value.item() == 0.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+
+
+def test_the_chunked_model_is_untouched_by_deepcopy_and_wrappers(tiny: Path) -> None:
+    """The loss reaches the head through the model it is handed (here DDP-like wrapping by a
+    plain Module that forwards): the swap is visible through any wrapper."""
+    model = _model(tiny, ["q_proj", "lm_head"])
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.module = inner
+
+        def forward(self, **kwargs: Any) -> Any:
+            return self.module(**kwargs)
+
+    batch = _batch(model.config.vocab_size)
+    expected, _ = _loss_and_grads(model, plain_loss_sum, batch)
+    got, _ = _loss_and_grads(Wrapper(model), LossFunction(copy.copy(model)), batch)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
