@@ -36,7 +36,15 @@ from llmtrain.formatting import (
 from llmtrain.queries import Query
 from llmtrain.training.args import DataArguments
 
-__all__ = ["Collate", "TrainBatches", "held_out", "make_collate", "to_device", "view_dataset"]
+__all__ = [
+    "Collate",
+    "TrainBatches",
+    "held_out",
+    "make_collate",
+    "pad_group",
+    "to_device",
+    "view_dataset",
+]
 
 
 @dataclass
@@ -236,6 +244,11 @@ def _empty_like(batch: dict[str, Any]) -> dict[str, Any]:
         "num_tokens": torch.tensor(0),
         "keys": [],
     }
+
+
+def pad_group(group: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
+    """``group`` with empty micro-batches added up to ``size`` (another rank's count)."""
+    return group + [_empty_like(group[0])] * (size - len(group))
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

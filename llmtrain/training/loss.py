@@ -82,7 +82,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk):
             stop = min(start + chunk, hidden.size(0))
             if not any(need):
-                total += F.cross_entropy(head(hidden[start:stop]).float(), targets[start:stop], reduction="sum")
+                total += F.cross_entropy(
+                    head(hidden[start:stop]).float(), targets[start:stop], reduction="sum"
+                )
                 continue
             with torch.enable_grad():
                 h = hidden[start:stop].detach().requires_grad_(need[0])
@@ -124,7 +126,9 @@ def _liger_available(device: torch.device, head: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _head_returns(head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+def _head_returns(
+    head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[None]:
     """``head(x)`` is ``fn(x)`` for the duration (module hooks still run around it)."""
     head.forward = fn  # type: ignore[method-assign]
     try:
@@ -141,7 +145,9 @@ class LossFunction:
     ``model`` at call time is whatever wraps it (DDP, FSDP2, a DeepSpeed engine, or itself).
     """
 
-    def __init__(self, base: Any, *, chunked: bool = True, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    def __init__(
+        self, base: Any, *, chunked: bool = True, chunk_elements: int = CHUNK_ELEMENTS
+    ) -> None:
         self.head: torch.nn.Module = base.get_output_embeddings()
         config = getattr(base, "config", None)
         softcapped = getattr(config, "final_logit_softcapping", None) is not None
@@ -155,7 +161,9 @@ class LossFunction:
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE_INDEX
         head = self.head
-        own_forward = type(head).forward.__get__(head)  # the module's own forward, adapters included
+        own_forward = type(head).forward.__get__(
+            head
+        )  # the module's own forward, adapters included
 
         def loss_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
             selected = hidden[:, :-1][keep]

@@ -18,15 +18,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from llmtrain.datasets import RunSnapshot, take_snapshot
 from llmtrain.errors import CheckpointError, DataError, StoreError
-from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.formatting import Formatter
 from llmtrain.queries import Query
 from llmtrain.training.callbacks import Callback, registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.data import TrainBatches, make_collate, to_device, view_dataset
+from llmtrain.training.data import (
+    TrainBatches,
+    make_collate,
+    pad_group,
+    to_device,
+    view_dataset,
+)
+from llmtrain.training.loss import LossFunction
 from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import Strategy
@@ -40,17 +46,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
-    """Summed next-token loss over target tokens (normalised by the caller, across ranks)."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-    logits = model(**inputs, use_cache=False).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(),
-        targets.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+def _targets(group: list[dict[str, Any]]) -> int:
+    """The target tokens of a group of host-side batches (no device involved)."""
+    return sum(int(b["num_target_tokens"]) for b in group)
 
 
 class FitRun:
@@ -92,6 +90,7 @@ class FitRun:
         self._start_from_parent(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
+        self.loss = LossFunction(model)
 
         fit = cfg.fit
         self.formatter = Formatter(
@@ -125,7 +124,6 @@ class FitRun:
             batch_size=self.targs.per_device_train_batch_size,
             collate=collate,
             accumulation=self.targs.gradient_accumulation_steps,
-            agree=None if s.world_size == 1 else self._max_over_ranks,
         )
         if len(self.batches) == 0:
             raise DataError(
@@ -214,9 +212,6 @@ class FitRun:
             return self.targs.max_steps
         return max(1, len(self.batches) * self.targs.num_train_epochs)
 
-    def _max_over_ranks(self, n: int) -> int:
-        return int(self.strategy.all_reduce(torch.tensor(n), "max"))
-
     def _make_scheduler(self) -> Any:
         from transformers import get_scheduler
 
@@ -261,10 +256,10 @@ class FitRun:
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         with self._progress() as progress:
             while self.step < self.total_steps:
-                group = self._next_group(stream)
+                group, targets = self._next_group(stream)
                 if not group:
                     break
-                loss = self._train_step(group)
+                loss = self._train_step(group, targets)
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
                 metrics = {
                     "loss": loss,
@@ -304,36 +299,57 @@ class FitRun:
             "X/Y fields (the warnings above name each row's problem)"
         )
 
-    def _next_group(self, stream: Iterator[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        """The next accumulation group, cut to the same size on every rank."""
-        s = self.strategy
-        group = [to_device(batch, s.device) for batch in next(stream, [])]
-        size = int(s.all_reduce(torch.tensor(len(group)), "min"))
-        return group[:size]
+    def _next_group(self, stream: Iterator[list[dict[str, Any]]]) -> tuple[list[Any], int]:
+        """The next accumulation group (still on the host), the same length on every rank, and
+        the target tokens of the whole step on all ranks, in one collective. With a token
+        budget the shorter groups get empty micro-batches (collectives stay paired); without
+        one, a group the data cut short is cut to the shortest; a rank with none stops all."""
+        group = next(stream, [])
+        s, targets = self.strategy, _targets(group)
+        if s.world_size == 1:
+            return group, targets
+        counts = s.all_gather(torch.tensor([len(group), targets]))
+        sizes, total = counts[:, 0].tolist(), int(counts[:, 1].sum())
+        if min(sizes) == 0:
+            return [], 0
+        if self.batches.per_step:
+            return pad_group(group, max(sizes)), total
+        if min(sizes) == max(sizes):
+            return group, total
+        group = group[: min(sizes)]  # the data ran out unevenly (the last step): recount
+        return group, int(s.all_reduce(torch.tensor(_targets(group))))
 
-    def _train_step(self, group: list[dict[str, Any]]) -> float:
+    def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
         """Forward/backward over the group, then one optimizer step; returns the mean loss.
 
-        The loss is normalised by the target tokens of the whole step on all ranks, so long
-        and short examples weigh the same whatever the accumulation or world size.
+        The loss is normalised by the target tokens of the whole step on all ranks
+        (``targets``), so long and short examples weigh the same whatever the accumulation
+        or world size. The losses stay on the device and the step reads it once, at its end
+        (loss, tokens and gradient norm together, after one all_reduce): no micro-batch
+        waits for the device. Micro-batches move to the device one at a time.
         """
         s = self.strategy
-        step_targets = s.all_reduce(sum(b["num_target_tokens"] for b in group).float().cpu())
-        targets = max(step_targets.item(), 1.0)
-        total = 0.0
-        for i, batch in enumerate(group):
+        tokens = sum(int(b["num_tokens"]) for b in group)  # host tensors: no device sync
+        scale = s.world_size / max(targets, 1)
+        total = torch.zeros((), device=s.device)
+        for i, host_batch in enumerate(group):
+            batch = to_device(host_batch, s.device)
             with s.accumulate(self.model, sync=i == len(group) - 1), self.precision.autocast():
-                loss = loss_sum(self.model, batch)
-            s.backward(self.model, loss * (s.world_size / targets))
-            total += loss.item()
-        self.last_grad_norm = s.optimizer_step(self.model, self.optimizer, self.targs.max_grad_norm)
+                loss = self.loss(self.model, batch)
+            s.backward(self.model, loss * scale)
+            total += loss.detach().float()
+        norm = s.optimizer_step(self.model, self.optimizer, self.targs.max_grad_norm)
         self.scheduler.step()
         self.step += 1
-        self.tokens_seen += int(s.all_reduce(sum(b["num_tokens"] for b in group)))
+        summed = s.all_reduce(torch.stack([total, torch.tensor(float(tokens), device=s.device)]))
+        norm_t = torch.as_tensor(norm, dtype=torch.float32, device=summed.device).reshape(1)
+        read = torch.cat([summed.float(), norm_t])
+        loss_sum, all_tokens, self.last_grad_norm = read.tolist()  # the step's one host sync
+        self.tokens_seen += int(all_tokens)
         keys = [k for b in group for k in b["keys"]]
         for callback in self.callbacks:
             callback.on_step(self, keys)
-        return float(s.all_reduce(torch.tensor(total))) / targets
+        return loss_sum / max(targets, 1)
 
     @property
     def has_eval(self) -> bool:
@@ -369,7 +385,7 @@ class FitRun:
             for batch in batches:
                 batch = to_device(batch, s.device)
                 with self.precision.autocast():
-                    total += loss_sum(self.model, batch).float().cpu()
+                    total += self.loss(self.model, batch).float().cpu()
                 count += batch["num_target_tokens"].float().cpu()
                 seen += len(batch["keys"])
                 if seen >= self.dargs.max_eval_rows:

@@ -28,7 +28,7 @@ def hold(marker: Path, where: str) -> None:
 
 def install_hold(spec: dict[str, Any]) -> None:
     from llmtrain.artifacts import local
-    from llmtrain.training import checkpoint, run
+    from llmtrain.training import checkpoint
     from llmtrain.training.callbacks import Callback, register
 
     kind, at, marker = spec["kind"], int(spec["step"]), Path(spec["marker"])
@@ -45,15 +45,17 @@ def install_hold(spec: dict[str, Any]) -> None:
     register(HoldAfterStep())
 
     if kind == "mid-step":
-        loss_sum = run.loss_sum
+        from llmtrain.training.loss import LossFunction
 
-        def forward_then_hold(model: Any, batch: dict[str, Any]) -> Any:
-            loss = loss_sum(model, batch)
+        compute = LossFunction.__call__
+
+        def forward_then_hold(self: Any, model: Any, batch: dict[str, Any]) -> Any:
+            loss = compute(self, model, batch)
             if traced["step"] == at - 1:
                 hold(marker, f"in step {at}, between forward and backward")
             return loss
 
-        run.loss_sum = forward_then_hold
+        LossFunction.__call__ = forward_then_hold  # type: ignore[method-assign]
 
     if kind == "checkpoint-write":
         saving = {"step": None}

@@ -87,12 +87,15 @@ class Strategy(ABC):
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     @abstractmethod
-    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
-        """Clip, step and zero the gradients; return the gradient norm before clipping."""
+    def optimizer_step(
+        self, model: Any, optimizer: Any, max_grad_norm: float | None
+    ) -> float | torch.Tensor:
+        """Clip, step and zero the gradients; return the gradient norm before clipping (a
+        tensor left on the device: the loop reads it with the step's other numbers)."""
 
     def clip_and_step(
         self, params: list[torch.nn.Parameter], optimizer: Any, max_grad_norm: float | None
-    ) -> float:
+    ) -> torch.Tensor:
         """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
@@ -104,11 +107,15 @@ class Strategy(ABC):
             self.scaler.step(optimizer)
             self.scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
     # -- collectives -----------------------------------------------------------------------
     def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return value
+
+    def all_gather(self, value: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``value`` stacked in rank order (``[world_size, *value.shape]``)."""
+        return value.unsqueeze(0)
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -186,6 +193,15 @@ class ProcessGroupStrategy(Strategy):
         out = value.detach().clone().to(self.device if self.device.type == "cuda" else "cpu")
         dist.all_reduce(out, op=_OPS[op])
         return out.to(value.device)
+
+    def all_gather(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.placement.distributed:
+            return value.unsqueeze(0)
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        local = value.detach().to(device)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local)
+        return torch.stack(out).to(value.device)
 
     def barrier(self) -> None:
         if self.placement.distributed:

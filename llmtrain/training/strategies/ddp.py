@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import (
     MakeOptimizer,
@@ -33,7 +35,9 @@ class DDP(ProcessGroupStrategy):
         with contextlib.nullcontext() if sync else model.no_sync():
             yield
 
-    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
+    def optimizer_step(
+        self, model: Any, optimizer: Any, max_grad_norm: float | None
+    ) -> torch.Tensor:
         return self.clip_and_step(self._params, optimizer, max_grad_norm)
 
     def unwrap(self, model: Any) -> Any:

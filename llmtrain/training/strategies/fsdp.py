@@ -154,7 +154,9 @@ class FSDP2(ProcessGroupStrategy):
         model.set_requires_gradient_sync(sync)  # off: keep unsharded grads, reduce later
         yield
 
-    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
+    def optimizer_step(
+        self, model: Any, optimizer: Any, max_grad_norm: float | None
+    ) -> torch.Tensor:
         return self.clip_and_step(self._params, optimizer, max_grad_norm)
 
     # -- state -----------------------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from llmtrain.placement import Placement
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import MakeOptimizer, Strategy, trainable_parameters
@@ -24,5 +26,7 @@ class SingleProcess(Strategy):
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
 
-    def optimizer_step(self, model: Any, optimizer: Any, max_grad_norm: float | None) -> float:
+    def optimizer_step(
+        self, model: Any, optimizer: Any, max_grad_norm: float | None
+    ) -> torch.Tensor:
         return self.clip_and_step(self._params, optimizer, max_grad_norm)
