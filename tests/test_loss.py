@@ -110,3 +110,114 @@ def test_the_chunked_model_is_untouched_by_deepcopy_and_wrappers(tiny: Path) -> 
     expected, _ = _loss_and_grads(model, plain_loss_sum, batch)
     got, _ = _loss_and_grads(Wrapper(model), LossFunction(copy.copy(model)), batch)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
+
+
+# -- the loop: one read of the device per optimizer step ---------------------------------------
+class Watched(torch.Tensor):
+    """A tensor that counts how often its value is read on the host (what waits for a GPU)."""
+
+    reads = 0
+    READS = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__float__,
+            torch.Tensor.__int__,
+            torch.Tensor.__bool__,
+            torch.Tensor.__index__,
+            torch.Tensor.cpu,
+            torch.Tensor.numpy,
+        }
+    )
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in cls.READS:
+            Watched.reads += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_time(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real fit with a token budget (groups of varying length): every value the step
+    computes on the device (losses, gradient norm) is watched, and so are the collectives."""
+    from conftest import fill
+
+    import llmtrain as lt
+    from llmtrain.training import run as run_module
+    from llmtrain.training.callbacks import Callback, registered
+    from llmtrain.training.loss import LossFunction as Loss
+    from llmtrain.training.strategies.single import SingleProcess
+
+    events: list[str] = []
+    compute, step, to_device = Loss.__call__, SingleProcess.optimizer_step, run_module.to_device
+
+    def watched_loss(self: Any, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        events.append("loss")
+        return compute(self, model, batch).as_subclass(Watched)
+
+    def watched_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.as_tensor(step(self, *args, **kwargs)).as_subclass(Watched)
+
+    def moved(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+        events.append("to_device")
+        return to_device(batch, device)
+
+    collectives = {"n": 0}
+    for name in ("all_reduce", "all_gather", "broadcast_object", "gather_object"):
+        original = getattr(SingleProcess, name)
+
+        def counted(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            collectives["n"] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(SingleProcess, name, counted)
+    monkeypatch.setattr(Loss, "__call__", watched_loss)
+    monkeypatch.setattr(SingleProcess, "optimizer_step", watched_step)
+    monkeypatch.setattr(run_module, "to_device", moved)
+
+    per_step: list[tuple[int, int, int]] = []
+
+    class Count(Callback):
+        def on_step(self, run: Any, keys: list[str]) -> None:
+            per_step.append((Watched.reads, collectives["n"], events.count("loss")))
+
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    words = ["red", "blue sky", "a green field of grass", "black", "white snow on a hill"]
+    fill(
+        uri,
+        "docs",
+        [{"id": i, "q": f"Say {i}?" * (1 + i % 3), "a": words[i % 5]} for i in range(24)],
+    )
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    trainer = lt.LLMTrainer(
+        "syncs",
+        model=str(tiny),
+        prompt_template="Q: {X}\nA: {Y}",
+        max_steps=3,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        max_length=48,
+        packing=True,
+        max_tokens_per_batch=48,
+        lora_r=4,
+        logging_steps=1,
+        progress_bar=False,
+    )
+    Watched.reads = 0
+    with registered(Count()):
+        trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+
+    assert len(per_step) == 3
+    starts = [(0, 0, 0), *per_step[:-1]]
+    deltas = [
+        tuple(b - a for a, b in zip(s, e, strict=True))
+        for s, e in zip(starts, per_step, strict=True)
+    ]
+    assert [(reads, calls) for reads, calls, _ in deltas] == [(1, 1)] * 3, deltas
+    micro = [n for _, _, n in deltas]
+    assert max(micro) > 1  # accumulation groups of several micro-batches (varying with the budget)
+    # each micro-batch reaches the device just before its own forward, never the group at once
+    train_events = events[: 2 * sum(micro)]
+    assert train_events == ["to_device", "loss"] * sum(micro)
