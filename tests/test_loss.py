@@ -221,3 +221,26 @@ def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_
     # each micro-batch reaches the device just before its own forward, never the group at once
     train_events = events[: 2 * sum(micro)]
     assert train_events == ["to_device", "loss"] * sum(micro)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"bits": 4}, "model_args.bits"),
+        ({"fsdp_config": {}}, "fsdp_config"),
+        ({"deepspeed_config": {"stage": 2}}, "deepspeed_config"),
+    ],
+)
+def test_torch_compile_is_refused_where_it_cannot_work(options: dict[str, Any], named: str) -> None:
+    import llmtrain as lt
+    from llmtrain.errors import ConfigError
+
+    kwargs = {"model": "m", "prompt_template": "{X} {Y}", "torch_compile": True, **options}
+    with pytest.raises(ConfigError, match=rf"training_args.torch_compile=True with {named}"):
+        lt.LLMTrainer("compiled", **kwargs)
+    assert not lt.LLMTrainer(
+        "plain", **{**kwargs, "torch_compile": False}
+    ).config.training_args.torch_compile
+    # recorded only when on: a 0.1.0 record stays byte-identical
+    off = lt.LLMTrainer("c", model="m", prompt_template="{X} {Y}").to_dict()["training_args"]
+    assert "torch_compile" not in off

@@ -197,6 +197,9 @@ class TrainingArguments(_Args):
     """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
     """Show a tqdm bar on the main process."""
+    torch_compile: bool = Field(default=False, json_schema_extra={"since": "0.2"})
+    """torch.compile each decoder layer (single process and DDP; not with bits, FSDP or
+    DeepSpeed). The first steps pay the compilation."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -326,6 +329,27 @@ class Launcher(_Args):
         return self
 
 
+def _compile_problems(config: TrainerConfig) -> list[str]:
+    """Where ``torch_compile`` cannot work: quantised linear layers (bitsandbytes' kernels
+    break the graph at every layer), FSDP2 and DeepSpeed (their parameter hooks around the
+    layers are not compiled with them here; untested, so refused rather than silently slow
+    or wrong)."""
+    where = [
+        name
+        for name, on in (
+            ("model_args.bits", bool(config.model_args.bits)),
+            ("fsdp_config", config.fsdp_config is not None),
+            ("deepspeed_config", config.deepspeed_config is not None),
+        )
+        if on
+    ]
+    return [
+        f"training_args.torch_compile=True with {name}: compile works in a single process "
+        "or under DDP on an unquantised model; drop one of them"
+        for name in where
+    ]
+
+
 class TrainerConfig(_Args):
     """Everything a trainer is; stored as JSON, validated on the way back.
 
@@ -413,6 +437,8 @@ class TrainerConfig(_Args):
                 f"row of max_length={d.max_length}"
             )
         m = self.model_args
+        if self.training_args.torch_compile:
+            problems += _compile_problems(self)
         if m.bits and self.lora_args is None:
             problems.append(
                 f"model_args.bits={m.bits} with lora_args=None: bits quantises the "

@@ -260,6 +260,23 @@ def prepare_for_training(
     return apply_adapter(model, lora)
 
 
+def compile_layers(model: Any) -> int:
+    """``torch.compile`` each decoder layer in place (``Module.compile``: parameter names and
+    state dicts unchanged, so checkpoints and adapters load either way); the embedding, the
+    head and the chunked loss around it stay eager. Returns how many layers."""
+    from llmtrain.training.strategies.fsdp import decoder_layers
+
+    layers = decoder_layers(model)
+    if not layers:
+        raise ConfigError(
+            f"training_args.torch_compile: found no decoder layers to compile in "
+            f"{type(model).__name__}"
+        )
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def apply_adapter(model: Any, lora: LoraArguments) -> Any:
     """Wrap ``model`` with a LoRA/DoRA adapter (PEFT); only the adapter trains."""
     from peft import LoraConfig, get_peft_model

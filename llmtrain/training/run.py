@@ -33,7 +33,12 @@ from llmtrain.training.data import (
     view_dataset,
 )
 from llmtrain.training.loss import LossFunction
-from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
+from llmtrain.training.modeling import (
+    compile_layers,
+    load_model,
+    load_tokenizer,
+    prepare_for_training,
+)
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import Strategy
 
@@ -88,6 +93,8 @@ class FitRun:
             gradient_checkpointing=self.targs.gradient_checkpointing,
         )
         self._start_from_parent(model)
+        if self.targs.torch_compile:
+            compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
         self.loss = LossFunction(model)
