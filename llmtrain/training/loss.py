@@ -66,7 +66,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     taken per chunk in the forward, so no chunk's logits outlive its iteration."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: torch.Tensor,
         targets: torch.Tensor,
@@ -109,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         scaled = [None if g is None else g * grad_out.to(g.dtype) for g in ctx.grads]
         ctx.grads = None
         return (scaled[0], None, None, None, *scaled[1:])
@@ -130,7 +130,7 @@ def _head_returns(
     head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
 ) -> Iterator[None]:
     """``head(x)`` is ``fn(x)`` for the duration (module hooks still run around it)."""
-    head.forward = fn  # type: ignore[method-assign]
+    head.forward = fn
     try:
         yield
     finally:
@@ -169,12 +169,11 @@ class LossFunction:
             selected = hidden[:, :-1][keep]
             picked = targets[keep]
             if _liger_available(selected.device, head):
-                from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-                linear = head  # a plain nn.Linear (checked above)
-                return liger_fused_linear_cross_entropy(
-                    selected, linear.weight, picked, linear.bias, reduction="sum"
-                ).float()
+                fused = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+                bias = getattr(head, "bias", None)
+                return fused(head.weight, selected, picked, bias).float()
             params = [p for p in head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
