@@ -3,7 +3,6 @@ with LoRA on every linear layer including ``lm_head``, and for full fine-tuning.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(
         tmp_path_factory.mktemp("models") / "llama", hidden_size=32, num_layers=1, vocab_size=400
     )
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj", "lm_head"]
+
+
+@pytest.fixture(scope="module")
+def lora_model(tiny: Path) -> Any:
+    """Shared by the tests below: they compute gradients but never change a weight."""
+    return _model(tiny, LORA_TARGETS)
 
 
 def _model(path: Path, lora_targets: list[str] | None) -> Any:
@@ -60,12 +68,12 @@ def _loss_and_grads(model: Any, loss: Any, batch: dict[str, Any]) -> tuple[Any, 
 
 
 @pytest.mark.parametrize(
-    "targets",
-    [["q_proj", "v_proj", "down_proj", "lm_head"], None],
-    ids=["lora_with_lm_head", "full_fine_tuning"],
+    "targets", [LORA_TARGETS, None], ids=["lora_with_lm_head", "full_fine_tuning"]
 )
-def test_chunked_loss_and_gradients_equal_the_plain_path(tiny: Path, targets: Any) -> None:
-    model = _model(tiny, targets)
+def test_chunked_loss_and_gradients_equal_the_plain_path(
+    tiny: Path, lora_model: Any, targets: Any
+) -> None:
+    model = lora_model if targets else _model(tiny, None)
     batch = _batch(model.config.vocab_size)
     expected, expected_grads = _loss_and_grads(model, plain_loss_sum, batch)
     # 7 target tokens per chunk: several chunks, the last one partial
@@ -84,8 +92,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_path(tiny: Path, targets: An
         torch.testing.assert_close(chunked(model, batch), expected, rtol=1e-6, atol=1e-5)
 
 
-def test_a_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny: Path) -> None:
-    model = _model(tiny, ["q_proj", "lm_head"])
+def test_a_batch_without_targets_gives_zero_loss_and_zero_gradients(lora_model: Any) -> None:
+    model = lora_model
     batch = _batch(model.config.vocab_size)
     batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
     value, grads = _loss_and_grads(model, LossFunction(model), batch)
@@ -93,10 +101,10 @@ def test_a_batch_without_targets_gives_zero_loss_and_zero_gradients(tiny: Path) 
     assert all(torch.count_nonzero(g) == 0 for g in grads.values())
 
 
-def test_the_chunked_model_is_untouched_by_deepcopy_and_wrappers(tiny: Path) -> None:
-    """The loss reaches the head through the model it is handed (here DDP-like wrapping by a
-    plain Module that forwards): the swap is visible through any wrapper."""
-    model = _model(tiny, ["q_proj", "lm_head"])
+def test_the_loss_reaches_the_head_through_a_wrapper(lora_model: Any) -> None:
+    """The loss runs the model it is handed (here a plain Module that forwards, as DDP's
+    does); the head it swaps is the wrapped model's own, so the swap is seen through it."""
+    model = lora_model
 
     class Wrapper(torch.nn.Module):
         def __init__(self, inner: Any) -> None:
@@ -108,7 +116,7 @@ def test_the_chunked_model_is_untouched_by_deepcopy_and_wrappers(tiny: Path) -> 
 
     batch = _batch(model.config.vocab_size)
     expected, _ = _loss_and_grads(model, plain_loss_sum, batch)
-    got, _ = _loss_and_grads(Wrapper(model), LossFunction(copy.copy(model)), batch)
+    got, _ = _loss_and_grads(Wrapper(model), LossFunction(model), batch)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)
 
 
