@@ -2,6 +2,7 @@
 
     python benchmarks/bench_vs_trl.py [--rows 400] [--steps 12] [--batch-size 8]
                                       [--max-length 256] [--hidden 64] [--layers 2]
+                                      [--repeats 3]
 
 The same tiny random Llama (``llmtrain.testing.tiny_model``), the same rows
 (log-normal prompt and answer lengths; a SQLite table for
@@ -22,7 +23,9 @@ reports: real tokens/s (non-padding input tokens over the training loop's time: 
 ``on_train_begin`` to ``on_train_end``, after its tokenization; llmtrain's ``tokens_per_s``
 metric, which includes reading and tokenizing the rows), the peak RSS of the process, the
 real-token fraction of the positions fed to the model and the loss of the last step.
-Ratios are llmtrain / TRL. Goal: tokens/s >= 1.0x at peak RSS <= 1.0x, packing on and off.
+Every contender runs ``--repeats`` times, the order rotating each round, and the medians are
+shown (the machine these ran on is shared and noisy). Ratios are llmtrain / TRL.
+Goal: tokens/s >= 1.0x at peak RSS <= 1.0x, packing on and off.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import json
 import random
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -220,17 +224,16 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
         peft_config=lora,
         callbacks=[Clock()],
     )
-    collate = trainer.data_collator
 
-    def counting(features: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = collate(features)
-        ids = batch["input_ids"]
-        mask = batch.get("attention_mask")
-        counts["real"] += int(mask.sum()) if mask is not None else ids.numel()
+    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """Counted where the model receives them (the loader may fetch batches ahead)."""
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if ids is None or not torch.is_grad_enabled():
+            return
+        counts["real"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
         counts["positions"] += ids.numel()
-        return batch
 
-    trainer.data_collator = counting
+    model.model.register_forward_pre_hook(count, with_kwargs=True)  # the inner LlamaModel
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     seconds = clock["end"] - clock["start"]
@@ -261,6 +264,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -284,23 +288,31 @@ def main() -> None:
         ]
         mean = sum(min(n, args.max_length) for n in lengths) / len(lengths)
         packed_rows = max(1, round(args.batch_size * args.max_length / mean))
-        results: dict[str, dict[str, Any]] = {}
-        for name in ("llmtrain-padded", "trl-padded", "llmtrain-packed", "trl-packed"):
-            cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
-            cmd += ["--workdir", str(workdir), "--packed-rows", str(packed_rows)]
-            for flag in ("rows", "steps", "batch_size", "max_length", "threads"):
-                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-            if done.returncode or not line:
-                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-            results[name] = json.loads(line[-1].removeprefix("RESULT "))
+        names = ["llmtrain-padded", "trl-padded", "llmtrain-packed", "trl-packed"]
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for i in range(args.repeats):  # the order rotates: load bursts hit every contender
+            for name in names[i % 4 :] + names[: i % 4]:
+                cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
+                cmd += ["--workdir", str(workdir / f"round{i}"), "--packed-rows", str(packed_rows)]
+                for flag in ("rows", "steps", "batch_size", "max_length", "threads"):
+                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+                (workdir / f"round{i}").mkdir(exist_ok=True)
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+                if done.returncode or not line:
+                    sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+                rounds[name].append(json.loads(line[-1].removeprefix("RESULT ")))
+        results = {
+            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            for name, runs in rounds.items()
+        }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(
         f"tiny Llama hidden {args.hidden} x {args.layers} layers, {args.steps} steps, batch "
-        f"{args.batch_size}, max_length {args.max_length}, {args.threads} thread(s); packed "
+        f"{args.batch_size}, max_length {args.max_length}, {args.threads} thread(s), median of "
+        f"{args.repeats} rounds; packed "
         f"llmtrain: {packed_rows} rows/step, budget {args.batch_size * args.max_length} tokens"
     )
     header = ("run", "tokens/s", "peak RSS MB", "real frac", "tokens", "last loss")
