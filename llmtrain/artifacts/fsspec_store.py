@@ -47,6 +47,9 @@ ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})
 #: write buffer: S3 wants parts of 5 MiB or more; 16 MiB parts allow objects up to 160 GB
 WRITE_BLOCK = 16 << 20
 READ_BLOCK = 4 * CHUNK
+#: protocols fsspec reads but cannot write (or that wrap another URL): no place for artifacts
+READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "reference"})
+STORAGE_PACKAGES = frozenset({"fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs", "google"})
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
@@ -76,9 +79,9 @@ def check_url(url: str) -> str:
         raise ConfigError(f"artifacts={url!r}: '.' and '..' are not allowed in the path")
     import fsspec
 
-    if protocol not in fsspec.available_protocols():
+    if protocol in READ_ONLY or protocol not in fsspec.available_protocols():
         raise ConfigError(
-            f"artifacts={url!r}: no artifact store handles {protocol}:// URLs; use a "
+            f"artifacts={url!r}: no artifact store handles {match.group(1)}:// URLs; use a "
             "folder, 'gridfs', an fsspec URL (s3://, gs://, memory://) or an ArtifactStore"
         )
     try:
@@ -87,6 +90,13 @@ def check_url(url: str) -> str:
         hint = " (pip install 'llmtrain[s3]')" if protocol in ("s3", "s3a") else ""
         raise ConfigError(f"artifacts={url!r} needs a package fsspec names: {exc}{hint}") from None
     return protocol
+
+
+def _from_storage(exc: BaseException) -> bool:
+    """An error of the filesystem (which fsspec drivers raise as OSError, or their client
+    library's own), not of the source being copied."""
+    package = type(exc).__module__.split(".", 1)[0]
+    return isinstance(exc, OSError) or package in STORAGE_PACKAGES
 
 
 class FsspecArtifactStore(ContentAddressedStore):
@@ -156,8 +166,8 @@ class FsspecArtifactStore(ContentAddressedStore):
                 self.fs.mv(target, final)
         except BaseException as exc:
             self._abandon(out, target, direct)
-            if isinstance(exc, LlmtrainError) or not isinstance(exc, Exception):
-                raise
+            if isinstance(exc, LlmtrainError) or not _from_storage(exc):
+                raise  # ours, or the source's: as it is
             raise self._error(f"storing {artifact_id}", exc) from exc
 
     def _abandon(self, out: Any, target: str, direct: bool) -> None:
