@@ -408,6 +408,15 @@ def test_a_url_with_credentials_is_refused_without_repeating_them(url: str) -> N
     assert "hunter2" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
 
 
+def test_a_url_store_travels_to_workers_as_its_url(tmp_path: Path) -> None:
+    import llmtrain as lt
+    from llmtrain.launchers.command import artifacts_location
+
+    db = lt.connect(f"sqlite:///{tmp_path / 'x.db'}", artifacts="memory://team/arts")
+    assert artifacts_location(db) == "memory://team/arts"
+    assert isinstance(pickle.loads(pickle.dumps(db)).artifacts, FsspecArtifactStore)
+
+
 def test_url_checks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'..' are not allowed"):
         open_artifacts("s3://bucket/a/../b", metadata_uri="sqlite:///x.db")
