@@ -378,8 +378,9 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
 
 
 def test_a_url_store_writes_nothing_outside_its_prefix(
-    s3_bucket: str, folder: Path, tmp_path: Path
+    s3_server: S3Server, folder: Path, tmp_path: Path
 ) -> None:
+    s3_bucket = s3_server.new_bucket()
     inner = open_artifacts(f"s3://{s3_bucket}/pre/fix", metadata_uri="sqlite:///x.db")
     beside = open_artifacts(f"s3://{s3_bucket}/pre/fix2", metadata_uri="sqlite:///x.db")
     assert isinstance(inner, FsspecArtifactStore) and isinstance(beside, FsspecArtifactStore)
