@@ -23,7 +23,7 @@ from conftest import S3Server
 
 from llmtrain.artifacts import LocalArtifactStore, open_artifacts
 from llmtrain.artifacts.base import CHUNK, ArtifactStore, ContentAddressedStore, manifest_bytes
-from llmtrain.artifacts.fsspec_store import WRITE_BLOCK, FsspecArtifactStore
+from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
 from llmtrain.artifacts.gridfs import COLLECTION, GridFSArtifactStore
 from llmtrain.backends.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
@@ -44,6 +44,7 @@ BAD_IDS = [
 
 
 STORES = ["local", "gridfs", "memory", "s3"]
+PART = 5 << 20  # the smallest S3 multipart part
 
 
 @pytest.fixture(scope="module")
@@ -332,15 +333,18 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
 ) -> None:
     """Bigger than one S3 part: when the writer looks, and dies, bytes were already sent, so
     the write really is in flight (pymongo's GridIn batches up to 32 MiB of chunks before it
-    sends them: bounded, but not seen at 18 MiB)."""
-    data = os.urandom(WRITE_BLOCK + 2 * CHUNK + 5)
+    sends them: bounded, but not seen at 7 MiB)."""
+    from llmtrain.artifacts import fsspec_store
+
+    monkeypatch.setattr(fsspec_store, "WRITE_BLOCK", PART)  # S3's smallest part: less to send
+    data = os.urandom(PART + 2 * CHUNK + 5)
     artifact_id = "sha256:" + hashlib.sha256(data).hexdigest()
     assert isinstance(store, ContentAddressedStore)
 
     def probe() -> tuple[bool, int]:
         return store.exists(artifact_id), len(pending(store))
 
-    dying = Source(data, WRITE_BLOCK + 2 * CHUNK, probe, fail=True)
+    dying = Source(data, PART + 2 * CHUNK, probe, fail=True)
     with pytest.raises(RuntimeError, match="the writer died here"):
         store._save(artifact_id, dying)  # type: ignore[arg-type]
     # half-way: the bytes are somewhere (temp file, chunks, uploaded parts), not under the id
@@ -349,7 +353,7 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
         assert dying.seen_mid_write[1] >= 1, "nothing was sent before the end: not streamed"
     assert not store.exists(artifact_id) and pending(store) == []
 
-    whole = Source(data, WRITE_BLOCK + 2 * CHUNK, probe, fail=False)
+    whole = Source(data, PART + 2 * CHUNK, probe, fail=False)
     store._save(artifact_id, whole)  # type: ignore[arg-type]
     assert whole.seen_mid_write is not None and whole.seen_mid_write[0] is False
     assert whole.largest_read <= CHUNK and pending(store) == []
