@@ -166,8 +166,10 @@ class FsspecArtifactStore(ContentAddressedStore):
                 self.fs.mv(target, final)
         except BaseException as exc:
             self._abandon(out, target, direct)
-            if isinstance(exc, LlmtrainError) or not _from_storage(exc):
-                raise  # ours, or the source's: as it is
+            if not isinstance(exc, Exception) or isinstance(exc, LlmtrainError):
+                raise  # an interrupt, or ours: as it is
+            if not _from_storage(exc):
+                raise  # the source's (a file that cannot be read): as it is
             raise self._error(f"storing {artifact_id}", exc) from exc
 
     def _abandon(self, out: Any, target: str, direct: bool) -> None:
