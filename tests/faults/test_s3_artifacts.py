@@ -2,20 +2,19 @@
 
 A fit writes its checkpoints and adapter to ``s3://bucket/runs``; a fit killed with SIGKILL
 after step 3 resumes in a fresh process from its step-2 checkpoint there and ends with the
-uninterrupted run's adapter, bit for bit; another fresh process loads the trained model from
-the bucket. The credentials, which every process finds in its environment, are nowhere in the
-metadata database, the logs or the bucket.
+uninterrupted run's adapter, bit for bit, and loads the reference model, which another
+process wrote, from the bucket. The credentials, which every process finds in its
+environment, are nowhere in the metadata database, the logs or the bucket.
 
-Two phases of processes running side by side: (reference, killed), then (resumed, loader).
+Two phases: the reference and the killed fit side by side, then the resumed fit, which also
+loads the reference model.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import signal
 import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +45,6 @@ OPTIONS: dict[str, Any] = {
     "logging_steps": 1,
 }
 KILLED_AFTER, LAST_GOOD = 3, 2
-
-LOADER = """
-import hashlib, json, sys
-import llmtrain as lt
-uri, artifacts = sys.argv[1], sys.argv[2]
-model, _ = lt.connect(uri, artifacts=artifacts).load("model", "reference").load("cpu")
-digests = sorted(
-    hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
-    for name, p in model.named_parameters() if "lora_" in name
-)
-print("LOADED " + json.dumps(digests), flush=True)
-"""
 
 
 @dataclass
@@ -99,17 +86,12 @@ def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory, s3_server: S3Ser
         checkpoints = [c.step for c in db.metadata.list_checkpoints(run.run_id)]
         finish(reference, root / "reference.log")
 
-        resumed = start({**base, "identifier": "killed", "resume": True}, "killed.resumed")
-        with (root / "loader.log").open("wb") as out:
-            loader = subprocess.Popen(
-                [sys.executable, "-c", LOADER, uri, artifacts], stdout=out, stderr=out
-            )
-        started.append(loader)
-        finish(resumed, root / "killed.resumed.log")
-        assert loader.wait(timeout=300) == 0, (root / "loader.log").read_text()[-4000:]
-        line = next(
-            s for s in (root / "loader.log").read_text().splitlines() if s.startswith("LOADED ")
+        # the resumed process also loads the reference model, which another process wrote
+        resumed = start(
+            {**base, "identifier": "killed", "resume": True, "load_model": "reference"},
+            "killed.resumed",
         )
+        loaded = finish(resumed, root / "killed.resumed.log")["loaded"]
         return World(
             db,
             root,
@@ -120,7 +102,7 @@ def world(tiny: Path, tmp_path_factory: pytest.TempPathFactory, s3_server: S3Ser
             checkpoints,
             read_trace(root / "killed.first.trace"),
             read_trace(root / "killed.resumed.trace"),
-            json.loads(line[len("LOADED ") :]),
+            loaded,
         )
     finally:
         for proc in started:
