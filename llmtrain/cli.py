@@ -295,8 +295,9 @@ def _report_fit(db: Any, trainer: Any, model: Any) -> None:
 
 
 def _artifact_location(db: Any) -> str:
-    root = getattr(db.artifacts, "root", None)
-    return str(root) if root is not None else "GridFS"
+    store = db.artifacts
+    where = getattr(store, "root", None) or getattr(store, "url", None)
+    return str(where) if where is not None else "GridFS"
 
 
 # -- show ------------------------------------------------------------------------------------

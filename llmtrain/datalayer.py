@@ -101,7 +101,8 @@ class Datalayer:
             check_uri(metadata_uri, "connect(metadata_uri=)")
         if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
-                "connect(artifacts=) must be a folder, 'gridfs' or an ArtifactStore, "
+                "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an "
+                "ArtifactStore, "
                 f"got {type(artifacts).__name__} {artifacts!r}"
             )
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -336,7 +337,8 @@ def connect(
     """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
 
     ``metadata_uri`` puts components and runs in another database (default: the same one).
-    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), or an ArtifactStore. ``retry`` bounds
+    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), an fsspec URL (``s3://bucket/prefix``;
+    credentials from the environment, never the URL), or an ArtifactStore. ``retry`` bounds
     how long data reads wait out a lost connection before ``DatabaseUnavailableError``.
     """
     return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)
