@@ -20,6 +20,7 @@ import io
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -48,11 +49,19 @@ def check_trackers(report_to: Sequence[str]) -> None:
     is missing (checked before anything is recorded or trained)."""
     for name in report_to:
         module, extra = REQUIRES[name]
-        if importlib.util.find_spec(module) is None:
+        if not _installed(module):
             raise ConfigError(
                 f"training_args.report_to: {name!r} needs the {module} package: "
                 f"pip install 'llmtrain[{extra}]' (or drop {name!r} from report_to)"
             )
+
+
+def _installed(module: str) -> bool:
+    """Importable, without importing it (mlflow alone takes seconds); a module set to
+    ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
 
 
 def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
@@ -290,8 +299,14 @@ class TrackioTracker(Tracker):
         self.run.log(metrics, step=step)
 
     def finish(self, failed: bool) -> None:
+        import trackio
+        from trackio import context_vars
+
         with _quiet_stdout():
-            self.run.finish()
+            if context_vars.current_run.get() is self.run:
+                trackio.finish()  # also forgets it: no second finish, and banner, at exit
+            else:
+                self.run.finish()
 
 
 @contextlib.contextmanager
