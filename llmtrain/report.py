@@ -84,19 +84,22 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
 
 
 def _flat_recipe(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every option of a stored recipe as ``section.field: value``, defaults included (a
+    record leaves out the options added since 0.1.0 while they hold their defaults)."""
+    from pydantic import BaseModel
+
     from llmtrain.training.args import TrainerConfig, build
 
-    data = build(TrainerConfig, payload, "trainer record").model_dump(mode="json")
     flat: dict[str, Any] = {}
 
     def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, dict) and value:
-            for key, item in value.items():
-                walk(item, f"{prefix}.{key}" if prefix else key)
+        if isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                walk(getattr(value, name), f"{prefix}.{name}" if prefix else name)
         else:
-            flat[prefix] = value
+            flat[prefix] = json.loads(json.dumps(value, default=str))
 
-    walk(data, "")
+    walk(build(TrainerConfig, payload, "trainer record"), "")
     return flat
 
 
@@ -110,6 +113,7 @@ def plot_run(db: Any, run: Any, path: str | Path) -> Path:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ConfigError(
             "show run --plot needs matplotlib: pip install 'llmtrain[plot]'"
@@ -126,6 +130,7 @@ def plot_run(db: Any, run: Any, path: str | Path) -> Path:
         ax.plot([s for s, _ in train], [v["loss"] for _, v in train], label="train loss")
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     handles, labels = ax.get_legend_handles_labels()

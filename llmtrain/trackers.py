@@ -177,9 +177,10 @@ class TensorBoardTracker(Tracker):
 
         root = Path(os.environ.get(TENSORBOARD_DIR_ENV) or "runs")
         self.writer = SummaryWriter(log_dir=str(root / facts.name))
-        params = flatten(facts.params())
-        for summary in hparams(params, {}):
-            self.writer.file_writer.add_summary(summary)  # type: ignore[union-attr]
+        events = self.writer.file_writer
+        assert events is not None  # opened by SummaryWriter()
+        for summary in hparams(flatten(facts.params()), {}):  # the HPARAMS tab
+            events.add_summary(summary)
         texts = {
             "recipe": facts.recipe,
             "data_fingerprint": facts.data_fingerprint,
@@ -211,9 +212,7 @@ class MLflowTracker(Tracker):
         self.client = MlflowClient()
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or facts.identifier
         found = self.client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id if found else self.client.create_experiment(experiment)
-        )
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         tags = {
             "llmtrain.trainer": facts.identifier,
             "llmtrain.trainer_version": str(facts.version),

@@ -72,7 +72,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         fill(
             uri,
             "docs",
-            [{"id": i, "instruction": f"Colour {i % 8}?", "output": f"c{i % 8}"} for i in range(32)],
+            [
+                {"id": i, "instruction": f"Colour {i % 8}?", "output": f"c{i % 8}"}
+                for i in range(32)
+            ],
         )
         config = {
             "name": NAME,
@@ -97,11 +100,20 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         # version 0: the same recipe with another learning rate and no trackers
         job = load_job(
             path,
-            ["--db", uri, "--training_args.learning_rate", "0.001", "--training_args.report_to", "[]"],
+            [
+                "--db",
+                uri,
+                "--training_args.learning_rate",
+                "0.001",
+                "--training_args.report_to",
+                "[]",
+            ],
         )
         db = job.connect()
         earlier = job.trainer()
-        earlier.config.fit = FitSpec(X="instruction", Y="output", select=job.select.to_dict(), db=db.uri)
+        earlier.config.fit = FitSpec(
+            X="instruction", Y="output", select=job.select.to_dict(), db=db.uri
+        )
         db.add(earlier)
         env = {
             **os.environ,
@@ -112,7 +124,10 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             "MLFLOW_ALLOW_FILE_STORE": "true",
             "WANDB_MODE": "offline",
             "WANDB_PROJECT": "llmtrain-test",
-            **{f"WANDB_{d}_DIR": str(tmp / f"wandb-{d.lower()}") for d in ("CONFIG", "CACHE", "DATA")},
+            **{
+                f"WANDB_{d}_DIR": str(tmp / f"wandb-{d.lower()}")
+                for d in ("CONFIG", "CACHE", "DATA")
+            },
             "WANDB_DIR": str(tmp / "wandb"),
             "TRACKIO_DIR": str(tmp / "trackio"),
             "TRACKIO_PROJECT": "llmtrain-test",

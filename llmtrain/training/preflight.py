@@ -22,8 +22,8 @@ FIRST_ROWS = 16
 
 def check_before_recording(config: TrainerConfig, db: Any) -> None:
     """Raise ConfigError/QueryError for a fit that cannot train, before it is recorded: a
-    tracker's library missing, an X/Y field missing, a missing model, unmatched targets (an empty selection is found when
-    the run's rows are snapshotted)."""
+    tracker's library missing, an X/Y field missing, a missing model, unmatched targets (an
+    empty selection is found when the run's rows are snapshotted)."""
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine

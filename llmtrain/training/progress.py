@@ -77,9 +77,7 @@ class Lines(Progress):
         print(f"{self.desc}: {text}", file=self.stream, flush=True)
 
 
-def make_progress(
-    desc: str, total: int, initial: int, every: int, stream: Any = None
-) -> Progress:
+def make_progress(desc: str, total: int, initial: int, every: int, stream: Any = None) -> Progress:
     """A bar when ``stream`` (default: stderr, where tqdm writes) is a terminal, else lines."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
