@@ -7,6 +7,7 @@ PostgreSQL URI with a password on its command line, all trackers at once, offlin
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 NAME = "observed"
 STEPS = 4
 SECRET = "pw-Zq83-not-for-trackers"
+TEMPLATE = "### Q:\n{X}\n### A:\n{Y}"
 HAS_TRACKIO = __import__("importlib").util.find_spec("trackio") is not None
 TRACKERS = ["tensorboard", "mlflow", "wandb", *(["trackio"] if HAS_TRACKIO else [])]
 
@@ -80,7 +82,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         config = {
             "name": NAME,
             "artifacts": str(tmp / "artifacts"),
-            "prompt_template": "### Q:\n{X}\n### A:\n{Y}",
+            "prompt_template": TEMPLATE,
             "model_args": {"model_name_or_path": str(tiny_model(tmp / "tiny"))},
             "lora_args": {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0},
             "training_args": {
@@ -327,15 +329,41 @@ def test_show_run_summarises_and_plots(
 
 def test_report_to_checks_names_and_libraries(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"training_args\.report_to"):
-        lt.LLMTrainer("t", model="m", report_to=["tensorbord"])
+        lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["tensorbord"])
     with pytest.raises(ConfigError, match="report_to names a tracker twice"):
-        lt.LLMTrainer("t", model="m", report_to=["wandb", "wandb"])
-    assert "report_to" not in lt.LLMTrainer("t", model="m").to_dict()["training_args"]
+        lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["wandb", "wandb"])
+    assert (
+        "report_to"
+        not in lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE).to_dict()["training_args"]
+    )
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import fails
     with pytest.raises(ConfigError) as caught:
-        lt.LLMTrainer("t", model="m", report_to=["tensorboard", "wandb"])
+        lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["tensorboard", "wandb"])
     assert str(caught.value) == (
         "training_args.report_to: 'wandb' needs the wandb package: pip install "
         "'llmtrain[wandb]' (or drop 'wandb' from report_to)"
     )
     check_trackers(["tensorboard", "mlflow"])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
+    from llmtrain.training.progress import Bar, Lines, make_progress
+
+    metrics = {"loss": 1.5, "lr": 1e-4, "tokens_per_s": 99.6}
+    for stream, kind in ((_Terminal(), Bar), (io.StringIO(), Lines)):
+        progress = make_progress("fit t", 5, 0, 2, stream)
+        assert isinstance(progress, kind)
+        for step in range(1, 6):
+            progress.step(step, metrics)
+        progress.evaluated(5, 1.25)
+        progress.close()
+        text = stream.getvalue()
+        assert ("\r" in text) is (kind is Bar)
+    assert text.splitlines() == [
+        f"fit t: step {step}/5 loss 1.5000 lr 1.00e-04 tokens/s 100" for step in (2, 4, 5)
+    ] + ["fit t: step 5/5 eval_loss 1.2500"]
