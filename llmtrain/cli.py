@@ -33,6 +33,7 @@ examples:
   llmtrain demo                                     # the whole loop in ~30 s, no download
   llmtrain fit examples/config.yaml --training_args.learning_rate 1e-4
   llmtrain show run --db sqlite:///llmtrain-demo/demo.db
+  llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db --plot loss.png
   llmtrain replay demo-qa --db sqlite:///llmtrain-demo/demo.db
   llmtrain merge demo-qa --db sqlite:///llmtrain-demo/demo.db --out merged/
 """
@@ -74,7 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "name",
         nargs="?",
-        help="an identifier (for run: a trainer name or a run id, or its first characters)",
+        help="an identifier (for run: a trainer name, whose newest run is detailed, or a run "
+        "id, or its first characters)",
+    )
+    show.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="with `run NAME`: draw its train loss, eval loss and learning rate against steps "
+        "into this PNG file (needs matplotlib: pip install 'llmtrain[plot]')",
     )
     _db_options(show)
 
@@ -302,12 +311,18 @@ def _artifact_location(db: Any) -> str:
 
 # -- show ------------------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> None:
+    if args.plot is not None and (args.type != "run" or args.name is None):
+        raise ConfigError("--plot draws one run: llmtrain show run NAME --plot FILE.png")
     db = _connect(args)
     try:
         if args.type is None:
             _show_all(db)
         elif args.type == "run":
-            _show_runs(db, args.name)
+            run = _show_runs(db, args.name)
+            if run is not None and args.plot is not None:
+                from llmtrain.report import plot_run
+
+                _say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
         elif args.name is None:
             _show_identifiers(db, args.type)
         elif args.type == "trainer":
@@ -412,19 +427,21 @@ def _show_model(db: Any, name: str) -> None:
     _say(table(rows, [*headers, "forgotten rows"]))
 
 
-def _show_runs(db: Any, name: str | None) -> None:
+def _show_runs(db: Any, name: str | None) -> Any:
+    """The runs (of trainer ``name``), then the details of the one run ``name`` names (a run
+    id or its prefix) or of the trainer's newest run; returns that run, if any."""
     runs = db.metadata.list_runs()
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
         if len(by_id) == 1:
             _show_run(db, by_id[0])
-            return
+            return by_id[0]
         runs = [r for r in runs if r.identifier == name]
         if not runs:
             raise _not_found(db, "run", name)
     if not runs:
         _say(f"no runs in {db.uri} yet")
-        return
+        return None
     _say(
         table(
             [
@@ -441,9 +458,16 @@ def _show_runs(db: Any, name: str | None) -> None:
             ["run id", "trainer", "status", "steps", "final loss", "started"],
         )
     )
+    if name is None:
+        return None
+    _say("", f"newest run of {name}:")
+    _show_run(db, runs[-1])
+    return runs[-1]
 
 
 def _show_run(db: Any, run: Any) -> None:
+    from llmtrain.report import run_summary
+
     info = run.info
     _say(
         f"run        {run.run_id}",
@@ -454,17 +478,26 @@ def _show_run(db: Any, run: Any) -> None:
         f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
         f"adapter    {info.get('artifact')}",
         f"started    {_when(run.created_at)}, updated {_when(run.updated_at)}",
+        *run_summary(db, run),
     )
-    metrics = [m for m in db.metadata.get_metrics(run.run_id) if "loss" in m.values]
-    if metrics:
+    metrics = db.metadata.get_metrics(run.run_id)
+    evals = {m.step: m.values["eval_loss"] for m in metrics if "eval_loss" in m.values}
+    train = [m for m in metrics if "loss" in m.values]
+    if train:
         _say(
             "",
             table(
                 [
-                    (m.step, m.values.get("loss"), m.values.get("lr"), m.values.get("tokens_per_s"))
-                    for m in metrics
+                    (
+                        m.step,
+                        m.values.get("loss"),
+                        m.values.get("lr"),
+                        m.values.get("tokens_per_s"),
+                        evals.get(m.step),
+                    )
+                    for m in train
                 ],
-                ["step", "loss", "lr", "tokens/s"],
+                ["step", "loss", "lr", "tokens/s", "eval loss"],
             ),
         )
     checkpoints = db.metadata.list_checkpoints(run.run_id)

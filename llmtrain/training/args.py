@@ -196,7 +196,11 @@ class TrainingArguments(_Args):
     eval_steps: int | None = Field(default=None, ge=1)
     """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
-    """Show a tqdm bar on the main process."""
+    """Show progress on the main process: a tqdm bar on a terminal, else a line per log."""
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default=[], json_schema_extra={"since": "0.2"}
+    )
+    """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -204,6 +208,8 @@ class TrainingArguments(_Args):
             raise ValueError("max_steps must be -1 (use num_train_epochs) or >= 1")
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"report_to names a tracker twice: {self.report_to}")
         return self
 
 

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,13 @@ from llmtrain.datasets import RunSnapshot, take_snapshot
 from llmtrain.errors import CheckpointError, DataError, StoreError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.queries import Query
+from llmtrain.trackers import make_trackers
 from llmtrain.training.callbacks import Callback, registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.data import TrainBatches, make_collate, to_device, view_dataset
 from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
 from llmtrain.training.precision import Precision
+from llmtrain.training.progress import Progress, make_progress
 from llmtrain.training.strategies.base import Strategy
 
 log = logging.getLogger("llmtrain.training")
@@ -67,10 +68,12 @@ class FitRun:
         callbacks: Sequence[Callback] = (),
     ) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
-        self.callbacks = [*registered_callbacks(), *callbacks]
         self.config = trainer.config
         self.resume = resume
         self.targs, self.dargs = self.config.training_args, self.config.data_args
+        # the trackers of report_to: rank 0 alone reports, as it alone records metrics
+        trackers = make_trackers(self.targs.report_to) if strategy.is_main else []
+        self.callbacks = [*registered_callbacks(), *callbacks, *trackers]
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
         self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
         self.history: list[dict[str, float]] = []
@@ -258,8 +261,11 @@ class FitRun:
             self.start_epoch, None if t.max_steps > 0 else t.num_train_epochs
         )
         self.model.train()
+        for callback in self.callbacks:
+            callback.on_train_begin(self)
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
-        with self._progress() as progress:
+        progress = self._progress()
+        try:
             while self.step < self.total_steps:
                 group = self._next_group(stream)
                 if not group:
@@ -275,22 +281,28 @@ class FitRun:
                 }
                 self.history.append({"step": self.step, "loss": loss})
                 if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(
-                        loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{rate:.0f}"
-                    )
+                    progress.step(self.step, metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     self._log(metrics)
                 if t.eval_steps and self.step % t.eval_steps == 0:
-                    self._log({"eval_loss": self.evaluate()})
+                    self._evaluate_and_log(progress)
                 if t.save_steps and self.step % t.save_steps == 0:
                     self.save_checkpoint()
-        if self.step == 0:
-            self._nothing_trained()
-        if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
-            self._log({"eval_loss": self.evaluate()})
+            if self.step == 0:
+                self._nothing_trained()
+            if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
+                self._evaluate_and_log(progress)
+        finally:
+            if progress is not None:
+                progress.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
+
+    def _evaluate_and_log(self, progress: Progress | None) -> None:
+        eval_loss = self.evaluate()
+        self._log({"eval_loss": eval_loss})
+        if progress is not None:
+            progress.evaluated(self.step, eval_loss)
 
     def _nothing_trained(self) -> None:
         """A fit that trained no example fails: storing the untouched model as trained would
@@ -339,22 +351,21 @@ class FitRun:
     def has_eval(self) -> bool:
         return self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
 
-    def _progress(self) -> Any:
+    def _progress(self) -> Progress | None:
+        """Rank 0's bar on a terminal, or its plain lines off one (``progress_bar=True``)."""
         if not (self.targs.progress_bar and self.strategy.is_main):
-            return nullcontext(None)
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            unit="step",
-            dynamic_ncols=True,
-            desc=f"fit {self.trainer.identifier}",
+            return None
+        return make_progress(
+            f"fit {self.trainer.identifier}", self.total_steps, self.step, self.targs.logging_steps
         )
 
     def _log(self, metrics: dict[str, float]) -> None:
+        """Rank 0 records ``metrics`` in the metadata store, then hands them to the
+        callbacks (the trackers of ``report_to``)."""
         if self.strategy.is_main:
             self.db.metadata.log_metrics(self.run_id, self.step, metrics)
+            for callback in self.callbacks:
+                callback.on_log(self, metrics)
 
     # -- evaluation --------------------------------------------------------------------------
     def evaluate(self) -> float:
@@ -458,6 +469,10 @@ class FitRun:
         self.strategy.barrier()
         return artifact
 
-    def cleanup(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        self.strategy.teardown()
+    def cleanup(self, failed: bool = False) -> None:
+        try:
+            for callback in self.callbacks:
+                callback.on_cleanup(self, failed)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.strategy.teardown()
