@@ -30,6 +30,7 @@ from llmtrain.metadata.base import CheckpointRecord
 from llmtrain.training.strategies.base import Strategy
 
 MANIFEST = "manifest.json"
+BEST = "best_checkpoint"  # the run's info key: step, artifact, metric, value
 STATE = "trainer_state.json"
 FORMAT = 1
 
@@ -79,9 +80,16 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------
     def save(
-        self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
+        self,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        state: dict[str, Any],
+        *,
+        best: dict[str, Any] | None = None,
     ) -> CheckpointRecord | None:
-        """Collective: every rank calls it. Returns the record on rank 0."""
+        """Collective: every rank calls it. Returns the record on rank 0. ``best`` (metric,
+        value): this one is the run's best so far, recorded on the run and never pruned."""
         s = self.strategy
         folder = Path(
             s.broadcast_object(str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}"))
@@ -112,6 +120,11 @@ class Checkpointer:
                     artifact,
                     {"epoch": state["epoch"], "world_size": s.world_size},
                 )
+                if best is not None:
+                    self.db.metadata.update_run(
+                        self.run_id,
+                        info={BEST: {"step": state["step"], "artifact": artifact, **best}},
+                    )
                 self._prune()
             except (OSError, StoreError) as exc:
                 raise CheckpointError(
@@ -124,10 +137,14 @@ class Checkpointer:
         return record
 
     def _prune(self) -> None:
+        """Keep the newest ``keep`` checkpoints and the best one (save_best_by)."""
         if self.keep is None:
             return
         records = self.db.metadata.list_checkpoints(self.run_id)
+        best = self.best_record()
         for old in records[: -self.keep]:
+            if best is not None and old.step == best["step"]:
+                continue
             self.db.metadata.remove_checkpoint(self.run_id, old.step)
             if not any(
                 r.artifact_id == old.artifact_id
@@ -136,6 +153,11 @@ class Checkpointer:
                 self.db.artifacts.delete(old.artifact_id)
 
     # -- load ------------------------------------------------------------------------------
+    def best_record(self) -> dict[str, Any] | None:
+        """The run's best checkpoint by save_best_by (step, artifact, metric, value), if any."""
+        best = self.db.metadata.get_run(self.run_id).info.get(BEST)
+        return dict(best) if best else None
+
     def latest(self) -> CheckpointRecord | None:
         records = self.db.metadata.list_checkpoints(self.run_id)
         return records[-1] if records else None
