@@ -67,14 +67,14 @@ def metric_problems(entries: Sequence[str], save_best_by: str | None) -> list[st
         try:
             resolve(entry)
         except ValueError as exc:
-            problems.append(f"training_args.eval_metrics[{i}]: {exc}")
+            problems.append(f"eval_metrics[{i}]: {exc}")
     names = [logged_name(e) for e in entries]
     if len(set(names)) < len(names):
-        problems.append(f"training_args.eval_metrics: two entries log as the same name {names}")
+        problems.append(f"eval_metrics: two entries log as the same name {names}")
     if save_best_by is not None and logged_name(save_best_by) not in {"eval_loss", *names}:
         choices = ", ".join(["eval_loss", *entries])
         problems.append(
-            f"training_args.save_best_by={save_best_by!r} is not scored: choose one of {choices}"
+            f"save_best_by={save_best_by!r} is not scored: choose one of {choices}"
         )
     return problems
 

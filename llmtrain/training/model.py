@@ -116,7 +116,7 @@ class TrainedModel:
                     break
             else:
                 raise CheckpointError(
-                    f"run {run_id} of model {self.identifier!r} has no checkpoint {checkpoint!r}"
+                    f"run {run_id} of model {self.identifier!r} has no checkpoint {str(checkpoint)!r}"
                 )
         self._loaded = None
 
