@@ -640,9 +640,11 @@ def cmd_merge(args: argparse.Namespace) -> None:
     db = _connect(args)
     try:
         model = db.load("model", args.name, args.version)
+        bits = model.record.base.bits
         _say(
             f"merging the adapter of {model.identifier} v{model.version} into "
             f"{model.record.base.model_name_or_path}"
+            + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
         )
         artifact = model.merge(out)
         _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")

@@ -73,9 +73,7 @@ def metric_problems(entries: Sequence[str], save_best_by: str | None) -> list[st
         problems.append(f"eval_metrics: two entries log as the same name {names}")
     if save_best_by is not None and logged_name(save_best_by) not in {"eval_loss", *names}:
         choices = ", ".join(["eval_loss", *entries])
-        problems.append(
-            f"save_best_by={save_best_by!r} is not scored: choose one of {choices}"
-        )
+        problems.append(f"save_best_by={save_best_by!r} is not scored: choose one of {choices}")
     return problems
 
 

@@ -116,7 +116,8 @@ class TrainedModel:
                     break
             else:
                 raise CheckpointError(
-                    f"run {run_id} of model {self.identifier!r} has no checkpoint {str(checkpoint)!r}"
+                    f"run {run_id} of model {self.identifier!r} has no checkpoint "
+                    f"{str(checkpoint)!r}"
                 )
         self._loaded = None
 
