@@ -80,16 +80,9 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------
     def save(
-        self,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
-        state: dict[str, Any],
-        *,
-        best: dict[str, Any] | None = None,
+        self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
     ) -> CheckpointRecord | None:
-        """Collective: every rank calls it. Returns the record on rank 0. ``best`` (metric,
-        value): this one is the run's best so far, recorded on the run and never pruned."""
+        """Collective: every rank calls it. Returns the record on rank 0."""
         s = self.strategy
         folder = Path(
             s.broadcast_object(str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}"))
@@ -120,11 +113,6 @@ class Checkpointer:
                     artifact,
                     {"epoch": state["epoch"], "world_size": s.world_size},
                 )
-                if best is not None:
-                    self.db.metadata.update_run(
-                        self.run_id,
-                        info={BEST: {"step": state["step"], "artifact": artifact, **best}},
-                    )
                 self._prune()
             except (OSError, StoreError) as exc:
                 raise CheckpointError(
@@ -135,6 +123,13 @@ class Checkpointer:
                 shutil.rmtree(folder, ignore_errors=True)
         s.barrier()
         return record
+
+    def mark_best(self, record: CheckpointRecord, metric: str, value: float) -> None:
+        """Rank 0: record ``record`` on the run as its best checkpoint by ``metric`` (never
+        pruned), then prune the previous best if it is no longer among the newest."""
+        best = {"step": record.step, "artifact": record.artifact_id, "metric": metric}
+        self.db.metadata.update_run(self.run_id, info={BEST: {**best, "value": value}})
+        self._prune()
 
     def _prune(self) -> None:
         """Keep the newest ``keep`` checkpoints and the best one (save_best_by)."""

@@ -379,7 +379,9 @@ class FitRun:
         )
         if better:
             self.best = value
-            self.save_checkpoint(best={"metric": key, "value": value})
+            record = self.save_checkpoint()
+            if self.strategy.is_main:
+                self.checkpointer.mark_best(record, key, value)
 
     def _saved_now(self) -> bool:
         return self._saved_step == self.step
@@ -487,9 +489,8 @@ class FitRun:
             "history": self.history[-1000:],
         }
 
-    def save_checkpoint(self, best: dict[str, Any] | None = None) -> Any:
-        """Collective. The state carries every rank's deleted keys, and so does the run.
-        ``best`` (metric, value): this checkpoint is the run's best by save_best_by."""
+    def save_checkpoint(self) -> Any:
+        """Collective. The state carries every rank's deleted keys, and so does the run."""
         state = self.state()
         gone = sorted(set().union(*self.strategy.gather_object(state["dataset"]["deleted"])))
         state["dataset"]["deleted"] = gone
@@ -499,7 +500,7 @@ class FitRun:
             )
         self._record_skipped()
         self._saved_step = self.step
-        return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state, best=best)
+        return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 
     def _record_skipped(self) -> None:
         """Collective. The epoch each skipped row (deleted or bad) was first skipped in, from
