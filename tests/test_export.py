@@ -180,6 +180,15 @@ def test_export_writes_what_stock_peft_and_transformers_load(
     torch.testing.assert_close(_logits(plain, tokenizer), expected, rtol=1e-4, atol=1e-4)
     # a folder that holds something is refused, and nothing is half-written
     assert main([*argv, "--adapter", str(adapter)]) == 2
+    # the best checkpoint's weights, in the same layout
+    best = tmp_path / "best"
+    assert main([*argv, "--checkpoint", "best", "--adapter", str(best)]) == 0
+    checkpoint = db.metadata.get_run(scored.record.run_id).info["best_checkpoint"]
+    db.artifacts.get_dir(checkpoint["artifact"], tmp_path / "ckpt")
+    saved = load_file(str(tmp_path / "ckpt" / "weights.safetensors"))
+    exported = load_file(str(best / "adapter_model.safetensors"))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
 
 
 def test_qlora_merges_into_the_dequantised_weights_it_trained_against(
