@@ -36,6 +36,7 @@ examples:
   llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db --plot loss.png
   llmtrain replay demo-qa --db sqlite:///llmtrain-demo/demo.db
   llmtrain merge demo-qa --db sqlite:///llmtrain-demo/demo.db --out merged/
+  llmtrain export demo-qa --db sqlite:///llmtrain-demo/demo.db --adapter adapter/ --merged m/
 """
 
 
@@ -111,6 +112,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _db_options(merge)
 
+    export = sub.add_parser(
+        "export",
+        help="write a model for serving stacks: the adapter (PEFT) and/or the merged model",
+        description="Write a trained model to folders that serving stacks load. Nothing is "
+        "stored in the database.",
+    )
+    export.add_argument("name", help="the model's identifier")
+    export.add_argument("--version", type=int, help="model version (default: the newest)")
+    export.add_argument(
+        "--checkpoint", help="'best' (save_best_by) or a step: that checkpoint's weights"
+    )
+    export.add_argument(
+        "--adapter",
+        type=Path,
+        help="new folder for the adapter in PEFT's layout (PeftModel.from_pretrained, "
+        "vLLM --lora-modules)",
+    )
+    export.add_argument(
+        "--merged",
+        type=Path,
+        help="new folder for the base with the adapter merged in, and the tokenizer "
+        "(safetensors; AutoModelForCausalLM.from_pretrained)",
+    )
+    export.add_argument(
+        "--merge-into",
+        choices=["trained", "base"],
+        default="trained",
+        help="after QLoRA: merge into the dequantised weights training saw (trained, the "
+        "default: answers as the trained model) or into the full-precision base",
+    )
+    _db_options(export)
+
     lineage = sub.add_parser(
         "lineage",
         help="the rows that trained a model: key, epoch, step and rank, one line each",
@@ -183,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "show": cmd_show,
         "replay": cmd_replay,
         "merge": cmd_merge,
+        "export": cmd_export,
         "demo": cmd_demo,
         "lineage": cmd_lineage,
         "trained-on": cmd_trained_on,
@@ -640,14 +674,41 @@ def cmd_merge(args: argparse.Namespace) -> None:
     db = _connect(args)
     try:
         model = db.load("model", args.name, args.version)
+        bits = model.record.base.bits
         _say(
             f"merging the adapter of {model.identifier} v{model.version} into "
             f"{model.record.base.model_name_or_path}"
+            + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
         )
         artifact = model.merge(out)
         _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
         if out is not None:
             _say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
+    finally:
+        db.close()
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    if args.adapter is None and args.merged is None:
+        raise ConfigError("export needs --adapter DIR and/or --merged DIR")
+    db = _connect(args)
+    try:
+        checkpoint = args.checkpoint
+        if checkpoint is not None and checkpoint.isdigit():
+            checkpoint = int(checkpoint)
+        model = db.load("model", args.name, args.version, checkpoint=checkpoint)
+        which = f"{model.identifier} v{model.version}" + (
+            f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
+        )
+        if args.adapter is not None:
+            folder = model.export_adapter(args.adapter)
+            _say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
+        if args.merged is not None:
+            what = model.export_merged(args.merged, into=args.merge_into)
+            _say(
+                f"wrote {which} merged into the {what} to {args.merged.resolve()} "
+                "(safetensors, with the tokenizer)"
+            )
     finally:
         db.close()
 

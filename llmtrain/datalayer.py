@@ -195,9 +195,24 @@ class Datalayer:
         component.version = version  # type: ignore[attr-defined]
         return version
 
-    def load(self, type_id: str, identifier: str, version: int | None = None) -> Any:
+    def load(
+        self,
+        type_id: str,
+        identifier: str,
+        version: int | None = None,
+        *,
+        checkpoint: str | int | None = None,
+    ) -> Any:
+        """The stored component (the newest version unless ``version``). For a model,
+        ``checkpoint="best"`` (kept by the trainer's ``save_best_by``) or a step loads that
+        checkpoint's weights of its run instead of the final ones."""
+        if checkpoint is not None and type_id != "model":
+            raise ConfigError(f"load(checkpoint=) is for models, not {type_id!r}")
         record = self.metadata.get_component(type_id, check_identifier(identifier), version)
-        return self._materialise(record)
+        obj = self._materialise(record)
+        if checkpoint is not None:
+            obj.use_checkpoint(checkpoint)
+        return obj
 
     def _materialise(self, record: ComponentRecord) -> Any:
         cls = component_class(record.type_id)
