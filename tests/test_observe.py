@@ -37,8 +37,7 @@ NAME = "observed"
 STEPS = 4
 SECRET = "pw-Zq83-not-for-trackers"
 TEMPLATE = "### Q:\n{X}\n### A:\n{Y}"
-HAS_TRACKIO = __import__("importlib").util.find_spec("trackio") is not None
-TRACKERS = ["tensorboard", "mlflow", "wandb", *(["trackio"] if HAS_TRACKIO else [])]
+TRACKERS = ["tensorboard", "mlflow", "wandb", "trackio"]  # all in the dev extra
 
 
 @dataclass
@@ -252,7 +251,6 @@ def test_wandb_offline_run(observed: Observed) -> None:
     assert exit_record.exit_code == 0
 
 
-@pytest.mark.skipif(not HAS_TRACKIO, reason="trackio is not installed (pip install trackio)")
 def test_trackio_local_run(observed: Observed) -> None:
     code = (
         "import json, trackio\n"
