@@ -102,7 +102,7 @@ def run_in_process(
             note_refused_resume(db, run_id, exc)
         raise
     finally:
-        run.cleanup()
+        run.cleanup(failed=not completed)
 
 
 def note_refused_resume(db: Any, run_id: str, exc: BaseException) -> None:
