@@ -115,7 +115,7 @@ def test_tiny_model_learns_the_table(tiny: Path, db: Any) -> None:
     trainer = _trainer(
         tiny,
         "learn",
-        max_steps=80,
+        max_steps=100,
         batch_size=8,
         lora_r=16,
         learning_rate=2e-2,
