@@ -552,7 +552,7 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
     seen: dict[str, list[tuple[int, list[list[str]], list[tuple[int, int]]]]] = {}
     train_step, save = run_module.FitRun._train_step, run_module.FitRun.save_checkpoint
 
-    def traced(self: Any, group: list[dict[str, Any]]) -> float:
+    def traced(self: Any, group: list[dict[str, Any]], *args: Any) -> float:
         seen.setdefault(self.trainer.identifier, []).append(
             (
                 self.step + 1,
@@ -560,7 +560,7 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
                 [tuple(b["input_ids"].shape) for b in group],
             )
         )
-        return train_step(self, group)
+        return train_step(self, group, *args)
 
     def crash_after_step_3(self: Any) -> Any:
         record = save(self)
