@@ -143,8 +143,9 @@ def _fit(env: Env, name: str, *callbacks: Callback, max_failures: int = 0) -> An
 
 def _uninterrupted(env: Env) -> Any:
     if "plain" not in env.fits:
-        trace, seen = KeyTrace(env.root / "trace-plain"), DatabaseSeen(
-            env.root / "data.db", env.root / "seen"
+        trace, seen = (
+            KeyTrace(env.root / "trace-plain"),
+            DatabaseSeen(env.root / "data.db", env.root / "seen"),
         )
         env.fits["plain"] = _fit(env, "ray-plain", trace, seen)
     return env.fits["plain"]

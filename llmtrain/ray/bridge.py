@@ -86,10 +86,15 @@ def start_broker() -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
-    actor = ray.remote(num_cpus=0, max_concurrency=1000)(Broker)
-    return actor.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)
-    ).remote()
+    return (
+        ray.remote(Broker)
+        .options(
+            num_cpus=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )
+        .remote()
+    )
 
 
 # -- the worker's side -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def storage_location(storage: str | None) -> tuple[str, Any]:
     if storage is None or "://" not in storage or storage.startswith("file://"):
         folder = (storage or "~/ray_results").removeprefix("file://")
         return str(Path(folder).expanduser().absolute()), None
-    import pyarrow.fs
+    import pyarrow.fs  # type: ignore[import-untyped]
 
     filesystem, path = pyarrow.fs.FileSystem.from_uri(storage)
     return path, filesystem
@@ -76,6 +76,11 @@ class RayRun:
     # -- what the driver answers ---------------------------------------------------------------
     def database(self) -> str | None:
         return self.db.secret_uri() if self.config.workers_read_database else None
+
+    def resume_point(self) -> bool | str:
+        """What the worker group resumes from: the fit's ``resume=`` the first time, the
+        newest checkpoint once this attempt recorded one (Ray restarted the group)."""
+        return True if self.checkpoints else self.resume
 
     def record_checkpoint(self, step: int, epoch: int, world_size: int) -> Any:
         """Copy the checkpoint the workers reported from Ray's storage into the artifact
@@ -141,6 +146,7 @@ class RayRun:
             db,
             {
                 "database": self.database,
+                "resume_point": self.resume_point,
                 "record_checkpoint": self.record_checkpoint,
                 "finished": self.finish,
             },

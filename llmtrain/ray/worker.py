@@ -101,7 +101,7 @@ def train_loop(config: dict[str, Any]) -> None:
     trainer.version = config["version"]
     trainer.data_snapshot = RunSnapshot.from_record(config["snapshot"])
     # a restarted worker group continues from the last checkpoint, as a resume does
-    resume = True if ray.train.get_checkpoint() is not None else config["resume"]
+    resume = channel.call("driver", "resume_point")
     strategy = strategy_for(trainer.config, placement)
     run = FitRun(
         trainer,
