@@ -6,7 +6,8 @@ database's path and secret. Every rank traces the row keys of each step; the tra
 exactly the rows (and order) the local dataset gives that rank in a 2-process run. A worker
 killed mid-run with ``max_failures=1`` makes Ray restart the group from its last checkpoint,
 and the run ends with the same adapter as the uninterrupted one; with ``max_failures=0`` a
-worker's error fails the run. Three fits in all, sharing one Ray instance.
+worker's error fails the run, and ``fit(resume=True)`` of the stored recipe finishes it in a
+new Ray job, again with the same rows and adapter. Four fits, sharing one Ray instance.
 """
 
 from __future__ import annotations
@@ -271,13 +272,27 @@ def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) 
         torch.testing.assert_close(killed[name], plain[name], rtol=1e-5, atol=1e-6)
 
 
-def test_worker_error_without_restarts_fails_the_run(env: Env) -> None:
-    with pytest.raises(Exception, match="worker boom at step 1"):
-        _fit(env, "ray-failing", FailAt(1, 1), max_failures=0)
+def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) -> None:
+    trace = KeyTrace(env.root / "trace-resumed")
+    with pytest.raises(Exception, match="worker boom at step 3"):
+        _fit(env, "ray-failing", FailAt(3, 1), trace, max_failures=0)
     (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
     assert run.status == "failed"
-    assert "worker boom at step 1" in run.error
+    assert "worker boom at step 3" in run.error
     assert run.info["ray"]["status"] == "failed"
+    assert [c.step for c in env.db.metadata.list_checkpoints(run.run_id)] == [2]
+    # the stored recipe, replayed: a new Ray job continues the run from its checkpoint
+    with registered(trace):
+        model = env.db.load("trainer", "ray-failing").fit(resume=True)
+    (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
+    assert run.status == "completed" and run.info["steps"] == STEPS
+    for rank in range(WORLD):
+        assert _trace(env.root / f"trace-resumed.rank{rank}") == _trace(
+            env.root / f"trace-plain.rank{rank}"
+        )
+    plain, resumed = _adapter(env, _uninterrupted(env)), _adapter(env, model)
+    for name in plain:
+        torch.testing.assert_close(resumed[name], plain[name], rtol=1e-5, atol=1e-6)
 
 
 def test_ray_config_rules() -> None:
