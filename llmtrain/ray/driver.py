@@ -9,7 +9,6 @@ the model and marks the run, as :func:`llmtrain.training.launch.run_in_process` 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import uuid
@@ -192,7 +191,6 @@ def run_on_ray(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge:
     config: RayConfig = trainer.config.ray_config
     started = False
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
         started = True
     try:
