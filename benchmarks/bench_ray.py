@@ -139,7 +139,7 @@ def measure(rows: int, workers: int, cache: int) -> dict[str, Any]:
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     task = ray.remote(num_cpus=1)(read_share)
     ray.get([ray.remote(lambda: 0).remote() for _ in range(workers)])  # workers warm
-    with DriverService(db, {}) as service:
+    with DriverService(db, {}, threads=workers) as service:
         before = psutil.Process().memory_info().rss
         with Peak() as peak:
             started = time.perf_counter()

@@ -168,23 +168,29 @@ def write_files(files: Files, dest: Path) -> None:
 
 # -- the driver's side -------------------------------------------------------------------------
 class DriverService:
-    """Answers the workers' calls from a thread of the driver while ``TorchTrainer.fit()``
+    """Answers the workers' calls from ``threads`` threads of the driver (one window read
+    each at a time: the driver's memory is bounded by them) while ``TorchTrainer.fit()``
     blocks its main thread. ``extra`` adds the driver's own calls (``driver.<name>``)."""
 
-    def __init__(self, db: Any, extra: dict[str, Callable[..., Any]]) -> None:
+    def __init__(self, db: Any, extra: dict[str, Callable[..., Any]], *, threads: int = 2) -> None:
         self.db, self.extra = db, extra
         self.broker = start_broker()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="llmtrain-ray-driver", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"llmtrain-ray-driver-{i}", daemon=True)
+            for i in range(threads)
+        ]
         self.calls = 0
 
     def __enter__(self) -> DriverService:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
         ray.kill(self.broker)
 
     def _serve(self) -> None:

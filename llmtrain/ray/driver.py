@@ -149,6 +149,7 @@ class RayRun:
                 "record_checkpoint": self.record_checkpoint,
                 "finished": self.finish,
             },
+            threads=self.config.num_workers,
         )
         try:
             with service:
