@@ -33,8 +33,10 @@ examples:
   llmtrain demo                                     # the whole loop in ~30 s, no download
   llmtrain fit examples/config.yaml --training_args.learning_rate 1e-4
   llmtrain show run --db sqlite:///llmtrain-demo/demo.db
+  llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db --plot loss.png
   llmtrain replay demo-qa --db sqlite:///llmtrain-demo/demo.db
   llmtrain merge demo-qa --db sqlite:///llmtrain-demo/demo.db --out merged/
+  llmtrain export demo-qa --db sqlite:///llmtrain-demo/demo.db --adapter adapter/ --merged m/
 """
 
 
@@ -74,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument(
         "name",
         nargs="?",
-        help="an identifier (for run: a trainer name or a run id, or its first characters)",
+        help="an identifier (for run: a trainer name, whose newest run is detailed, or a run "
+        "id, or its first characters)",
+    )
+    show.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PNG",
+        help="with `run NAME`: draw its train loss, eval loss and learning rate against steps "
+        "into this PNG file (needs matplotlib: pip install 'llmtrain[plot]')",
     )
     _db_options(show)
 
@@ -101,6 +111,38 @@ def build_parser() -> argparse.ArgumentParser:
         "folder (loadable with transformers' from_pretrained)",
     )
     _db_options(merge)
+
+    export = sub.add_parser(
+        "export",
+        help="write a model for serving stacks: the adapter (PEFT) and/or the merged model",
+        description="Write a trained model to folders that serving stacks load. Nothing is "
+        "stored in the database.",
+    )
+    export.add_argument("name", help="the model's identifier")
+    export.add_argument("--version", type=int, help="model version (default: the newest)")
+    export.add_argument(
+        "--checkpoint", help="'best' (save_best_by) or a step: that checkpoint's weights"
+    )
+    export.add_argument(
+        "--adapter",
+        type=Path,
+        help="new folder for the adapter in PEFT's layout (PeftModel.from_pretrained, "
+        "vLLM --lora-modules)",
+    )
+    export.add_argument(
+        "--merged",
+        type=Path,
+        help="new folder for the base with the adapter merged in, and the tokenizer "
+        "(safetensors; AutoModelForCausalLM.from_pretrained)",
+    )
+    export.add_argument(
+        "--merge-into",
+        choices=["trained", "base"],
+        default="trained",
+        help="after QLoRA: merge into the dequantised weights training saw (trained, the "
+        "default: answers as the trained model) or into the full-precision base",
+    )
+    _db_options(export)
 
     lineage = sub.add_parser(
         "lineage",
@@ -174,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "show": cmd_show,
         "replay": cmd_replay,
         "merge": cmd_merge,
+        "export": cmd_export,
         "demo": cmd_demo,
         "lineage": cmd_lineage,
         "trained-on": cmd_trained_on,
@@ -295,18 +338,25 @@ def _report_fit(db: Any, trainer: Any, model: Any) -> None:
 
 
 def _artifact_location(db: Any) -> str:
-    root = getattr(db.artifacts, "root", None)
-    return str(root) if root is not None else "GridFS"
+    store = db.artifacts
+    where = getattr(store, "root", None) or getattr(store, "url", None)
+    return str(where) if where is not None else "GridFS"
 
 
 # -- show ------------------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> None:
+    if args.plot is not None and (args.type != "run" or args.name is None):
+        raise ConfigError("--plot draws one run: llmtrain show run NAME --plot FILE.png")
     db = _connect(args)
     try:
         if args.type is None:
             _show_all(db)
         elif args.type == "run":
-            _show_runs(db, args.name)
+            run = _show_runs(db, args.name)
+            if run is not None and args.plot is not None:
+                from llmtrain.report import plot_run
+
+                _say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
         elif args.name is None:
             _show_identifiers(db, args.type)
         elif args.type == "trainer":
@@ -411,19 +461,21 @@ def _show_model(db: Any, name: str) -> None:
     _say(table(rows, [*headers, "forgotten rows"]))
 
 
-def _show_runs(db: Any, name: str | None) -> None:
+def _show_runs(db: Any, name: str | None) -> Any:
+    """The runs (of trainer ``name``), then the details of the one run ``name`` names (a run
+    id or its prefix) or of the trainer's newest run; returns that run, if any."""
     runs = db.metadata.list_runs()
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
         if len(by_id) == 1:
             _show_run(db, by_id[0])
-            return
+            return by_id[0]
         runs = [r for r in runs if r.identifier == name]
         if not runs:
             raise _not_found(db, "run", name)
     if not runs:
         _say(f"no runs in {db.uri} yet")
-        return
+        return None
     _say(
         table(
             [
@@ -440,9 +492,16 @@ def _show_runs(db: Any, name: str | None) -> None:
             ["run id", "trainer", "status", "steps", "final loss", "started"],
         )
     )
+    if name is None:
+        return None
+    _say("", f"newest run of {name}:")
+    _show_run(db, runs[-1])
+    return runs[-1]
 
 
 def _show_run(db: Any, run: Any) -> None:
+    from llmtrain.report import run_summary
+
     info = run.info
     _say(
         f"run        {run.run_id}",
@@ -453,17 +512,26 @@ def _show_run(db: Any, run: Any) -> None:
         f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
         f"adapter    {info.get('artifact')}",
         f"started    {_when(run.created_at)}, updated {_when(run.updated_at)}",
+        *run_summary(db, run),
     )
-    metrics = [m for m in db.metadata.get_metrics(run.run_id) if "loss" in m.values]
-    if metrics:
+    metrics = db.metadata.get_metrics(run.run_id)
+    evals = {m.step: m.values["eval_loss"] for m in metrics if "eval_loss" in m.values}
+    train = [m for m in metrics if "loss" in m.values]
+    if train:
         _say(
             "",
             table(
                 [
-                    (m.step, m.values.get("loss"), m.values.get("lr"), m.values.get("tokens_per_s"))
-                    for m in metrics
+                    (
+                        m.step,
+                        m.values.get("loss"),
+                        m.values.get("lr"),
+                        m.values.get("tokens_per_s"),
+                        evals.get(m.step),
+                    )
+                    for m in train
                 ],
-                ["step", "loss", "lr", "tokens/s"],
+                ["step", "loss", "lr", "tokens/s", "eval loss"],
             ),
         )
     checkpoints = db.metadata.list_checkpoints(run.run_id)
@@ -606,14 +674,41 @@ def cmd_merge(args: argparse.Namespace) -> None:
     db = _connect(args)
     try:
         model = db.load("model", args.name, args.version)
+        bits = model.record.base.bits
         _say(
             f"merging the adapter of {model.identifier} v{model.version} into "
             f"{model.record.base.model_name_or_path}"
+            + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
         )
         artifact = model.merge(out)
         _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
         if out is not None:
             _say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
+    finally:
+        db.close()
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    if args.adapter is None and args.merged is None:
+        raise ConfigError("export needs --adapter DIR and/or --merged DIR")
+    db = _connect(args)
+    try:
+        checkpoint = args.checkpoint
+        if checkpoint is not None and checkpoint.isdigit():
+            checkpoint = int(checkpoint)
+        model = db.load("model", args.name, args.version, checkpoint=checkpoint)
+        which = f"{model.identifier} v{model.version}" + (
+            f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
+        )
+        if args.adapter is not None:
+            folder = model.export_adapter(args.adapter)
+            _say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
+        if args.merged is not None:
+            what = model.export_merged(args.merged, into=args.merge_into)
+            _say(
+                f"wrote {which} merged into the {what} to {args.merged.resolve()} "
+                "(safetensors, with the tokenizer)"
+            )
     finally:
         db.close()
 

@@ -101,7 +101,8 @@ class Datalayer:
             check_uri(metadata_uri, "connect(metadata_uri=)")
         if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
-                "connect(artifacts=) must be a folder, 'gridfs' or an ArtifactStore, "
+                "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an "
+                "ArtifactStore, "
                 f"got {type(artifacts).__name__} {artifacts!r}"
             )
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -194,9 +195,24 @@ class Datalayer:
         component.version = version  # type: ignore[attr-defined]
         return version
 
-    def load(self, type_id: str, identifier: str, version: int | None = None) -> Any:
+    def load(
+        self,
+        type_id: str,
+        identifier: str,
+        version: int | None = None,
+        *,
+        checkpoint: str | int | None = None,
+    ) -> Any:
+        """The stored component (the newest version unless ``version``). For a model,
+        ``checkpoint="best"`` (kept by the trainer's ``save_best_by``) or a step loads that
+        checkpoint's weights of its run instead of the final ones."""
+        if checkpoint is not None and type_id != "model":
+            raise ConfigError(f"load(checkpoint=) is for models, not {type_id!r}")
         record = self.metadata.get_component(type_id, check_identifier(identifier), version)
-        return self._materialise(record)
+        obj = self._materialise(record)
+        if checkpoint is not None:
+            obj.use_checkpoint(checkpoint)
+        return obj
 
     def _materialise(self, record: ComponentRecord) -> Any:
         cls = component_class(record.type_id)
@@ -336,7 +352,8 @@ def connect(
     """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
 
     ``metadata_uri`` puts components and runs in another database (default: the same one).
-    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), or an ArtifactStore. ``retry`` bounds
+    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), an fsspec URL (``s3://bucket/prefix``;
+    credentials from the environment, never the URL), or an ArtifactStore. ``retry`` bounds
     how long data reads wait out a lost connection before ``DatabaseUnavailableError``.
     """
     return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)

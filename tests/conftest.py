@@ -1,11 +1,13 @@
 """Shared fixtures: a fresh database on each real backend (SQLite file, PostgreSQL, MariaDB,
-mongomock), and a helper that fills a table or collection with rows."""
+mongomock), a real S3 API on loopback (moto's server), and a helper that fills a table or
+collection with rows."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -78,6 +80,59 @@ def sql_uri(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
 @pytest.fixture
 def sqlite_uri(tmp_path: Any) -> str:
     return f"sqlite:///{tmp_path / 'data.db'}"
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """moto's S3 on 127.0.0.1; the dummy credentials are distinctive so a test can search
+    the stores for them."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket; its name."""
+        import boto3
+
+        name = f"lt-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=name)
+        return name
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's ThreadedMotoServer on a free loopback port, with dummy credentials and the
+    endpoint in the environment, where s3fs (and any subprocess) finds them."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    s3 = S3Server(f"http://{host}:{port}", "AKIALLMTRAINTEST0000", f"moto-{uuid.uuid4().hex}")
+    env = {
+        "AWS_ACCESS_KEY_ID": s3.access_key,
+        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3.endpoint,
+    }
+    hidden = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3")
+    saved = {k: os.environ.get(k) for k in [*env, *hidden]}
+    os.environ.update(env)
+    for k in hidden:
+        os.environ.pop(k, None)
+    try:
+        yield s3
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def fill(

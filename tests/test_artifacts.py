@@ -1,9 +1,15 @@
-"""Artifact stores: a local folder and GridFS (on mongomock), content-addressed and verified."""
+"""The one artifact store contract, run against every store: a local folder, GridFS (on
+mongomock), fsspec's ``memory://`` and S3 (moto's server on loopback, through s3fs).
+
+Content-addressed, atomic (a write in progress or failed is never visible under its final
+name), verified on read, streamed in chunks, ids and manifest paths that cannot escape.
+"""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -13,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import S3Server
 
 from llmtrain.artifacts import LocalArtifactStore, open_artifacts
-from llmtrain.artifacts.base import ArtifactStore
+from llmtrain.artifacts.base import CHUNK, ArtifactStore, ContentAddressedStore, manifest_bytes
+from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
 from llmtrain.artifacts.gridfs import COLLECTION, GridFSArtifactStore
-from llmtrain.artifacts.local import ContentAddressedStore, manifest_bytes
 from llmtrain.backends.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
 
@@ -36,11 +43,32 @@ BAD_IDS = [
 ]
 
 
-@pytest.fixture(params=["local", "gridfs"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+STORES = ["local", "gridfs", "memory", "s3"]
+PART = 5 << 20  # the smallest S3 multipart part
+
+
+@pytest.fixture(scope="module")
+def s3_bucket(s3_server: S3Server) -> str:
+    return s3_server.new_bucket()
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ArtifactStore]:
+    """A fresh, empty store of each kind (an S3 store is a fresh prefix of one bucket)."""
+    unique = uuid.uuid4().hex
     if request.param == "local":
-        return open_artifacts(tmp_path / "artifacts", metadata_uri="sqlite:///unused.db")
-    return open_artifacts("gridfs", metadata_uri=f"mongomock://localhost/a_{uuid.uuid4().hex}")
+        yield open_artifacts(tmp_path / "artifacts", metadata_uri="sqlite:///unused.db")
+    elif request.param == "gridfs":
+        yield open_artifacts("gridfs", metadata_uri=f"mongomock://localhost/a_{unique}")
+    elif request.param == "memory":
+        memory = open_artifacts(f"memory://lt-{unique}/arts", metadata_uri="sqlite:///x.db")
+        yield memory
+        assert isinstance(memory, FsspecArtifactStore)
+        if memory.fs.exists(f"/lt-{unique}"):
+            memory.fs.rm(f"/lt-{unique}", recursive=True)
+    else:
+        bucket = request.getfixturevalue("s3_bucket")
+        yield open_artifacts(f"s3://{bucket}/{unique}/arts", metadata_uri="sqlite:///x.db")
 
 
 @pytest.fixture
@@ -80,6 +108,12 @@ def corrupt(store: ArtifactStore, artifact_id: str) -> None:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
+        return
+    if isinstance(store, FsspecArtifactStore):
+        path = store._path(artifact_id)
+        data = bytearray(store.fs.cat_file(path))
+        data[len(data) // 2] ^= 0xFF
+        store.fs.pipe_file(path, bytes(data))
         return
     assert isinstance(store, GridFSArtifactStore)
     db = mongo_database(store._uri)
@@ -255,6 +289,152 @@ def test_a_file_that_changes_while_stored_is_not_published(
     with pytest.raises(StoreError, match="changed while it was being stored"):
         store._save(claimed, io.BytesIO(b"tampered"))  # type: ignore[attr-defined]
     assert not store.exists(claimed)
+
+
+class Source:
+    """``size`` bytes handed out as asked; at ``check_at`` bytes it asks whether the id is
+    visible yet, and it fails there when ``fail`` (a writer that crashed mid-file)."""
+
+    def __init__(self, data: bytes, check_at: int, probe: Any, fail: bool) -> None:
+        self.raw, self.check_at, self.probe, self.fail = io.BytesIO(data), check_at, probe, fail
+        self.largest_read, self.seen_mid_write = 0, None
+
+    def read(self, size: int = -1) -> bytes:
+        self.largest_read = max(self.largest_read, size)
+        if self.seen_mid_write is None and self.raw.tell() >= self.check_at:
+            self.seen_mid_write = self.probe()
+            if self.fail:
+                raise RuntimeError("the writer died here")
+        return self.raw.read(size)
+
+
+def pending(store: ArtifactStore) -> list[str]:
+    """What a write leaves outside the store's published names: temporary files, GridFS
+    chunks no file document owns, fsspec temporaries and unfinished S3 multipart uploads."""
+    if isinstance(store, LocalArtifactStore):
+        return leftovers(store.root)
+    if isinstance(store, GridFSArtifactStore):
+        db = mongo_database(store._uri)
+        owned = {d["_id"] for d in db[f"{COLLECTION}.files"].find()}
+        return [
+            str(c["_id"]) for c in db[f"{COLLECTION}.chunks"].find() if c["files_id"] not in owned
+        ]
+    assert isinstance(store, FsspecArtifactStore)
+    found = [p for p in store.fs.find(store._join("")) if "/tmp/" in p]
+    if store.protocol == "s3":
+        bucket, _, prefix = store._join("").partition("/")
+        uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+        found += [u["Key"] for u in uploads.get("Uploads", [])]
+    return found
+
+
+def test_a_large_write_streams_and_is_invisible_until_complete(
+    store: ArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bigger than one S3 part: when the writer looks, and dies, bytes were already sent, so
+    the write really is in flight (pymongo's GridIn batches up to 32 MiB of chunks before it
+    sends them: bounded, but not seen at 7 MiB)."""
+    from llmtrain.artifacts import fsspec_store
+
+    monkeypatch.setattr(fsspec_store, "WRITE_BLOCK", PART)  # S3's smallest part: less to send
+    data = os.urandom(PART + 2 * CHUNK + 5)
+    artifact_id = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert isinstance(store, ContentAddressedStore)
+
+    def probe() -> tuple[bool, int]:
+        return store.exists(artifact_id), len(pending(store))
+
+    dying = Source(data, PART + 2 * CHUNK, probe, fail=True)
+    with pytest.raises(RuntimeError, match="the writer died here"):
+        store._save(artifact_id, dying)  # type: ignore[arg-type]
+    # half-way: the bytes are somewhere (temp file, chunks, uploaded parts), not under the id
+    assert dying.seen_mid_write is not None and dying.seen_mid_write[0] is False
+    if not isinstance(store, GridFSArtifactStore):
+        assert dying.seen_mid_write[1] >= 1, "nothing was sent before the end: not streamed"
+    assert not store.exists(artifact_id) and pending(store) == []
+    if isinstance(store, FsspecArtifactStore):  # a kill -9: nobody cleans up after the write
+        with monkeypatch.context() as crash:
+            crash.setattr(store, "_abandon", lambda *args: None)
+            with pytest.raises(RuntimeError, match="the writer died here"):
+                store._save(artifact_id, Source(data, PART + 2 * CHUNK, probe, fail=True))  # type: ignore[arg-type]
+        assert not store.exists(artifact_id) and len(pending(store)) == 1  # invisible leftover
+
+    whole = Source(data, PART + 2 * CHUNK, probe, fail=False)
+    store._save(artifact_id, whole)  # type: ignore[arg-type]
+    assert whole.seen_mid_write is not None and whole.seen_mid_write[0] is False
+    assert whole.largest_read <= CHUNK
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "weights.bin").write_bytes(data)
+    tree_id = store.put_dir(tmp_path / "big")
+
+    reads: list[int] = []
+    open_blob = store._open
+
+    def counted(blob_id: str) -> Any:
+        stream = open_blob(blob_id)
+        read = stream.read
+
+        def read_counted(size: int = -1) -> bytes:
+            reads.append(size)
+            return read(size)
+
+        stream.read = read_counted  # type: ignore[method-assign]
+        return stream
+
+    monkeypatch.setattr(store, "_open", counted)
+    out = store.get_dir(tree_id, tmp_path / "out")
+    assert (out / "weights.bin").read_bytes() == data
+    assert reads and -1 not in reads[1:] and max(reads[1:]) <= CHUNK  # [0]: the manifest
+
+
+def test_a_url_store_writes_nothing_outside_its_prefix(
+    s3_server: S3Server, folder: Path, tmp_path: Path
+) -> None:
+    s3_bucket = s3_server.new_bucket()
+    inner = open_artifacts(f"s3://{s3_bucket}/pre/fix", metadata_uri="sqlite:///x.db")
+    beside = open_artifacts(f"s3://{s3_bucket}/pre/fix2", metadata_uri="sqlite:///x.db")
+    assert isinstance(inner, FsspecArtifactStore) and isinstance(beside, FsspecArtifactStore)
+    other = beside.put_bytes(b"neighbour")
+    tree_id = inner.put_dir(folder)
+    assert inner.get_bytes(inner.put_bytes(b"x")) == b"x"
+    assert inner._tree_ids() == [tree_id] and beside._tree_ids() == []
+    inner.delete(tree_id)
+    outside = [k for k in inner.fs.find(s3_bucket) if not k.startswith(f"{s3_bucket}/pre/fix/")]
+    assert outside == [beside._path(other)]  # the neighbour's, untouched
+    assert beside.get_bytes(other) == b"neighbour"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://AKIAEXAMPLE:hunter2@bucket/prefix",
+        "s3://hunter2@bucket/prefix",
+        "s3://bucket/prefix?secret_access_key=hunter2",
+        "s3://bucket/prefix#hunter2",
+    ],
+)
+def test_a_url_with_credentials_is_refused_without_repeating_them(url: str) -> None:
+    with pytest.raises(ConfigError, match="do not belong in the URL") as info:
+        open_artifacts(url, metadata_uri="sqlite:///x.db")
+    assert "hunter2" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
+
+
+def test_a_url_store_travels_to_workers_as_its_url(tmp_path: Path) -> None:
+    import llmtrain as lt
+    from llmtrain.launchers.command import artifacts_location
+
+    db = lt.connect(f"sqlite:///{tmp_path / 'x.db'}", artifacts="memory://team/arts")
+    assert artifacts_location(db) == "memory://team/arts"
+    assert isinstance(pickle.loads(pickle.dumps(db)).artifacts, FsspecArtifactStore)
+
+
+def test_url_checks(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'..' are not allowed"):
+        open_artifacts("s3://bucket/a/../b", metadata_uri="sqlite:///x.db")
+    with pytest.raises(ConfigError, match="no artifact store handles http://"):
+        open_artifacts("http://host/x", metadata_uri="sqlite:///x.db")
+    store = open_artifacts("memory://somewhere/arts/", metadata_uri="sqlite:///x.db")
+    assert isinstance(store, FsspecArtifactStore) and store.url == "memory://somewhere/arts"
 
 
 # -- deletion -------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Where checkpoints, adapters and models are kept: a folder, or GridFS next to the metadata."""
+"""Where checkpoints, adapters and models are kept: a folder, GridFS next to the metadata, or
+any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,40 @@ from llmtrain.artifacts.local import LocalArtifactStore
 from llmtrain.errors import ConfigError
 from llmtrain.uri import is_mongo_uri, redact_uri
 
-__all__ = ["ArtifactStore", "LocalArtifactStore", "check_artifacts_spec", "open_artifacts"]
+__all__ = [
+    "ArtifactStore",
+    "LocalArtifactStore",
+    "check_artifacts_spec",
+    "is_url",
+    "open_artifacts",
+]
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
+def is_url(spec: str | Path) -> bool:
+    """An fsspec URL (``s3://...``); ``file://`` is the local folder, not one of these."""
+    match = _URL.match(spec) if isinstance(spec, str) else None
+    return match is not None and match.group(1).lower() != "file"
+
+
 def check_artifacts_spec(spec: str | Path) -> None:
-    """A URL whose scheme no store handles (``s3://``) is refused, never taken for a folder
-    named ``s3:``; ``file://`` is the local folder."""
-    if not isinstance(spec, str):
-        return
-    match = _URL.match(spec)
-    if match and match.group(1).lower() != "file":
-        raise ConfigError(
-            f"artifacts={redact_uri(spec)!r}: no artifact store handles "
-            f"{match.group(1)}:// URLs; use a folder, 'gridfs' or an ArtifactStore"
-        )
+    """A URL is checked before anything opens: its protocol must be one fsspec handles (never
+    taken for a folder named ``s3:``), and it must carry no credentials."""
+    if is_url(spec):
+        from llmtrain.artifacts.fsspec_store import check_url
+
+        assert isinstance(spec, str)
+        check_url(spec)
 
 
 def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
-    """``"gridfs"``: GridFS in the (MongoDB) metadata database; anything else: a folder."""
+    """``"gridfs"``: GridFS in the (MongoDB) metadata database; an fsspec URL: that store;
+    anything else (``file://`` included): a folder."""
     check_artifacts_spec(spec)
+    if is_url(spec):
+        from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
+
+        return FsspecArtifactStore(str(spec))
     if isinstance(spec, str) and spec == "gridfs":
         if not is_mongo_uri(metadata_uri):
             raise ConfigError(

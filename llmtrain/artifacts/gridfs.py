@@ -15,7 +15,7 @@ from typing import Any, BinaryIO, cast
 
 from pymongo.errors import PyMongoError
 
-from llmtrain.artifacts.local import CHUNK, TREE, ContentAddressedStore, HashingReader
+from llmtrain.artifacts.base import CHUNK, TREE, ContentAddressedStore, HashingReader
 from llmtrain.backends.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, StoreError
 from llmtrain.metadata.base import TABLE_PREFIX

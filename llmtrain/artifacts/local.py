@@ -1,281 +1,59 @@
 """Content-addressed artifacts in a local (or network-mounted) folder.
 
-:class:`ContentAddressedStore` holds everything that does not depend on where bytes live
-(ids, manifests, verification, tree materialisation, deletion); a store supplies five
-primitives. :class:`LocalArtifactStore` keeps ``root/blobs/ab/cdef...`` and
-``root/trees/ab/cdef...``, written to a temporary file in the same folder, fsynced and
-renamed into place, so a reader never sees a partial artifact.
+:class:`LocalArtifactStore` keeps ``root/blobs/ab/cdef...`` and ``root/trees/ab/cdef...``,
+written to a temporary file in the same folder, fsynced and renamed into place, so a reader
+never sees a partial artifact; a lock file keeps ``put_dir`` and ``delete`` from racing.
+The shared logic (ids, manifests, verification) lives in :mod:`llmtrain.artifacts.base`;
+its names are re-exported here for older imports.
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
-import io
-import json
 import os
-import re
-import shutil
 import tempfile
-import uuid
-from abc import abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.artifacts.base import ArtifactStore
-from llmtrain.errors import ArtifactCorruptError, StoreError
+from llmtrain.artifacts.base import (
+    _ID,
+    BLOB,
+    CHUNK,
+    MANIFEST_FORMAT,
+    TMP_PREFIX,
+    TREE,
+    ContentAddressedStore,
+    HashingReader,
+    _os_error,
+    check_relpath,
+    corrupt,
+    manifest_bytes,
+    parse_id,
+    parse_manifest,
+)
+from llmtrain.errors import StoreError
 
 try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best effort
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-BLOB, TREE = "sha256", "tree"
-_ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
-CHUNK = 1 << 20
-MANIFEST_FORMAT = 1
-TMP_PREFIX = ".tmp-"
-
-
-# -- ids, paths and manifests ---------------------------------------------------------------
-def parse_id(artifact_id: object) -> tuple[str, str]:
-    """``(kind, hex)``; anything else is refused, so an id can never name a path."""
-    match = _ID.fullmatch(artifact_id) if isinstance(artifact_id, str) else None
-    if match is None:
-        shown = repr(artifact_id)[:100]
-        raise StoreError(
-            f"invalid artifact id {shown}: expected 'sha256:<64 hex>' or 'tree:<64 hex>'"
-        )
-    return match.group(1), match.group(2)
-
-
-def check_relpath(relpath: object) -> str:
-    """A manifest path: relative, ``/``-separated, no empty, ``.`` or ``..`` parts."""
-    if (
-        not isinstance(relpath, str)
-        or not relpath
-        or "\\" in relpath
-        or "\0" in relpath
-        or any(part in ("", ".", "..") for part in relpath.split("/"))
-    ):
-        raise StoreError(
-            f"unsafe path {str(relpath)[:200]!r} in a folder artifact: paths "
-            "must be relative, '/'-separated, without '.' or '..' parts"
-        )
-    return relpath
-
-
-def manifest_bytes(files: dict[str, str]) -> bytes:
-    """Canonical JSON, so the same folder content always gives the same tree id."""
-    return json.dumps(
-        {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))},
-        sort_keys=True,
-        separators=(",", ":"),
-    ).encode()
-
-
-def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
-    try:
-        manifest = json.loads(data)
-    except ValueError:
-        manifest = None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != MANIFEST_FORMAT
-        or not isinstance(files, dict)
-    ):
-        raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
-    for relpath, blob_id in files.items():
-        check_relpath(relpath)
-        if parse_id(blob_id)[0] != BLOB:
-            raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
-    return files
-
-
-def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
-    return ArtifactCorruptError(
-        f"artifact {artifact_id} is corrupt: its content now hashes "
-        f"to {actual_hex[:16]}...; restore it from a copy or delete it"
-    )
-
-
-class HashingReader:
-    """Hashes what passes through, so a source is verified while it is copied."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw = raw
-        self._hash = hashlib.sha256()
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._raw.read(size)
-        self._hash.update(data)
-        return data
-
-    def check(self, artifact_id: str) -> None:
-        """Before publishing: the bytes read must still be the ones that were hashed."""
-        if self._hash.hexdigest() != parse_id(artifact_id)[1]:
-            raise StoreError(
-                f"the content of {artifact_id} changed while it was being "
-                "stored (was the file modified?); nothing was stored"
-            )
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _os_error(what: str, exc: OSError) -> StoreError:
-    hint = " (disk full?)" if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)) else ""
-    return StoreError(f"{what}: {exc.strerror or exc}{hint}")
-
-
-# -- the shared logic -----------------------------------------------------------------------
-class ContentAddressedStore(ArtifactStore):
-    """Ids, trees, verification and deletion over five storage primitives."""
-
-    @abstractmethod
-    def _has(self, artifact_id: str) -> bool: ...
-
-    @abstractmethod
-    def _save(self, artifact_id: str, source: BinaryIO) -> None:
-        """Store ``source`` under the id; visible only once complete and ``check``-ed."""
-
-    @abstractmethod
-    def _open(self, artifact_id: str) -> BinaryIO:
-        """A readable stream; StoreError naming the id if it is absent."""
-
-    @abstractmethod
-    def _remove(self, artifact_id: str) -> None:
-        """Remove it if present."""
-
-    @abstractmethod
-    def _tree_ids(self) -> list[str]: ...
-
-    @contextmanager
-    def _tree_lock(self, exclusive: bool) -> Iterator[None]:
-        """Held shared by put_dir and exclusive by delete, where the store can lock."""
-        yield
-
-    # -- writing --------------------------------------------------------------------------------
-    def put_bytes(self, data: bytes) -> str:
-        artifact_id = f"{BLOB}:{hashlib.sha256(data).hexdigest()}"
-        if not self._has(artifact_id):
-            self._save(artifact_id, io.BytesIO(data))
-        return artifact_id
-
-    def put_file(self, path: str | Path) -> str:
-        path = Path(path)
-        if not path.is_file():
-            raise StoreError(f"cannot store {path}: not a regular file")
-        try:
-            artifact_id = f"{BLOB}:{_file_digest(path)}"
-            if not self._has(artifact_id):
-                with open(path, "rb") as f:
-                    self._save(artifact_id, f)  # re-hashed on the way: a changed file fails
-        except OSError as exc:
-            raise _os_error(f"cannot read {path}", exc) from exc
-        return artifact_id
-
-    def put_dir(self, path: str | Path) -> str:
-        """Files (and links to files) below ``path``; links to folders are not followed."""
-        path = Path(path)
-        if not path.is_dir():
-            raise StoreError(f"cannot store {path}: not a folder")
-        with self._tree_lock(exclusive=False):
-            files: dict[str, str] = {}
-            for folder, subdirs, names in os.walk(path):
-                subdirs.sort()
-                for name in sorted(names):
-                    file = Path(folder, name)
-                    if file.is_file():
-                        relpath = check_relpath(file.relative_to(path).as_posix())
-                        files[relpath] = self.put_file(file)
-            data = manifest_bytes(files)
-            tree_id = f"{TREE}:{hashlib.sha256(data).hexdigest()}"
-            if not self._has(tree_id):
-                self._save(tree_id, io.BytesIO(data))
-        return tree_id
-
-    # -- reading --------------------------------------------------------------------------------
-    def get_bytes(self, artifact_id: str) -> bytes:
-        _, expected = parse_id(artifact_id)
-        with self._open(artifact_id) as raw:
-            data = raw.read()
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise corrupt(artifact_id, actual)
-        return data
-
-    def get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        """Built in a hidden sibling folder, then renamed: ``dest`` is all there or absent."""
-        if parse_id(artifact_id)[0] != TREE:
-            raise StoreError(f"{artifact_id} is a blob, not a folder: use get_bytes")
-        files = parse_manifest(self.get_bytes(artifact_id), artifact_id)
-        dest = Path(dest)
-        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-            raise StoreError(f"cannot restore {artifact_id} into {dest}: it is not an empty folder")
-        staging = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:12]}.partial"
-        try:
-            staging.mkdir(parents=True)
-            for relpath, blob_id in files.items():
-                target = staging.joinpath(*relpath.split("/"))
-                target.parent.mkdir(parents=True, exist_ok=True)
-                self._copy_verified(blob_id, target)
-            os.replace(staging, dest)
-        except OSError as exc:
-            raise _os_error(f"cannot restore {artifact_id} into {dest}", exc) from exc
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-        return dest
-
-    def _copy_verified(self, blob_id: str, target: Path) -> None:
-        digest = hashlib.sha256()
-        with self._open(blob_id) as src, open(target, "xb") as out:
-            while chunk := src.read(CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != parse_id(blob_id)[1]:
-            raise corrupt(blob_id, digest.hexdigest())
-
-    def exists(self, artifact_id: str) -> bool:
-        parse_id(artifact_id)
-        return self._has(artifact_id)
-
-    # -- deleting -------------------------------------------------------------------------------
-    def delete(self, artifact_id: str) -> None:
-        """Deleting an absent artifact is a no-op; a blob a tree still uses is refused."""
-        kind, _ = parse_id(artifact_id)
-        with self._tree_lock(exclusive=True):
-            if not self._has(artifact_id):
-                return
-            others = {t: self._tree_files(t) for t in self._tree_ids() if t != artifact_id}
-            if kind == BLOB:
-                users = [t for t, files in others.items() if artifact_id in files.values()]
-                if users:
-                    raise StoreError(
-                        f"{artifact_id} is part of {users[0]}: delete the folder artifact instead"
-                    )
-                self._remove(artifact_id)
-                return
-            try:
-                mine = set(self._tree_files(artifact_id).values())
-            except ArtifactCorruptError:
-                mine = set()  # its list cannot be trusted: keep the blobs, drop the manifest
-            used = {b for files in others.values() for b in files.values()}
-            self._remove(artifact_id)  # first: a failure below leaves only unused blobs
-            for blob_id in sorted(mine - used):
-                self._remove(blob_id)
-
-    def _tree_files(self, tree_id: str) -> dict[str, str]:
-        return parse_manifest(self.get_bytes(tree_id), tree_id)
+__all__ = [
+    "BLOB",
+    "CHUNK",
+    "MANIFEST_FORMAT",
+    "TMP_PREFIX",
+    "TREE",
+    "ContentAddressedStore",
+    "HashingReader",
+    "LocalArtifactStore",
+    "check_relpath",
+    "corrupt",
+    "manifest_bytes",
+    "parse_id",
+    "parse_manifest",
+]
 
 
 # -- the local folder -----------------------------------------------------------------------

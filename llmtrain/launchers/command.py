@@ -37,22 +37,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def artifacts_location(db: Any) -> str:
-    """A spec a worker can reopen the same artifact store from: a folder or ``gridfs``."""
-    from llmtrain.artifacts import LocalArtifactStore
+    """A spec a worker can reopen the same artifact store from: a folder, ``gridfs`` or an
+    fsspec URL (which carries no credentials: workers find theirs in the environment)."""
+    from llmtrain.artifacts import LocalArtifactStore, is_url
+    from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
 
     spec = db.artifacts_spec
-    if spec == "gridfs":
-        return spec
+    if spec == "gridfs" or (spec is not None and is_url(spec)):
+        return str(spec)
     if spec is not None:
         return str(Path(spec).expanduser().absolute())
     store = db.artifacts
     if isinstance(store, LocalArtifactStore):
         return str(store.root)
+    if isinstance(store, FsspecArtifactStore):
+        return store.url
     if type(store).__name__ == "GridFSArtifactStore":
         return "gridfs"
     raise ConfigError(
         f"worker processes cannot reopen the artifact store {store!r}: connect "
-        "with artifacts= a folder or 'gridfs' to train with a launcher"
+        "with artifacts= a folder, 'gridfs' or a URL to train with a launcher"
     )
 
 

@@ -59,9 +59,11 @@ class WorkerJob:
         *,
         timeout_s: float | None = None,
         echo: IO[str] | None = None,
+        echo_err: IO[str] | None = None,
     ) -> None:
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
         self.echo = echo if echo is not None else sys.stdout
+        self.echo_err = echo_err if echo_err is not None else (echo or sys.stderr)
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.worker_pids: set[int] = set()
         self.proc: subprocess.Popen[str] | None = None
@@ -75,12 +77,16 @@ class WorkerJob:
             env={**os.environ, **self.env},
             text=True,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE,
             start_new_session=True,
             bufsize=1,
         )
-        reader = threading.Thread(target=self._stream, name="llmtrain-launcher-output", daemon=True)
-        reader.start()
+        readers = [  # the workers' stdout to ours, their stderr (warnings, logs) to ours
+            threading.Thread(target=self._stream, args=(pipe, echo), daemon=True)
+            for pipe, echo in ((self.proc.stdout, self.echo), (self.proc.stderr, self.echo_err))
+        ]
+        for reader in readers:
+            reader.start()
         started = time.monotonic()
         try:
             while self.proc.poll() is None:
@@ -97,7 +103,8 @@ class WorkerJob:
             self._note_workers()
         finally:
             self.stop()
-            reader.join(timeout=5)
+            for reader in readers:
+                reader.join(timeout=5)
         failure = self.first_error()
         if failure is not None:
             rank, text = failure
@@ -111,13 +118,13 @@ class WorkerJob:
                 f"and no rank reported an error; its last output:\n{tail}"
             )
 
-    def _stream(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
+    def _stream(self, pipe: IO[str] | None, echo: IO[str]) -> None:
+        assert pipe is not None
+        for line in pipe:
             self.tail.append(line)
             try:
-                self.echo.write(line)
-                self.echo.flush()
+                echo.write(line)
+                echo.flush()
             except (OSError, ValueError):  # a closed notebook stream must not stop draining
                 pass
 

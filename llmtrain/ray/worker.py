@@ -112,6 +112,7 @@ def train_loop(config: dict[str, Any]) -> None:
         callbacks=config["callbacks"],
         checkpointer=functools.partial(RayCheckpointer, channel=channel),
     )
+    completed = False
     try:
         run.setup()
         if strategy.is_main:
@@ -128,8 +129,9 @@ def train_loop(config: dict[str, Any]) -> None:
                     "tokens": run.tokens_seen,
                 },
             )
+        completed = True
     finally:
-        run.cleanup()
+        run.cleanup(failed=not completed)
 
 
 def _database(channel: Channel) -> RemoteDB:

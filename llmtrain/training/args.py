@@ -196,7 +196,34 @@ class TrainingArguments(_Args):
     eval_steps: int | None = Field(default=None, ge=1)
     """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
-    """Show a tqdm bar on the main process."""
+    """Show progress on the main process: a tqdm bar on a terminal, else a line per log."""
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default=[], json_schema_extra={"since": "0.2"}
+    )
+    """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
+    eval_metrics: list[str] = Field(
+        default=[],
+        json_schema_extra={"since": "0.2"},
+    )
+    """Score the eval rows by greedy generation: 'exact_match', 'contains', or a function
+    (prediction, reference) -> float named 'package.module:function'."""
+    eval_max_new_tokens: int = Field(
+        default=32,
+        ge=1,
+        json_schema_extra={"since": "0.2"},
+    )
+    """Tokens generated per eval row for eval_metrics (greedy)."""
+    save_best_by: str | None = Field(
+        default=None,
+        json_schema_extra={"since": "0.2"},
+    )
+    """Keep the checkpoint with the best 'eval_loss' or eval metric besides the newest ones
+    (db.load('model', name, checkpoint='best'))."""
+    greater_is_better: bool | None = Field(
+        default=None,
+        json_schema_extra={"since": "0.2"},
+    )
+    """Direction of save_best_by; None: lower for a loss, higher for a metric."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -204,7 +231,26 @@ class TrainingArguments(_Args):
             raise ValueError("max_steps must be -1 (use num_train_epochs) or >= 1")
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"report_to names a tracker twice: {self.report_to}")
+        from llmtrain.training.metrics import metric_problems
+
+        problems = metric_problems(self.eval_metrics, self.save_best_by)
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
+
+    def best_key(self) -> str | None:
+        """The logged metric save_best_by names (``eval_loss``, ``eval_exact_match``, ...)."""
+        from llmtrain.training.metrics import logged_name
+
+        return None if self.save_best_by is None else logged_name(self.save_best_by)
+
+    def best_is_greater(self) -> bool:
+        """Whether a larger save_best_by value is better (a loss: no; a metric: yes)."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not (self.best_key() or "").endswith("loss")
 
 
 class DataArguments(_Args):
@@ -458,6 +504,7 @@ class TrainerConfig(_Args):
                 f"data_args.max_tokens_per_batch={d.max_tokens_per_batch} is less than one "
                 f"row of max_length={d.max_length}"
             )
+        problems += self._evaluation_problems()
         m = self.model_args
         if m.bits and self.lora_args is None:
             problems.append(
@@ -475,6 +522,36 @@ class TrainerConfig(_Args):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _evaluation_problems(self) -> list[str]:
+        """What eval_metrics and save_best_by need: rows to evaluate on (known once fit() has
+        named its selections), and the whole model on each process to generate with."""
+        t, problems = self.training_args, []
+        wanted = [
+            f"training_args.{name}"
+            for name, value in (("eval_metrics", t.eval_metrics), ("save_best_by", t.save_best_by))
+            if value
+        ]
+        fit = self.fit
+        if (
+            wanted
+            and fit is not None
+            and fit.eval_select is None
+            and self.data_args.eval_fraction <= 0
+        ):
+            problems.append(
+                f"{' and '.join(wanted)} need rows to evaluate on: pass fit(eval_select=) "
+                "or set data_args.eval_fraction > 0"
+            )
+        sharded = self.fsdp_config is not None or (
+            self.deepspeed_config is not None and self.deepspeed_config.zero_stage == 3
+        )
+        if t.eval_metrics and sharded:
+            problems.append(
+                "training_args.eval_metrics with fsdp_config or deepspeed_config stage 3: "
+                "generation needs the whole model on each process; use ddp or ZeRO stage 1/2"
+            )
+        return problems
 
     def _template_problems(self) -> list[str]:
         chat = self.data_args.chat_template

@@ -24,11 +24,22 @@ REPORT_ENV = "LLMTRAIN_RANK_REPORT"  # a path prefix: each rank reports what it 
 class Callback:
     """No-op hooks; a callback overrides the ones it needs."""
 
+    def on_train_begin(self, run: Any) -> None:
+        """After setup, before the first step of this attempt (every rank)."""
+
+    def on_log(self, run: Any, metrics: dict[str, float]) -> None:
+        """Rank 0 only: ``metrics`` were recorded for step ``run.step`` (every
+        ``logging_steps``, and ``eval_loss`` after each evaluation)."""
+
     def on_step(self, run: Any, keys: list[str]) -> None:
         """After optimizer step ``run.step``, which trained on the rows ``keys``."""
 
     def on_train_end(self, run: Any) -> None:
         """After the last step, before the final checkpoint (every rank)."""
+
+    def on_cleanup(self, run: Any, failed: bool) -> None:
+        """After the run, finished (``failed=False``) or not (every rank): release what the
+        callback holds."""
 
 
 _registered: list[Callback] = []

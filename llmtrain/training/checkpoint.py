@@ -30,6 +30,7 @@ from llmtrain.metadata.base import CheckpointRecord
 from llmtrain.training.strategies.base import Strategy
 
 MANIFEST = "manifest.json"
+BEST = "best_checkpoint"  # the run's info key: step, artifact, metric, value
 STATE = "trainer_state.json"
 FORMAT = 1
 
@@ -116,11 +117,22 @@ class Checkpointer:
             self._prune()
         return record
 
+    def mark_best(self, record: CheckpointRecord, metric: str, value: float) -> None:
+        """Rank 0: record ``record`` on the run as its best checkpoint by ``metric`` (never
+        pruned), then prune the previous best if it is no longer among the newest."""
+        best = {"step": record.step, "artifact": record.artifact_id, "metric": metric}
+        self.db.metadata.update_run(self.run_id, info={BEST: {**best, "value": value}})
+        self._prune()
+
     def _prune(self) -> None:
+        """Keep the newest ``keep`` checkpoints and the best one (save_best_by)."""
         if self.keep is None:
             return
         records = self.db.metadata.list_checkpoints(self.run_id)
+        best = self.best_record()
         for old in records[: -self.keep]:
+            if best is not None and old.step == best["step"]:
+                continue
             self.db.metadata.remove_checkpoint(self.run_id, old.step)
             if not any(
                 r.artifact_id == old.artifact_id
@@ -129,6 +141,11 @@ class Checkpointer:
                 self.db.artifacts.delete(old.artifact_id)
 
     # -- load ------------------------------------------------------------------------------
+    def best_record(self) -> dict[str, Any] | None:
+        """The run's best checkpoint by save_best_by (step, artifact, metric, value), if any."""
+        best = self.db.metadata.get_run(self.run_id).info.get(BEST)
+        return dict(best) if best else None
+
     def latest(self) -> CheckpointRecord | None:
         records = self.db.metadata.list_checkpoints(self.run_id)
         return records[-1] if records else None

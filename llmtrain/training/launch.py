@@ -87,7 +87,7 @@ def run_in_process(
             note_refused_resume(db, run_id, exc)
         raise
     finally:
-        run.cleanup()
+        run.cleanup(failed=not completed)
 
 
 def running_info(run: FitRun) -> dict[str, Any]:

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from llmtrain.components import register_component
-from llmtrain.errors import ConfigError
+from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.training.args import ModelArguments, build
 
 if TYPE_CHECKING:
     from llmtrain.datalayer import Datalayer
     from llmtrain.formatting import Formatter
+    from llmtrain.training.export import MergeInto
     from llmtrain.training.trainer import LLMTrainer
 
 
@@ -48,7 +49,11 @@ class TrainedModel:
         self.version: int | None = None
         self.db: Datalayer | None = None
         self._loaded: tuple[Any, Any] | None = None
-        self._formatter: Formatter | None = None
+        self._formatters: dict[str, Formatter] = {}
+        self.checkpoint: dict[str, Any] | None = None  # a checkpoint's weights instead
+        # adapters loaded side by side (with_adapters): identifier -> (PEFT name, record)
+        self._adapters: dict[str, tuple[str, ModelRecord]] = {}
+        self._active: str | None = None
 
     @property
     def identifier(self) -> str:
@@ -89,6 +94,33 @@ class TrainedModel:
     def __repr__(self) -> str:
         return f"TrainedModel({self.identifier!r}, version={self.version})"
 
+    def use_checkpoint(self, checkpoint: str | int) -> None:
+        """Load a checkpoint's weights of this model's run instead of the final ones:
+        ``"best"`` (by the trainer's save_best_by) or a step."""
+        db = self._require_db()
+        run_id = self.record.run_id
+        if checkpoint == "best":
+            from llmtrain.training.checkpoint import BEST
+
+            best = db.metadata.get_run(run_id).info.get(BEST)
+            if not best:
+                raise CheckpointError(
+                    f"run {run_id} of model {self.identifier!r} v{self.version} recorded no best "
+                    "checkpoint: train with training_args.save_best_by"
+                )
+            self.checkpoint = dict(best)
+        else:
+            for record in db.metadata.list_checkpoints(run_id):
+                if str(checkpoint) in (str(record.step), record.artifact_id):
+                    self.checkpoint = {"step": record.step, "artifact": record.artifact_id}
+                    break
+            else:
+                raise CheckpointError(
+                    f"run {run_id} of model {self.identifier!r} has no checkpoint "
+                    f"{str(checkpoint)!r}"
+                )
+        self._loaded = None
+
     # -- loading -------------------------------------------------------------------------------
     def _require_db(self) -> Datalayer:
         if self.db is None:
@@ -103,6 +135,37 @@ class TrainedModel:
             raise ConfigError(f"model {self.identifier!r} v{self.version} has no stored weights")
         return self.record.adapter
 
+    def _adapter_folder(self, dest: Path) -> Path:
+        """The adapter in PEFT's layout at ``dest``, with this model's checkpoint's weights
+        when one was chosen, and its config in a stable order (also for adapters stored
+        before it was)."""
+        from llmtrain.training.export import stable_adapter_config
+
+        db = self._require_db()
+        if self.record.full_model:
+            raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
+        db.artifacts.get_dir(self._weights(), dest)
+        if self.checkpoint is not None:
+            from safetensors.torch import save_file
+
+            weights = self._checkpoint_weights(dest.parent)
+            save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
+        stable_adapter_config(dest)
+        return dest
+
+    def _checkpoint_weights(self, scratch: Path) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        from llmtrain.training.checkpoint import verify
+
+        assert self.checkpoint is not None
+        folder = scratch / "checkpoint"
+        self._require_db().artifacts.get_dir(self.checkpoint["artifact"], folder)
+        verify(folder)
+        weights = load_file(str(folder / "weights.safetensors"))
+        shutil.rmtree(folder, ignore_errors=True)
+        return weights
+
     def load(self, device: str | None = None) -> tuple[Any, Any]:
         """``(model, tokenizer)``: the base model with the adapter, ready for generation."""
         if self._loaded is None:
@@ -114,38 +177,101 @@ class TrainedModel:
             dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             folder = Path(tempfile.mkdtemp(prefix="llmtrain-model-"))
             try:
-                db.artifacts.get_dir(self._weights(), folder / "weights")
                 if self.record.full_model:
+                    db.artifacts.get_dir(self._weights(), folder / "weights")
                     args = self.record.base.model_copy(
                         update={"model_name_or_path": str(folder / "weights")}
                     )
                     model, tokenizer = load_model(args, dev), load_tokenizer(args)
+                    if self.checkpoint is not None:
+                        model.load_state_dict(self._checkpoint_weights(folder))
                 else:
                     from peft import PeftModel
 
                     tokenizer = load_tokenizer(self.record.base)
                     base = load_model(self.record.base, dev)
-                    model = PeftModel.from_pretrained(base, folder / "weights")
+                    adapter = self._adapter_folder(folder / "weights")
+                    model = PeftModel.from_pretrained(base, adapter)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
             model.eval()
             self._loaded = (model, tokenizer)
         return self._loaded
 
+    # -- several adapters on one base ------------------------------------------------------------
+    def with_adapters(self, *others: str | TrainedModel) -> TrainedModel:
+        """Load the adapters of other models trained on the same base beside this one (one
+        base in memory; PEFT ``load_adapter``); :meth:`set_adapter` switches between them by
+        identifier. ``others``: identifiers (their newest version) or loaded models."""
+        model, _ = self.load()
+        if self.record.full_model:
+            raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
+        db = self._require_db()
+        if not self._adapters:
+            self._adapters[self.identifier] = ("default", self.record)
+            self._active = self.identifier
+        for other in others:
+            loaded = db.load("model", other) if isinstance(other, str) else other
+            if loaded.identifier in self._adapters:
+                raise ConfigError(f"adapter {loaded.identifier!r} is loaded already")
+            mine, theirs = self.record.base, loaded.record.base
+            if loaded.record.full_model or (mine.model_name_or_path, mine.revision) != (
+                theirs.model_name_or_path,
+                theirs.revision,
+            ):
+                raise ConfigError(
+                    f"model {loaded.identifier!r} was trained on "
+                    f"{'all weights of ' if loaded.record.full_model else ''}"
+                    f"{theirs.model_name_or_path!r}, not on this model's base "
+                    f"{mine.model_name_or_path!r}: its adapter cannot share the base"
+                )
+            name = f"adapter_{len(self._adapters)}"
+            folder = Path(tempfile.mkdtemp(prefix="llmtrain-adapter-"))
+            try:
+                model.load_adapter(str(loaded._adapter_folder(folder / "a")), adapter_name=name)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            self._adapters[loaded.identifier] = (name, loaded.record)
+        model.eval()
+        return self
+
+    @property
+    def adapters(self) -> list[str]:
+        """The identifiers of the adapters loaded side by side (this model's first)."""
+        return list(self._adapters) or [self.identifier]
+
+    def set_adapter(self, identifier: str) -> TrainedModel:
+        """Answer with the adapter of model ``identifier`` (loaded by :meth:`with_adapters`)
+        and its prompt format; the base stays loaded."""
+        if identifier not in self._adapters:
+            raise ConfigError(
+                f"no adapter {identifier!r} is loaded; loaded: {', '.join(self.adapters)}"
+            )
+        model, _ = self.load()
+        model.set_adapter(self._adapters[identifier][0])
+        self._active = identifier
+        return self
+
+    def _active_record(self) -> ModelRecord:
+        if self._active is None:
+            return self.record
+        return self._adapters[self._active][1]
+
     def formatter(self) -> Formatter:
-        """The training prompt format, built once per loaded model."""
-        if self._formatter is None:
+        """The training prompt format of the active adapter, built once per loaded model."""
+        record = self._active_record()
+        if record.identifier not in self._formatters:
             from llmtrain.formatting import Formatter
 
             _, tokenizer = self.load()
-            template = None if self.record.chat_template else self.record.prompt_template
-            self._formatter = Formatter(
+            template = None if record.chat_template else record.prompt_template
+            self._formatters[record.identifier] = Formatter(
                 tokenizer,
                 template,
-                chat_template=self.record.chat_template,
-                max_length=self.record.max_length,
+                chat_template=record.chat_template,
+                max_length=record.max_length,
             )
-        return self._formatter
+        return self._formatters[record.identifier]
 
     # -- inference -----------------------------------------------------------------------------
     def generate(
@@ -181,27 +307,49 @@ class TrainedModel:
         return self.generate(X, **kwargs)
 
     # -- export ----------------------------------------------------------------------------------
-    def merge(self, dest: str | Path | None = None, *, store: bool = True) -> str:
+    def export_adapter(self, dest: str | Path) -> Path:
+        """Write the adapter in PEFT's layout to the new folder ``dest`` (what
+        ``PeftModel.from_pretrained`` and vLLM's ``--lora-modules`` load)."""
+        from llmtrain.training.export import check_new_folder
+
+        dest = Path(dest)
+        check_new_folder(dest, "adapter destination")
+        return self._adapter_folder(dest)
+
+    def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
+        """Write the base with the adapter merged in, and the tokenizer, in safetensors to the
+        new folder ``dest``; returns what the adapter was merged into. After QLoRA,
+        ``into="trained"`` (default) merges into the dequantised weights training saw (the
+        merged model answers as the trained one), ``into="base"`` into the full-precision
+        base. Nothing is stored."""
+        from llmtrain.training.export import check_new_folder, write_merged
+        from llmtrain.training.modeling import load_tokenizer
+
+        dest = Path(dest)
+        check_new_folder(dest, "merged destination")
+        folder = Path(tempfile.mkdtemp(prefix="llmtrain-export-"))
+        try:
+            adapter = self._adapter_folder(folder / "adapter")
+            return write_merged(
+                self.record.base, adapter, load_tokenizer(self.record.base), dest, into
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def merge(
+        self, dest: str | Path | None = None, *, store: bool = True, into: MergeInto = "trained"
+    ) -> str:
         """Write the base model with the adapter merged in (safetensors) to the artifact store
         (and to ``dest`` if given); record it on this component and, with ``store``, store
         that as a new version (fit(merge=True) merges before the model is first stored, so
-        one fit adds one version). Returns the artifact id."""
-        import torch
-        from peft import PeftModel
-
-        from llmtrain.training.modeling import load_model, load_tokenizer
-
+        one fit adds one version). Returns the artifact id. ``into`` as in
+        :meth:`export_merged`."""
         db = self._require_db()
         if self.record.full_model:
             raise ConfigError("this model was fully fine-tuned: there is no adapter to merge")
         folder = Path(tempfile.mkdtemp(prefix="llmtrain-merge-"))
         try:
-            db.artifacts.get_dir(self._weights(), folder / "adapter")
-            # merge into full-precision base weights, never into quantised ones
-            base = load_model(self.record.base, torch.device("cpu"), quantize=False)
-            merged = PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload()
-            merged.save_pretrained(folder / "merged", safe_serialization=True)
-            load_tokenizer(self.record.base).save_pretrained(folder / "merged")
+            self.export_merged(folder / "merged", into=into)
             artifact = db.artifacts.put_dir(folder / "merged")
             if dest is not None:
                 shutil.copytree(folder / "merged", dest, dirs_exist_ok=False)

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
+from llmtrain.trackers import check_trackers
 from llmtrain.training.args import TrainerConfig
 
 #: rows read to tell whether a field exists (MongoDB documents need not share fields)
@@ -20,11 +21,12 @@ FIRST_ROWS = 16
 
 
 def check_before_recording(config: TrainerConfig, db: Any) -> None:
-    """Raise ConfigError/QueryError for a fit that cannot train, before it is recorded: an
-    X/Y field missing, a missing model, unmatched targets (an empty selection is found when
-    the run's rows are snapshotted)."""
+    """Raise ConfigError/QueryError for a fit that cannot train, before it is recorded: a
+    tracker's library missing, an X/Y field missing, a missing model, unmatched targets (an
+    empty selection is found when the run's rows are snapshotted)."""
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
+    check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
     folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
     if folder is not None and config.lora_args is not None:
         check_lora_targets(folder, config)

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,15 @@ from llmtrain.datasets import RunSnapshot, take_snapshot
 from llmtrain.errors import CheckpointError, DataError, StoreError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
 from llmtrain.queries import Query
+from llmtrain.trackers import make_trackers
 from llmtrain.training.callbacks import Callback, registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.data import TrainBatches, make_collate, to_device, view_dataset
+from llmtrain.training.export import stable_adapter_config
+from llmtrain.training.metrics import logged_name, resolve
 from llmtrain.training.modeling import load_model, load_tokenizer, prepare_for_training
 from llmtrain.training.precision import Precision
+from llmtrain.training.progress import Progress, make_progress
 from llmtrain.training.strategies.base import Strategy
 
 log = logging.getLogger("llmtrain.training")
@@ -69,14 +72,18 @@ class FitRun:
     ) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
         self.make_checkpointer = checkpointer  # Ray's reports its checkpoints to Ray Train
-        self.callbacks = [*registered_callbacks(), *callbacks]
         self.config = trainer.config
         self.resume = resume
         self.targs, self.dargs = self.config.training_args, self.config.data_args
+        # the trackers of report_to: rank 0 alone reports, as it alone records metrics
+        trackers = make_trackers(self.targs.report_to) if strategy.is_main else []
+        self.callbacks = [*registered_callbacks(), *callbacks, *trackers]
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
         self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
         self.history: list[dict[str, float]] = []
         self.last_grad_norm = 0.0
+        self.best: float | None = None  # the best save_best_by value so far
+        self._saved_step: int | None = None
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -141,6 +148,7 @@ class FitRun:
         self.checkpointer = self.make_checkpointer(
             self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
         )
+        self.metrics = {logged_name(e): resolve(e) for e in self.targs.eval_metrics}
         if self.resume:
             self._restore()
 
@@ -242,6 +250,9 @@ class FitRun:
         state = ck.restore(record, self.model, self.optimizer, self.scheduler)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.history = state.get("history", [])
+        best = self.checkpointer.best_record()
+        if best is not None and best["step"] <= self.step:
+            self.best = best["value"]
         # fit(allow_changed_data=) is this run's, recorded on it, not the trainer's recipe
         allow = self.db.metadata.get_run(self.run_id).info.get(
             "allow_changed_data", self.dargs.allow_changed_data
@@ -260,8 +271,11 @@ class FitRun:
             self.start_epoch, None if t.max_steps > 0 else t.num_train_epochs
         )
         self.model.train()
+        for callback in self.callbacks:
+            callback.on_train_begin(self)
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
-        with self._progress() as progress:
+        progress = self._progress()
+        try:
             while self.step < self.total_steps:
                 group = self._next_group(stream)
                 if not group:
@@ -277,20 +291,20 @@ class FitRun:
                 }
                 self.history.append({"step": self.step, "loss": loss})
                 if progress is not None:
-                    progress.update(1)
-                    progress.set_postfix(
-                        loss=f"{loss:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{rate:.0f}"
-                    )
+                    progress.step(self.step, metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     self._log(metrics)
                 if t.eval_steps and self.step % t.eval_steps == 0:
-                    self._log({"eval_loss": self.evaluate()})
-                if t.save_steps and self.step % t.save_steps == 0:
+                    self._eval_step(progress)
+                if t.save_steps and self.step % t.save_steps == 0 and not self._saved_now():
                     self.save_checkpoint()
-        if self.step == 0:
-            self._nothing_trained()
-        if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
-            self._log({"eval_loss": self.evaluate()})
+            if self.step == 0:
+                self._nothing_trained()
+            if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
+                self._eval_step(progress)
+        finally:
+            if progress is not None:
+                progress.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
 
@@ -341,24 +355,82 @@ class FitRun:
     def has_eval(self) -> bool:
         return self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
 
-    def _progress(self) -> Any:
+    def _progress(self) -> Progress | None:
+        """Rank 0's bar on a terminal, or its plain lines off one (``progress_bar=True``)."""
         if not (self.targs.progress_bar and self.strategy.is_main):
-            return nullcontext(None)
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=self.total_steps,
-            initial=self.step,
-            unit="step",
-            dynamic_ncols=True,
-            desc=f"fit {self.trainer.identifier}",
+            return None
+        return make_progress(
+            f"fit {self.trainer.identifier}", self.total_steps, self.step, self.targs.logging_steps
         )
 
     def _log(self, metrics: dict[str, float]) -> None:
+        """Rank 0 records ``metrics`` in the metadata store, then hands them to the
+        callbacks (the trackers of ``report_to``)."""
         if self.strategy.is_main:
             self.db.metadata.log_metrics(self.run_id, self.step, metrics)
+            for callback in self.callbacks:
+                callback.on_log(self, metrics)
 
     # -- evaluation --------------------------------------------------------------------------
+    def _eval_step(self, progress: Progress | None) -> None:
+        """Collective. Evaluate, log, and checkpoint the model when it is the best so far by
+        save_best_by (every rank sees the same all-reduced values, so all agree)."""
+        metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
+        self._log(metrics)
+        if progress is not None:
+            progress.evaluated(self.step, metrics["eval_loss"])
+        key = self.targs.best_key()
+        value = metrics.get(key) if key else None
+        if value is None or value != value:  # nothing scored (nan)
+            return
+        better = self.best is None or (
+            value > self.best if self.targs.best_is_greater() else value < self.best
+        )
+        if better:
+            self.best = value
+            record = self.save_checkpoint()
+            if self.strategy.is_main:
+                self.checkpointer.mark_best(record, key, value)
+
+    def _saved_now(self) -> bool:
+        return self._saved_step == self.step
+
+    def score_generations(self) -> dict[str, float]:
+        """Collective. The eval rows (this rank's shard, up to max_eval_rows) answered by
+        greedy generation through the training prompt, in batches, and each eval metric's
+        mean over the rows of every rank; {} without eval_metrics."""
+        if not self.metrics or self._eval_dataset() is None:
+            return {}
+        from llmtrain.training.metrics import generate_batch, raw_rows
+
+        s, fit, t = self.strategy, self.config.fit, self.targs
+        ds = self._eval_data
+        ds.position.restore(0, 0)
+        loader = ds.loader(t.per_device_eval_batch_size, collate_fn=raw_rows, with_keys=True)
+        sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
+        model = s.unwrap(self.model)
+        limit = self.dargs.max_length
+        model.eval()
+        for rows in loader:
+            pairs = [
+                (r[fit.X], r[fit.Y])
+                for _, r in rows
+                if isinstance(r.get(fit.X), str) and isinstance(r.get(fit.Y), str)
+            ][: self.dargs.max_eval_rows - count]
+            if pairs:
+                prompts = [self.formatter.prompt_ids(x)[-limit:] for x, _ in pairs]
+                with self.precision.autocast():
+                    answers = generate_batch(model, self.tokenizer, prompts, t.eval_max_new_tokens)
+                for i, fn in enumerate(self.metrics.values()):
+                    sums[i] += sum(float(fn(a, y)) for a, (_, y) in zip(answers, pairs))
+                count += len(pairs)
+            if count >= self.dargs.max_eval_rows:
+                break
+        self.model.train()
+        sums = s.all_reduce(sums)
+        total = float(s.all_reduce(torch.tensor(float(count))))
+        return {name: float(sums[i]) / max(total, 1.0) for i, name in enumerate(self.metrics)}
+
     def evaluate(self) -> float:
         """Mean token loss on the eval selection or the held-out rows (up to max_eval_rows)."""
         s = self.strategy
@@ -384,6 +456,18 @@ class FitRun:
         """Batches of the eval selection, or of the held-out view of the training selection
         (read directly, not found by streaming the training rows), from their first row each
         time; None when there is nothing to evaluate on."""
+        ds = self._eval_dataset()
+        if ds is None:
+            return None
+        ds.position.restore(0, 0)
+        collate = make_collate(
+            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
+        )
+        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True)
+
+    def _eval_dataset(self) -> Any:
+        """This rank's view of the eval rows, built once (the eval selection is snapshotted
+        once a run); None when there is nothing to evaluate on."""
         fit, s = self.config.fit, self.strategy
         held = fit.eval_query() is None
         if held and self.dargs.eval_fraction <= 0:
@@ -401,12 +485,7 @@ class FitRun:
                 rank=s.rank,
                 world_size=s.world_size,
             )
-        ds = self._eval_data
-        ds.position.restore(0, 0)
-        collate = make_collate(
-            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
-        )
-        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True)
+        return self._eval_data
 
     # -- saving ------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -429,6 +508,7 @@ class FitRun:
                 self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
             )
         self._record_skipped()
+        self._saved_step = self.step
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 
     def _record_skipped(self) -> None:
@@ -455,11 +535,17 @@ class FitRun:
             inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             if self.config.lora_args is None:
                 self.tokenizer.save_pretrained(folder)
+            else:
+                stable_adapter_config(folder)
             artifact = self.db.artifacts.put_dir(folder)
             shutil.rmtree(folder, ignore_errors=True)
         self.strategy.barrier()
         return artifact
 
-    def cleanup(self) -> None:
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        self.strategy.teardown()
+    def cleanup(self, failed: bool = False) -> None:
+        try:
+            for callback in self.callbacks:
+                callback.on_cleanup(self, failed)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.strategy.teardown()

@@ -14,6 +14,7 @@ from llmtrain.console import quiet_unless_verbose
 from llmtrain.datasets.snapshot import RunSnapshot, take_snapshot
 from llmtrain.errors import ConfigError, DataChangedError, DataError
 from llmtrain.queries import Query
+from llmtrain.trackers import check_trackers
 from llmtrain.training.args import TrainerConfig, build, keyword_reference
 from llmtrain.training.spec import FitSpec
 from llmtrain.versions import library_versions
@@ -40,6 +41,7 @@ class LLMTrainer:
 
     def __init__(self, identifier: str, **options: Any) -> None:
         self.config: TrainerConfig = _config(identifier, options)
+        check_trackers(self.config.training_args.report_to)
         self.version: int | None = None
         self.db: Any = None
 

@@ -6,6 +6,8 @@ point: when the fit reaches it the driver writes ``hold.marker`` and sleeps, so 
 can ``kill -9`` it exactly there. Hold points: ``after-step`` (step N's keys are traced),
 ``mid-step`` (the forward pass of step N is done, its backward not), ``checkpoint-write``
 (the artifact store is half-way through writing a file of the checkpoint at step N).
+``load_model`` names a model (of another process) to load after the fit, reporting the
+digests of its LoRA weights.
 """
 
 from __future__ import annotations
@@ -123,6 +125,16 @@ def main() -> None:
         select=lt.Table(cfg.get("table", "docs")),
         resume=cfg.get("resume", False),
     )
+    loaded: list[str] = []
+    if cfg.get("load_model"):  # then load another process's model, as a user would
+        import hashlib
+
+        other, _ = db.load("model", cfg["load_model"]).load("cpu")
+        loaded = sorted(
+            hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()
+            for name, p in other.named_parameters()
+            if "lora_" in name
+        )
     print(
         "RESULT "
         + json.dumps(
@@ -130,6 +142,7 @@ def main() -> None:
                 "run_id": model.record.run_id,
                 "adapter": model.record.adapter,
                 "key_pages": len(key_pages),
+                "loaded": loaded,
             }
         ),
         flush=True,

@@ -1,0 +1,149 @@
+"""One run, read back from the metadata store: its summary, its recipe's changes, its plot.
+
+``llmtrain show run NAME`` prints :func:`run_summary` and ``--plot FILE`` writes
+:func:`plot_run`; both read only what the run recorded (its record, metrics, checkpoints and
+the trainer versions), so they work on any run, finished, failed or still going.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from llmtrain.errors import ConfigError
+
+#: recipe keys that say where and on which rows, not how: shown on their own lines
+_NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
+
+
+def run_summary(db: Any, run: Any) -> list[str]:
+    """Status, duration, steps, tokens, throughput, final and best losses, data fingerprint
+    and the recipe's changes from the trainer's previous version, one fact a line."""
+    info = run.info
+    metrics = db.metadata.get_metrics(run.run_id)
+    train = [(m.step, m.values) for m in metrics if "loss" in m.values]
+    rate = next((v["tokens_per_s"] for _, v in reversed(train) if "tokens_per_s" in v), None)
+    seconds = (run.updated_at - run.created_at).total_seconds()
+    lines = [
+        f"duration   {duration(seconds)}"
+        + ("" if run.status in ("completed", "failed", "interrupted") else " so far"),
+        f"tokens/s   {rate:.0f} (training)" if rate is not None else "tokens/s   -",
+        f"loss       {_final_and_best(train, 'loss')}",
+    ]
+    evals = [(m.step, m.values) for m in metrics if "eval_loss" in m.values]
+    if evals:
+        lines.append(f"eval loss  {_final_and_best(evals, 'eval_loss')}")
+    lines.append(f"data fingerprint  {info.get('data_fingerprint') or '-'}")
+    lines += recipe_changes(db, run)
+    return lines
+
+
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str:
+    values = [(step, v[key]) for step, v in points if not math.isnan(v[key])]
+    if not values:
+        return "-"
+    final, best = values[-1], min(values, key=lambda p: p[1])
+    return f"final {final[1]:.4f} (step {final[0]}), best {best[1]:.4f} (step {best[0]})"
+
+
+def recipe_changes(db: Any, run: Any) -> list[str]:
+    """The run's trainer version against the previous stored version of that trainer, read
+    through today's schema (an option added since shows at its default, not as a change)."""
+    versions = {
+        r.version: r.payload for r in db.metadata.list_components(run.type_id, run.identifier)
+    }
+    earlier = [v for v in versions if v < run.version]
+    if run.version not in versions:
+        return [f"recipe     v{run.version} is no longer stored"]
+    if not earlier:
+        return [f"recipe     v{run.version} is the first version of {run.identifier}"]
+    previous = max(earlier)
+    before, after = _flat_recipe(versions[previous]), _flat_recipe(versions[run.version])
+    changed = [
+        (key, before.get(key), after.get(key))
+        for key in sorted(before.keys() | after.keys())
+        if key not in _NOT_RECIPE and before.get(key) != after.get(key)
+    ]
+    if not changed:
+        return [f"recipe     same as v{previous} (only the rows or the database differ)"]
+    lines = [f"recipe     changes from v{previous}:"]
+    lines += [f"  {key}: {_show(old)} -> {_show(new)}" for key, old, new in changed]
+    return lines
+
+
+def _flat_recipe(payload: dict[str, Any]) -> dict[str, Any]:
+    """Every option of a stored recipe as ``section.field: value``, defaults included (a
+    record leaves out the options added since 0.1.0 while they hold their defaults)."""
+    from pydantic import BaseModel
+
+    from llmtrain.training.args import TrainerConfig, build
+
+    flat: dict[str, Any] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, BaseModel):
+            for name in type(value).model_fields:
+                walk(getattr(value, name), f"{prefix}.{name}" if prefix else name)
+        else:
+            flat[prefix] = json.loads(json.dumps(value, default=str))
+
+    walk(build(TrainerConfig, payload, "trainer record"), "")
+    return flat
+
+
+def _show(value: Any) -> str:
+    return "-" if value is None else json.dumps(value) if not isinstance(value, str) else value
+
+
+def plot_run(db: Any, run: Any, path: str | Path) -> Path:
+    """Train loss, eval loss (left axis) and learning rate (right axis) against steps, as a
+    PNG at ``path``. Drawn with matplotlib's object API: no pyplot, no global backend."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise ConfigError(
+            "show run --plot needs matplotlib: pip install 'llmtrain[plot]'"
+        ) from None
+    metrics = db.metadata.get_metrics(run.run_id)
+    train = [(m.step, m.values) for m in metrics if "loss" in m.values]
+    evals = [(m.step, m.values["eval_loss"]) for m in metrics if "eval_loss" in m.values]
+    if not train and not evals:
+        raise ConfigError(f"run {run.run_id} recorded no metrics yet: nothing to plot")
+    figure = Figure(figsize=(8, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    if train:
+        ax.plot([s for s, _ in train], [v["loss"] for _, v in train], label="train loss")
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    handles, labels = ax.get_legend_handles_labels()
+    lr = [(s, v["lr"]) for s, v in train if "lr" in v]
+    if lr:
+        right = ax.twinx()
+        right.plot([s for s, _ in lr], [v for _, v in lr], "--", color="gray", label="lr")
+        right.set_ylabel("learning rate")
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.legend(handles, labels, loc="upper right")
+    ax.set_title(f"{run.identifier} v{run.version}  run {run.run_id[:8]}  ({run.status})")
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out, format="png")
+    return out

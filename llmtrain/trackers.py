@@ -1,0 +1,326 @@
+"""Trackers: the run's metrics, recipe, data fingerprint and library versions sent to the tools
+users already watch (``training_args.report_to``), through each tool's own library.
+
+Each tracker is a :class:`~llmtrain.training.callbacks.Callback` that rank 0 alone holds; the
+metadata store stays the record (a tracker is a copy for viewing). Where each one writes is
+that library's own setting, never part of the recipe: ``LLMTRAIN_TENSORBOARD_DIR`` (default
+``./runs``), ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT`` /
+``WANDB_MODE`` / ``WANDB_DIR``, ``TRACKIO_PROJECT`` / ``TRACKIO_DIR``.
+
+Nothing secret reaches a tracker: every URI in what is sent is redacted, and W&B is told
+not to collect the command line, the console output, git state or code (a ``--db`` URI
+with a password on the command line would otherwise be uploaded with the run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmtrain.console import QUIET_ENV
+from llmtrain.errors import ConfigError
+from llmtrain.training.callbacks import Callback
+from llmtrain.uri import redact_uri
+from llmtrain.versions import library_versions
+
+log = logging.getLogger("llmtrain.trackers")
+
+#: tracker -> (the module it needs, the llmtrain extra that installs it)
+REQUIRES = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+}
+TENSORBOARD_DIR_ENV = "LLMTRAIN_TENSORBOARD_DIR"
+
+
+def check_trackers(report_to: Sequence[str]) -> None:
+    """ConfigError naming ``report_to`` and the extra to install, for a tracker whose library
+    is missing (checked before anything is recorded or trained)."""
+    for name in report_to:
+        module, extra = REQUIRES[name]
+        if not _installed(module):
+            raise ConfigError(
+                f"training_args.report_to: {name!r} needs the {module} package: "
+                f"pip install 'llmtrain[{extra}]' (or drop {name!r} from report_to)"
+            )
+
+
+def _installed(module: str) -> bool:
+    """Importable, without importing it (mlflow alone takes seconds); a module set to
+    ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
+    check_trackers(report_to)
+    return [_TRACKERS[name]() for name in report_to]
+
+
+def metric_name(key: str) -> str:
+    """``loss`` -> ``train/loss``, ``eval_loss`` -> ``eval/loss``: one name in every tracker."""
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+def scrub(value: Any) -> Any:
+    """``value`` with every URI in it redacted (a recipe's database, a model path)."""
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return redact_uri(value)
+    return value
+
+
+def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys (``training_args.learning_rate``); lists and ``None``
+    as JSON text, for trackers that take scalar parameters only."""
+    flat: dict[str, Any] = {}
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        if isinstance(item, dict) and item:
+            flat.update(flatten(item, f"{name}."))
+        elif isinstance(item, (bool, int, float, str)):
+            flat[name] = item
+        else:
+            flat[name] = json.dumps(item)
+    return flat
+
+
+class RunFacts:
+    """What every tracker receives about a run, secrets already removed."""
+
+    def __init__(self, run: Any) -> None:
+        trainer = run.trainer
+        self.identifier: str = trainer.identifier
+        self.version: int = run.db.metadata.get_run(run.run_id).version  # set in workers too
+        self.run_id: str = run.run_id
+        self.name = f"{self.identifier}-v{self.version}-{self.run_id[:8]}"
+        self.recipe: dict[str, Any] = scrub(trainer.to_dict())
+        fit = trainer.config.fit
+        self.data_fingerprint: str | None = fit.data_fingerprint if fit else None
+        self.versions = library_versions()
+
+    def params(self) -> dict[str, Any]:
+        """The recipe, fingerprint, versions and ids as one nested dict."""
+        return {
+            **self.recipe,
+            "trainer_version": self.version,
+            "run_id": self.run_id,
+            "data_fingerprint": self.data_fingerprint,
+            "versions": self.versions,
+        }
+
+
+class Tracker(Callback):
+    """Starts on the first step of an attempt, sends each logged metric, finishes with the
+    run's outcome; a tracker that fails to start or send stops the fit (a silent gap in a
+    dashboard is worse), except while finishing a run that already failed."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_train_begin(self, run: Any) -> None:
+        if not self.started:
+            self.start(RunFacts(run))
+            self.started = True
+
+    def on_log(self, run: Any, metrics: dict[str, float]) -> None:
+        if self.started:
+            self.log({metric_name(k): float(v) for k, v in metrics.items()}, run.step)
+
+    def on_cleanup(self, run: Any, failed: bool) -> None:
+        if not self.started:
+            return
+        self.started = False
+        try:
+            self.finish(failed)
+        except Exception:
+            if not failed:
+                raise
+            log.exception("could not finish the %s run", self.name)
+
+    def start(self, facts: RunFacts) -> None:
+        raise NotImplementedError
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self, failed: bool) -> None:
+        raise NotImplementedError
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in ``$LLMTRAIN_TENSORBOARD_DIR/NAME`` (default ``runs/``): scalars, the
+    recipe as HPARAMS, and the recipe, fingerprint and versions as text."""
+
+    name = "tensorboard"
+
+    def start(self, facts: RunFacts) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        root = Path(os.environ.get(TENSORBOARD_DIR_ENV) or "runs")
+        self.writer = SummaryWriter(log_dir=str(root / facts.name))
+        events = self.writer.file_writer
+        assert events is not None  # opened by SummaryWriter()
+        for summary in hparams(flatten(facts.params()), {}):  # the HPARAMS tab
+            events.add_summary(summary)
+        texts = {
+            "recipe": facts.recipe,
+            "data_fingerprint": facts.data_fingerprint,
+            "versions": facts.versions,
+        }
+        for tag, value in texts.items():
+            self.writer.add_text(tag, f"```\n{json.dumps(value, indent=2)}\n```")
+        self.writer.flush()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def finish(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class MLflowTracker(Tracker):
+    """A run in ``$MLFLOW_TRACKING_URI`` (experiment ``$MLFLOW_EXPERIMENT_NAME``, default the
+    trainer's identifier): parameters, ``llmtrain/recipe.json``, metrics, FINISHED/FAILED."""
+
+    name = "mlflow"
+
+    def start(self, facts: RunFacts) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param, RunTag
+
+        self.client = MlflowClient()
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or facts.identifier
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        tags = {
+            "llmtrain.trainer": facts.identifier,
+            "llmtrain.trainer_version": str(facts.version),
+            "llmtrain.run_id": facts.run_id,
+            "llmtrain.data_fingerprint": str(facts.data_fingerprint),
+        }
+        self.run_id = self.client.create_run(
+            experiment_id, run_name=facts.name, tags=tags
+        ).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(facts.params()).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", facts.name)])
+        self.client.log_dict(self.run_id, facts.params(), "llmtrain/recipe.json")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()]
+        )
+
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+class WandbTracker(Tracker):
+    """A W&B run in ``$WANDB_PROJECT`` (default ``llmtrain``), online or offline as
+    ``WANDB_MODE`` says; config = recipe, fingerprint, versions. Not collected: the command
+    line, console output, git state, code and system metrics."""
+
+    name = "wandb"
+
+    def start(self, facts: RunFacts) -> None:
+        import wandb
+
+        settings = wandb.Settings(
+            x_disable_meta=True,  # the command line (a --db URI with its password), host, git
+            x_disable_stats=True,
+            disable_git=True,
+            save_code=False,
+            console="off",
+            silent=os.environ.get(QUIET_ENV) == "1",
+        )
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "llmtrain",
+            name=facts.name,
+            group=facts.identifier,
+            config=facts.params(),
+            settings=settings,
+            reinit="create_new",
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class TrackioTracker(Tracker):
+    """A trackio run (local SQLite under ``$TRACKIO_DIR``) in ``$TRACKIO_PROJECT`` (default
+    ``llmtrain``); config = the flattened recipe, fingerprint and versions."""
+
+    name = "trackio"
+
+    def start(self, facts: RunFacts) -> None:
+        import trackio
+
+        with _quiet_stdout():
+            self.run = trackio.init(
+                project=os.environ.get("TRACKIO_PROJECT") or "llmtrain",
+                name=facts.name,
+                group=facts.identifier,
+                config=flatten(facts.params()),
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, failed: bool) -> None:
+        import trackio
+        from trackio import context_vars
+
+        with _quiet_stdout():
+            if context_vars.current_run.get() is self.run:
+                trackio.finish()  # also forgets it: no second finish, and banner, at exit
+            else:
+                self.run.finish()
+
+
+@contextlib.contextmanager
+def _quiet_stdout() -> Iterator[None]:
+    """trackio prints banners on stdout; a quiet fit keeps stdout for its own results."""
+    if os.environ.get(QUIET_ENV) != "1":
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+_TRACKERS: dict[str, type[Tracker]] = {
+    "tensorboard": TensorBoardTracker,
+    "mlflow": MLflowTracker,
+    "wandb": WandbTracker,
+    "trackio": TrackioTracker,
+}

@@ -1,0 +1,281 @@
+"""Evaluation beyond loss and outputs for serving stacks, on one SQLite file and a tiny model:
+eval metrics by generation, the best checkpoint kept and loaded, the adapter and merged model
+exported and loaded by stock PEFT/transformers, QLoRA merged into the weights it trained
+against, a reproducible adapter id across hash seeds, several adapters on one base."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fill
+from safetensors.torch import load_file
+
+import llmtrain as lt
+from llmtrain.cli import main
+from llmtrain.datasets.snapshot import held_out
+from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.testing import tiny_model
+
+TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
+COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
+ROWS = [
+    {"id": i, "instruction": f"What is color number {i % 8}?", "output": COLORS[i % 8]}
+    for i in range(48)
+]
+PROMPT = "What is color number 2?"
+
+
+def answer_words(prediction: str, reference: str) -> float:
+    """A user metric, named by its import path: the words of the answer."""
+    return float(len(prediction.split()))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tmp_path_factory.mktemp("export")
+    uri = f"sqlite:///{folder / 'data.db'}"
+    fill(uri, "docs", ROWS)
+    return lt.connect(uri, artifacts=folder / "artifacts")
+
+
+def _fit(tiny: Path, db: Any, name: str, **options: Any) -> Any:
+    settings: dict[str, Any] = {
+        "max_steps": 4,
+        "batch_size": 4,
+        "learning_rate": 1e-2,
+        "progress_bar": False,
+        "logging_steps": 1,
+        "lora_dropout": 0.0,
+        **options,
+    }
+    trainer = lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **settings)
+    return trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+
+
+@pytest.fixture(scope="module")
+def scored(tiny: Path, db: Any) -> Any:
+    """Evaluated every 2 steps by loss and by generation; the best checkpoint is the one
+    with the *highest* eval loss (greater_is_better=True), so it is not the newest."""
+    return _fit(
+        tiny,
+        db,
+        "scored",
+        max_steps=4,
+        eval_fraction=0.25,
+        eval_steps=2,
+        save_steps=2,
+        per_device_eval_batch_size=16,
+        save_total_limit=1,
+        eval_metrics=["exact_match", "contains", "test_export:answer_words"],
+        eval_max_new_tokens=4,
+        save_best_by="eval_loss",
+        greater_is_better=True,
+    )
+
+
+def _logits(model: Any, tokenizer: Any) -> torch.Tensor:
+    ids = tokenizer([PROMPT], return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits
+
+
+def test_eval_metrics_score_greedy_answers_through_the_template(scored: Any, db: Any) -> None:
+    metrics = db.metadata.get_metrics(scored.record.run_id)
+    evals = {m.step: m.values for m in metrics if "eval_loss" in m.values}
+    assert sorted(evals) == [2, 4]
+    for values in evals.values():
+        assert {"eval_exact_match", "eval_contains", "eval_answer_words"} <= set(values)
+        assert 0 <= values["eval_exact_match"] <= values["eval_contains"] <= 1
+    # the final scores are those of the stored model answering the held-out rows one by one
+    rows = [r for r in ROWS if held_out(r["id"], 0.25)]
+    prompts = [r["instruction"] for r in rows]
+    answers = db.load("model", "scored").generate(prompts, max_new_tokens=4)
+    expected = {
+        "eval_exact_match": sum(a.strip() == r["output"] for a, r in zip(answers, rows)),
+        "eval_contains": sum(r["output"] in a for a, r in zip(answers, rows)),
+        "eval_answer_words": sum(len(a.split()) for a in answers),
+    }
+    for name, total in expected.items():
+        assert evals[4][name] == pytest.approx(total / len(rows)), name
+
+
+def test_the_best_checkpoint_survives_pruning_and_loads(scored: Any, db: Any) -> None:
+    run = db.metadata.get_run(scored.record.run_id)
+    losses = {
+        m.step: m.values["eval_loss"]
+        for m in db.metadata.get_metrics(run.run_id)
+        if "eval_loss" in m.values
+    }
+    best_step = max(losses, key=losses.__getitem__)
+    assert best_step != 4, "the test needs a best checkpoint that is not the newest"
+    best = run.info["best_checkpoint"]
+    assert (best["step"], best["metric"]) == (best_step, "eval_loss")
+    assert best["value"] == pytest.approx(losses[best_step])
+    # save_total_limit=1 keeps the newest, and the best as well
+    assert [c.step for c in db.metadata.list_checkpoints(run.run_id)] == [best_step, 4]
+    assert db.artifacts.exists(best["artifact"])
+
+    loaded = db.load("model", "scored", checkpoint="best")
+    model, _ = loaded.load(device="cpu")
+    folder = Path(db.artifacts.root).parent / "best-ckpt"
+    db.artifacts.get_dir(best["artifact"], folder)
+    saved = load_file(str(folder / "weights.safetensors"))
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    assert saved.keys() == state.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(state[key], value)
+    final, tokenizer = db.load("model", "scored").load(device="cpu")
+    assert not torch.allclose(_logits(model, tokenizer), _logits(final, tokenizer))
+    with pytest.raises(CheckpointError, match="no checkpoint '99'"):
+        db.load("model", "scored", checkpoint=99)
+
+
+def test_save_best_by_needs_rows_to_evaluate_on(tiny: Path, db: Any) -> None:
+    with pytest.raises(ConfigError, match=r"save_best_by need rows to evaluate on"):
+        _fit(tiny, db, "nobest", save_best_by="eval_loss")
+    assert db.metadata.list_runs("trainer", "nobest") == []
+    with pytest.raises(ConfigError, match=r"eval_metrics\[1\].*cannot be imported"):
+        lt.LLMTrainer("m", model=tiny, prompt_template=TEMPLATE, eval_metrics=["contains", "x:y"])
+    with pytest.raises(ConfigError, match="save_best_by='eval_bleu' is not scored"):
+        lt.LLMTrainer("m", model=tiny, prompt_template=TEMPLATE, save_best_by="eval_bleu")
+
+
+def test_export_writes_what_stock_peft_and_transformers_load(
+    scored: Any, db: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ours, tokenizer = db.load("model", "scored").load(device="cpu")
+    expected = _logits(ours, tokenizer)
+    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
+    argv = ["export", "scored", "--db", db.uri, "--artifacts", str(db.artifacts.root)]
+    assert main([*argv, "--adapter", str(adapter), "--merged", str(merged)]) == 0
+    assert "merged into the full-precision base weights" in capsys.readouterr().out
+
+    base = AutoModelForCausalLM.from_pretrained(scored.record.base.model_name_or_path)
+    stock = PeftModel.from_pretrained(base, adapter)
+    torch.testing.assert_close(_logits(stock, tokenizer), expected)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == sorted(config["target_modules"])
+
+    assert {p.suffix for p in merged.iterdir()} >= {".safetensors"}
+    plain = AutoModelForCausalLM.from_pretrained(merged)
+    stock_tokenizer = AutoTokenizer.from_pretrained(merged)
+    assert stock_tokenizer(PROMPT).input_ids == tokenizer(PROMPT).input_ids
+    torch.testing.assert_close(_logits(plain, tokenizer), expected, rtol=1e-4, atol=1e-4)
+    # a folder that holds something is refused, and nothing is half-written
+    assert main([*argv, "--adapter", str(adapter)]) == 2
+    # the best checkpoint's weights, in the same layout
+    best = tmp_path / "best"
+    assert main([*argv, "--checkpoint", "best", "--adapter", str(best)]) == 0
+    checkpoint = db.metadata.get_run(scored.record.run_id).info["best_checkpoint"]
+    db.artifacts.get_dir(checkpoint["artifact"], tmp_path / "ckpt")
+    saved = load_file(str(tmp_path / "ckpt" / "weights.safetensors"))
+    exported = load_file(str(best / "adapter_model.safetensors"))
+    assert exported.keys() == saved.keys()
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+
+def test_qlora_merges_into_the_dequantised_weights_it_trained_against(
+    tiny: Path, db: Any, tmp_path: Path
+) -> None:
+    """The trained model as training computed it (train mode; no dropout here): bitsandbytes'
+    CPU inference kernel (eval mode, bf16, weights repacked) differs from it by ~0.1 itself."""
+    from transformers import AutoModelForCausalLM
+
+    model = _fit(tiny, db, "qlora", bits=4, qlora=True, max_steps=2)
+    trained, tokenizer = model.load(device="cpu")
+    ids = tokenizer([PROMPT], return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = trained.train()(input_ids=ids).logits
+    assert "dequantised 4-bit" in model.export_merged(tmp_path / "trained")
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "trained"), tokenizer)
+    torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)
+    note = json.loads((tmp_path / "trained" / "llmtrain_merge.json").read_text())
+    assert note["into"] == "trained"
+
+    assert "full-precision" in model.export_merged(tmp_path / "base", into="base")
+    other = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tokenizer)
+    assert (other - expected).abs().max() > 1  # what merging into the fp base used to give
+
+
+@pytest.fixture(scope="module")
+def other(tiny: Path, db: Any) -> Any:
+    return _fit(tiny, db, "other", max_steps=2, seed=7)
+
+
+_TRAIN_AGAIN = """
+import sys, llmtrain as lt
+from conftest import fill
+from test_export import ROWS, _fit
+db = lt.connect(sys.argv[1], artifacts=sys.argv[2])
+fill(sys.argv[1], "docs", ROWS)
+print("ADAPTER", _fit(sys.argv[3], db, "other", max_steps=2, seed=7).record.adapter)
+"""
+
+
+def test_the_adapter_id_does_not_depend_on_the_hash_seed(
+    other: Any, tiny: Path, tmp_path: Path
+) -> None:
+    """The same fit in a process with another hash seed (PEFT keeps target_modules in a set)
+    stores the same adapter bytes, so the same content id."""
+    seed = "1" if os.environ.get("PYTHONHASHSEED") == "0" else "0"
+    argv = [sys.executable, "-c", _TRAIN_AGAIN, f"sqlite:///{tmp_path / 'again.db'}"]
+    result = subprocess.run(
+        [*argv, str(tmp_path / "artifacts"), str(tiny)],
+        env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("ADAPTER")]
+    assert line.split()[1] == other.record.adapter
+
+
+def test_adapters_side_by_side_switch_without_reloading_the_base(
+    scored: Any, other: Any, db: Any
+) -> None:
+    alone, tokenizer = db.load("model", "other").load(device="cpu")
+    other_logits = _logits(alone, tokenizer)
+    mine, _ = db.load("model", "scored").load(device="cpu")
+    mine_logits = _logits(mine, tokenizer)
+
+    both = db.load("model", "scored").with_adapters("other")
+    model, _ = both.load()
+    base_weight = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert both.adapters == ["scored", "other"]
+    torch.testing.assert_close(_logits(model, tokenizer), mine_logits)
+    both.set_adapter("other")
+    torch.testing.assert_close(_logits(model, tokenizer), other_logits)
+    assert isinstance(both.generate(PROMPT, max_new_tokens=2), str)
+    both.set_adapter("scored")
+    torch.testing.assert_close(_logits(model, tokenizer), mine_logits)
+    assert model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight is base_weight
+
+    elsewhere = other.record.model_copy(
+        update={
+            "identifier": "elsewhere",
+            "base": other.record.base.model_copy(update={"model_name_or_path": "org/another"}),
+        }
+    )
+    db.add(type(other)(elsewhere))
+    with pytest.raises(ConfigError, match="trained on 'org/another'.*cannot share the base"):
+        db.load("model", "scored").with_adapters("elsewhere")
+    with pytest.raises(ConfigError, match="no adapter 'nope' is loaded"):
+        both.set_adapter("nope")
