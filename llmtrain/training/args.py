@@ -372,6 +372,41 @@ class Launcher(_Args):
         return self
 
 
+class RayConfig(_Args):
+    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers).
+
+    The database stays with the driver (the process calling fit()): it streams each worker
+    its rank's rows, unless ``workers_read_database`` lets the workers connect themselves.
+    """
+
+    address: str | None = None
+    """Ray cluster address ('auto', 'ray://host:10001'); None: this process's or a new local one."""
+    num_workers: int = Field(default=2, ge=1)
+    """Training workers (the world size)."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources each worker needs (e.g. {'CPU': 2})."""
+    max_failures: int = Field(default=0, ge=-1)
+    """Restarts of the worker group from its last checkpoint after a failure; -1: no limit."""
+    storage: str | None = None
+    """Where Ray Train keeps checkpoints: a folder or a URL (s3://...) every node reaches."""
+    workers_read_database: bool = False
+    """Workers connect to the database and read their shards themselves (as torchrun does)."""
+
+    @model_validator(mode="after")
+    def _resources(self) -> RayConfig:
+        resources = self.resources_per_worker or {}
+        if self.use_gpu and resources.get("GPU", 1) <= 0:
+            raise ValueError(
+                "ray_config.use_gpu=True with ray_config.resources_per_worker GPU=0: "
+                "give the workers a GPU or drop use_gpu"
+            )
+        if any(value < 0 for value in resources.values()):
+            raise ValueError("ray_config.resources_per_worker: amounts must be >= 0")
+        return self
+
+
 class TrainerConfig(_Args):
     """Everything a trainer is; stored as JSON, validated on the way back.
 
@@ -408,6 +443,8 @@ class TrainerConfig(_Args):
     """Train with FSDP2 ({} for the defaults)."""
     launcher: Launcher | None = None
     """Start worker processes (torchrun, deepspeed) from fit()."""
+    ray_config: RayConfig | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Train on Ray (Ray Train's TorchTrainer); None: on this machine."""
     fit: FitSpec | None = None
     """The data of the last fit(), for replays."""
 
@@ -450,6 +487,15 @@ class TrainerConfig(_Args):
         problems = self._template_problems()
         if self.deepspeed_config is not None and self.fsdp_config is not None:
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
+        if self.ray_config is not None and self.launcher is not None:
+            problems.append(
+                "ray_config and launcher: Ray starts the workers; drop launcher= to train on Ray"
+            )
+        if self.ray_config is not None and self.deepspeed_config is not None:
+            problems.append(
+                "ray_config and deepspeed_config: Ray workers train with DDP or FSDP2, "
+                "not DeepSpeed"
+            )
         d = self.data_args
         if d.max_tokens_per_batch is not None and not d.packing:
             problems.append("data_args.max_tokens_per_batch needs packing=True")
