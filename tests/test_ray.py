@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray  # the dev extra installs it: no skip
 import torch
-from conftest import fill
+from conftest import S3Server, fill
 from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.testing import tiny_model
 from llmtrain.training.callbacks import Callback, KeyTrace, registered
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
@@ -108,11 +108,13 @@ class Env:
     uri: str
     db: Any
     tiny: Path
+    bucket: str
     fits: dict[str, Any] = field(default_factory=dict)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+def env(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iterator[Env]:
+    """One Ray instance, started after the S3 server so its workers see the endpoint."""
     root = tmp_path_factory.mktemp("ray")
     tiny = tiny_model(root / "llama")
     uri = f"sqlite:///file:{root / 'data.db'}?uri=true&token={SECRET}"
@@ -125,15 +127,17 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's callbacks
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        yield Env(root, uri, db, tiny)
+        yield Env(root, uri, db, tiny, s3_server.new_bucket())
     finally:
         ray.shutdown()
         db.close()
 
 
-def _fit(env: Env, name: str, *callbacks: Callback, max_failures: int = 0) -> Any:
+def _fit(
+    env: Env, name: str, *callbacks: Callback, max_failures: int = 0, storage: str = ""
+) -> Any:
     ray_config = lt.RayConfig(
-        num_workers=WORLD, max_failures=max_failures, storage=str(env.root / "ray")
+        num_workers=WORLD, max_failures=max_failures, storage=storage or str(env.root / "ray")
     )
     trainer = lt.LLMTrainer(
         name, model=env.tiny, prompt_template=TEMPLATE, ray_config=ray_config, **OPTIONS
@@ -254,19 +258,25 @@ def test_each_worker_trains_its_rank_rows_in_the_local_order(env: Env) -> None:
 
 
 def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) -> None:
+    uninterrupted = _uninterrupted(env)
     marker = env.root / "killed"
     trace = KeyTrace(env.root / "trace-killed")
-    model = _fit(env, "ray-killed", DieOnce(3, 1, marker), trace, max_failures=1)
+    storage = f"s3://{env.bucket}/ray"  # Ray's storage on S3 (moto): written, restored from
+    model = _fit(env, "ray-killed", DieOnce(3, 1, marker), trace, max_failures=1, storage=storage)
     assert marker.exists()  # a worker really died
     (run,) = env.db.metadata.list_runs("trainer", "ray-killed")
     assert run.status == "completed" and run.info["steps"] == STEPS
+    assert run.info["ray"]["storage"] == storage
+    import s3fs
+
+    written = s3fs.S3FileSystem().find(f"{env.bucket}/ray/{run.info['ray']['name']}")
+    assert any("checkpoint-00000004/" in path for path in written), written
     # every row trained as often as in the uninterrupted run, in the same steps
     for rank in range(WORLD):
         assert _trace(env.root / f"trace-killed.rank{rank}") == _trace(
             env.root / f"trace-plain.rank{rank}"
         )
-    plain = _adapter(env, _uninterrupted(env))
-    killed = _adapter(env, model)
+    plain, killed = _adapter(env, uninterrupted), _adapter(env, model)
     assert plain.keys() == killed.keys()
     for name in plain:
         torch.testing.assert_close(killed[name], plain[name], rtol=1e-5, atol=1e-6)
@@ -311,3 +321,5 @@ def test_ray_config_rules() -> None:
     plain = lt.LLMTrainer("x", model="m", prompt_template=TEMPLATE)
     assert "ray_config" not in plain.to_dict()  # records of 0.1 stay byte-identical
     assert pickle.loads(pickle.dumps(lt.RayConfig(storage="s3://b/p"))).storage == "s3://b/p"
+    with pytest.raises(lt.ConfigError, match="credentials and options do not belong"):
+        lt.RayConfig(storage="s3://key:secret@bucket/ray")

@@ -19,6 +19,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
+from llmtrain.artifacts.fsspec_store import check_url
 from llmtrain.errors import DistributedError
 from llmtrain.ray.bridge import DriverService
 from llmtrain.ray.worker import checkpoint_name, train_loop
@@ -31,15 +32,18 @@ log = logging.getLogger("llmtrain.ray")
 
 
 def storage_location(storage: str | None) -> tuple[str, Any]:
-    """(path for Ray, pyarrow filesystem or None): a folder (absolute), or any URL pyarrow
-    opens (``s3://``, ``gs://``, ...); None: Ray's default folder, ``~/ray_results``."""
+    """(path for Ray, pyarrow filesystem or None): a folder (absolute), or any fsspec URL
+    (``s3://``, ``gs://``, ...) through fsspec, as the artifact store reaches it: the same
+    credentials from the environment, handed to Ray as a pyarrow filesystem."""
     if storage is None or "://" not in storage or storage.startswith("file://"):
         folder = (storage or "~/ray_results").removeprefix("file://")
         return str(Path(folder).expanduser().absolute()), None
     import pyarrow.fs  # type: ignore[import-untyped]
+    from fsspec.core import url_to_fs
 
-    filesystem, path = pyarrow.fs.FileSystem.from_uri(storage)
-    return path, filesystem
+    check_url(storage, "ray_config.storage")
+    filesystem, path = url_to_fs(storage, use_listings_cache=False)
+    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(filesystem))
 
 
 class RayRun:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -404,6 +405,12 @@ class RayConfig(_Args):
             )
         if any(value < 0 for value in resources.values()):
             raise ValueError("ray_config.resources_per_worker: amounts must be >= 0")
+        parts = urlsplit(self.storage or "")
+        if "@" in parts.netloc or parts.query or parts.fragment:
+            raise ValueError(
+                "ray_config.storage: credentials and options do not belong in the URL (it is "
+                "stored); set them in the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL...)"
+            )
         return self
 
 
