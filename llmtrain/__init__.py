@@ -31,6 +31,7 @@ _LAZY = {
     "DeepspeedConfig": "llmtrain.training.args",
     "FSDPConfig": "llmtrain.training.args",
     "Launcher": "llmtrain.training.args",
+    "RayConfig": "llmtrain.training.args",
 }
 
 __all__ = [

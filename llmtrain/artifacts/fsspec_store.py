@@ -61,34 +61,35 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{hidden}{host}{parts.path}" + ("?***" if parts.query else "")
 
 
-def check_url(url: str) -> str:
-    """The protocol of an fsspec URL that is safe to store; ConfigError otherwise."""
+def check_url(url: str, option: str = "artifacts") -> str:
+    """The protocol of an fsspec URL that is safe to store; ConfigError naming ``option``
+    otherwise."""
     match = _SCHEME.match(url)
     if match is None:
-        raise ConfigError(f"artifacts={url!r} is not a URL")
+        raise ConfigError(f"{option}={url!r} is not a URL")
     protocol = match.group(1).lower()
     parts = urlsplit(url)
     if "@" in parts.netloc or parts.query or parts.fragment:
         raise ConfigError(
-            f"artifacts={shown_url(url)!r}: credentials and options do not belong in the "
+            f"{option}={shown_url(url)!r}: credentials and options do not belong in the "
             "URL (it is stored and shown); set them in the environment "
             "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_ENDPOINT_URL, "
             "FSSPEC_<PROTOCOL>_<OPTION>)"
         )
     if any(part in (".", "..") for part in parts.path.split("/")):
-        raise ConfigError(f"artifacts={url!r}: '.' and '..' are not allowed in the path")
+        raise ConfigError(f"{option}={url!r}: '.' and '..' are not allowed in the path")
     import fsspec
 
     if protocol in READ_ONLY or protocol not in fsspec.available_protocols():
         raise ConfigError(
-            f"artifacts={url!r}: no artifact store handles {match.group(1)}:// URLs; use a "
+            f"{option}={url!r}: no artifact store handles {match.group(1)}:// URLs; use a "
             "folder, 'gridfs', an fsspec URL (s3://, gs://, memory://) or an ArtifactStore"
         )
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
         hint = " (pip install 'llmtrain[s3]')" if protocol in ("s3", "s3a") else ""
-        raise ConfigError(f"artifacts={url!r} needs a package fsspec names: {exc}{hint}") from None
+        raise ConfigError(f"{option}={url!r} needs a package fsspec names: {exc}{hint}") from None
     return protocol
 
 

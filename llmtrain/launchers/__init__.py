@@ -45,6 +45,10 @@ def execute(
     from llmtrain.training.launch import run_in_process
     from llmtrain.training.strategies import strategy_for
 
+    if trainer.config.ray_config is not None and not placement.launched:
+        from llmtrain.ray import run_on_ray
+
+        return run_on_ray(trainer, db, run_id, resume=resume, merge=merge)
     launcher = trainer.config.launcher
     if launcher is not None and launcher.kind != "python" and not placement.launched:
         return launch_workers(trainer, db, run_id, resume=resume, merge=merge)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import typing
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -375,6 +376,47 @@ class Launcher(_Args):
         return self
 
 
+class RayConfig(_Args):
+    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers).
+
+    The database stays with the driver (the process calling fit()): it streams each worker
+    its rank's rows, unless ``workers_read_database`` lets the workers connect themselves.
+    """
+
+    address: str | None = None
+    """Ray cluster address ('auto', 'ray://host:10001'); None: this process's or a new local one."""
+    num_workers: int = Field(default=2, ge=1)
+    """Training workers (the world size)."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources each worker needs (e.g. {'CPU': 2})."""
+    max_failures: int = Field(default=0, ge=-1)
+    """Restarts of the worker group from its last checkpoint after a failure; -1: no limit."""
+    storage: str | None = None
+    """Where Ray Train keeps checkpoints: a folder or a URL (s3://...) every node reaches."""
+    workers_read_database: bool = False
+    """Workers connect to the database and read their shards themselves (as torchrun does)."""
+
+    @model_validator(mode="after")
+    def _resources(self) -> RayConfig:
+        resources = self.resources_per_worker or {}
+        if self.use_gpu and resources.get("GPU", 1) <= 0:
+            raise ValueError(
+                "ray_config.use_gpu=True with ray_config.resources_per_worker GPU=0: "
+                "give the workers a GPU or drop use_gpu"
+            )
+        if any(value < 0 for value in resources.values()):
+            raise ValueError("ray_config.resources_per_worker: amounts must be >= 0")
+        parts = urlsplit(self.storage or "")
+        if "@" in parts.netloc or parts.query or parts.fragment:
+            raise ValueError(
+                "ray_config.storage: credentials and options do not belong in the URL (it is "
+                "stored); set them in the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL...)"
+            )
+        return self
+
+
 def _compile_problems(config: TrainerConfig) -> list[str]:
     """Where ``torch_compile`` cannot work: quantised linear layers (bitsandbytes' kernels
     break the graph at every layer), FSDP2 and DeepSpeed (their parameter hooks around the
@@ -432,6 +474,8 @@ class TrainerConfig(_Args):
     """Train with FSDP2 ({} for the defaults)."""
     launcher: Launcher | None = None
     """Start worker processes (torchrun, deepspeed) from fit()."""
+    ray_config: RayConfig | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Train on Ray (Ray Train's TorchTrainer); None: on this machine."""
     fit: FitSpec | None = None
     """The data of the last fit(), for replays."""
 
@@ -474,6 +518,15 @@ class TrainerConfig(_Args):
         problems = self._template_problems()
         if self.deepspeed_config is not None and self.fsdp_config is not None:
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
+        if self.ray_config is not None and self.launcher is not None:
+            problems.append(
+                "ray_config and launcher: Ray starts the workers; drop launcher= to train on Ray"
+            )
+        if self.ray_config is not None and self.deepspeed_config is not None:
+            problems.append(
+                "ray_config and deepspeed_config: Ray workers train with DDP or FSDP2, "
+                "not DeepSpeed"
+            )
         d = self.data_args
         if d.max_tokens_per_batch is not None and not d.packing:
             problems.append("data_args.max_tokens_per_batch needs packing=True")

@@ -95,33 +95,26 @@ class Checkpointer:
         record = None
         if s.is_main:
             try:
-                save_file(weights, str(folder / "weights.safetensors"))
-                torch.save(scheduler.state_dict(), folder / "scheduler.pt")
-                (folder / STATE).write_text(
-                    json.dumps({**state, "format": FORMAT, "world_size": s.world_size})
-                )
-                files = {
-                    p.relative_to(folder).as_posix(): sha256_file(p)
-                    for p in sorted(folder.rglob("*"))
-                    if p.is_file()
-                }
-                (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
-                artifact = self.db.artifacts.put_dir(folder)
-                record = self.db.metadata.add_checkpoint(
-                    self.run_id,
-                    state["step"],
-                    artifact,
-                    {"epoch": state["epoch"], "world_size": s.world_size},
-                )
-                self._prune()
-            except (OSError, StoreError) as exc:
-                raise CheckpointError(
-                    f"could not save the checkpoint at step {state['step']}: "
-                    f"{exc}; the previous checkpoint is intact"
-                ) from exc
+                with _saving(state["step"]):
+                    seal(folder, weights, scheduler, state, world_size=s.world_size)
+                record = self.record(folder, {**state, "world_size": s.world_size})
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         s.barrier()
+        return record
+
+    def record(self, folder: Path, state: dict[str, Any]) -> CheckpointRecord:
+        """Store a sealed checkpoint folder as one artifact and record it on the run (the
+        driver of a Ray run calls this for the checkpoints its workers report)."""
+        with _saving(state["step"]):
+            artifact = self.db.artifacts.put_dir(folder)
+            record = self.db.metadata.add_checkpoint(
+                self.run_id,
+                state["step"],
+                artifact,
+                {"epoch": state["epoch"], "world_size": state["world_size"]},
+            )
+            self._prune()
         return record
 
     def mark_best(self, record: CheckpointRecord, metric: str, value: float) -> None:
@@ -167,30 +160,69 @@ class Checkpointer:
         self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
     ) -> dict[str, Any]:
         """Load weights, optimizer, scheduler and RNG; return the saved trainer state."""
-        s = self.strategy
         folder = Path(tempfile.mkdtemp(prefix="llmtrain-restore-", dir=self.workdir))
         try:
             self.db.artifacts.get_dir(record.artifact_id, folder / "ckpt")
-            folder = folder / "ckpt"
-            verify(folder)
-            state = json.loads((folder / STATE).read_text())
-            if state.get("world_size") != s.world_size:
-                raise CheckpointError(
-                    f"checkpoint at step {record.step} was written by {state.get('world_size')}"
-                    f" process(es); resume it with the same world size, not {s.world_size}"
-                )
-            with _refused("weights.safetensors", record.step):
-                weights = load_file(str(folder / "weights.safetensors"))
-            s.load_trainable_state_dict(model, weights)
-            with _refused("optimizer.pt", record.step):
-                s.load_optimizer(model, optimizer, folder)
-            with _refused("scheduler.pt", record.step):
-                scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
-            with _refused(f"rng_rank{s.rank}.pt", record.step):
-                set_rng_state(torch.load(folder / f"rng_rank{s.rank}.pt", weights_only=True))
-            return state
+            return self.restore_folder(folder / "ckpt", record.step, model, optimizer, scheduler)
         finally:
-            shutil.rmtree(folder.parent if folder.name == "ckpt" else folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def restore_folder(
+        self, folder: Path, step: int, model: Any, optimizer: Any, scheduler: Any
+    ) -> dict[str, Any]:
+        """Restore from a checkpoint folder already on this machine (verified first)."""
+        s = self.strategy
+        verify(folder)
+        state: dict[str, Any] = json.loads((folder / STATE).read_text())
+        if state.get("world_size") != s.world_size:
+            raise CheckpointError(
+                f"checkpoint at step {step} was written by {state.get('world_size')}"
+                f" process(es); resume it with the same world size, not {s.world_size}"
+            )
+        with _refused("weights.safetensors", step):
+            weights = load_file(str(folder / "weights.safetensors"))
+        s.load_trainable_state_dict(model, weights)
+        with _refused("optimizer.pt", step):
+            s.load_optimizer(model, optimizer, folder)
+        with _refused("scheduler.pt", step):
+            scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        with _refused(f"rng_rank{s.rank}.pt", step):
+            set_rng_state(torch.load(folder / f"rng_rank{s.rank}.pt", weights_only=True))
+        return state
+
+
+def seal(
+    folder: Path,
+    weights: dict[str, torch.Tensor],
+    scheduler: Any,
+    state: dict[str, Any],
+    *,
+    world_size: int,
+    more_files: dict[str, str] | None = None,
+) -> None:
+    """Rank 0 completes a checkpoint folder: weights, scheduler, state and the manifest of
+    every file (``more_files``: other ranks' files with their sha256, written elsewhere)."""
+    save_file(weights, str(folder / "weights.safetensors"))
+    torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+    (folder / STATE).write_text(json.dumps({**state, "format": FORMAT, "world_size": world_size}))
+    files = {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+    files = dict(sorted({**files, **(more_files or {})}.items()))
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
+
+
+@contextmanager
+def _saving(step: int) -> Iterator[None]:
+    try:
+        yield
+    except (OSError, StoreError) as exc:
+        raise CheckpointError(
+            f"could not save the checkpoint at step {step}: "
+            f"{exc}; the previous checkpoint is intact"
+        ) from exc
 
 
 @contextmanager

@@ -56,24 +56,9 @@ def run_in_process(
     try:
         run.setup()
         if strategy.is_main:
-            targs = trainer.config.training_args
-            db.metadata.update_run(
-                run_id,
-                status="running",
-                info={
-                    "strategy": strategy.name,
-                    "world_size": strategy.world_size,
-                    "global_batch_size": targs.per_device_train_batch_size
-                    * targs.gradient_accumulation_steps
-                    * strategy.world_size,
-                },
-            )
+            db.metadata.update_run(run_id, status="running", info=running_info(run))
         started = True
-        run.train()
-        latest = run.checkpointer.latest() if strategy.is_main else None
-        if strategy.broadcast_object(latest is None or latest.step != run.step):
-            run.save_checkpoint()  # the final state, so resuming a finished run is a no-op
-        adapter = run.save_adapter()
+        adapter = train_to_end(run)
         model = None
         if strategy.is_main:
             model = TrainedModel.from_run(trainer, run_id, adapter, run.history)
@@ -103,6 +88,28 @@ def run_in_process(
         raise
     finally:
         run.cleanup(failed=not completed)
+
+
+def running_info(run: FitRun) -> dict[str, Any]:
+    """What a started run records about how it trains."""
+    targs, strategy = run.targs, run.strategy
+    return {
+        "strategy": strategy.name,
+        "world_size": strategy.world_size,
+        "global_batch_size": targs.per_device_train_batch_size
+        * targs.gradient_accumulation_steps
+        * strategy.world_size,
+    }
+
+
+def train_to_end(run: FitRun) -> str | None:
+    """Collective: train, save the final state (so resuming a finished run is a no-op) and
+    the adapter; returns the adapter's artifact id on rank 0."""
+    run.train()
+    latest = run.checkpointer.latest() if run.strategy.is_main else None
+    if run.strategy.broadcast_object(latest is None or latest.step != run.step):
+        run.save_checkpoint()
+    return run.save_adapter()
 
 
 def note_refused_resume(db: Any, run_id: str, exc: BaseException) -> None:

@@ -11,7 +11,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,10 @@ class FitRun:
         *,
         resume: bool | str = False,
         callbacks: Sequence[Callback] = (),
+        checkpointer: Callable[..., Checkpointer] = Checkpointer,
     ) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
+        self.make_checkpointer = checkpointer  # Ray's reports its checkpoints to Ray Train
         self.config = trainer.config
         self.resume = resume
         self.targs, self.dargs = self.config.training_args, self.config.data_args
@@ -148,7 +150,7 @@ class FitRun:
         self._eval_data: Any = None
         self.total_steps = self._total_steps()
         self.scheduler = self._make_scheduler()
-        self.checkpointer = Checkpointer(
+        self.checkpointer = self.make_checkpointer(
             self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
         )
         self.metrics = {logged_name(e): resolve(e) for e in self.targs.eval_metrics}
