@@ -141,8 +141,7 @@ class RayRun:
         return info
 
     def fit(self, *, merge: bool) -> Any:
-        from llmtrain.training.launch import mark_failed
-        from llmtrain.training.model import TrainedModel
+        from llmtrain.training.launch import mark_failed, store_model
 
         db, run_id = self.db, self.run_id
         service = DriverService(
@@ -169,23 +168,17 @@ class RayRun:
                     mark_failed(db, run_id, exc)
                     raise
             done = self.finished
-            model = TrainedModel.from_run(self.trainer, run_id, done["adapter"], done["history"])
-            if merge:
-                model.merge(store=False)
-            db.add(model)
-            db.metadata.update_run(
+            return store_model(
+                self.trainer,
+                db,
                 run_id,
-                status="completed",
-                info={
-                    "steps": done["steps"],
-                    "tokens": done["tokens"],
-                    "artifact": done["adapter"],
-                    "model_version": model.version,
-                    "final_loss": done["history"][-1]["loss"] if done["history"] else None,
-                    "ray": self.ray_info("completed", result),
-                },
+                done["adapter"],
+                done["history"],
+                steps=done["steps"],
+                tokens=done["tokens"],
+                merge=merge,
+                info={"ray": self.ray_info("completed", result)},
             )
-            return model
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -49,8 +49,6 @@ def run_in_process(
     start (rows changed, a corrupt checkpoint) leaves the run's record as it was, and nothing
     after "completed" changes that status again.
     """
-    from llmtrain.training.model import TrainedModel
-
     run = FitRun(trainer, db, run_id, strategy, resume=resume)
     started = completed = False
     try:
@@ -61,20 +59,15 @@ def run_in_process(
         adapter = train_to_end(run)
         model = None
         if strategy.is_main:
-            model = TrainedModel.from_run(trainer, run_id, adapter, run.history)
-            if merge:  # before the first add: one fit, one model version
-                model.merge(store=False)
-            db.add(model)
-            db.metadata.update_run(
+            model = store_model(
+                trainer,
+                db,
                 run_id,
-                status="completed",
-                info={
-                    "steps": run.step,
-                    "tokens": run.tokens_seen,
-                    "artifact": adapter,
-                    "model_version": model.version,
-                    "final_loss": run.history[-1]["loss"] if run.history else None,
-                },
+                adapter,
+                run.history,
+                steps=run.step,
+                tokens=run.tokens_seen,
+                merge=merge,
             )
         completed = True
         return model
@@ -88,6 +81,41 @@ def run_in_process(
         raise
     finally:
         run.cleanup(failed=not completed)
+
+
+def store_model(
+    trainer: Any,
+    db: Any,
+    run_id: str,
+    adapter: str | None,
+    history: list[dict[str, float]],
+    *,
+    steps: int,
+    tokens: int,
+    merge: bool,
+    info: dict[str, Any] | None = None,
+) -> Any:
+    """A finished run becomes the trainer's next model version and is marked completed: one
+    rule for a local rank 0 and the Ray driver."""
+    from llmtrain.training.model import TrainedModel
+
+    model = TrainedModel.from_run(trainer, run_id, adapter, history)
+    if merge:  # before the first add: one fit, one model version
+        model.merge(store=False)
+    db.add(model)
+    db.metadata.update_run(
+        run_id,
+        status="completed",
+        info={
+            "steps": steps,
+            "tokens": tokens,
+            "artifact": adapter,
+            "model_version": model.version,
+            "final_loss": history[-1]["loss"] if history else None,
+            **(info or {}),
+        },
+    )
+    return model
 
 
 def running_info(run: FitRun) -> dict[str, Any]:
