@@ -37,7 +37,7 @@ by the measured matmul rate. llmtrain projects only target positions onto the vo
 so its hardware does less than the counted work; the count is the model's, not the kernels'.
 
 On the lent H200 machine (``/work/.library/device``): it has torch, transformers, peft and
-accelerate, but not trl, datasets, pydantic or sqlalchemy, nor ``flash_attn``; carry those
+accelerate, but not trl, datasets, pydantic, sqlalchemy or pymongo, nor ``flash_attn``; carry those
 as wheels (the device README says how) or the run reports them missing and stops.
 """
 
@@ -65,7 +65,7 @@ RESULT = "GPU_MFU_RESULT "
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR, LORA_R, LORA_ALPHA = 1e-4, 16, 32
-REQUIRED = ("torch", "transformers", "peft", "pydantic", "sqlalchemy", "datasets", "trl")
+REQUIRED = ("torch", "transformers", "peft", "pydantic", "sqlalchemy", "pymongo", "datasets", "trl")
 
 #: the real Qwen2.5 dimensions; ``smoke`` is a tiny one for the CPU code-path check
 MODELS: dict[str, dict[str, Any]] = {
@@ -107,6 +107,7 @@ PEAK_TFLOPS = (
     ("A100", 312.0),
     ("A800", 312.0),
     ("L40S", 362.0),
+    ("L40", 181.0),
     ("L4", 121.0),
 )
 
@@ -239,6 +240,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     tok_path = tiny_model(workdir / "tokenizer", arch="qwen2", corpus=[" ".join(_WORDS)])
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    tokenizer.model_max_length = 10**9  # measuring lengths; each model's copy gets max_length
     budget = args.pack_rows * args.max_length
     sample = make_rows(400)
     lengths = [
@@ -317,6 +319,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _size(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.2f}M"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -336,14 +342,14 @@ def print_table(
     )
     print(
         f"| model | attention | trainer | tokens/s | MFU ({sheet} TF datasheet) | "
-        f"MFU ({peak_measured:.0f} TF measured) | {memory} | tokens/s vs TRL | memory vs TRL |"
+        f"MFU ({peak_measured:.3g} TF measured) | {memory} | tokens/s vs TRL | memory vs TRL |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         speed = f"{r['speed_vs_trl']:.2f}x" if "speed_vs_trl" in r else ""
         mem = f"{r['mem_vs_trl']:.2f}x" if "mem_vs_trl" in r else ""
         print(
-            f"| {r['model']} ({r['params'] / 1e9:.2f}B) | {r['attn']} | {r['side']} | "
+            f"| {r['model']} ({_size(r['params'])}) | {r['attn']} | {r['side']} | "
             f"{r['tok_s']:.0f} | {_pct(r['mfu_sheet'])} | {_pct(r['mfu_measured'])} | "
             f"{r['peak_mem_gib']:.2f} GiB | {speed} | {mem} |"
         )
