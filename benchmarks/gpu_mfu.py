@@ -29,9 +29,10 @@ What it does, all offline, in one run:
 
 MFU counts the model's FLOPs per token, the same for both trainers: 4 N for the frozen
 base (forward, and the backward to the inputs; no weight gradients), N the weights of every
-linear layer plus the output projection; 6 x the LoRA weights; attention 6 L d n per token
-(forward QK^T and AV under the causal mask, and its backward), n the mean context of a
-token within its own example (packed examples never attend to each other). Divided by the
+linear layer plus the output projection; 6 x the LoRA weights; attention 12 L d c per token
+(QK^T and AV, forward and backward; d the query width), c the mean number of tokens a token
+attends to under the causal mask within its own example (n/2 for n tokens; packed examples
+never attend to each other). Divided by the
 GPU's dense bf16 datasheet peak (``PEAK_TFLOPS``, matched on the device name) and, second,
 by the measured matmul rate. llmtrain projects only target positions onto the vocabulary,
 so its hardware does less than the counted work; the count is the model's, not the kernels'.
@@ -151,7 +152,11 @@ def measured_tflops(cuda: bool) -> float:
         a @ b
     if cuda:
         torch.cuda.synchronize()
-    return 2 * n**3 * iters / (time.perf_counter() - started) / 1e12
+    seconds = time.perf_counter() - started
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return 2 * n**3 * iters / seconds / 1e12
 
 
 # -- setup (orchestrator) ---------------------------------------------------------------------
@@ -182,6 +187,8 @@ def build_model(workdir: Path, name: str, tokenizer: Any, max_length: int, cuda:
     tokenizer.model_max_length = max_length
     tokenizer.save_pretrained(path)
     del model
+    if cuda:  # the children need the memory, not this process's cache
+        torch.cuda.empty_cache()
     return path
 
 
@@ -195,7 +202,7 @@ def flops_per_token(config: dict[str, Any], context: float) -> tuple[float, int]
     shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
     base = layers * sum(i * o for i, o in shapes) + h * vocab
     lora = layers * sum(LORA_R * (i + o) for i, o in shapes)
-    attention = 6 * layers * q * context
+    attention = 12 * layers * q * context
     return 4 * base + 6 * lora + attention, base
 
 
@@ -215,9 +222,6 @@ def missing_modules() -> list[str]:
 
 def orchestrate(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
-
-    from llmtrain.testing import tiny_model
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -227,6 +231,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     if missing:
         print(f"gpu_check --mfu: missing Python packages {missing}; carry them as wheels")
         return 2
+    from transformers import AutoTokenizer
+
+    from llmtrain.testing import tiny_model
+
     if args.smoke:
         args.models, args.attn, args.warmup, args.steps = "smoke", "sdpa", 1, 2
         args.pack_rows, args.max_length = 2, 512
