@@ -5,6 +5,10 @@
 
 Needs CUDA; without it the script says so and exits 0 (nothing to check on this machine).
 
+``--mfu`` switches to a different check, ``benchmarks/gpu_mfu.py`` (tokens/s, MFU and peak
+memory of LoRA on Qwen2.5-0.5B/1.5B-shaped models, llmtrain against TRL's ``SFTTrainer``;
+``--mfu --smoke`` runs its code path on the CPU); its docstring has the options.
+
 What it does, all offline:
 
 1. Builds a Llama with random weights from a config (hidden 1280, 24 layers: ~0.48B
@@ -317,6 +321,11 @@ def train_one(name: str, args: argparse.Namespace) -> None:
 
 
 def main() -> int:
+    if "--mfu" in sys.argv[1:]:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import gpu_mfu
+
+        return gpu_mfu.main(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--rows", type=int, default=3000)
