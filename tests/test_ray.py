@@ -257,6 +257,24 @@ def test_each_worker_trains_its_rank_rows_in_the_local_order(env: Env) -> None:
     assert sorted(trained) == sorted(f"int:{i}" for i in range(N_ROWS))
 
 
+def test_losses_and_adapter_equal_a_local_two_process_ddp_run(env: Env) -> None:
+    """The same recipe launched by torchrun on this machine (2 processes reading the database
+    themselves): the same loss at every step and the same adapter as on Ray."""
+    on_ray = _uninterrupted(env)
+    launcher = lt.Launcher(kind="torchrun", num_processes=WORLD)
+    local = lt.LLMTrainer(
+        "ddp-local", model=env.tiny, prompt_template=TEMPLATE, launcher=launcher, **OPTIONS
+    ).fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    runs = [env.db.metadata.list_runs("trainer", name)[0] for name in ("ray-plain", "ddp-local")]
+    assert [r.info["world_size"] for r in runs] == [WORLD, WORLD]
+    losses = [[m.values["loss"] for m in env.db.metadata.get_metrics(r.run_id)] for r in runs]
+    assert len(losses[0]) == STEPS and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    expected, got = _adapter(env, local), _adapter(env, on_ray)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
 def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) -> None:
     uninterrupted = _uninterrupted(env)
     marker = env.root / "killed"
