@@ -37,6 +37,15 @@ def answer_words(prediction: str, reference: str) -> float:
     return float(len(prediction.split()))
 
 
+def reference_rank(prediction: str, reference: str) -> float:
+    """A user metric that tells which rows were scored: the reference's place in COLORS;
+    with SCORED_LOG set, each call also notes the scoring process and the reference."""
+    if os.environ.get("SCORED_LOG"):
+        with open(os.environ["SCORED_LOG"], "a") as log:
+            log.write(f"{os.getpid()} {reference}\n")
+    return float(COLORS.index(reference) + 1)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("models") / "llama")
@@ -109,6 +118,48 @@ def test_eval_metrics_score_greedy_answers_through_the_template(scored: Any, db:
     }
     for name, total in expected.items():
         assert evals[4][name] == pytest.approx(total / len(rows)), name
+
+
+def test_two_ranks_score_each_held_out_row_once_as_one_process_would(
+    tiny: Path, db: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun each rank answers its shard of the held-out rows; the means taken over
+    both ranks are those of the stored model answering every held-out row once."""
+    tests = str(Path(__file__).parent)  # the workers import this module's metrics
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    scored_log = Path(db.artifacts.root).parent / "scored.log"
+    monkeypatch.setenv("SCORED_LOG", str(scored_log))
+    model = _fit(
+        tiny,
+        db,
+        "scored-2",
+        max_steps=2,
+        batch_size=2,
+        eval_fraction=0.25,
+        per_device_eval_batch_size=3,
+        eval_metrics=["test_export:answer_words", "test_export:reference_rank", "contains"],
+        eval_max_new_tokens=4,
+        launcher=lt.Launcher(kind="torchrun", num_processes=2),
+    )
+    run = db.metadata.get_run(model.record.run_id)
+    assert run.info["world_size"] == 2
+    (final,) = [m.values for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
+    rows = [r for r in ROWS if held_out(r["id"], 0.25)]
+    scored = [line.split() for line in scored_log.read_text().splitlines()]
+    assert len({pid for pid, _ in scored}) == 2  # both ranks scored, in their own processes
+    assert sorted(ref for _, ref in scored) == sorted(r["output"] for r in rows)  # each once
+    answers = db.load("model", "scored-2").generate(
+        [r["instruction"] for r in rows], max_new_tokens=4
+    )
+    assert final["eval_reference_rank"] == pytest.approx(
+        sum(COLORS.index(r["output"]) + 1 for r in rows) / len(rows)
+    )
+    assert final["eval_answer_words"] == pytest.approx(
+        sum(len(a.split()) for a in answers) / len(rows)
+    )
+    assert final["eval_contains"] == pytest.approx(
+        sum(r["output"] in a for a, r in zip(answers, rows)) / len(rows)
+    )
 
 
 def test_the_best_checkpoint_survives_pruning_and_loads(scored: Any, db: Any) -> None:
