@@ -14,6 +14,7 @@ with a password on the command line would otherwise be uploaded with the run).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib.util
 import io
@@ -125,7 +126,7 @@ class RunFacts:
         }
 
 
-class Tracker(Callback):
+class Tracker(Callback, abc.ABC):
     """Starts on the first step of an attempt, sends each logged metric, finishes with the
     run's outcome; a tracker that fails to start or send stops the fit (a silent gap in a
     dashboard is worse), except while finishing a run that already failed."""
@@ -155,14 +156,17 @@ class Tracker(Callback):
                 raise
             log.exception("could not finish the %s run", self.name)
 
+    @abc.abstractmethod
     def start(self, facts: RunFacts) -> None:
-        raise NotImplementedError
+        """One per tracker library."""
 
+    @abc.abstractmethod
     def log(self, metrics: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """One per tracker library."""
 
+    @abc.abstractmethod
     def finish(self, failed: bool) -> None:
-        raise NotImplementedError
+        """One per tracker library."""
 
 
 class TensorBoardTracker(Tracker):

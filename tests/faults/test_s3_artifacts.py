@@ -27,23 +27,14 @@ import llmtrain as lt
 from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
 
 from .helpers import adapter, assert_same_weights, doc_rows
+from .test_kill_resume import OPTIONS as KILL_OPTIONS
 from .test_kill_resume import Trace, finish, kill_when_held, launch, read_trace
 
 pytestmark = pytest.mark.slow
 
 #: 16 rows in batches of 4; checkpoints at steps 2, 4, 6 (the newest two kept); killed after
 #: step 3, so it resumes from step 2
-OPTIONS: dict[str, Any] = {
-    "max_steps": 6,
-    "save_steps": 2,
-    "batch_size": 4,
-    "cache_size": 8,
-    "learning_rate": 1e-2,
-    "lora_r": 8,
-    "lora_dropout": 0.1,
-    "progress_bar": False,
-    "logging_steps": 1,
-}
+OPTIONS: dict[str, Any] = {**KILL_OPTIONS, "max_steps": 6, "save_steps": 2}
 KILLED_AFTER, LAST_GOOD = 3, 2
 
 
