@@ -166,9 +166,9 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
 def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
+    from trl_recipe import trl_configs
 
     prompt_only = TEMPLATE.replace("{Y}", "")
     rows = [
@@ -177,34 +177,16 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
     ]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    config = SFTConfig(
-        output_dir=str(Path(args.workdir) / f"trl-{packing}"),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=LR,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
+    config, lora = trl_configs(
+        str(Path(args.workdir) / f"trl-{packing}"),
+        steps=args.steps,
+        batch_size=args.batch_size,
         max_length=args.max_length,
         packing=packing,
-        gradient_checkpointing=False,
-        bf16=False,
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        completion_only_loss=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    lora = LoraConfig(
-        r=LORA_R,
+        lr=LR,
+        lora_r=LORA_R,
         lora_alpha=LORA_ALPHA,
-        lora_dropout=0.0,
-        target_modules=LLAMA_TARGETS,
-        task_type="CAUSAL_LM",
+        targets=LLAMA_TARGETS,
     )
     clock: dict[str, float] = {}
     counts = {"real": 0, "positions": 0}

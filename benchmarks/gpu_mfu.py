@@ -453,9 +453,9 @@ def run_llmtrain(args: argparse.Namespace, clock: _Clock) -> float:
 def run_trl(args: argparse.Namespace, clock: _Clock) -> float:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from trl import SFTTrainer
+    from trl_recipe import trl_configs
 
     cuda = torch.cuda.is_available()
     prompt_only = TEMPLATE.replace("{Y}", "")
@@ -467,34 +467,17 @@ def run_trl(args: argparse.Namespace, clock: _Clock) -> float:
         dtype=torch.bfloat16 if cuda else torch.float32,
         attn_implementation=args.attn,
     )
-    config = SFTConfig(
-        output_dir=str(Path(args.workdir) / "trl"),
-        max_steps=args.warmup + args.steps,
-        per_device_train_batch_size=args.pack_rows,
-        learning_rate=LR,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
+    config, lora = trl_configs(
+        str(Path(args.workdir) / "trl"),
+        steps=args.warmup + args.steps,
+        batch_size=args.pack_rows,
         max_length=args.max_length,
         packing=True,
-        gradient_checkpointing=False,
-        bf16=cuda,
-        use_cpu=not cuda,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        completion_only_loss=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
-    lora = LoraConfig(
-        r=LORA_R,
+        lr=LR,
+        lora_r=LORA_R,
         lora_alpha=LORA_ALPHA,
-        lora_dropout=0.0,
-        target_modules=TARGETS,
-        task_type="CAUSAL_LM",
+        targets=TARGETS,
+        cuda=cuda,
     )
     seen = {"tokens": 0}
 
