@@ -300,8 +300,7 @@ class Formatter:
         tail: list[int],
     ) -> Example:
         """Apply the truncation policy of the module docstring, then build the labels."""
-        if response_labels is None or self.train_on_inputs:
-            response_labels = response
+        labels = response if response_labels is None else response_labels
         limit = self.max_length
         truncated = (
             limit is not None and len(head) + len(prompt) + len(response) + len(tail) > limit
@@ -314,13 +313,9 @@ class Formatter:
             prompt = prompt[len(prompt) - keep :]
             cut = max(0, len(head) + len(prompt) + len(response) - limit)
             response = response[: len(response) - cut]
-            response_labels = response_labels[: len(response)]
-        context = head + prompt
-        context_labels = context if self.train_on_inputs else [IGNORE_INDEX] * len(context)
-        tail_labels = tail if self.train_on_inputs else [IGNORE_INDEX] * len(tail)
-        return Example(
-            context + response + tail,
-            context_labels + response_labels + tail_labels,
-            key,
-            truncated,
-        )
+            labels = labels[: len(response)]
+        ids = head + prompt + response + tail
+        if self.train_on_inputs:
+            return Example(ids, list(ids), key, truncated)
+        ignored = [IGNORE_INDEX] * (len(head) + len(prompt))
+        return Example(ids, ignored + labels + [IGNORE_INDEX] * len(tail), key, truncated)

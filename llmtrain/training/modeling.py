@@ -3,6 +3,7 @@ gradient checkpointing)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -36,6 +37,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # How long the hub gets to answer before a name that is not a local folder is refused: a
 # mistyped path otherwise spends ~48 s in transformers' retries against an unreachable hub.
 HUB_CHECK_TIMEOUT_S = 3.0
+_TRUE = {"1", "true", "yes", "on"}
 
 
 def check_model_path(
@@ -70,34 +72,22 @@ def check_model_path(
     local = name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name
     if local or name.count("/") > 1:
         raise ConfigError(f"model_args.model_name_or_path: no model folder at {name!r}")
-    offline = _hub_offline()
-    if offline is None:
-        return {}
-    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub import constants, try_to_load_from_cache
 
-    try:
-        cached = isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str)
-    except ValueError:  # not a valid repo id
-        cached = False
-    if cached:
-        return {"local_files_only": True}
+    endpoint = constants.ENDPOINT
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        offline = "the hub is offline (HF_HUB_OFFLINE is set)"
+    elif not _reachable(endpoint):
+        offline = f"the hub {endpoint} is unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s)"
+    else:
+        return {}
+    with contextlib.suppress(ValueError):  # ValueError: not a valid repo id
+        if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+            return {"local_files_only": True}
     raise ConfigError(
         f"model_args.model_name_or_path: {name!r} is not a local folder and {offline}, "
         "so it cannot be downloaded (and it is not in the Hugging Face cache)"
     )
-
-
-def _hub_offline() -> str | None:
-    """Why the hub cannot be asked (``None``: it can)."""
-    from huggingface_hub import constants
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
-    if constants.HF_HUB_OFFLINE or offline:
-        return "the hub is offline (HF_HUB_OFFLINE is set)"
-    endpoint = constants.ENDPOINT
-    if not _reachable(endpoint):
-        return f"the hub {endpoint} is unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s)"
-    return None
 
 
 @functools.lru_cache(maxsize=8)
