@@ -69,19 +69,19 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
                 f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
                 f"max_length={max_length} (format with the same max_length)"
             )
-    rows: list[list[tuple[int, Example]]] = []
+    rows: list[list[int]] = []  # indices into examples
     used: list[int] = []
-    for i, e in sorted(enumerate(examples), key=lambda item: -len(item[1])):
-        fits = [r for r, n in enumerate(used) if n + len(e) <= max_length]
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i])):
+        n = len(examples[i])
+        fits = [r for r, u in enumerate(used) if u + n <= max_length]
         if fits:
             best = max(fits, key=lambda r: used[r])
-            rows[best].append((i, e))
-            used[best] += len(e)
+            rows[best].append(i)
+            used[best] += n
         else:
-            rows.append([(i, e)])
-            used.append(len(e))
-    rows.sort(key=lambda row: min(i for i, _ in row))
-    return [[e for _, e in sorted(row, key=lambda item: item[0])] for row in rows]
+            rows.append([i])
+            used.append(n)
+    return [[examples[i] for i in sorted(row)] for row in sorted(rows, key=min)]
 
 
 class PackedCollator:
