@@ -40,12 +40,14 @@ def stable_adapter_config(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def check_new_folder(dest: Path, option: str) -> None:
+def check_new_folder(dest: str | Path, option: str) -> Path:
     """``dest`` must not exist, or be an empty folder (removed, so a copy can create it)."""
+    dest = Path(dest)
     if dest.exists():
         if not dest.is_dir() or any(dest.iterdir()):
             raise ConfigError(f"{option} {dest} already exists and is not an empty folder")
         dest.rmdir()
+    return dest
 
 
 def write_merged(

@@ -294,9 +294,7 @@ class TrainedModel:
         ``PeftModel.from_pretrained`` and vLLM's ``--lora-modules`` load)."""
         from llmtrain.training.export import check_new_folder
 
-        dest = Path(dest)
-        check_new_folder(dest, "adapter destination")
-        return self._adapter_folder(dest)
+        return self._adapter_folder(check_new_folder(dest, "adapter destination"))
 
     def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
         """Write the base with the adapter merged in, and the tokenizer, in safetensors to the
@@ -307,8 +305,7 @@ class TrainedModel:
         from llmtrain.training.export import check_new_folder, write_merged
         from llmtrain.training.modeling import load_tokenizer
 
-        dest = Path(dest)
-        check_new_folder(dest, "merged destination")
+        dest = check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
             base = self.record.base
