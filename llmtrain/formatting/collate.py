@@ -29,9 +29,18 @@ def _round_up(n: int, multiple: int | None) -> int:
     return n if not multiple else -(-n // multiple) * multiple
 
 
-def _count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """The number of terms in the shifted causal-LM loss: normalise by this, not by rows."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
+def _batch(
+    ids: list[list[int]], labels: list[list[int]], name: str, values: list[list[int]]
+) -> dict[str, torch.Tensor]:
+    """The tensors, with ``values`` as ``name``, and the scalar ``num_target_tokens``: the
+    number of terms in the shifted causal-LM loss (normalise by this, not by rows)."""
+    label_tensor = torch.tensor(labels, dtype=torch.long)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "labels": label_tensor,
+        name: torch.tensor(values, dtype=torch.long),
+        "num_target_tokens": (label_tensor[:, 1:] != IGNORE_INDEX).sum(),
+    }
 
 
 def pad_collate(
@@ -48,13 +57,7 @@ def pad_collate(
         ids.append(e.input_ids + [pad_id] * pad)
         labels.append(e.labels + [IGNORE_INDEX] * pad)
         mask.append([1] * len(e) + [0] * pad)
-    label_tensor = torch.tensor(labels, dtype=torch.long)
-    return {
-        "input_ids": torch.tensor(ids, dtype=torch.long),
-        "labels": label_tensor,
-        "attention_mask": torch.tensor(mask, dtype=torch.long),
-        "num_target_tokens": _count_targets(label_tensor),
-    }
+    return _batch(ids, labels, "attention_mask", mask)
 
 
 def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
@@ -66,19 +69,19 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
                 f"example with key {e.key!r} has {len(e)} tokens; packing needs 1 to "
                 f"max_length={max_length} (format with the same max_length)"
             )
-    rows: list[list[tuple[int, Example]]] = []
+    rows: list[list[int]] = []  # indices into examples
     used: list[int] = []
-    for i, e in sorted(enumerate(examples), key=lambda item: -len(item[1])):
-        fits = [r for r, n in enumerate(used) if n + len(e) <= max_length]
+    for i in sorted(range(len(examples)), key=lambda i: -len(examples[i])):
+        n = len(examples[i])
+        fits = [r for r, u in enumerate(used) if u + n <= max_length]
         if fits:
             best = max(fits, key=lambda r: used[r])
-            rows[best].append((i, e))
-            used[best] += len(e)
+            rows[best].append(i)
+            used[best] += n
         else:
-            rows.append([(i, e)])
-            used.append(len(e))
-    rows.sort(key=lambda row: min(i for i, _ in row))
-    return [[e for _, e in sorted(row, key=lambda item: item[0])] for row in rows]
+            rows.append([i])
+            used.append(n)
+    return [[examples[i] for i in sorted(row)] for row in sorted(rows, key=min)]
 
 
 class PackedCollator:
@@ -130,13 +133,7 @@ class PackedCollator:
             ids.append(row_ids + [self.pad_id] * pad)
             labels.append(row_labels + [IGNORE_INDEX] * pad)
             positions.append(row_pos + list(range(pad)))
-        label_tensor = torch.tensor(labels, dtype=torch.long)
-        return {
-            "input_ids": torch.tensor(ids, dtype=torch.long),
-            "labels": label_tensor,
-            "position_ids": torch.tensor(positions, dtype=torch.long),
-            "num_target_tokens": _count_targets(label_tensor),
-        }
+        return _batch(ids, labels, "position_ids", positions)
 
 
 @dataclass(frozen=True)

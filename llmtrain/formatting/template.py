@@ -10,8 +10,6 @@ import string
 
 from llmtrain.errors import ConfigError
 
-X, Y = "X", "Y"
-
 
 class PromptTemplate:
     """A template with exactly one ``{X}`` (the input) and one ``{Y}`` (the response) at its end.
@@ -40,7 +38,7 @@ class PromptTemplate:
             literals[-1] += literal
             if field is None:
                 continue
-            if field not in (X, Y):
+            if field not in ("X", "Y"):
                 raise ConfigError(
                     f"template {text!r} has an unknown placeholder {{{field}}}; "
                     f"only {{X}} and {{Y}} are allowed (write literal braces as "
@@ -52,13 +50,13 @@ class PromptTemplate:
                 )
             fields.append(field)
             literals.append("")
-        for name in (X, Y):
+        for name in ("X", "Y"):
             if fields.count(name) != 1:
                 raise ConfigError(
                     f"template {text!r} must contain {{{name}}} exactly once, "
                     f"found it {fields.count(name)} times"
                 )
-        if fields[-1] != Y:
+        if fields[-1] != "Y":
             raise ConfigError(
                 f"template {text!r}: {{Y}} must be at the very end, but {{X}} "
                 f"follows it; the prompt ({{X}}) comes before the response"

@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
@@ -70,12 +70,6 @@ class Example:
     def num_target_tokens(self) -> int:
         """Tokens the loss trains: labels after the first position that are not ignored."""
         return sum(label != IGNORE_INDEX for label in self.labels[1:])
-
-
-def _check_text(row: object, field: str, key: object, source: str) -> str:
-    """The field's text, or BadRowError: the same rule the datasets apply."""
-    check_row(source, key, row, (field,))
-    return row[field]  # type: ignore[index]
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -169,17 +163,17 @@ class Formatter:
     ) -> list[Example]:
         """``(key, row)`` pairs (as the data backends return them) to examples, in order,
         with one batched call into the fast tokenizer per part."""
-        texts = [
-            (
-                _check_text(row, self.x_field, key, source),
-                _check_text(row, self.y_field, key, source),
-            )
-            for key, row in rows
-        ]
+        x_field, y_field = self.x_field, self.y_field
+        for key, row in rows:  # BadRowError by the rule the datasets apply
+            check_row(source, key, row, (x_field, y_field))
+        texts = [cast("tuple[str, str]", (row[x_field], row[y_field])) for _, row in rows]
         if not texts:
             return []
         if self.chat_template:
-            return self._format_chat([key for key, _ in rows], texts)
+            return [
+                self._assemble(key, *parts)
+                for (key, _), parts in zip(rows, self._split_chats(texts))
+            ]
         assert self.template is not None
         prompts = [self.template.prompt(x) for x, _ in texts]
         alone = self._encode(prompts)
@@ -189,8 +183,16 @@ class Formatter:
         ):
             end = len(prompt)  # the first token that reaches into the response starts it
             cut = next((i for i, (a, b) in enumerate(offsets) if b > end or a >= end), len(ids))
-            if ids[:cut] != prompt_ids:
-                self._warn_boundary(prompt, ids[cut - 1 : cut + 1] if cut else ids[:1])
+            if ids[:cut] != prompt_ids and not self._boundary_warned:
+                self._boundary_warned = True  # once per formatter
+                tokens = self.tokenizer.convert_ids_to_tokens(ids[max(cut - 1, 0) : cut + 1])
+                warnings.warn(
+                    f"the prompt {prompt[-20:]!r} ends inside a token when followed by its "
+                    f"response (tokens {tokens!r}): the token spanning both is trained as part "
+                    "of the response, and the prompt tokenizes differently at inference; end "
+                    "the template's prompt with a newline (no trailing space)",
+                    stacklevel=3,
+                )
             examples.append(
                 self._assemble(key, self._prefix, ids[:cut], ids[cut:] + [self.eos_id], None, [])
             )
@@ -201,11 +203,8 @@ class Formatter:
         untrained part of a training example (before truncation) unless the formatter warned
         that the prompt ends inside a token."""
         if self.chat_template:
-            return list(
-                self._chat([[{"role": "user", "content": x}]], generation_prompt=True)["input_ids"][
-                    0
-                ]
-            )
+            out = self._chat([[{"role": "user", "content": x}]], generation_prompt=True)
+            return list(out["input_ids"][0])
         assert self.template is not None
         return self._prefix + self._encode([self.template.prompt(x)])[0]
 
@@ -228,19 +227,6 @@ class Formatter:
             (e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
         ]
 
-    def _warn_boundary(self, prompt: str, tokens: list[int]) -> None:
-        """Once per formatter: a prompt that tokenizes differently before its response."""
-        if self._boundary_warned:
-            return
-        self._boundary_warned = True
-        warnings.warn(
-            f"the prompt {prompt[-20:]!r} ends inside a token when followed by its response "
-            f"(tokens {self.tokenizer.convert_ids_to_tokens(tokens)!r}): the token spanning "
-            "both is trained as part of the response, and the prompt tokenizes differently "
-            "at inference; end the template's prompt with a newline (no trailing space)",
-            stacklevel=4,
-        )
-
     def _chat(
         self, conversations: list[list[dict[str, str]]], *, generation_prompt: bool = False
     ) -> Any:
@@ -252,35 +238,34 @@ class Formatter:
             return_assistant_tokens_mask=not generation_prompt,
         )
 
-    def _split_chat(
-        self, ids: list[int], mask: list[int]
-    ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
-        """(head, prompt, response, response_labels, tail) of one rendered conversation."""
-        trained = [i for i, m in enumerate(mask) if m]
-        if not trained:
-            raise ConfigError(
-                "the chat template marks no assistant token with "
-                "{% generation %} tags, so there is nothing to train"
-            )
-        first, last = trained[0], trained[-1]
-        head = 0
-        while head < first and ids[head] in self._special_ids:
-            head += 1
-        response = ids[first : last + 1]
-        labels = [t if m else IGNORE_INDEX for t, m in zip(response, mask[first : last + 1])]
-        return ids[:head], ids[head:first], response, labels, ids[last + 1 :]
-
-    def _format_chat(self, keys: list[object], texts: list[tuple[str, str]]) -> list[Example]:
+    def _split_chats(
+        self, texts: list[tuple[str, str]]
+    ) -> list[tuple[list[int], list[int], list[int], list[int], list[int]]]:
+        """(head, prompt, response, response_labels, tail) of each conversation
+        ``[user: x, assistant: y]`` as the chat template renders it."""
         out = self._chat(
             [
                 [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
                 for x, y in texts
             ]
         )
-        return [
-            self._assemble(key, *self._split_chat(list(ids), list(mask)))
-            for key, ids, mask in zip(keys, out["input_ids"], out["assistant_masks"])
-        ]
+        parts = []
+        for rendered, assistant in zip(out["input_ids"], out["assistant_masks"]):
+            ids, mask = list(rendered), list(assistant)
+            trained = [i for i, m in enumerate(mask) if m]
+            if not trained:
+                raise ConfigError(
+                    "the chat template marks no assistant token with "
+                    "{% generation %} tags, so there is nothing to train"
+                )
+            first, last = trained[0], trained[-1]
+            head = 0
+            while head < first and ids[head] in self._special_ids:
+                head += 1
+            response = ids[first : last + 1]
+            labels = [t if m else IGNORE_INDEX for t, m in zip(response, mask[first : last + 1])]
+            parts.append((ids[:head], ids[head:first], response, labels, ids[last + 1 :]))
+        return parts
 
     def _check_chat_template(self) -> list[int]:
         """Probe the chat template once; return its leading special tokens (BOS)."""
@@ -288,12 +273,7 @@ class Formatter:
         if not getattr(tok, "chat_template", None):
             raise ConfigError("chat_template=True but the tokenizer has no chat template")
         user = "probe question"
-        out = self._chat(
-            [[{"role": "user", "content": user}, {"role": "assistant", "content": "probe answer"}]]
-        )
-        head, prompt, response, labels, _ = self._split_chat(
-            list(out["input_ids"][0]), list(out["assistant_masks"][0])
-        )
+        head, prompt, _, labels, _ = self._split_chats([(user, "probe answer")])[0]
         if labels[-1] not in self._special_ids:
             raise ConfigError(
                 f"the chat template's {{% generation %}} block ends with "
@@ -320,8 +300,7 @@ class Formatter:
         tail: list[int],
     ) -> Example:
         """Apply the truncation policy of the module docstring, then build the labels."""
-        if response_labels is None or self.train_on_inputs:
-            response_labels = response
+        labels = response if response_labels is None else response_labels
         limit = self.max_length
         truncated = (
             limit is not None and len(head) + len(prompt) + len(response) + len(tail) > limit
@@ -334,13 +313,9 @@ class Formatter:
             prompt = prompt[len(prompt) - keep :]
             cut = max(0, len(head) + len(prompt) + len(response) - limit)
             response = response[: len(response) - cut]
-            response_labels = response_labels[: len(response)]
-        context = head + prompt
-        context_labels = context if self.train_on_inputs else [IGNORE_INDEX] * len(context)
-        tail_labels = tail if self.train_on_inputs else [IGNORE_INDEX] * len(tail)
-        return Example(
-            context + response + tail,
-            context_labels + response_labels + tail_labels,
-            key,
-            truncated,
-        )
+            labels = labels[: len(response)]
+        ids = head + prompt + response + tail
+        if self.train_on_inputs:
+            return Example(ids, list(ids), key, truncated)
+        ignored = [IGNORE_INDEX] * (len(head) + len(prompt))
+        return Example(ids, ignored + labels + [IGNORE_INDEX] * len(tail), key, truncated)

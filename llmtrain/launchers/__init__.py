@@ -46,7 +46,7 @@ def execute(
     from llmtrain.training.strategies import strategy_for
 
     if trainer.config.ray_config is not None and not placement.launched:
-        from llmtrain.ray import run_on_ray
+        from llmtrain.ray.driver import run_on_ray
 
         return run_on_ray(trainer, db, run_id, resume=resume, merge=merge)
     launcher = trainer.config.launcher

@@ -15,16 +15,18 @@ import asyncio
 import itertools
 import logging
 import pickle
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from llmtrain.errors import DistributedError
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain.ray")
 
@@ -53,25 +55,20 @@ class Broker:
     def __init__(self) -> None:
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self._calls: asyncio.Queue[tuple[int, Any]] | None = None
-
-    def _queue(self) -> asyncio.Queue[tuple[int, Any]]:
-        if self._calls is None:  # made on the actor's event loop
-            self._calls = asyncio.Queue()
-        return self._calls
+        self._calls: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()  # binds a loop on use
 
     async def call(self, request: Any) -> Any:
         """A worker's call; returns the driver's answer."""
         call_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._waiting[call_id] = answer
-        self._queue().put_nowait((call_id, request))
+        self._calls.put_nowait((call_id, request))
         return await answer
 
     async def take(self, timeout_s: float) -> tuple[int, Any] | None:
         """The next call for the driver, or None after ``timeout_s``."""
         try:
-            return await asyncio.wait_for(self._queue().get(), timeout_s)
+            return await asyncio.wait_for(self._calls.get(), timeout_s)
         except asyncio.TimeoutError:
             return None
 
@@ -79,22 +76,6 @@ class Broker:
         waiting = self._waiting.pop(call_id, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(reply)
-
-
-def start_broker() -> Any:
-    """The broker actor, pinned to this (the driver's) node."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = ray.get_runtime_context().get_node_id()
-    return (
-        ray.remote(Broker)
-        .options(
-            num_cpus=0,
-            max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-        )
-        .remote()
-    )
 
 
 # -- the worker's side -------------------------------------------------------------------------
@@ -143,7 +124,7 @@ class RemoteDB:
     ``backend`` is the worker's own connection when the workers read the database."""
 
     def __init__(self, channel: Channel, backend: Any = None, uri: str = "ray-driver://") -> None:
-        self.channel, self.uri = channel, uri
+        self.uri = uri
         self.backend = backend if backend is not None else _Proxy(channel, "backend")
         self.metadata = _Proxy(channel, "metadata")
         self.artifacts = RemoteArtifacts(channel)
@@ -172,9 +153,22 @@ class DriverService:
     each at a time: the driver's memory is bounded by them) while ``TorchTrainer.fit()``
     blocks its main thread. ``extra`` adds the driver's own calls (``driver.<name>``)."""
 
-    def __init__(self, db: Any, extra: dict[str, Callable[..., Any]], *, threads: int = 2) -> None:
+    def __init__(
+        self, db: Datalayer, extra: dict[str, Callable[..., Any]], *, threads: int = 2
+    ) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         self.db, self.extra = db, extra
-        self.broker = start_broker()
+        here = ray.get_runtime_context().get_node_id()  # the broker runs on the driver's node
+        self.broker: Any = (
+            ray.remote(Broker)
+            .options(
+                num_cpus=0,
+                max_concurrency=1000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+            )
+            .remote()
+        )
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._serve, name=f"llmtrain-ray-driver-{i}", daemon=True)
@@ -222,19 +216,13 @@ class DriverService:
         if method not in SERVED.get(target, ()):
             raise DistributedError(f"a Ray worker asked for {target}.{method}, which is not served")
         if (target, method) == ("artifacts", "get_dir"):
-            folder = Path(tempfile.mkdtemp(prefix="llmtrain-ray-get-"))
-            try:
-                self.db.artifacts.get_dir(args[0], folder / "d")
-                return read_files(folder / "d")
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix="llmtrain-ray-get-") as folder:
+                self.db.artifacts.get_dir(args[0], Path(folder) / "d")
+                return read_files(Path(folder) / "d")
         if (target, method) == ("artifacts", "put_dir"):
-            folder = Path(tempfile.mkdtemp(prefix="llmtrain-ray-put-"))
-            try:
-                write_files(args[0], folder)
+            with tempfile.TemporaryDirectory(prefix="llmtrain-ray-put-") as folder:
+                write_files(args[0], Path(folder))
                 return self.db.artifacts.put_dir(folder)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
         return getattr(getattr(self.db, target), method)(*args, **kwargs)
 
 

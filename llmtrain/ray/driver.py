@@ -8,12 +8,11 @@ the model and marks the run, as :func:`llmtrain.training.launch.run_in_process` 
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
@@ -28,7 +27,8 @@ from llmtrain.training.callbacks import registered_callbacks
 from llmtrain.training.checkpoint import Checkpointer, verify
 from llmtrain.uri import redact_uri
 
-log = logging.getLogger("llmtrain.ray")
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 
 def storage_location(storage: str | None) -> tuple[str, Any]:
@@ -49,7 +49,7 @@ def storage_location(storage: str | None) -> tuple[str, Any]:
 class RayRun:
     """One attempt at training run ``run_id`` on Ray (a resume is another attempt)."""
 
-    def __init__(self, trainer: Any, db: Any, run_id: str, *, resume: bool | str) -> None:
+    def __init__(self, trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str) -> None:
         self.trainer, self.db, self.run_id, self.resume = trainer, db, run_id, resume
         self.config: RayConfig = trainer.config.ray_config
         self.name = f"llmtrain-{run_id[:12]}-{uuid.uuid4().hex[:8]}"
@@ -183,14 +183,13 @@ class RayRun:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def run_on_ray(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge: bool) -> Any:
+def run_on_ray(trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str, merge: bool) -> Any:
     """Train run ``run_id`` on Ray; returns the trained model. Joins the Ray instance this
     process has (or ``ray_config.address``'s); one it starts itself it also shuts down."""
     config: RayConfig = trainer.config.ray_config
-    started = False
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
-        started = True
     try:
         return RayRun(trainer, db, run_id, resume=resume).fit(merge=merge)
     finally:

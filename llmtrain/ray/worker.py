@@ -82,6 +82,7 @@ class RayCheckpointer(Checkpointer):
 
 def train_loop(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the TorchTrainer."""
+    from llmtrain import connect
     from llmtrain.datasets import RunSnapshot
     from llmtrain.training.launch import running_info, train_to_end
     from llmtrain.training.run import FitRun
@@ -96,7 +97,12 @@ def train_loop(config: dict[str, Any]) -> None:
         launched=True,
     )
     channel = Channel(config["broker"])
-    db = _database(channel)
+    # the driver's stores; the rows from the driver too, unless the workers may read the
+    # database themselves (the driver then hands its address over the channel, never in the
+    # worker's configuration)
+    address = channel.call("driver", "database")
+    own = None if address is None else connect(address)
+    db = RemoteDB(channel) if own is None else RemoteDB(channel, backend=own.backend, uri=own.uri)
     trainer = LLMTrainer.from_dict(config["trainer"])
     trainer.version = config["version"]
     trainer.data_snapshot = RunSnapshot.from_record(config["snapshot"])
@@ -132,16 +138,3 @@ def train_loop(config: dict[str, Any]) -> None:
         completed = True
     finally:
         run.cleanup(failed=not completed)
-
-
-def _database(channel: Channel) -> RemoteDB:
-    """The driver's stores; the rows from the driver too, unless the workers may read the
-    database themselves (then the driver hands its address over the channel, never in the
-    worker's configuration)."""
-    found = channel.call("driver", "database")
-    if found is None:
-        return RemoteDB(channel)
-    from llmtrain import connect
-
-    own = connect(found)
-    return RemoteDB(channel, backend=own.backend, uri=own.uri)

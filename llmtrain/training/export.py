@@ -26,14 +26,12 @@ from llmtrain.errors import ConfigError
 from llmtrain.training.args import ModelArguments
 
 MergeInto = Literal["trained", "base"]
-MERGE_NOTE = "llmtrain_merge.json"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def stable_adapter_config(folder: Path) -> None:
     """Rewrite PEFT's adapter_config.json with list-valued sets (``target_modules``) sorted,
     in PEFT's own format (indent 2, sorted keys): the same adapter, the same bytes."""
-    path = folder / ADAPTER_CONFIG
+    path = folder / "adapter_config.json"
     config = json.loads(path.read_text())
     for key in ("target_modules", "modules_to_save", "exclude_modules"):
         value = config.get(key)
@@ -42,55 +40,54 @@ def stable_adapter_config(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
-def check_new_folder(dest: Path, option: str) -> None:
+def check_new_folder(dest: str | Path, option: str) -> Path:
     """``dest`` must not exist, or be an empty folder (removed, so a copy can create it)."""
+    dest = Path(dest)
     if dest.exists():
         if not dest.is_dir() or any(dest.iterdir()):
             raise ConfigError(f"{option} {dest} already exists and is not an empty folder")
         dest.rmdir()
-
-
-def merge_base(args: ModelArguments, into: MergeInto) -> tuple[Any, str]:
-    """The full-precision base model on the CPU to merge an adapter into, and a description:
-    for a quantised base and ``into="trained"``, its weights are the dequantised ones the
-    adapter was trained against."""
-    from llmtrain.training.modeling import load_model
-
-    cpu = torch.device("cpu")
-    base = load_model(args, cpu, quantize=False)
-    if not args.bits or into == "base":
-        what = "full-precision base weights"
-        return base, what + (f" (not the {args.bits}-bit ones trained on)" if args.bits else "")
-    from peft.utils.integrations import dequantize_bnb_weight
-
-    quantized = load_model(args, cpu)
-    replaced = 0
-    for name, module in quantized.named_modules():
-        if type(module).__name__ not in {"Linear4bit", "Linear8bitLt"}:
-            continue
-        weight = dequantize_bnb_weight(module.weight, state=getattr(module, "state", None))
-        target = base.get_submodule(name).weight
-        with torch.no_grad():
-            target.copy_(weight.reshape(target.shape).to(target.dtype))
-        replaced += 1
-    if not replaced:
-        raise ConfigError(f"model_args.bits={args.bits} but the loaded base has no quantised layer")
-    return base, f"dequantised {args.bits}-bit base weights (what training saw)"
+    return dest
 
 
 def write_merged(
     args: ModelArguments, adapter_dir: Path, tokenizer: Any, dest: Path, into: MergeInto
 ) -> str:
     """Write base + adapter merged (safetensors) and the tokenizer to ``dest``; returns what
-    the adapter was merged into (also written to ``llmtrain_merge.json``)."""
+    the adapter was merged into (also written to ``llmtrain_merge.json``). The base is loaded
+    in full precision on the CPU; for a quantised base and ``into="trained"`` its weights are
+    replaced by the dequantised ones the adapter was trained against."""
     from peft import PeftModel
+
+    from llmtrain.training.modeling import load_model
 
     if into not in ("trained", "base"):
         raise ConfigError(f"merge into= must be 'trained' or 'base', not {into!r}")
-    base, what = merge_base(args, into)
+    cpu = torch.device("cpu")
+    base = load_model(args, cpu, quantize=False)
+    what = "full-precision base weights"
+    if args.bits and into == "base":
+        what += f" (not the {args.bits}-bit ones trained on)"
+    elif args.bits:
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        kinds = {"Linear4bit", "Linear8bitLt"}
+        layers = [
+            (n, m) for n, m in load_model(args, cpu).named_modules() if type(m).__name__ in kinds
+        ]
+        if not layers:
+            raise ConfigError(
+                f"model_args.bits={args.bits} but the loaded base has no quantised layer"
+            )
+        for name, module in layers:
+            weight = dequantize_bnb_weight(module.weight, state=getattr(module, "state", None))
+            target = base.get_submodule(name).weight
+            with torch.no_grad():
+                target.copy_(weight.reshape(target.shape).to(target.dtype))
+        what = f"dequantised {args.bits}-bit base weights (what training saw)"
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
     note = {"base": args.model_name_or_path, "into": into, "merged_into": what}
-    (dest / MERGE_NOTE).write_text(json.dumps(note, indent=2, sort_keys=True))
+    (dest / "llmtrain_merge.json").write_text(json.dumps(note, indent=2, sort_keys=True))
     return what

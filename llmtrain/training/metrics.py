@@ -78,26 +78,21 @@ def metric_problems(entries: Sequence[str], save_best_by: str | None) -> list[st
 
 
 def generate_batch(
-    model: Any, tokenizer: Any, prompts: Sequence[list[int]], max_new_tokens: int
+    model: Any, tokenizer: Any, prompts: Sequence[list[int]], max_new_tokens: int, **kwargs: Any
 ) -> list[str]:
-    """Greedy answers to prompts given as token ids, in one left-padded batch."""
+    """Answers (greedy unless ``kwargs`` say otherwise) to prompts given as token ids, in one
+    left-padded batch."""
     pad = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     device = next(model.parameters()).device
+    greedy = {"do_sample": False, "pad_token_id": pad, "eos_token_id": tokenizer.eos_token_id}
     with torch.no_grad():
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            do_sample=False,
             max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=tokenizer.eos_token_id,
+            **{**greedy, **kwargs},
         )
     return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
-
-
-def raw_rows(rows: list[tuple[Any, dict[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
-    """The eval loader's collate for generation: the (key, row) pairs as read."""
-    return rows

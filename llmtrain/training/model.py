@@ -148,54 +148,49 @@ class TrainedModel:
         if self.checkpoint is not None:
             from safetensors.torch import save_file
 
-            weights = self._checkpoint_weights(dest.parent)
+            weights = self._checkpoint_weights()
             save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
         stable_adapter_config(dest)
         return dest
 
-    def _checkpoint_weights(self, scratch: Path) -> dict[str, Any]:
+    def _checkpoint_weights(self) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         from llmtrain.training.checkpoint import verify
 
         assert self.checkpoint is not None
-        folder = scratch / "checkpoint"
-        self._require_db().artifacts.get_dir(self.checkpoint["artifact"], folder)
-        verify(folder)
-        weights = load_file(str(folder / "weights.safetensors"))
-        shutil.rmtree(folder, ignore_errors=True)
-        return weights
+        with tempfile.TemporaryDirectory(prefix="llmtrain-checkpoint-") as scratch:
+            folder = Path(scratch) / "checkpoint"
+            self._require_db().artifacts.get_dir(self.checkpoint["artifact"], folder)
+            verify(folder)
+            return load_file(str(folder / "weights.safetensors"))
 
     def load(self, device: str | None = None) -> tuple[Any, Any]:
         """``(model, tokenizer)``: the base model with the adapter, ready for generation."""
-        if self._loaded is None:
-            import torch
+        if self._loaded is not None:
+            return self._loaded
+        import torch
 
-            from llmtrain.training.modeling import load_model, load_tokenizer
+        from llmtrain.training.modeling import load_model, load_tokenizer
 
-            db = self._require_db()
-            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            folder = Path(tempfile.mkdtemp(prefix="llmtrain-model-"))
-            try:
-                if self.record.full_model:
-                    db.artifacts.get_dir(self._weights(), folder / "weights")
-                    args = self.record.base.model_copy(
-                        update={"model_name_or_path": str(folder / "weights")}
-                    )
-                    model, tokenizer = load_model(args, dev), load_tokenizer(args)
-                    if self.checkpoint is not None:
-                        model.load_state_dict(self._checkpoint_weights(folder))
-                else:
-                    from peft import PeftModel
+        db = self._require_db()
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        with tempfile.TemporaryDirectory(prefix="llmtrain-model-") as scratch:
+            weights = Path(scratch) / "weights"
+            if self.record.full_model:
+                db.artifacts.get_dir(self._weights(), weights)
+                args = self.record.base.model_copy(update={"model_name_or_path": str(weights)})
+                model, tokenizer = load_model(args, dev), load_tokenizer(args)
+                if self.checkpoint is not None:
+                    model.load_state_dict(self._checkpoint_weights())
+            else:
+                from peft import PeftModel
 
-                    tokenizer = load_tokenizer(self.record.base)
-                    base = load_model(self.record.base, dev)
-                    adapter = self._adapter_folder(folder / "weights")
-                    model = PeftModel.from_pretrained(base, adapter)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
-            model.eval()
-            self._loaded = (model, tokenizer)
+                tokenizer = load_tokenizer(self.record.base)
+                base = load_model(self.record.base, dev)
+                model = PeftModel.from_pretrained(base, self._adapter_folder(weights))
+        model.eval()
+        self._loaded = (model, tokenizer)
         return self._loaded
 
     # -- several adapters on one base ------------------------------------------------------------
@@ -226,11 +221,10 @@ class TrainedModel:
                     f"{mine.model_name_or_path!r}: its adapter cannot share the base"
                 )
             name = f"adapter_{len(self._adapters)}"
-            folder = Path(tempfile.mkdtemp(prefix="llmtrain-adapter-"))
-            try:
-                model.load_adapter(str(loaded._adapter_folder(folder / "a")), adapter_name=name)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix="llmtrain-adapter-") as scratch:
+                model.load_adapter(
+                    str(loaded._adapter_folder(Path(scratch) / "a")), adapter_name=name
+                )
             self._adapters[loaded.identifier] = (name, loaded.record)
         model.eval()
         return self
@@ -252,14 +246,9 @@ class TrainedModel:
         self._active = identifier
         return self
 
-    def _active_record(self) -> ModelRecord:
-        if self._active is None:
-            return self.record
-        return self._adapters[self._active][1]
-
     def formatter(self) -> Formatter:
         """The training prompt format of the active adapter, built once per loaded model."""
-        record = self._active_record()
+        record = self.record if self._active is None else self._adapters[self._active][1]
         if record.identifier not in self._formatters:
             from llmtrain.formatting import Formatter
 
@@ -281,25 +270,18 @@ class TrainedModel:
         max_new_tokens: int = 64,  # noqa: N803
         **generate_kwargs: Any,
     ) -> str | list[str]:
-        """Responses to ``X`` rendered with the training prompt; greedy unless told otherwise."""
-        import torch
+        """Responses to ``X`` rendered with the training prompt, one prompt at a time; greedy
+        unless told otherwise."""
+        from llmtrain.training.metrics import generate_batch
 
         model, tokenizer = self.load()
         formatter = self.formatter()
-        prompts = [X] if isinstance(X, str) else list(X)
-        outputs = []
-        for prompt in prompts:
-            ids = torch.tensor([formatter.prompt_ids(prompt)], device=model.device)
-            kwargs = {
-                "do_sample": False,
-                "max_new_tokens": max_new_tokens,
-                "pad_token_id": tokenizer.pad_token_id,
-                "eos_token_id": tokenizer.eos_token_id,
-                **generate_kwargs,
-            }
-            with torch.no_grad():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-            outputs.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+        outputs = [
+            generate_batch(
+                model, tokenizer, [formatter.prompt_ids(x)], max_new_tokens, **generate_kwargs
+            )[0]
+            for x in ([X] if isinstance(X, str) else X)
+        ]
         return outputs[0] if isinstance(X, str) else outputs
 
     def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803
@@ -312,9 +294,7 @@ class TrainedModel:
         ``PeftModel.from_pretrained`` and vLLM's ``--lora-modules`` load)."""
         from llmtrain.training.export import check_new_folder
 
-        dest = Path(dest)
-        check_new_folder(dest, "adapter destination")
-        return self._adapter_folder(dest)
+        return self._adapter_folder(check_new_folder(dest, "adapter destination"))
 
     def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
         """Write the base with the adapter merged in, and the tokenizer, in safetensors to the
@@ -325,16 +305,11 @@ class TrainedModel:
         from llmtrain.training.export import check_new_folder, write_merged
         from llmtrain.training.modeling import load_tokenizer
 
-        dest = Path(dest)
-        check_new_folder(dest, "merged destination")
-        folder = Path(tempfile.mkdtemp(prefix="llmtrain-export-"))
-        try:
-            adapter = self._adapter_folder(folder / "adapter")
-            return write_merged(
-                self.record.base, adapter, load_tokenizer(self.record.base), dest, into
-            )
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        dest = check_new_folder(dest, "merged destination")
+        with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
+            adapter = self._adapter_folder(Path(scratch) / "adapter")
+            base = self.record.base
+            return write_merged(base, adapter, load_tokenizer(base), dest, into)
 
     def merge(
         self, dest: str | Path | None = None, *, store: bool = True, into: MergeInto = "trained"
@@ -347,14 +322,12 @@ class TrainedModel:
         db = self._require_db()
         if self.record.full_model:
             raise ConfigError("this model was fully fine-tuned: there is no adapter to merge")
-        folder = Path(tempfile.mkdtemp(prefix="llmtrain-merge-"))
-        try:
-            self.export_merged(folder / "merged", into=into)
-            artifact = db.artifacts.put_dir(folder / "merged")
+        with tempfile.TemporaryDirectory(prefix="llmtrain-merge-") as scratch:
+            merged = Path(scratch) / "merged"
+            self.export_merged(merged, into=into)
+            artifact = db.artifacts.put_dir(merged)
             if dest is not None:
-                shutil.copytree(folder / "merged", dest, dirs_exist_ok=False)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+                shutil.copytree(merged, dest, dirs_exist_ok=False)
         self.record = self.record.model_copy(update={"merged": artifact})
         if store:
             db.add(self)

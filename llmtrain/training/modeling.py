@@ -3,6 +3,7 @@ gradient checkpointing)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -18,15 +19,16 @@ log = logging.getLogger("llmtrain.training")
 
 # The attention and MLP projections of common decoder architectures.
 _DEFAULT_TARGETS: dict[str, list[str]] = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "gemma": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    **dict.fromkeys(
+        ("llama", "mistral", "qwen2", "gemma"),
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
     "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
     "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],
-    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
-    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    **dict.fromkeys(
+        ("gpt_neox", "falcon"), ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+    ),
 }
 
 
@@ -35,6 +37,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # How long the hub gets to answer before a name that is not a local folder is refused: a
 # mistyped path otherwise spends ~48 s in transformers' retries against an unreachable hub.
 HUB_CHECK_TIMEOUT_S = 3.0
+_TRUE = {"1", "true", "yes", "on"}
 
 
 def check_model_path(
@@ -69,30 +72,22 @@ def check_model_path(
     local = name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name
     if local or name.count("/") > 1:
         raise ConfigError(f"model_args.model_name_or_path: no model folder at {name!r}")
-    offline = _hub_offline()
-    if offline is None:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    endpoint = constants.ENDPOINT
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        offline = "the hub is offline (HF_HUB_OFFLINE is set)"
+    elif not _reachable(endpoint):
+        offline = f"the hub {endpoint} is unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s)"
+    else:
         return {}
-    if _in_hub_cache(name, revision):
-        return {"local_files_only": True}
+    with contextlib.suppress(ValueError):  # ValueError: not a valid repo id
+        if isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str):
+            return {"local_files_only": True}
     raise ConfigError(
         f"model_args.model_name_or_path: {name!r} is not a local folder and {offline}, "
         "so it cannot be downloaded (and it is not in the Hugging Face cache)"
     )
-
-
-def _hub_offline() -> str | None:
-    """Why the hub cannot be asked (``None``: it can)."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
-        return "the hub is offline (HF_HUB_OFFLINE is set)"
-    endpoint = constants.ENDPOINT
-    if not _reachable(endpoint):
-        return f"the hub {endpoint} is unreachable (no answer within {HUB_CHECK_TIMEOUT_S:g} s)"
-    return None
-
-
-_TRUE = {"1", "true", "yes", "on"}
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,15 +114,6 @@ def _reachable(endpoint: str) -> bool:
     thread.start()
     thread.join(HUB_CHECK_TIMEOUT_S + 0.5)
     return bool(result and result[0])
-
-
-def _in_hub_cache(name: str, revision: str | None) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        return isinstance(try_to_load_from_cache(name, "config.json", revision=revision), str)
-    except ValueError:  # not a valid repo id
-        return False
 
 
 def load_tokenizer(args: ModelArguments) -> Any:
@@ -192,7 +178,8 @@ def load_model(
     }
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
-    if quantize and args.bits:
+    quantized = quantize and bool(args.bits)
+    if quantized:
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
@@ -200,7 +187,7 @@ def load_model(
         kwargs["quantization_config"] = quantization_config(args, precision.quant_compute)
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model: Any = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
-    if not (quantize and args.bits):
+    if not quantized:
         model.to(device)
     return model
 
@@ -218,9 +205,9 @@ def linear_module_names(model: Any) -> list[str]:
 
 def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
     """The configured targets, checked against the model, or the architecture's default."""
-    available = linear_module_names(model)
     if lora.target_modules == "all-linear":
         return "all-linear"
+    available = linear_module_names(model)
     targets = lora.target_modules
     if targets is None:
         targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
@@ -240,13 +227,10 @@ def prepare_for_training(
     model: Any, lora: LoraArguments | None, *, quantized: bool, gradient_checkpointing: bool
 ) -> Any:
     """The model as the loop trains it: the only place gradient checkpointing is switched
-    on (k-bit preparation does it for a quantised base), then the adapter if any."""
+    on (k-bit preparation does it for a quantised base), then the LoRA/DoRA adapter (PEFT)
+    if any: only the adapter trains."""
     kwargs = {"use_reentrant": False}
-    if lora is None:
-        if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return model
-    if quantized:
+    if lora is not None and quantized:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
@@ -256,8 +240,24 @@ def prepare_for_training(
         )
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
-    return apply_adapter(model, lora)
+        if lora is not None:
+            model.enable_input_require_grads()  # the frozen embeddings' output must carry grads
+    if lora is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, takes floats
+        lora_dropout=lora.lora_dropout,
+        target_modules=target_modules_for(model, lora),
+        bias=lora.bias,
+        use_dora=lora.use_dora,
+        use_rslora=lora.use_rslora,
+        modules_to_save=lora.modules_to_save,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
 
 
 def compile_layers(model: Any) -> int:
@@ -275,21 +275,3 @@ def compile_layers(model: Any) -> int:
     for layer in layers:
         layer.compile()
     return len(layers)
-
-
-def apply_adapter(model: Any, lora: LoraArguments) -> Any:
-    """Wrap ``model`` with a LoRA/DoRA adapter (PEFT); only the adapter trains."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, takes floats
-        lora_dropout=lora.lora_dropout,
-        target_modules=target_modules_for(model, lora),
-        bias=lora.bias,
-        use_dora=lora.use_dora,
-        use_rslora=lora.use_rslora,
-        modules_to_save=lora.modules_to_save,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)

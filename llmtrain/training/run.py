@@ -424,12 +424,12 @@ class FitRun:
         mean over the rows of every rank; {} without eval_metrics."""
         if not self.metrics or self._eval_dataset() is None:
             return {}
-        from llmtrain.training.metrics import generate_batch, raw_rows
+        from llmtrain.training.metrics import generate_batch
 
         s, fit, t = self.strategy, self.config.fit, self.targs
         ds = self._eval_data
         ds.position.restore(0, 0)
-        loader = ds.loader(t.per_device_eval_batch_size, collate_fn=raw_rows, with_keys=True)
+        loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
         model = s.unwrap(self.model)
         limit = self.dargs.max_length
