@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, RunSnapshot
-from llmtrain.datasets.snapshot import Split, held_out, key_repr
+from llmtrain.datasets.snapshot import Split, key_repr
 from llmtrain.formatting import (
     IGNORE_INDEX,
     Example,
@@ -35,16 +35,6 @@ from llmtrain.formatting import (
 )
 from llmtrain.queries import Query
 from llmtrain.training.args import DataArguments
-
-__all__ = [
-    "Collate",
-    "TrainBatches",
-    "held_out",
-    "make_collate",
-    "pad_group",
-    "to_device",
-    "view_dataset",
-]
 
 
 @dataclass
@@ -208,8 +198,7 @@ class TrainBatches:
                 yield group
             return
         for group in batches:
-            missing = (self.agree(len(group)) if self.agree else len(group)) - len(group)
-            yield group + [_empty_like(group[0])] * missing
+            yield pad_group(group, self.agree(len(group))) if self.agree else group
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""
