@@ -16,9 +16,7 @@ def scheme_of(uri: str) -> str:
 
 
 def is_mongo_uri(uri: str) -> bool:
-    return scheme_of(uri) in {"mongodb", "mongodb+srv", "mongomock"} or uri.startswith(
-        "mongodb+srv://"
-    )
+    return scheme_of(uri) in {"mongodb", "mongomock"}  # mongodb+srv: scheme_of drops +srv
 
 
 def redact_uri(uri: str) -> str:

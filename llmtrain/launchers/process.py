@@ -59,11 +59,10 @@ class WorkerJob:
         *,
         timeout_s: float | None = None,
         echo: IO[str] | None = None,
-        echo_err: IO[str] | None = None,
     ) -> None:
+        """``echo``: where the job's output goes (default: stdout and stderr, as written)."""
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
-        self.echo = echo if echo is not None else sys.stdout
-        self.echo_err = echo_err if echo_err is not None else (echo or sys.stderr)
+        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.worker_pids: set[int] = set()
         self.proc: subprocess.Popen[str] | None = None

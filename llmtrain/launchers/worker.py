@@ -28,12 +28,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--resume", type=json.loads, default=False)
     parser.add_argument("--merge", action="store_true")
-    parser.add_argument(
-        "--local_rank",
-        type=int,
-        default=None,  # the deepspeed launcher's
-        help=argparse.SUPPRESS,
-    )
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
     return parser.parse_args(argv)
 
 
