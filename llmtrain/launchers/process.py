@@ -25,14 +25,6 @@ GRACE_S = 3.0
 TAIL_LINES = 200
 
 
-def pid_file(job_dir: Path, rank: int | str) -> Path:
-    return job_dir / "pids" / f"rank{rank}"
-
-
-def error_file(job_dir: Path, rank: int | str) -> Path:
-    return job_dir / "errors" / f"rank{rank}.txt"
-
-
 def alive(pid: int) -> bool:
     """Running (a zombie has finished: it only waits for its parent to reap it)."""
     try:
