@@ -28,7 +28,6 @@ from llmtrain.errors import ConfigError
 from llmtrain.training.spec import FitSpec
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-_FLOATS = ("float32", "bfloat16", "float16")
 
 
 if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
@@ -607,7 +606,7 @@ def quantization_problems(
                 "unquantised base with FSDP2"
             )
         if quant_storage is not None and (
-            quant_storage not in _FLOATS
+            quant_storage not in ("float32", "bfloat16", "float16")
             or (compute_dtype is not None and quant_storage != compute_dtype)
         ):
             problems.append(
