@@ -7,6 +7,7 @@ only ever become one of these classes, validated by pydantic; never unpickled co
 
 from __future__ import annotations
 
+import importlib
 import re
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
@@ -50,19 +51,13 @@ def register_component(cls: type[T]) -> type[T]:
 
 def component_class(type_id: str) -> type[Any]:
     if type_id not in _registry:
-        _load_builtin_components()
+        # the modules that register the built-in types: an ImportError here is real (a
+        # missing dependency) and surfaces as itself, never as "unknown component type"
+        for module in ("llmtrain.training.trainer", "llmtrain.training.model"):
+            importlib.import_module(module)
     try:
         return _registry[type_id]
     except KeyError:
         raise StoreError(
             f"unknown component type {type_id!r}; known: {sorted(_registry)}"
         ) from None
-
-
-def _load_builtin_components() -> None:
-    """Import the modules that register the built-in component types. An ImportError here is
-    real (a missing dependency) and surfaces as itself, never as "unknown component type"."""
-    import importlib
-
-    for module in ("llmtrain.training.trainer", "llmtrain.training.model"):
-        importlib.import_module(module)

@@ -16,9 +16,7 @@ def scheme_of(uri: str) -> str:
 
 
 def is_mongo_uri(uri: str) -> bool:
-    return scheme_of(uri) in {"mongodb", "mongodb+srv", "mongomock"} or uri.startswith(
-        "mongodb+srv://"
-    )
+    return scheme_of(uri) in {"mongodb", "mongomock"}  # mongodb+srv: scheme_of drops +srv
 
 
 def redact_uri(uri: str) -> str:
@@ -26,19 +24,13 @@ def redact_uri(uri: str) -> str:
     if "://" not in uri:
         return uri
     parts = urlsplit(uri)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            user = userinfo.split(":", 1)[0]
-            netloc = f"{user}:{REDACTED}@{host}"
-    query = parts.query
-    if query:
-        pairs = [
-            (k, REDACTED if _SECRET_PARAMS.search(k) else v)
-            for k, v in parse_qsl(query, keep_blank_values=True)
-        ]
-        query = urlencode(pairs, safe="*")
+    userinfo, _, host = parts.netloc.rpartition("@")
+    netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in userinfo else parts.netloc
+    pairs = [
+        (k, REDACTED if _SECRET_PARAMS.search(k) else v)
+        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+    ]
+    query = urlencode(pairs, safe="*") if parts.query else ""
     if netloc == parts.netloc and query == parts.query:
         return uri  # nothing secret; urlunsplit would turn sqlite:///x.db into sqlite:/x.db
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from importlib import metadata
 
@@ -21,8 +22,6 @@ _PACKAGES = (
 def library_versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for name in _PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
     return found

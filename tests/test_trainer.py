@@ -263,7 +263,7 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
 
 def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
 
-    from llmtrain.training.data import held_out
+    from llmtrain.datasets import held_out
 
     trace = KeyTrace()
     trainer = _trainer(

@@ -16,29 +16,29 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.errors import DistributedError
-from llmtrain.launchers.command import WorkerCommand, build_command, free_port
+from llmtrain.launchers.command import build_command, free_port
 from llmtrain.launchers.process import WorkerJob
 from llmtrain.placement import Placement
-from llmtrain.training.args import Launcher
 
-__all__ = [
-    "DistributedError",
-    "Launcher",
-    "WorkerCommand",
-    "build_command",
-    "execute",
-    "free_port",
-    "launch_workers",
-]
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
+__all__ = ["build_command", "execute", "free_port", "launch_workers"]
 
 
 def execute(
-    trainer: Any, db: Any, run_id: str, placement: Placement, *, resume: bool | str, merge: bool
+    trainer: Any,
+    db: Datalayer,
+    run_id: str,
+    placement: Placement,
+    *,
+    resume: bool | str,
+    merge: bool,
 ) -> Any:
     """Train run ``run_id``: in worker processes when the trainer has a launcher and this
     process is not already one of its workers, else right here."""
@@ -53,9 +53,8 @@ def execute(
     if launcher is not None and launcher.kind != "python" and not placement.launched:
         return launch_workers(trainer, db, run_id, resume=resume, merge=merge)
     strategy = strategy_for(trainer.config, placement)
-    if placement.launched:  # the launcher owns its workers' signals
-        return run_in_process(trainer, db, run_id, strategy, resume=resume, merge=merge)
-    with sigterm_as_interrupt():
+    # the launcher owns its workers' signals
+    with nullcontext() if placement.launched else sigterm_as_interrupt():
         return run_in_process(trainer, db, run_id, strategy, resume=resume, merge=merge)
 
 
@@ -77,7 +76,9 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_workers(trainer: Any, db: Any, run_id: str, *, resume: bool | str, merge: bool) -> Any:
+def launch_workers(
+    trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str, merge: bool
+) -> Any:
     """Train run ``run_id`` of the stored ``trainer`` in worker processes; return its model.
 
     On failure the run is marked failed with the first failing rank's error, every worker

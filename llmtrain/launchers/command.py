@@ -12,10 +12,13 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
 from llmtrain.training.args import Launcher
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 DB_ENV = "LLMTRAIN_DB_URI"
 METADATA_ENV = "LLMTRAIN_METADATA_URI"
@@ -36,7 +39,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def artifacts_location(db: Any) -> str:
+def artifacts_location(db: Datalayer) -> str:
     """A spec a worker can reopen the same artifact store from: a folder, ``gridfs`` or an
     fsspec URL (which carries no credentials: workers find theirs in the environment)."""
     from llmtrain.artifacts import LocalArtifactStore, is_url
@@ -60,64 +63,26 @@ def artifacts_location(db: Any) -> str:
     )
 
 
-def worker_env(db: Any, job_dir: Path) -> dict[str, str]:
-    return {
-        DB_ENV: db.secret_uri(),
-        METADATA_ENV: db.secret_metadata_uri(),
-        ARTIFACTS_ENV: artifacts_location(db),
-        JOB_ENV: str(job_dir),
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def worker_args(
-    trainer_id: str, version: int, run_id: str, *, resume: bool | str, merge: bool
-) -> list[str]:
-    args = [
-        "--trainer",
-        trainer_id,
-        "--version",
-        str(version),
-        "--run-id",
-        run_id,
-        "--resume",
-        json.dumps(resume),
-    ]
-    return [*args, "--merge"] if merge else args
+def _flags(**values: object) -> list[str]:
+    """``--name value`` pairs, in the order given."""
+    return [item for name, value in values.items() for item in (f"--{name}", str(value))]
 
 
 def launcher_argv(launcher: Launcher, port: int) -> list[str]:
     """``torchrun`` or ``deepspeed`` (as ``python -m``, so this interpreter) up to the module."""
-    n = str(launcher.num_processes)
     if launcher.kind == "torchrun":
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            n,
-            "--nnodes",
-            str(launcher.num_nodes),
-            "--node_rank",
-            str(launcher.node_rank),
-            "--master_addr",
-            launcher.master_addr,
-            "--master_port",
-            str(port),
-            "--max_restarts",
-            "0",
-            "-m",
-        ]
+        flags = _flags(
+            nproc_per_node=launcher.num_processes,
+            nnodes=launcher.num_nodes,
+            node_rank=launcher.node_rank,
+            master_addr=launcher.master_addr,
+            master_port=port,
+            max_restarts=0,
+        )
+        return [sys.executable, "-m", "torch.distributed.run", *flags, "-m"]
     if launcher.kind == "deepspeed":
-        argv = [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            "--num_gpus",
-            n,
-            "--master_port",
-            str(port),
-        ]
+        argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
+        argv += _flags(num_gpus=launcher.num_processes, master_port=port)
         if launcher.hostfile:
             argv += ["--hostfile", launcher.hostfile]
         if launcher.num_nodes > 1:
@@ -132,7 +97,7 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
 
 def build_command(
     launcher: Launcher,
-    db: Any,
+    db: Datalayer,
     job_dir: Path,
     *,
     trainer_id: str,
@@ -141,12 +106,19 @@ def build_command(
     resume: bool | str,
     merge: bool,
 ) -> WorkerCommand:
-    port = launcher.master_port  # set for several nodes: Launcher's validator sees to it
-    if port is None:
-        port = free_port(launcher.master_addr)
+    # master_port (>= 1) is set for several nodes: Launcher's validator sees to it
+    port = launcher.master_port or free_port(launcher.master_addr)
     argv = [
         *launcher_argv(launcher, port),
         WORKER_MODULE,
-        *worker_args(trainer_id, version, run_id, resume=resume, merge=merge),
+        *("--trainer", trainer_id, "--version", str(version), "--run-id", run_id),
+        *("--resume", json.dumps(resume), *(["--merge"] if merge else [])),
     ]
-    return WorkerCommand(argv, worker_env(db, job_dir))
+    env = {
+        DB_ENV: db.secret_uri(),
+        METADATA_ENV: db.secret_metadata_uri(),
+        ARTIFACTS_ENV: artifacts_location(db),
+        JOB_ENV: str(job_dir),
+        "PYTHONUNBUFFERED": "1",
+    }
+    return WorkerCommand(argv, env)

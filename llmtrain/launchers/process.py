@@ -25,14 +25,6 @@ GRACE_S = 3.0
 TAIL_LINES = 200
 
 
-def pid_file(job_dir: Path, rank: int | str) -> Path:
-    return job_dir / "pids" / f"rank{rank}"
-
-
-def error_file(job_dir: Path, rank: int | str) -> Path:
-    return job_dir / "errors" / f"rank{rank}.txt"
-
-
 def alive(pid: int) -> bool:
     """Running (a zombie has finished: it only waits for its parent to reap it)."""
     try:
@@ -59,11 +51,10 @@ class WorkerJob:
         *,
         timeout_s: float | None = None,
         echo: IO[str] | None = None,
-        echo_err: IO[str] | None = None,
     ) -> None:
+        """``echo``: where the job's output goes (default: stdout and stderr, as written)."""
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
-        self.echo = echo if echo is not None else sys.stdout
-        self.echo_err = echo_err if echo_err is not None else (echo or sys.stderr)
+        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.worker_pids: set[int] = set()
         self.proc: subprocess.Popen[str] | None = None

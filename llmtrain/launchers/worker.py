@@ -17,7 +17,6 @@ from pathlib import Path
 
 from llmtrain.console import QUIET_ENV, quieted
 from llmtrain.launchers.command import ARTIFACTS_ENV, DB_ENV, JOB_ENV, METADATA_ENV
-from llmtrain.launchers.process import error_file, pid_file
 from llmtrain.placement import Placement
 
 
@@ -28,12 +27,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--resume", type=json.loads, default=False)
     parser.add_argument("--merge", action="store_true")
-    parser.add_argument(
-        "--local_rank",
-        type=int,
-        default=None,  # the deepspeed launcher's
-        help=argparse.SUPPRESS,
-    )
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
     return parser.parse_args(argv)
 
 
@@ -68,14 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     rank = placement.rank
     job_dir = Path(os.environ[JOB_ENV]) if os.environ.get(JOB_ENV) else None
     if job_dir is not None:
-        pid_file(job_dir, rank).write_text(str(os.getpid()))
+        (job_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     try:
         with quieted(os.environ.get(QUIET_ENV) == "1"):  # as quiet as the fit that launched it
             train(args, placement)
     except BaseException as exc:
         text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
         if job_dir is not None:
-            path = error_file(job_dir, rank)
+            path = job_dir / "errors" / f"rank{rank}.txt"
             path.with_suffix(".tmp").write_text(text)
             path.with_suffix(".tmp").replace(path)  # whole, or not at all
         print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)

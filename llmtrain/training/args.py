@@ -12,7 +12,7 @@ adding its model here and one field to ``TrainerConfig``.
 from __future__ import annotations
 
 import typing
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -28,12 +28,6 @@ from llmtrain.errors import ConfigError
 from llmtrain.training.spec import FitSpec
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-_FLOATS = ("float32", "bfloat16", "float16")
-
-
-def _flat(alias: str) -> dict[str, Any]:
-    """Marks a field's extra flat keyword for ``LLMTrainer(...)`` (``lora_r=`` for ``r``)."""
-    return {"flat": alias}
 
 
 if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
@@ -64,23 +58,15 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
         except ValidationError as exc:
             raise ConfigError(describe(type(self).__name__, exc)) from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
     @model_serializer(mode="wrap")
     def _omit_unset_new_fields(self, handler: Any) -> dict[str, Any]:
         """A field added after 0.1.0 (marked ``since``) stays out of the record while it
         holds its default: stored records round-trip unchanged."""
         data = handler(self)
         for name, info in type(self).model_fields.items():
-            extra = info.json_schema_extra
-            if isinstance(extra, dict) and "since" in extra and getattr(self, name) == info.default:
+            if "since" in _extra(info) and getattr(self, name) == info.default:
                 data.pop(name, None)
         return data
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Any:
-        return build(cls, data)
 
 
 def build(cls: type[BaseModel], data: dict[str, Any], where: str | None = None) -> Any:
@@ -106,7 +92,7 @@ def describe(where: str, exc: ValidationError) -> str:
 class ModelArguments(_Args):
     """Which base model, and how to load it (quantisation, dtype, attention)."""
 
-    model_name_or_path: str = Field(min_length=1, json_schema_extra=_flat("model"))
+    model_name_or_path: str = Field(min_length=1, json_schema_extra={"flat": "model"})
     """A hub id or a local model folder."""
     bits: Literal[4, 8] | None = None
     """Quantise the frozen base weights with bitsandbytes (QLoRA)."""
@@ -131,7 +117,7 @@ class ModelArguments(_Args):
 class LoraArguments(_Args):
     """The adapter: LoRA, or DoRA with ``use_dora``."""
 
-    r: int = Field(default=8, ge=1, le=4096, json_schema_extra=_flat("lora_r"))
+    r: int = Field(default=8, ge=1, le=4096, json_schema_extra={"flat": "lora_r"})
     """Adapter rank."""
     lora_alpha: float = Field(default=16, gt=0)
     """Scale: the update is multiplied by alpha/r."""
@@ -170,11 +156,13 @@ class TrainingArguments(_Args):
     """Warmup length in optimizer steps."""
     warmup_ratio: float = Field(default=0.0, ge=0, le=1)
     """Warmup as a share of all steps."""
-    num_train_epochs: int = Field(default=1, ge=1, json_schema_extra=_flat("epochs"))
+    num_train_epochs: int = Field(default=1, ge=1, json_schema_extra={"flat": "epochs"})
     """Passes over the rows (when max_steps is -1)."""
     max_steps: int = -1
     """Optimizer steps; -1 runs num_train_epochs."""
-    per_device_train_batch_size: int = Field(default=4, ge=1, json_schema_extra=_flat("batch_size"))
+    per_device_train_batch_size: int = Field(
+        default=4, ge=1, json_schema_extra={"flat": "batch_size"}
+    )
     """Rows per micro-batch on each process."""
     per_device_eval_batch_size: int = Field(default=8, ge=1)
     """Rows per evaluation batch."""
@@ -202,28 +190,15 @@ class TrainingArguments(_Args):
         default=[], json_schema_extra={"since": "0.2"}
     )
     """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
-    eval_metrics: list[str] = Field(
-        default=[],
-        json_schema_extra={"since": "0.2"},
-    )
+    eval_metrics: list[str] = Field(default=[], json_schema_extra={"since": "0.2"})
     """Score the eval rows by greedy generation: 'exact_match', 'contains', or a function
     (prediction, reference) -> float named 'package.module:function'."""
-    eval_max_new_tokens: int = Field(
-        default=32,
-        ge=1,
-        json_schema_extra={"since": "0.2"},
-    )
+    eval_max_new_tokens: int = Field(default=32, ge=1, json_schema_extra={"since": "0.2"})
     """Tokens generated per eval row for eval_metrics (greedy)."""
-    save_best_by: str | None = Field(
-        default=None,
-        json_schema_extra={"since": "0.2"},
-    )
+    save_best_by: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
     """Keep the checkpoint with the best 'eval_loss' or eval metric besides the newest ones
     (db.load('model', name, checkpoint='best'))."""
-    greater_is_better: bool | None = Field(
-        default=None,
-        json_schema_extra={"since": "0.2"},
-    )
+    greater_is_better: bool | None = Field(default=None, json_schema_extra={"since": "0.2"})
     """Direction of save_best_by; None: lower for a loss, higher for a metric."""
     torch_compile: bool = Field(default=False, json_schema_extra={"since": "0.2"})
     """torch.compile each decoder layer (single process and DDP; not with bits, FSDP or
@@ -417,27 +392,6 @@ class RayConfig(_Args):
         return self
 
 
-def _compile_problems(config: TrainerConfig) -> list[str]:
-    """Where ``torch_compile`` cannot work: quantised linear layers (bitsandbytes' kernels
-    break the graph at every layer), FSDP2 and DeepSpeed (their parameter hooks around the
-    layers are not compiled with them here; untested, so refused rather than silently slow
-    or wrong)."""
-    where = [
-        name
-        for name, on in (
-            ("model_args.bits", bool(config.model_args.bits)),
-            ("fsdp_config", config.fsdp_config is not None),
-            ("deepspeed_config", config.deepspeed_config is not None),
-        )
-        if on
-    ]
-    return [
-        f"training_args.torch_compile=True with {name}: compile works in a single process "
-        "or under DDP on an unquantised model; drop one of them"
-        for name in where
-    ]
-
-
 class TrainerConfig(_Args):
     """Everything a trainer is; stored as JSON, validated on the way back.
 
@@ -445,10 +399,6 @@ class TrainerConfig(_Args):
     ``LLMTrainer``'s flat keywords; ``None`` for an optional section means "not used"
     (``lora_args=None``: fine-tune every weight).
     """
-
-    #: not options a user sets: the name is positional (``name:`` in a file), ``fit`` is
-    #: written by fit() from its X, Y and select arguments
-    RECORD_ONLY: ClassVar[tuple[str, ...]] = ("identifier", "fit")
 
     identifier: str
     """The trainer's name in the metadata store."""
@@ -490,8 +440,9 @@ class TrainerConfig(_Args):
 
     @classmethod
     def options(cls) -> list[str]:
-        """Every top-level option a user sets: the sections and the scalars."""
-        return [name for name in cls.model_fields if name not in cls.RECORD_ONLY]
+        """Every top-level option a user sets: not the name (positional; ``name:`` in a file),
+        nor ``fit`` (written by fit() from its X, Y and select arguments)."""
+        return [name for name in cls.model_fields if name not in ("identifier", "fit")]
 
     @classmethod
     def flat_keywords(cls) -> dict[str, tuple[str, str]]:
@@ -501,9 +452,7 @@ class TrainerConfig(_Args):
             if not _extra(cls.model_fields[section]).get("flat"):
                 continue
             for name, field in model.model_fields.items():
-                for keyword in (name, _extra(field).get("flat")):
-                    if keyword is None:
-                        continue
+                for keyword in filter(None, (name, _extra(field).get("flat"))):
                     if keyword in out:
                         raise TypeError(
                             f"flat keyword {keyword!r} names both "
@@ -538,7 +487,19 @@ class TrainerConfig(_Args):
         problems += self._evaluation_problems()
         m = self.model_args
         if self.training_args.torch_compile:
-            problems += _compile_problems(self)
+            # quantised linear layers: bitsandbytes' kernels break the graph at every layer;
+            # FSDP2, DeepSpeed: their parameter hooks are not compiled with the layers here
+            # (untested, so refused rather than silently slow or wrong)
+            problems += [
+                f"training_args.torch_compile=True with {name}: compile works in a single "
+                "process or under DDP on an unquantised model; drop one of them"
+                for name, on in (
+                    ("model_args.bits", m.bits),
+                    ("fsdp_config", self.fsdp_config is not None),
+                    ("deepspeed_config", self.deepspeed_config is not None),
+                )
+                if on
+            ]
         if m.bits and self.lora_args is None:
             problems.append(
                 f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
@@ -559,19 +520,9 @@ class TrainerConfig(_Args):
     def _evaluation_problems(self) -> list[str]:
         """What eval_metrics and save_best_by need: rows to evaluate on (known once fit() has
         named its selections), and the whole model on each process to generate with."""
-        t, problems = self.training_args, []
-        wanted = [
-            f"training_args.{name}"
-            for name, value in (("eval_metrics", t.eval_metrics), ("save_best_by", t.save_best_by))
-            if value
-        ]
-        fit = self.fit
-        if (
-            wanted
-            and fit is not None
-            and fit.eval_select is None
-            and self.data_args.eval_fraction <= 0
-        ):
+        t, fit, problems = self.training_args, self.fit, []
+        wanted = [f"training_args.{n}" for n in ("eval_metrics", "save_best_by") if getattr(t, n)]
+        if wanted and fit and fit.eval_select is None and self.data_args.eval_fraction <= 0:
             problems.append(
                 f"{' and '.join(wanted)} need rows to evaluate on: pass fit(eval_select=) "
                 "or set data_args.eval_fraction > 0"
@@ -587,14 +538,14 @@ class TrainerConfig(_Args):
         return problems
 
     def _template_problems(self) -> list[str]:
-        chat = self.data_args.chat_template
-        if chat and self.prompt_template is not None:
-            return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if self.prompt_template is None:
-            needed = (
+            if self.data_args.chat_template:
+                return []
+            return [
                 "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
-            )
-            return [] if chat else [needed]
+            ]
+        if self.data_args.chat_template:
+            return ["prompt_template and data_args.chat_template=True: give one, not both"]
         from llmtrain.formatting.template import PromptTemplate
 
         try:
@@ -655,7 +606,7 @@ def quantization_problems(
                 "unquantised base with FSDP2"
             )
         if quant_storage is not None and (
-            quant_storage not in _FLOATS
+            quant_storage not in ("float32", "bfloat16", "float16")
             or (compute_dtype is not None and quant_storage != compute_dtype)
         ):
             problems.append(

@@ -17,14 +17,14 @@ collectives stay paired).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, ReadStats, RunSnapshot
-from llmtrain.datasets.snapshot import Split, held_out, key_repr
+from llmtrain.datasets.snapshot import Split, key_repr
 from llmtrain.formatting import (
     IGNORE_INDEX,
     Example,
@@ -36,15 +36,8 @@ from llmtrain.formatting import (
 from llmtrain.queries import Query
 from llmtrain.training.args import DataArguments
 
-__all__ = [
-    "Collate",
-    "TrainBatches",
-    "held_out",
-    "make_collate",
-    "pad_group",
-    "to_device",
-    "view_dataset",
-]
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 
 @dataclass
@@ -125,7 +118,7 @@ def make_collate(
 
 
 def view_dataset(
-    db: Any,
+    db: Datalayer,
     select: Query,
     fields: list[str],
     args: DataArguments,
@@ -158,11 +151,7 @@ def view_dataset(
 
 class TrainBatches:
     """The one data object the training loop knows: each optimizer step's micro-batches
-    across epochs, the steps per epoch, and the dataset position as resume state.
-
-    ``agree`` (the maximum over processes; None in one process) makes every process take
-    the same number of micro-batches in a step when a token budget lets them vary.
-    """
+    across epochs, the steps per epoch, and the dataset position as resume state."""
 
     def __init__(
         self,
@@ -172,7 +161,6 @@ class TrainBatches:
         batch_size: int,
         collate: Collate,
         accumulation: int = 1,
-        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.dataset = dataset
         # with a token budget one loader batch is one step's rows (collate packs them)
@@ -184,7 +172,6 @@ class TrainBatches:
             collate_fn=collate,
             with_keys=True,
         )
-        self.batch_size, self.agree = batch_size, agree
 
     def __len__(self) -> int:
         """Optimizer steps per epoch on this rank (the same on every rank)."""
@@ -203,13 +190,11 @@ class TrainBatches:
         """Each optimizer step's micro-batches from ``start_epoch`` on (a group of batches may
         run into the next epoch, as without a budget it always has)."""
         batches = (batch for _, batch in self.epochs(start_epoch, num_epochs))
-        if not self.per_step:
+        if self.per_step:  # a loader batch is the step's packed micro-batches
+            yield from batches
+        else:
             while group := list(itertools.islice(batches, self.accumulation)):
                 yield group
-            return
-        for group in batches:
-            missing = (self.agree(len(group)) if self.agree else len(group)) - len(group)
-            yield group + [_empty_like(group[0])] * missing
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""

@@ -1,7 +1,7 @@
 """Which rows a new run trains on: the snapshot, less forgotten rows, and for an incremental
 fit less the rows earlier runs of the trainer trained on.
 
-Sets of keys are sorted arrays of 8-byte digests (:func:`llmtrain.lineage.digests`) tested
+Sets of keys are sorted arrays of 8-byte digests (:func:`digests`) tested
 with ``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,12 @@ from llmtrain.backends.base import Key
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.lineage import PARENT, matches, run_steps
+from llmtrain.queries import Query
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+    from llmtrain.datasets.snapshot import RunSnapshot
+    from llmtrain.training.trainer import LLMTrainer
 
 log = logging.getLogger("llmtrain.training")
 FORGOTTEN = "forgotten"  # the metadata record type of a source's forgotten keys
@@ -35,10 +41,6 @@ def digests(keys: Sequence[Key]) -> np.ndarray:
         dtype=np.uint64,
         count=len(keys),
     )
-
-
-def _empty() -> np.ndarray:
-    return np.zeros(0, dtype=np.uint64)
 
 
 def pair_digests(keys: Sequence[Key], versions: Sequence[Any]) -> np.ndarray:
@@ -65,22 +67,20 @@ class Trained:
         return fresh & ~np.isin(pair_digests(keys, versions), self.pairs)
 
 
-def trained_by(db: Any, identifier: str, query: dict[str, Any]) -> tuple[Trained, Any]:
+def trained_by(db: Datalayer, identifier: str, query: dict[str, Any]) -> tuple[Trained, Any]:
     """What the completed runs of trainer ``identifier`` on the same source trained on, and
     the newest model they made (the parent of an incremental fit; None when there is none)."""
-    keys, pairs, pair_keys, runs = [_empty()], [_empty()], [_empty()], []
+    empty = np.zeros(0, dtype=np.uint64)
+    keys, pairs, pair_keys = [empty], [empty], [empty]
     finished = {
         r.run_id: r
         for r in db.metadata.list_runs("trainer", identifier)
-        if r.status == "completed" and matches(r.info.get("query") or {}, _as_query(query))
+        if r.status == "completed" and matches(r.info.get("query") or {}, Query.from_dict(query))
     }
     for run in finished.values():
         steps = run_steps(db, run)
-        mask = steps.trained()
-        source = steps.keys
-        versions = source.versions()
-        base = 0
-        for chunk in source.chunks():
+        mask, versions, base = steps.trained(), steps.keys.versions(), 0
+        for chunk in steps.keys.chunks():
             kept = mask[base : base + len(chunk)]
             chunk_keys = [k for k, t in zip(chunk, kept) if t]
             if versions is None:
@@ -90,40 +90,22 @@ def trained_by(db: Any, identifier: str, query: dict[str, Any]) -> tuple[Trained
                 pairs.append(pair_digests(chunk_keys, chunk_versions))
                 pair_keys.append(digests(chunk_keys))
             base += len(chunk)
-        runs.append(run.run_id)
-    parent = None
-    for model in reversed(db.metadata.list_components("model", identifier)):
-        if model.payload.get("run_id") in finished:
-            parent = model
-            break
+    models = reversed(db.metadata.list_components("model", identifier))
+    parent = next((m for m in models if m.payload.get("run_id") in finished), None)
     k, p, pk = (np.unique(np.concatenate(parts)) for parts in (keys, pairs, pair_keys))
-    return Trained(k, p, pk, runs), parent
+    return Trained(k, p, pk, list(finished)), parent
 
 
-def _as_query(query: dict[str, Any]) -> Any:
-    from llmtrain.queries import Query
-
-    return Query.from_dict(query)
-
-
-def forgotten_keys(db: Any, query: dict[str, Any]) -> list[str]:
+def forgotten_keys(db: Datalayer, query: dict[str, Any]) -> list[str]:
     """The keys (as key_repr) forgotten in the source ``query`` reads."""
+    # ordered by version: the newest record of each source wins
+    newest = {r.identifier: r for r in db.metadata.list_components(FORGOTTEN)}
     out: set[str] = set()
-    newest: dict[str, Any] = {}
-    for record in db.metadata.list_components(FORGOTTEN):
-        newest[record.identifier] = record  # ordered by version: the newest wins
     for record in newest.values():
-        if _reads(query, record.payload.get("source")):
+        source = record.payload.get("source")
+        if matches(query, Query.from_dict(source) if isinstance(source, dict) else source):
             out.update(record.payload.get("keys") or [])
     return sorted(out)
-
-
-def _reads(query: dict[str, Any], source: Any) -> bool:
-    from llmtrain.queries import Query
-
-    if isinstance(source, dict):
-        source = Query.from_dict(source)
-    return matches(query, source)
 
 
 def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
@@ -138,39 +120,35 @@ def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None
     held_versions: list[Any] = []
     count = 0
 
-    def flush() -> None:
-        nonlocal held_keys, held_versions
-        if held_keys:
-            chunks.append(store.put_bytes(encode_chunk(held_keys)))
-            if has_versions:
-                version_chunks.append(store.put_bytes(encode_chunk(held_versions)))
-        held_keys, held_versions = [], []
+    def write(keys: list[Key], versions: list[Any]) -> None:
+        chunks.append(store.put_bytes(encode_chunk(keys)))
+        if has_versions:
+            version_chunks.append(store.put_bytes(encode_chunk(versions)))
 
     for start in range(0, view.count, size):
         keys = view.keys(store, start, start + size)
         versions = view.versions_of(store, start, start + size) if has_versions else None
-        mask = np.asarray(keep(keys, versions), dtype=bool)
-        for i in np.flatnonzero(mask):
-            held_keys.append(keys[i])
-            if versions is not None:
-                held_versions.append(versions[i])
-            count += 1
-            if len(held_keys) == size:
-                flush()
-    flush()
+        kept = np.flatnonzero(np.asarray(keep(keys, versions), dtype=bool))
+        held_keys += [keys[i] for i in kept]
+        held_versions += [versions[i] for i in kept] if versions is not None else []
+        count += len(kept)
+        if len(held_keys) >= size:  # a view's chunk holds at most size keys: one to write
+            write(held_keys[:size], held_versions[:size])
+            held_keys, held_versions = held_keys[size:], held_versions[size:]
+    if held_keys:
+        write(held_keys, held_versions)
     vchunks = tuple(version_chunks) if has_versions else None
     fingerprint = KeySnapshot.digest(count, chunks, vchunks)
     return KeySnapshot(count, size, tuple(chunks), CODEC, fingerprint, vchunks)
 
 
 def select_rows(
-    db: Any, trainer: Any, snapshot: Any, *, incremental: bool
-) -> tuple[Any, dict[str, Any]]:
+    db: Datalayer, trainer: LLMTrainer, snapshot: RunSnapshot, *, incremental: bool
+) -> tuple[RunSnapshot, dict[str, Any]]:
     """The run's snapshot less forgotten rows (and, incrementally, trained ones), and what
     to record on the run about it: the parent, the excluded keys, the rows it leaves."""
-    from dataclasses import replace
-
     fit = trainer.config.fit
+    assert fit is not None  # set by fit() before it registers
     forgotten = forgotten_keys(db, fit.select)
     info: dict[str, Any] = {}
     gone = np.unique(digests(forgotten))  # key_repr strings digest as their keys do

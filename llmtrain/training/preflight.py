@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 from llmtrain.trackers import check_trackers
 from llmtrain.training.args import TrainerConfig
 
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
 #: rows read to tell whether a field exists (MongoDB documents need not share fields)
 FIRST_ROWS = 16
 
 
-def check_before_recording(config: TrainerConfig, db: Any) -> None:
+def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     """Raise ConfigError/QueryError for a fit that cannot train, before it is recorded: a
     tracker's library missing, an X/Y field missing, a missing model, unmatched targets (an
     empty selection is found when the run's rows are snapshotted)."""
@@ -30,14 +33,12 @@ def check_before_recording(config: TrainerConfig, db: Any) -> None:
     folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
     if folder is not None and config.lora_args is not None:
         check_lora_targets(folder, config)
-    select = fit.query()
-    check_fields(db, select, fit.X, fit.Y)
-    eval_query = fit.eval_query()
-    if eval_query is not None:
-        check_fields(db, eval_query, fit.X, fit.Y)
+    for query in (fit.query(), fit.eval_query()):
+        if query is not None:
+            check_fields(db, query, fit.X, fit.Y)
 
 
-def check_fields(db: Any, select: Query, x: str, y: str) -> None:
+def check_fields(db: Datalayer, select: Query, x: str, y: str) -> None:
     """A SQL backend refuses a missing column itself (QueryError); a MongoDB field missing
     from every one of the first rows is taken for a mistyped name."""
     rows = db.backend.fetch_rows(select, [x, y], None, FIRST_ROWS)

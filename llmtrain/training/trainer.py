@@ -7,7 +7,7 @@ import os
 import textwrap
 import typing
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmtrain.components import check_identifier, register_component
 from llmtrain.console import quiet_unless_verbose
@@ -18,6 +18,9 @@ from llmtrain.trackers import check_trackers
 from llmtrain.training.args import TrainerConfig, build, keyword_reference
 from llmtrain.training.spec import FitSpec
 from llmtrain.versions import library_versions
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain.training")
 
@@ -34,7 +37,7 @@ class LLMTrainer:
     combinations that cannot work are refused here, before any data is read.
     """
 
-    type_id = "trainer"
+    type_id: ClassVar[str] = "trainer"
 
     #: the last fit's snapshot of its selection's keys (a RunSnapshot), which its run reads
     data_snapshot: Any = None
@@ -43,7 +46,7 @@ class LLMTrainer:
         self.config: TrainerConfig = _config(identifier, options)
         check_trackers(self.config.training_args.report_to)
         self.version: int | None = None
-        self.db: Any = None
+        self.db: Datalayer | None = None
 
     # -- component protocol ----------------------------------------------------------------
     @property
@@ -59,7 +62,7 @@ class LLMTrainer:
         trainer.config, trainer.version, trainer.db = build(TrainerConfig, data), None, None
         return trainer
 
-    def _attach(self, db: Any) -> None:
+    def _attach(self, db: Datalayer) -> None:
         self.db = db
 
     def __eq__(self, other: object) -> bool:
@@ -75,7 +78,7 @@ class LLMTrainer:
         self,
         X: str | None = None,
         Y: str | None = None,
-        db: Any = None,  # noqa: N803
+        db: Datalayer | None = None,  # noqa: N803
         select: Query | None = None,
         *,
         eval_select: Query | None = None,
@@ -110,17 +113,14 @@ class LLMTrainer:
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
         require_datalayer(db, "fit(db=)")
-        if allow_changed_data is not None and not isinstance(allow_changed_data, bool):
-            raise ConfigError(
-                f"fit(allow_changed_data=) must be True or False, got {allow_changed_data!r}"
-            )
-        if not isinstance(incremental, bool):
-            raise ConfigError(f"fit(incremental=) must be True or False, got {incremental!r}")
         allow = (
             self.config.data_args.allow_changed_data
             if allow_changed_data is None
             else allow_changed_data
         )
+        for name, value in (("allow_changed_data", allow), ("incremental", incremental)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
         spec = self._fit_spec(X, Y, db, select, eval_select)
         placement = Placement.from_environment()  # resolved once for the whole fit
         self.config.fit, self.db = spec, db
@@ -138,7 +138,7 @@ class LLMTrainer:
         )
 
     def _register(
-        self, db: Any, resume: bool | str, allow: bool, incremental: bool = False
+        self, db: Datalayer, resume: bool | str, allow: bool, incremental: bool = False
     ) -> tuple[int | None, str, str, RunSnapshot]:
         """Check, then record: the trainer version (unless stored already) and the run.
         Returns (version, run id, "new" | "resume" | "complete", the run's snapshot). A
@@ -157,31 +157,31 @@ class LLMTrainer:
                     "checkpoint (give a step or a checkpoint's artifact id, or resume=True)"
                 )
             log.info("nothing to resume for %s: starting a new run", self.identifier)
-        snapshot = self._run_snapshot(db, found[0] if found else None, allow or incremental)
-        rows: dict[str, Any] = {}
-        if found is None:  # a new run: less forgotten rows, and trained ones if incremental
-            from llmtrain.training.incremental import select_rows
-
-            snapshot, rows = select_rows(db, self, snapshot, incremental=incremental)
-            if incremental and snapshot.train.count == 0 and "parent" in rows:
-                log.info("%s: no new rows since run %s", self.identifier, rows["parent"]["run_id"])
-                return version, rows["parent"]["run_id"], "complete", snapshot
-        self.config.fit = self.config.fit.model_copy(  # type: ignore[union-attr]
-            update={"data_fingerprint": snapshot.fingerprint}
-        )
         if found is not None:
             run, complete = found
+            snapshot = self._run_snapshot(db, run, allow)
             self.version = version
             if not complete:
                 db.metadata.update_run(run.run_id, info={"allow_changed_data": allow})
             return version, run.run_id, "complete" if complete else "resume", snapshot
+        # a new run: less forgotten rows, and trained ones if incremental
+        from llmtrain.training.incremental import select_rows
+
+        snapshot = self._run_snapshot(db, None, allow or incremental)
+        snapshot, rows = select_rows(db, self, snapshot, incremental=incremental)
+        if incremental and snapshot.train.count == 0 and "parent" in rows:
+            log.info("%s: no new rows since run %s", self.identifier, rows["parent"]["run_id"])
+            return version, rows["parent"]["run_id"], "complete", snapshot
+        self.config.fit = self.config.fit.model_copy(  # type: ignore[union-attr]
+            update={"data_fingerprint": snapshot.fingerprint}
+        )
         if version is None:
             db.add(self)
         else:
             self.version = version
         return self.version, self._new_run(db, allow, snapshot, rows), "new", snapshot
 
-    def _run_snapshot(self, db: Any, run: Any, allow: bool) -> RunSnapshot:
+    def _run_snapshot(self, db: Datalayer, run: Any, allow: bool) -> RunSnapshot:
         """The run's snapshot of its rows: the resumed run's, read from its record; else a
         new one, which a replay first compares with the fit it replays."""
         fit, data = self.config.fit, self.config.data_args
@@ -219,7 +219,7 @@ class LLMTrainer:
         self,
         X: str | None,
         Y: str | None,
-        db: Any,
+        db: Datalayer,
         select: Query | None,  # noqa: N803
         eval_select: Query | None,
     ) -> FitSpec:
@@ -249,7 +249,7 @@ class LLMTrainer:
             db=db.uri,
         )
 
-    def _stored_version(self, db: Any) -> int | None:
+    def _stored_version(self, db: Datalayer) -> int | None:
         """The stored version with this recipe: the loaded one (a replay of version N stays
         version N), else the newest; None when this recipe is new."""
         from llmtrain.errors import ComponentNotFoundError
@@ -265,7 +265,7 @@ class LLMTrainer:
         return None
 
     def _run_to_resume(
-        self, db: Any, version: int | None, resume: bool | str
+        self, db: Datalayer, version: int | None, resume: bool | str
     ) -> tuple[Any, bool] | None:
         """(the newest run of this recipe with the wanted checkpoint, whether it completed),
         or None when there is none. A resumable run of another version of the trainer is an
@@ -301,7 +301,7 @@ class LLMTrainer:
         return None
 
     def _new_run(
-        self, db: Any, allow_changed_data: bool, snapshot: RunSnapshot, rows: dict[str, Any]
+        self, db: Datalayer, allow_changed_data: bool, snapshot: RunSnapshot, rows: dict[str, Any]
     ) -> str:
         """A new run of this version. It records this call's ``allow_changed_data``, the
         manifest of its snapshot of the rows and how they were chosen (``rows``: the parent of
@@ -329,7 +329,7 @@ class LLMTrainer:
         return run_id
 
 
-def _model_of_run(db: Any, identifier: str, run_id: str) -> Any:
+def _model_of_run(db: Datalayer, identifier: str, run_id: str) -> Any:
     """The newest model version a run produced."""
     for record in reversed(db.metadata.list_components("model", identifier)):
         if record.payload.get("run_id") == run_id:
@@ -390,7 +390,7 @@ def _nullable(name: str) -> bool:
 
 def _as_dict(value: Any) -> dict[str, Any]:
     if hasattr(value, "model_dump"):
-        return value.model_dump(exclude_unset=False)
+        return value.model_dump()
     if isinstance(value, dict):
         return dict(value)
     raise ConfigError(f"expected an arguments model or a dict, got {type(value).__name__}")
