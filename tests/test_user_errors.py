@@ -106,7 +106,7 @@ def test_a_hub_id_with_the_hub_refusing_connections_fails_at_once(
         port = sock.getsockname()[1]
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
     message, seconds = _timed_refusal("some-org/no-such-model")
-    assert seconds < 3, seconds
+    assert seconds < 20, seconds  # the hub's retries took 48 s; a loaded CPU can take 4 s
     assert message == (
         "model_args.model_name_or_path: 'some-org/no-such-model' is not a local folder and "
         f"the hub http://127.0.0.1:{port} is unreachable (no answer within 3 s), so it "
@@ -165,7 +165,7 @@ def test_hf_hub_offline_refuses_an_uncached_hub_id_at_once_and_uses_the_cache(
         "the hub is offline (HF_HUB_OFFLINE is set), so it cannot be downloaded (and it is "
         "not in the Hugging Face cache)"
     )
-    assert float(lines["seconds"]) < 3
+    assert float(lines["seconds"]) < 20  # no retries (they took 48 s); loaded CPUs: ~4 s
     assert lines["cached"].split()[1] == str(len(modeling.load_tokenizer(_args(tiny))))
 
 
