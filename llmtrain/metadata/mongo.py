@@ -17,8 +17,7 @@ from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
 from llmtrain.errors import StoreError
-from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
-from llmtrain.metadata.records import MAX_TRIES, now_utc, pause
+from llmtrain.metadata.base import MAX_TRIES, TABLE_PREFIX, Conflict, MetadataStore, Row, pause
 
 COMPONENTS = f"{TABLE_PREFIX}components"
 RUNS = f"{TABLE_PREFIX}runs"
@@ -58,40 +57,25 @@ class MongoMetadataStore(MetadataStore):
                     self._indexes_ready = True
         return db[name]
 
-    def _insert(self, name: str, doc: Row) -> None:
+    def _insert(self, table: str, row: Row) -> None:
+        doc = {**row, "rev": 0} if table == "runs" else dict(row)  # _change_run's revision
         try:
-            self._coll(name, write=True).insert_one(dict(doc))
+            self._coll(TABLE_PREFIX + table, write=True).insert_one(doc)
         except DuplicateKeyError as exc:
             raise Conflict(str(exc)) from exc
 
     def _now(self) -> datetime:
         """BSON dates keep milliseconds: truncate so a returned record equals the stored one."""
-        now = now_utc()
+        now = super()._now()
         return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
     # -- components ---------------------------------------------------------------------------
-    def _insert_component(
-        self,
-        type_id: str,
-        identifier: str,
-        created_at: datetime,
-        payload: str,
-        same: Callable[[Row], bool] | None,
-    ) -> int:
-        newest = self._find_component(type_id, identifier, None)
-        if newest is not None and same is not None and same(newest):
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        newest = self._find_component(row["type_id"], row["identifier"], None)
+        if newest is not None and same(newest):
             return int(newest["version"])
         version = 0 if newest is None else int(newest["version"]) + 1
-        self._insert(
-            COMPONENTS,
-            {
-                "type_id": type_id,
-                "identifier": identifier,
-                "version": version,
-                "created_at": created_at,
-                "payload": payload,
-            },
-        )
+        self._insert("components", {**row, "version": version})
         return version
 
     def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
@@ -108,9 +92,6 @@ class MongoMetadataStore(MetadataStore):
         return int(self._coll(COMPONENTS).delete_many(query).deleted_count)
 
     # -- runs ---------------------------------------------------------------------------------
-    def _insert_run(self, row: Row) -> None:
-        self._insert(RUNS, {**row, "rev": 0})
-
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         """Compare-and-swap on a revision counter, so concurrent merges lose nothing."""
         coll = self._coll(RUNS)
@@ -149,14 +130,11 @@ class MongoMetadataStore(MetadataStore):
                 coll.delete_one({"_id": old["_id"]})
             elif kept != old["values"]:
                 coll.update_one({"_id": old["_id"]}, {"$set": {"values": kept}})
-        self._insert(METRICS, row)
+        self._insert("metrics", row)
 
     def _find_metrics(self, run_id: str) -> list[Row]:
         # ObjectIds grow within a process: (step, _id) is insertion order per step.
         return list(self._coll(METRICS).find({"run_id": run_id}).sort([("step", 1), ("_id", 1)]))
-
-    def _insert_checkpoint(self, row: Row) -> None:
-        self._insert(CHECKPOINTS, row)
 
     def _find_checkpoints(self, run_id: str) -> list[Row]:
         return list(self._coll(CHECKPOINTS).find({"run_id": run_id}).sort("step", 1))

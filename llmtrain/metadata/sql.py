@@ -17,8 +17,7 @@ from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine, sqlite_path
 from llmtrain.errors import StoreError
-from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
-from llmtrain.metadata.records import UTC, pause
+from llmtrain.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
 T = TypeVar("T")
 #: deadlocks and lock timeouts are retried this many times
@@ -37,9 +36,7 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         return dialect.type_descriptor(sa.DateTime())
 
     def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is not None:
+        if value is not None and value.tzinfo is not None:
             value = value.astimezone(UTC).replace(tzinfo=None)
         return value
 
@@ -241,47 +238,21 @@ class SQLMetadataStore(MetadataStore):
         return [dict(r) for r in conn.execute(query).mappings()]
 
     # -- components ---------------------------------------------------------------------------
-    def _insert_component(
-        self,
-        type_id: str,
-        identifier: str,
-        created_at: datetime,
-        payload: str,
-        same: Callable[[Row], bool] | None,
-    ) -> int:
-        c = components.c
-        query = (
-            sa.select(components)
-            .where(c.type_id == type_id, c.identifier == identifier)
-            .order_by(c.version.desc())
-            .limit(1)
-        )
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        query = _component_query(row["type_id"], row["identifier"], None)
 
         def insert(conn: sa.Connection) -> int:
             newest = next(iter(self._rows(conn, query)), None)
-            if newest is not None and same is not None and same(newest):
+            if newest is not None and same(newest):
                 return int(newest["version"])
             version = 0 if newest is None else int(newest["version"]) + 1
-            conn.execute(
-                components.insert().values(
-                    type_id=type_id,
-                    identifier=identifier,
-                    version=version,
-                    created_at=created_at,
-                    payload=payload,
-                )
-            )
+            conn.execute(components.insert().values(**row, version=version))
             return version
 
         return int(self._write(insert) or 0)
 
     def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        c = components.c
-        query = sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
-        if version is None:
-            query = query.order_by(c.version.desc()).limit(1)
-        else:
-            query = query.where(c.version == version)
+        query = _component_query(type_id, identifier, version)
         return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
 
     def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]:
@@ -298,19 +269,19 @@ class SQLMetadataStore(MetadataStore):
         )
 
     # -- runs ---------------------------------------------------------------------------------
-    def _insert_run(self, row: Row) -> None:
-        self._write(lambda conn: conn.execute(runs.insert().values(**row)))
+    def _insert(self, table: str, row: Row) -> None:
+        insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
+        self._write(lambda conn: conn.execute(insert))
 
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
-            found = self._rows(
-                conn, sa.select(runs).where(runs.c.run_id == run_id).with_for_update()
-            )
-            if not found:
+            query = sa.select(runs).where(runs.c.run_id == run_id).with_for_update()
+            found = next(iter(self._rows(conn, query)), None)
+            if found is None:
                 return None
-            changes = change(found[0])
+            changes = change(found)
             conn.execute(runs.update().where(runs.c.run_id == run_id).values(**changes))
-            return {**found[0], **changes}
+            return {**found, **changes}
 
         return self._write(update, creates=False)
 
@@ -358,9 +329,6 @@ class SQLMetadataStore(MetadataStore):
         rows: list[Row] = self._read([], lambda conn: self._rows(conn, query))
         return [{**r, "values": r["metric_values"]} for r in rows]
 
-    def _insert_checkpoint(self, row: Row) -> None:
-        self._write(lambda conn: conn.execute(checkpoints.insert().values(**row)))
-
     def _find_checkpoints(self, run_id: str) -> list[Row]:
         query = (
             sa.select(checkpoints)
@@ -377,6 +345,15 @@ class SQLMetadataStore(MetadataStore):
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
+
+
+def _component_query(type_id: str, identifier: str, version: int | None) -> sa.Select[Any]:
+    """The given version, or the newest when version is None."""
+    c = components.c
+    query = sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
+    if version is None:
+        return query.order_by(c.version.desc()).limit(1)
+    return query.where(c.version == version)
 
 
 def _filtered(table: sa.Table, **equal: Any) -> sa.Select[Any]:
