@@ -20,12 +20,12 @@ import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.errors import ArtifactCorruptError, StoreError
+from llmtrain.errors import ArtifactCorruptError, LlmtrainError, StoreError
 
 BLOB, TREE = "sha256", "tree"
 _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
@@ -88,6 +88,12 @@ def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
         if parse_id(blob_id)[0] != BLOB:
             raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
     return files
+
+
+def tree_ids(names: Iterable[Sequence[str]]) -> list[str]:
+    """The tree ids of stored ``(ab, cdef...)`` names, sorted; temporary files are skipped."""
+    ids = (f"{TREE}:{head}{name}" for head, name in names)
+    return sorted(i for i in ids if _ID.fullmatch(i))
 
 
 def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
@@ -175,6 +181,23 @@ class ArtifactStore(ABC):
 # -- the shared logic -----------------------------------------------------------------------
 class ContentAddressedStore(ArtifactStore):
     """Ids, trees, verification and deletion over five storage primitives."""
+
+    #: where the artifacts are, for messages; the storage's own exceptions, which
+    #: :meth:`_errors` turns into a StoreError naming the operation
+    _label = "artifacts"
+    _storage_errors: tuple[type[Exception], ...] = ()
+
+    def _error(self, what: str, exc: BaseException) -> StoreError:
+        return StoreError(f"{self._label}: {what} failed: {type(exc).__name__}: {exc}")
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except LlmtrainError:
+            raise
+        except self._storage_errors as exc:
+            raise self._error(what, exc) from exc
 
     @abstractmethod
     def _has(self, artifact_id: str) -> bool: ...
