@@ -13,7 +13,9 @@ block at a time, in the epoch's block order.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
@@ -169,9 +171,6 @@ class Steps:
                 min(min(max(t - s * p.accum, 0), p.accum) for t in totals) for s in range(p.steps)
             )
 
-    def batch_of(self, pos: int) -> int:
-        return pos // self.plan.batch_size
-
     def steps_of(self, rank: int, epoch: int, batches: np.ndarray) -> np.ndarray:
         """The step that trained each batch number of ``rank``'s ``epoch``; 0 where none did
         (every row skipped, or after the run's last step)."""
@@ -186,10 +185,6 @@ class Steps:
             steps[np.isin(batches, empty)] = 0
         return steps
 
-    def step(self, rank: int, epoch: int, batch: int) -> int | None:
-        found = int(self.steps_of(rank, epoch, np.array([batch], dtype=np.int64))[0])
-        return found or None
-
     def last_epoch(self) -> int:
         """An upper bound of the epochs the run read (exclusive)."""
         p = self.plan
@@ -199,40 +194,25 @@ class Steps:
         skipped_batches = max((len(v) for v in self.empty.values()), default=0)
         return int(self.limit // per_epoch) + 2 + skipped_batches
 
-    def is_skipped(self, index: int, epoch: int) -> bool:
-        first = self.skipped_at.get(index)
-        return first is not None and epoch >= first
-
     def _empty_batches(self) -> dict[tuple[int, int], list[int]]:
         p = self.plan
-        positions: dict[tuple[int, int, int], int] = {}
-        for index, first in self.skipped_at.items():
-            stop = p.epochs if p.epochs is not None else first + 1 + int(self._max_epochs())
-            for epoch in range(first, stop):
-                for rank, pos in p.locate(index, epoch):
-                    slot = (rank, epoch, self.batch_of(pos))
-                    positions[slot] = positions.get(slot, 0) + 1
+        most = int(p.steps * p.accum / max(math.ceil(p.per_rank / p.batch_size), 1) + 1)
+        positions = Counter(
+            (rank, epoch, pos // p.batch_size)
+            for index, first in self.skipped_at.items()
+            for epoch in range(first, p.epochs if p.epochs is not None else first + 1 + most)
+            for rank, pos in p.locate(index, epoch)
+        )
         empty: dict[tuple[int, int], list[int]] = {}
-        for (rank, epoch, batch), n in positions.items():
-            size = min(p.batch_size, p.per_rank - batch * p.batch_size)
-            if n >= size:
+        for (rank, epoch, batch), n in sorted(positions.items()):
+            if n >= min(p.batch_size, p.per_rank - batch * p.batch_size):
                 empty.setdefault((rank, epoch), []).append(batch)
-        return {k: sorted(v) for k, v in empty.items()}
-
-    def _max_epochs(self) -> float:
-        p = self.plan
-        per_epoch = max(math.ceil(p.per_rank / p.batch_size), 1)
-        return p.steps * p.accum / per_epoch + 1
+        return empty
 
     def _skipped_indexes(self) -> dict[int, int]:
-        found, index = {}, 0
-        for chunk in self.keys.chunks():
-            for key in chunk:
-                first = self.skipped.get(key_repr(key))
-                if first is not None:
-                    found[index] = int(first)
-                index += 1
-        return found
+        keys = itertools.chain.from_iterable(self.keys.chunks())
+        reprs = (key_repr(key) for key in keys)
+        return {i: int(self.skipped[r]) for i, r in enumerate(reprs) if r in self.skipped}
 
     # -- the walk --------------------------------------------------------------------------
     def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -319,12 +299,11 @@ def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
     """(epoch, step, rank) of every time the row at ``index`` was trained: O(epochs x ranks x
     blocks), no key read beyond the row's own."""
     plan = steps.plan
-    for epoch in range(steps.last_epoch()):
+    last = min(steps.last_epoch(), steps.skipped_at.get(index, math.inf))  # skipped from then on
+    for epoch in range(int(last)):
         for rank, pos in plan.locate(index, epoch):
-            if steps.is_skipped(index, epoch):
-                continue
-            step = steps.step(rank, epoch, steps.batch_of(pos))
-            if step is not None:
+            batch = np.array([pos // plan.batch_size], dtype=np.int64)
+            if step := int(steps.steps_of(rank, epoch, batch)[0]):
                 yield epoch, step, rank
 
 
@@ -352,8 +331,10 @@ def reached_step(db: Any, run: Any) -> int:
     return max(known)
 
 
-def run_steps(db: Any, run: Any, steps: int | None = None) -> Steps:
-    keys = run_keys(db, run)
+def run_steps(
+    db: Any, run: Any, steps: int | None = None, keys: SnapshotKeys | None = None
+) -> Steps:
+    keys = run_keys(db, run) if keys is None else keys
     plan = Plan.of_run(run, keys.count, reached_step(db, run) if steps is None else steps)
     return Steps(plan, run.info.get(SKIPPED) or {}, keys)
 
@@ -442,15 +423,14 @@ def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if not matches(run.info.get("query") or {}, source):
             continue
         try:
-            run_keys_ = run_keys(db, run)
+            snapshot = run_keys(db, run)
         except StoreError:
             result.underivable.append(run.run_id)
             continue
-        found = _find(run_keys_, keys)
+        found = _find(snapshot, keys)
         if not found:
             continue
-        plan = Plan.of_run(run, run_keys_.count, reached_step(db, run))
-        steps = Steps(plan, run.info.get(SKIPPED) or {}, run_keys_)
+        steps = run_steps(db, run, keys=snapshot)
         uses = [
             Use(key, run.run_id, run.identifier, run.version, epoch, step, rank)
             for index, key in found
