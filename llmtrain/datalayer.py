@@ -111,10 +111,8 @@ class Datalayer:
             )
         self._uri = uri
         self._metadata_uri = metadata_uri or uri
-        if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
-            raise ConfigError("artifacts='gridfs' needs a MongoDB metadata database")
         if isinstance(artifacts, (str, Path)):
-            check_artifacts_spec(artifacts)
+            check_artifacts_spec(artifacts, self._metadata_uri)
         self._artifacts_spec = artifacts
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
@@ -264,7 +262,7 @@ class Datalayer:
             doomed |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
             self.metadata.remove_run(run.run_id)
         for model in models:
-            doomed |= {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
+            doomed |= _model_artifacts(model)
             self.metadata.remove_component("model", identifier, model.version)
         removed = self.metadata.remove_component(type_id, identifier, version)
         for artifact in sorted(doomed - self._artifacts_in_use() if doomed else ()):
@@ -292,12 +290,7 @@ class Datalayer:
     def _artifacts_in_use(self) -> set[str]:
         """Artifacts that remaining models and checkpoints still point at (content ids can be
         shared, so one trainer's removal must not delete another's)."""
-        used = {
-            a
-            for m in self.metadata.list_components("model")
-            for a in (m.payload.get("adapter"), m.payload.get("merged"))
-            if a
-        }
+        used = set().union(*map(_model_artifacts, self.metadata.list_components("model")))
         for run in self.metadata.list_runs():
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
@@ -340,6 +333,10 @@ class Datalayer:
         if not isinstance(self._artifacts_spec, ArtifactStore):
             state["_artifacts"] = None
         return state
+
+
+def _model_artifacts(model: ComponentRecord) -> set[str]:
+    return {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
 
 
 def connect(

@@ -18,7 +18,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from llmtrain.backends.base import Key
 from llmtrain.datasets.plan import rank_pieces, rows_per_rank
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import StoreError
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 #: record field: {key_repr: first epoch it was skipped in} (bad rows, rows deleted mid-run)
 SKIPPED = "skipped_keys"
@@ -308,7 +311,7 @@ def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
 
 
 # -- the stored runs ----------------------------------------------------------------------------
-def run_keys(db: Any, run: Any) -> SnapshotKeys:
+def run_keys(db: Datalayer, run: Any) -> SnapshotKeys:
     """The training keys a run pinned; a run recorded before snapshots has none to give."""
     from llmtrain.datasets.snapshot import RunSnapshot
 
@@ -323,7 +326,7 @@ def run_keys(db: Any, run: Any) -> SnapshotKeys:
     return SnapshotKeys(RunSnapshot.from_record(record).view("train"), db.artifacts)
 
 
-def reached_step(db: Any, run: Any) -> int:
+def reached_step(db: Datalayer, run: Any) -> int:
     """The last step a run trained that is known: its final or reached step, or its newest
     checkpoint's while it is still running."""
     known = [int(run.info.get("steps") or 0)]
@@ -332,14 +335,14 @@ def reached_step(db: Any, run: Any) -> int:
 
 
 def run_steps(
-    db: Any, run: Any, steps: int | None = None, keys: SnapshotKeys | None = None
+    db: Datalayer, run: Any, steps: int | None = None, keys: SnapshotKeys | None = None
 ) -> Steps:
     keys = run_keys(db, run) if keys is None else keys
     plan = Plan.of_run(run, keys.count, reached_step(db, run) if steps is None else steps)
     return Steps(plan, run.info.get(SKIPPED) or {}, keys)
 
 
-def chain(db: Any, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
+def chain(db: Datalayer, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
     """The run and the runs it continued from (incremental fits), oldest first, each with
     the step its successor started from (None: the run's own last step)."""
     out: list[tuple[Any, int | None]] = []
@@ -357,7 +360,7 @@ def chain(db: Any, run_id: str, steps: int | None = None) -> list[tuple[Any, int
     return out[::-1]
 
 
-def model_lineage(db: Any, name: str, version: int | None = None) -> Iterator[Consumed]:
+def model_lineage(db: Datalayer, name: str, version: int | None = None) -> Iterator[Consumed]:
     """The rows that trained a model version, parents' runs first, each run in step order:
     streamed, a few blocks of keys in memory at a time."""
     record = db.metadata.get_component("model", name, version)
@@ -408,7 +411,7 @@ class TrainedOn:
     underivable: list[str] = field(default_factory=list)  # runs of the source with no snapshot
 
 
-def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
+def trained_on(db: Datalayer, source: Any, keys: Sequence[Key]) -> TrainedOn:
     """Who consumed the rows ``keys`` of ``source``.
 
     Cost: one listing of runs and of models; for each run that read ``source``, one pass over
@@ -441,8 +444,8 @@ def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
             first[run.run_id] = min(first.get(run.run_id, use.step), use.step)
     for run in runs:  # oldest first: a parent is settled before the runs continuing from it
         parent = run.info.get(PARENT)
-        inherited = isinstance(parent, dict) and parent.get("run_id") in first
-        if inherited and int(parent.get("steps") or 0) >= first[parent["run_id"]]:
+        parent = parent if isinstance(parent, dict) else {}
+        if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
     for run in runs:
         if run.run_id in first:
