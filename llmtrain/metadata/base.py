@@ -149,25 +149,33 @@ class MetadataStore(ABC):
     ) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
         with self._errors(f"reading {type_id} {identifier!r}"):
-            row = self._find_component(type_id, identifier, version)
-        if row is None:
+            rows = self._find(
+                "components",
+                version is None,
+                type_id=type_id,
+                identifier=identifier,
+                version=version,
+            )
+        if not rows:
             which = "any version" if version is None else f"version {version}"
             raise ComponentNotFoundError(f"no {type_id} {identifier!r} ({which}) in {self._where}")
-        return _component(row)
+        return _component(rows[0])
 
     def list_components(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[ComponentRecord]:
         """All matching records, ordered by type_id, identifier, version."""
         with self._errors("listing components"):
-            rows = self._find_components(type_id, identifier)
+            rows = self._find("components", type_id=type_id, identifier=identifier)
         # Sorted here: collations differ between databases, code points do not.
         return sorted(map(_component, rows), key=lambda r: (r.type_id, r.identifier, r.version))
 
     def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
         """Remove one version (or all when version is None); return how many went."""
         with self._errors(f"removing {type_id} {identifier!r}"):
-            return self._delete_components(type_id, identifier, version)
+            return self._delete(
+                ["components"], type_id=type_id, identifier=identifier, version=version
+            )
 
     # -- runs ---------------------------------------------------------------------------------
     def create_run(
@@ -226,23 +234,23 @@ class MetadataStore(ABC):
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._errors(f"reading run {run_id!r}"):
-            row = self._find_run(run_id)
-        if row is None:
+            rows = self._find("runs", run_id=run_id)
+        if not rows:
             raise StoreError(f"no run {run_id!r} in {self._where}")
-        return _run(row)
+        return _run(rows[0])
 
     def list_runs(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[RunRecord]:
         """Oldest first."""
         with self._errors("listing runs"):
-            return [_run(row) for row in self._find_runs(type_id, identifier)]
+            return [_run(r) for r in self._find("runs", type_id=type_id, identifier=identifier)]
 
     def remove_run(self, run_id: str) -> None:
         """Remove a run with its metrics and checkpoint records (not the checkpoints'
         artifacts: :meth:`Datalayer.remove` deletes those). A missing run is a no-op."""
         with self._errors(f"removing run {run_id!r}"):
-            self._delete_run(run_id)
+            self._delete(["checkpoints", "metrics", "runs"], run_id=run_id)
 
     # -- metrics and checkpoints ----------------------------------------------------------------
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
@@ -269,7 +277,7 @@ class MetadataStore(ABC):
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
         """Ordered by step, then insertion."""
         with self._errors(f"reading metrics of run {run_id!r}"):
-            rows = self._find_metrics(run_id)
+            rows = self._find("metrics", run_id=run_id)
         return [_record(MetricRecord, r, "values", f"metrics of run {run_id!r}") for r in rows]
 
     def add_checkpoint(
@@ -292,14 +300,14 @@ class MetadataStore(ABC):
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
         with self._errors(f"listing checkpoints of run {run_id!r}"):
-            rows = self._find_checkpoints(run_id)
+            rows = self._find("checkpoints", run_id=run_id)
         what = f"checkpoint info of run {run_id!r}"
         return [_record(CheckpointRecord, r, "info", what) for r in rows]
 
     def remove_checkpoint(self, run_id: str, step: int) -> None:
         """Removing one that is not there is a no-op (retention may run twice)."""
         with self._errors(f"removing checkpoint {step} of run {run_id!r}"):
-            self._delete_checkpoint(run_id, step)
+            self._delete(["checkpoints"], run_id=run_id, step=step)
 
     def close(self) -> None:
         """Release connections; the store reopens lazily if used again."""
@@ -332,7 +340,7 @@ class MetadataStore(ABC):
 
     # -- backend primitives -------------------------------------------------------------------
     # Rows carry the record's fields; payload/info/values are JSON text. A primitive that only
-    # reads returns nothing (None, []) when the tables or collections do not exist yet, and
+    # reads or deletes finds nothing when the tables or collections do not exist yet, and
     # creates none of them.
     @abstractmethod
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
@@ -341,14 +349,15 @@ class MetadataStore(ABC):
         return the newest version."""
 
     @abstractmethod
-    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        """The given version, or the newest when version is None."""
+    def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        """The rows whose columns equal ``equal`` (None: any value), in the table's order:
+        components by version, runs oldest first, metrics by step then insertion, checkpoints
+        by step. ``newest``: only the last of them."""
 
     @abstractmethod
-    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]: ...
-
-    @abstractmethod
-    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int: ...
+    def _delete(self, tables: list[str], **equal: Any) -> int:
+        """Remove the rows of ``tables`` whose columns equal ``equal`` (None: any value), in
+        one transaction where the database has them; returns how many went."""
 
     @abstractmethod
     def _insert(self, table: str, row: Row) -> None:
@@ -360,31 +369,9 @@ class MetadataStore(ABC):
         row; None if there is no such run. Concurrent changes must all take effect."""
 
     @abstractmethod
-    def _find_run(self, run_id: str) -> Row | None: ...
-
-    @abstractmethod
-    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        """Oldest first."""
-
-    @abstractmethod
-    def _delete_run(self, run_id: str) -> None:
-        """The run, its metrics and its checkpoint records."""
-
-    @abstractmethod
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
         """In one write: every stored row of the same run and step gets ``without_these(row)``
         as its values (removed when None, untouched when unchanged), then ``row`` goes in."""
-
-    @abstractmethod
-    def _find_metrics(self, run_id: str) -> list[Row]:
-        """Ordered by step, then insertion."""
-
-    @abstractmethod
-    def _find_checkpoints(self, run_id: str) -> list[Row]:
-        """Oldest step first."""
-
-    @abstractmethod
-    def _delete_checkpoint(self, run_id: str, step: int) -> None: ...
 
 
 def dumps(value: Any, what: str) -> str:

@@ -8,7 +8,7 @@ string columns are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay dist
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -95,7 +95,7 @@ metrics = sa.Table(
     sa.Column("id", _ID, primary_key=True, autoincrement=True),  # insertion order
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
-    sa.Column("metric_values", _JSON, nullable=False),
+    sa.Column("metric_values", _JSON, nullable=False, key="values"),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Index(f"ix_{TABLE_PREFIX}metrics_run_step", "run_id", "step"),
     **_TABLE_KW,
@@ -237,9 +237,26 @@ class SQLMetadataStore(MetadataStore):
     def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
         return [dict(r) for r in conn.execute(query).mappings()]
 
-    # -- components ---------------------------------------------------------------------------
+    def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        query = _select(table, newest, equal)
+        return self._read([], lambda conn: self._rows(conn, query))
+
+    def _delete(self, tables: list[str], **equal: Any) -> int:
+        def delete(conn: sa.Connection) -> int:
+            found = 0
+            for name in tables:
+                table = schema.tables[TABLE_PREFIX + name]
+                found += conn.execute(table.delete().where(*_equal(table, equal))).rowcount
+            return found
+
+        return int(self._write(delete, creates=False, empty=0) or 0)
+
+    def _insert(self, table: str, row: Row) -> None:
+        insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
+        self._write(lambda conn: conn.execute(insert))
+
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        query = _component_query(row["type_id"], row["identifier"], None)
+        query = _select("components", True, {k: row[k] for k in ("type_id", "identifier")})
 
         def insert(conn: sa.Connection) -> int:
             newest = next(iter(self._rows(conn, query)), None)
@@ -251,31 +268,9 @@ class SQLMetadataStore(MetadataStore):
 
         return int(self._write(insert) or 0)
 
-    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        query = _component_query(type_id, identifier, version)
-        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
-
-    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        query = _filtered(components, type_id=type_id, identifier=identifier)
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int:
-        c = components.c
-        stmt = components.delete().where(c.type_id == type_id, c.identifier == identifier)
-        if version is not None:
-            stmt = stmt.where(c.version == version)
-        return int(
-            self._write(lambda conn: conn.execute(stmt).rowcount, creates=False, empty=0) or 0
-        )
-
-    # -- runs ---------------------------------------------------------------------------------
-    def _insert(self, table: str, row: Row) -> None:
-        insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
-        self._write(lambda conn: conn.execute(insert))
-
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
-            query = sa.select(runs).where(runs.c.run_id == run_id).with_for_update()
+            query = _select("runs", False, {"run_id": run_id}).with_for_update()
             found = next(iter(self._rows(conn, query)), None)
             if found is None:
                 return None
@@ -285,77 +280,47 @@ class SQLMetadataStore(MetadataStore):
 
         return self._write(update, creates=False)
 
-    def _find_run(self, run_id: str) -> Row | None:
-        query = sa.select(runs).where(runs.c.run_id == run_id)
-        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
-
-    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        query = _filtered(runs, type_id=type_id, identifier=identifier).order_by(runs.c.seq)
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_run(self, run_id: str) -> None:
-        def delete(conn: sa.Connection) -> None:
-            for table in (checkpoints, metrics, runs):
-                conn.execute(table.delete().where(table.c.run_id == run_id))
-
-        self._write(delete, creates=False)
-
-    # -- metrics and checkpoints ----------------------------------------------------------------
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
-        values = {("metric_values" if k == "values" else k): v for k, v in row.items()}
-        m = metrics.c
-        same_step = sa.select(metrics).where(m.run_id == row["run_id"], m.step == row["step"])
+        same_step = _select("metrics", False, {"run_id": row["run_id"], "step": row["step"]})
 
         def replace(conn: sa.Connection) -> None:
             for old in self._rows(conn, same_step.with_for_update()):
-                kept = without_these({**old, "values": old["metric_values"]})
-                if kept == old["metric_values"]:
+                kept = without_these(old)
+                if kept == old["values"]:
                     continue
                 where = metrics.c.id == old["id"]
                 if kept is None:
                     conn.execute(metrics.delete().where(where))
                 else:
-                    conn.execute(metrics.update().where(where).values(metric_values=kept))
-            conn.execute(metrics.insert().values(**values))
+                    conn.execute(metrics.update().where(where).values(values=kept))
+            conn.execute(metrics.insert().values(**row))
 
         self._write(replace)
-
-    def _find_metrics(self, run_id: str) -> list[Row]:
-        query = (
-            sa.select(metrics)
-            .where(metrics.c.run_id == run_id)
-            .order_by(metrics.c.step, metrics.c.id)
-        )
-        rows: list[Row] = self._read([], lambda conn: self._rows(conn, query))
-        return [{**r, "values": r["metric_values"]} for r in rows]
-
-    def _find_checkpoints(self, run_id: str) -> list[Row]:
-        query = (
-            sa.select(checkpoints)
-            .where(checkpoints.c.run_id == run_id)
-            .order_by(checkpoints.c.step)
-        )
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_checkpoint(self, run_id: str, step: int) -> None:
-        stmt = checkpoints.delete().where(
-            checkpoints.c.run_id == run_id, checkpoints.c.step == step
-        )
-        self._write(lambda conn: conn.execute(stmt), creates=False)
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
 
 
-def _component_query(type_id: str, identifier: str, version: int | None) -> sa.Select[Any]:
-    """The given version, or the newest when version is None."""
-    c = components.c
-    query = sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
-    if version is None:
-        return query.order_by(c.version.desc()).limit(1)
-    return query.where(c.version == version)
+#: each table's order: runs oldest first, metrics by step then insertion
+_ORDER = {
+    "components": ("version",),
+    "runs": ("seq",),
+    "metrics": ("step", "id"),
+    "checkpoints": ("step",),
+}
 
 
-def _filtered(table: sa.Table, **equal: Any) -> sa.Select[Any]:
-    """SELECT * with ``column == value`` for every value that is not None."""
-    return sa.select(table).where(*(table.c[k] == v for k, v in equal.items() if v is not None))
+def _equal(table: sa.Table, equal: Mapping[str, Any]) -> list[Any]:
+    """``column == value`` for every value that is not None."""
+    return [table.c[k] == v for k, v in equal.items() if v is not None]
+
+
+def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]:
+    """The rows whose columns equal ``equal`` in the table's order (``newest``: the last),
+    each column under its key (``metric_values`` as ``values``)."""
+    table = schema.tables[TABLE_PREFIX + name]
+    order = [table.c[k] for k in _ORDER[name]]
+    query = sa.select(*(c.label(c.key) for c in table.c)).where(*_equal(table, equal))
+    if newest:
+        return query.order_by(*(c.desc() for c in order)).limit(1)
+    return query.order_by(*order)
