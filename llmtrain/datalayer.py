@@ -19,10 +19,6 @@ from llmtrain.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
 
-def llmtrain_home() -> Path:
-    return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain"))
-
-
 def default_artifact_dir(uri: str) -> Path:
     """Next to a SQLite file; otherwise ``~/.llmtrain/artifacts/<database>``."""
     if scheme_of(uri) == "sqlite":
@@ -38,7 +34,7 @@ def default_artifact_dir(uri: str) -> Path:
         db = parts.path.strip("/").split("?", 1)[0] or "default"
         name = f"{parts.hostname or 'local'}-{db}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return llmtrain_home() / "artifacts" / safe
+    return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain")) / "artifacts" / safe
 
 
 def check_uri(uri: object, where: str) -> None:

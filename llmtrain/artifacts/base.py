@@ -138,12 +138,7 @@ def _os_error(what: str, exc: OSError) -> StoreError:
 
 
 class ArtifactStore(ABC):
-    """Immutable, content-addressed storage.
-
-    An artifact id is ``"sha256:<hex>"`` for a blob, or ``"tree:<hex>"`` for a folder
-    (the hash of its JSON manifest of relative paths -> blob ids). Writes go to a temporary
-    name and are renamed into place; reads verify the hash.
-    """
+    """Immutable, content-addressed storage: the contract of the module docstring."""
 
     @abstractmethod
     def put_bytes(self, data: bytes) -> str: ...
@@ -224,7 +219,10 @@ class ContentAddressedStore(ArtifactStore):
 
     # -- writing --------------------------------------------------------------------------------
     def put_bytes(self, data: bytes) -> str:
-        artifact_id = f"{BLOB}:{hashlib.sha256(data).hexdigest()}"
+        return self._put_data(BLOB, data)
+
+    def _put_data(self, kind: str, data: bytes) -> str:
+        artifact_id = f"{kind}:{hashlib.sha256(data).hexdigest()}"
         if not self._has(artifact_id):
             self._save(artifact_id, io.BytesIO(data))
         return artifact_id
@@ -256,11 +254,7 @@ class ContentAddressedStore(ArtifactStore):
                     if file.is_file():
                         relpath = check_relpath(file.relative_to(path).as_posix())
                         files[relpath] = self.put_file(file)
-            data = manifest_bytes(files)
-            tree_id = f"{TREE}:{hashlib.sha256(data).hexdigest()}"
-            if not self._has(tree_id):
-                self._save(tree_id, io.BytesIO(data))
-        return tree_id
+            return self._put_data(TREE, manifest_bytes(files))
 
     # -- reading --------------------------------------------------------------------------------
     def get_bytes(self, artifact_id: str) -> bytes:

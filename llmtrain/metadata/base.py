@@ -30,7 +30,6 @@ __all__ = [
     "RunRecord",
     "RunStatus",
 ]
-T = TypeVar("T")
 R = TypeVar("R", bound=BaseModel)
 TABLE_PREFIX = "_llmtrain_"
 UTC = timezone.utc
@@ -140,9 +139,14 @@ class MetadataStore(ABC):
 
         row = {"type_id": type_id, "identifier": identifier, "payload": text}
         with self._errors(f"adding {what}"):
-            return self._retry_conflicts(
-                lambda: self._insert_component({**row, "created_at": self._now()}, same)
-            )
+            for attempt in range(MAX_TRIES):
+                try:
+                    return self._insert_component({**row, "created_at": self._now()}, same)
+                except Conflict:  # another writer took that version first: read again, retry
+                    pause(attempt)
+        raise StoreError(
+            f"metadata store {self._where}: lost the race for a new version {MAX_TRIES} times"
+        )
 
     def get_component(
         self, type_id: str, identifier: str, version: int | None = None
@@ -324,17 +328,6 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
-    def _retry_conflicts(self, fn: Callable[[], T]) -> T:
-        """Another writer took the same version first: read again and retry."""
-        for attempt in range(MAX_TRIES):
-            try:
-                return fn()
-            except Conflict:
-                pause(attempt)
-        raise StoreError(
-            f"metadata store {self._where}: lost the race for a new version {MAX_TRIES} times"
-        )
-
     def _now(self) -> datetime:
         return datetime.now(UTC)
 
@@ -402,23 +395,21 @@ def pause(attempt: int) -> None:
     time.sleep(random.uniform(0.001, 0.005 * min(attempt + 1, 10)))
 
 
-def as_utc(value: datetime) -> datetime:
-    """Drivers hand back naive UTC (pymongo, mongomock) or aware times: always aware UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
     """A new record as stored: its info as JSON text."""
     return {**record.model_dump(exclude={"info"}), "info": dumps(record.info, what)}
 
 
 def _record(cls: type[R], row: Row, field: str, what: str) -> R:
-    """A stored row as its record: ``field`` decoded from JSON, times as aware UTC."""
+    """A stored row as its record: ``field`` decoded from JSON, times as aware UTC (drivers
+    hand back naive UTC, like pymongo and mongomock, or aware times)."""
     data = {name: row.get(name) for name in cls.model_fields}
     data[field] = loads(row.get(field), what)
     for name in ("created_at", "updated_at"):
         if isinstance(value := data.get(name), datetime):
-            data[name] = as_utc(value)
+            data[name] = (
+                value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            )
     return cls(**data)
 
 
