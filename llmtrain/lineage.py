@@ -51,18 +51,14 @@ class SnapshotKeys:
 
     def chunks(self) -> Iterator[Sequence[Key]]:
         size = self.view.chunk_size
-        for start in range(0, self.count, size):
-            yield self.view.keys(self.store, start, start + size)
+        return (self.view.keys(self.store, i, i + size) for i in range(0, self.count, size))
 
     def versions(self) -> Iterator[Sequence[Any]] | None:
         """The versions of the keys, chunk by chunk alongside :meth:`chunks`; None without."""
         if self.view.versions is None:
             return None
         size = self.view.chunk_size
-        return (
-            self.view.versions_of(self.store, start, start + size)
-            for start in range(0, self.count, size)
-        )
+        return (self.view.versions_of(self.store, i, i + size) for i in range(0, self.count, size))
 
 
 class Consumed(NamedTuple):

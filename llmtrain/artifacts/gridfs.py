@@ -54,10 +54,12 @@ class GridFSArtifactStore(ContentAddressedStore):
         db = mongo_database(self._uri)
         if write and not self._index_ready:
             with self._errors("preparing"):
-                files = db[f"{COLLECTION}.files"]
-                files.create_index("filename", unique=True, name="llmtrain_artifact_id")
+                self._files(db).create_index("filename", unique=True, name="llmtrain_artifact_id")
             self._index_ready = True
         return db
+
+    def _files(self, db: Any = None) -> Any:
+        return (self._db() if db is None else db)[f"{COLLECTION}.files"]
 
     def _fs(self, *, write: bool = False) -> Any:
         import gridfs
@@ -66,10 +68,8 @@ class GridFSArtifactStore(ContentAddressedStore):
 
     def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
         with self._errors(f"looking up {artifact_id}"):
-            return cast(
-                "dict[str, Any] | None",
-                self._db()[f"{COLLECTION}.files"].find_one({"filename": artifact_id}),
-            )
+            doc: dict[str, Any] | None = self._files().find_one({"filename": artifact_id})
+            return doc
 
     def _has(self, artifact_id: str) -> bool:
         return self._file_doc(artifact_id) is not None
@@ -112,9 +112,7 @@ class GridFSArtifactStore(ContentAddressedStore):
 
     def _tree_ids(self) -> list[str]:
         with self._errors("listing folder artifacts"):
-            docs = self._db()[f"{COLLECTION}.files"].find(
-                {"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1}
-            )
+            docs = self._files().find({"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
             return sorted(d["filename"] for d in docs)
 
 

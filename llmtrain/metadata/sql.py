@@ -48,13 +48,9 @@ _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite autoincreme
 _JSON = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")  # TEXT caps at 64 KiB there
 # The mariadb:// dialect reads only mariadb_* options, mysql:// only mysql_* ones.
 _TABLE_KW: dict[str, Any] = {
-    f"{prefix}_{option}": value
-    for prefix in ("mysql", "mariadb")
-    for option, value in {
-        "engine": "InnoDB",
-        "charset": "utf8mb4",
-        "collate": "utf8mb4_bin",
-    }.items()
+    f"{dialect}_{option}": value
+    for dialect in ("mysql", "mariadb")
+    for option, value in (("engine", "InnoDB"), ("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))
 }
 
 schema = sa.MetaData()
