@@ -98,8 +98,7 @@ class Datalayer:
         if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
                 "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an "
-                "ArtifactStore, "
-                f"got {type(artifacts).__name__} {artifacts!r}"
+                f"ArtifactStore, got {type(artifacts).__name__} {artifacts!r}"
             )
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise ConfigError(

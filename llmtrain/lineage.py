@@ -325,9 +325,8 @@ def run_keys(db: Datalayer, run: Any) -> SnapshotKeys:
 def reached_step(db: Datalayer, run: Any) -> int:
     """The last step a run trained that is known: its final or reached step, or its newest
     checkpoint's while it is still running."""
-    known = [int(run.info.get("steps") or 0)]
-    known += [c.step for c in db.metadata.list_checkpoints(run.run_id)]
-    return max(known)
+    checkpoints = db.metadata.list_checkpoints(run.run_id)
+    return max([int(run.info.get("steps") or 0), *(c.step for c in checkpoints)])
 
 
 def run_steps(

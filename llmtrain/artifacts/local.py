@@ -57,8 +57,8 @@ class LocalArtifactStore(ContentAddressedStore):
 
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         final = self._path(artifact_id)
-        self._mkdir(final.parent)
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=TMP_PREFIX)
         except OSError as exc:
             raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc

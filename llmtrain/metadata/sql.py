@@ -133,12 +133,12 @@ def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
 def _is_transient(exc: sa.exc.DBAPIError) -> bool:
     """Lock conflicts that a fresh transaction resolves (deadlock, busy SQLite file)."""
     orig = exc.orig
-    if getattr(orig, "sqlstate", None) in {"40001", "40P01"}:  # PostgreSQL
-        return True
     code = orig.args[0] if orig is not None and orig.args else None
-    if code in (1205, 1213):  # MySQL lock wait timeout, deadlock
-        return True
-    return "database is locked" in str(orig)  # SQLite
+    return (
+        getattr(orig, "sqlstate", None) in {"40001", "40P01"}  # PostgreSQL
+        or code in (1205, 1213)  # MySQL lock wait timeout, deadlock
+        or "database is locked" in str(orig)  # SQLite
+    )
 
 
 class SQLMetadataStore(MetadataStore):
@@ -184,13 +184,6 @@ class SQLMetadataStore(MetadataStore):
         path = sqlite_path(self._uri) if self._missing_ok else None
         return path is not None and not path.exists()
 
-    def _read(self, empty: T, fn: Callable[[sa.Connection], T]) -> T:
-        """``fn`` on a connection, or ``empty`` when the tables do not exist (none created)."""
-        if self._absent():
-            return empty
-        with sql_engine(self._uri).connect() as conn:
-            return fn(conn) if self._has_tables(conn) else empty
-
     def _write(
         self, fn: Callable[[sa.Connection], T], *, creates: bool = True, empty: T | None = None
     ) -> T | None:
@@ -234,8 +227,10 @@ class SQLMetadataStore(MetadataStore):
         return [dict(r) for r in conn.execute(query).mappings()]
 
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
-        query = _select(table, newest, equal)
-        return self._read([], lambda conn: self._rows(conn, query))
+        if self._absent():
+            return []
+        with sql_engine(self._uri).connect() as conn:  # no tables yet: none are created
+            return self._rows(conn, _select(table, newest, equal)) if self._has_tables(conn) else []
 
     def _delete(self, tables: list[str], **equal: Any) -> int:
         def delete(conn: sa.Connection) -> int:
