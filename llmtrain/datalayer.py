@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -28,10 +29,8 @@ def default_artifact_dir(uri: str) -> Path:
             return path.with_name(path.name + ".artifacts")
         name = "sqlite-memory"
     else:
-        from urllib.parse import urlsplit
-
         parts = urlsplit(uri)
-        db = parts.path.strip("/").split("?", 1)[0] or "default"
+        db = parts.path.strip("/") or "default"
         name = f"{parts.hostname or 'local'}-{db}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain")) / "artifacts" / safe

@@ -214,8 +214,8 @@ class Steps:
         return {i: int(self.skipped[r]) for i, r in enumerate(reprs) if r in self.skipped}
 
     # -- the walk --------------------------------------------------------------------------
-    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(step, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
+    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """(step, rank, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
         positions are taken ``span`` at a time (a few whole pieces) and stepped with arrays."""
         p = self.plan
         skipped = np.fromiter(self.skipped_at, dtype=np.int64, count=len(self.skipped_at))
@@ -240,7 +240,7 @@ class Steps:
                 cut = np.flatnonzero(np.diff(steps)) + 1
                 for first, stop in zip([0, *cut.tolist()], [*cut.tolist(), held]):
                     if steps[first]:
-                        yield int(steps[first]), epoch, indexes[first:stop]
+                        yield int(steps[first]), rank, epoch, indexes[first:stop]
                 if steps[-1] == 0 and not len(gone) and start + held < p.per_rank:
                     return  # past the run's last step
                 start += held
@@ -250,7 +250,7 @@ class Steps:
         """A mask over the run's keys: which rows it trained at least once."""
         mask = np.zeros(self.plan.count, dtype=bool)
         for rank in range(self.plan.world_size):
-            for _, _, indexes in self.batches(rank):
+            for *_, indexes in self.batches(rank):
                 mask[indexes] = True
         return mask
 
@@ -281,12 +281,7 @@ class _Blocks:
 def run_rows(steps: Steps) -> Iterator[Consumed]:
     """Every row the run trained, in step order (ranks interleaved within a step)."""
     plan = steps.plan
-
-    def stream(rank: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        for step, epoch, indexes in steps.batches(rank):
-            yield step, rank, epoch, indexes
-
-    streams = [stream(rank) for rank in range(plan.world_size)]
+    streams = [steps.batches(rank) for rank in range(plan.world_size)]
     keys = [_Blocks(steps.keys, plan.block_size) for _ in range(plan.world_size)]
     run_id = plan.run_id
     for step, rank, epoch, indexes in heapq.merge(*streams, key=lambda b: (b[0], b[1])):
@@ -341,12 +336,10 @@ def chain(db: Datalayer, run_id: str, steps: int | None = None) -> list[tuple[An
     """The run and the runs it continued from (incremental fits), oldest first, each with
     the step its successor started from (None: the run's own last step)."""
     out: list[tuple[Any, int | None]] = []
-    seen: set[str] = set()
     next_id: str | None = run_id
     while next_id is not None:
-        if next_id in seen:
+        if next_id in {run.run_id for run, _ in out}:
             raise StoreError(f"run {next_id} is its own ancestor: its record was edited")
-        seen.add(next_id)
         run = db.metadata.get_run(next_id)
         out.append((run, steps))
         parent = run.info.get(PARENT)

@@ -83,11 +83,12 @@ class MongoMetadataStore(MetadataStore):
 
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         order = [(key, -1 if newest else 1) for key in _ORDER[table]]
-        found = self._coll(table).find(_where(**equal)).sort(order)
+        where = {k: v for k, v in equal.items() if v is not None}
+        found = self._coll(table).find(where).sort(order)
         return list(found.limit(1) if newest else found)
 
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        where = _where(**equal)
+        where = {k: v for k, v in equal.items() if v is not None}
         return sum(self._coll(t).delete_many(where).deleted_count for t in tables)
 
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
@@ -117,7 +118,3 @@ class MongoMetadataStore(MetadataStore):
 
     def close(self) -> None:
         drop_mongo_client(self._uri)
-
-
-def _where(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
