@@ -3,10 +3,9 @@ any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from llmtrain.artifacts.base import ArtifactStore
+from llmtrain.artifacts.base import URL_SCHEME, ArtifactStore
 from llmtrain.artifacts.local import LocalArtifactStore
 from llmtrain.errors import ConfigError
 from llmtrain.uri import is_mongo_uri, redact_uri
@@ -18,12 +17,11 @@ __all__ = [
     "is_url",
     "open_artifacts",
 ]
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def is_url(spec: str | Path) -> bool:
     """An fsspec URL (``s3://...``); ``file://`` is the local folder, not one of these."""
-    match = _URL.match(spec) if isinstance(spec, str) else None
+    match = URL_SCHEME.match(spec) if isinstance(spec, str) else None
     return match is not None and match.group(1).lower() != "file"
 
 

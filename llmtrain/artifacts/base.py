@@ -32,6 +32,7 @@ _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
 CHUNK = 1 << 20
 MANIFEST_FORMAT = 1
 TMP_PREFIX = ".tmp-"
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 # -- ids, paths and manifests ---------------------------------------------------------------
@@ -74,14 +75,10 @@ def manifest_bytes(files: dict[str, str]) -> bytes:
 def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
     try:
         manifest = json.loads(data)
-    except ValueError:
-        manifest = None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != MANIFEST_FORMAT
-        or not isinstance(files, dict)
-    ):
+        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
+    except (ValueError, AttributeError, KeyError):  # not JSON, not an object, no files
+        files = None
+    if not isinstance(files, dict):
         raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
     for relpath, blob_id in files.items():
         check_relpath(relpath)

@@ -25,7 +25,6 @@ naming it); delete while nothing trains into the same store.
 from __future__ import annotations
 
 import posixpath
-import re
 import uuid
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
@@ -34,6 +33,7 @@ from urllib.parse import urlsplit
 from llmtrain.artifacts.base import (
     BLOB,
     CHUNK,
+    URL_SCHEME,
     ContentAddressedStore,
     HashingReader,
     parse_id,
@@ -49,7 +49,6 @@ READ_BLOCK = 4 * CHUNK
 #: protocols fsspec reads but cannot write (or that wrap another URL): no place for artifacts
 READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "reference"})
 STORAGE_PACKAGES = frozenset({"fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs", "google"})
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def shown_url(url: str) -> str:
@@ -63,7 +62,7 @@ def shown_url(url: str) -> str:
 def check_url(url: str, option: str = "artifacts") -> str:
     """The protocol of an fsspec URL that is safe to store; ConfigError naming ``option``
     otherwise."""
-    match = _SCHEME.match(url)
+    match = URL_SCHEME.match(url)
     if match is None:
         raise ConfigError(f"{option}={url!r} is not a URL")
     protocol = match.group(1).lower()
