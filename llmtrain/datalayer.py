@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -19,10 +20,6 @@ from llmtrain.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
 
-def llmtrain_home() -> Path:
-    return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain"))
-
-
 def default_artifact_dir(uri: str) -> Path:
     """Next to a SQLite file; otherwise ``~/.llmtrain/artifacts/<database>``."""
     if scheme_of(uri) == "sqlite":
@@ -32,13 +29,11 @@ def default_artifact_dir(uri: str) -> Path:
             return path.with_name(path.name + ".artifacts")
         name = "sqlite-memory"
     else:
-        from urllib.parse import urlsplit
-
         parts = urlsplit(uri)
-        db = parts.path.strip("/").split("?", 1)[0] or "default"
+        db = parts.path.strip("/") or "default"
         name = f"{parts.hostname or 'local'}-{db}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return llmtrain_home() / "artifacts" / safe
+    return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain")) / "artifacts" / safe
 
 
 def check_uri(uri: object, where: str) -> None:
@@ -102,8 +97,7 @@ class Datalayer:
         if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
                 "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an "
-                "ArtifactStore, "
-                f"got {type(artifacts).__name__} {artifacts!r}"
+                f"ArtifactStore, got {type(artifacts).__name__} {artifacts!r}"
             )
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise ConfigError(
@@ -111,10 +105,8 @@ class Datalayer:
             )
         self._uri = uri
         self._metadata_uri = metadata_uri or uri
-        if artifacts == "gridfs" and not is_mongo_uri(self._metadata_uri):
-            raise ConfigError("artifacts='gridfs' needs a MongoDB metadata database")
         if isinstance(artifacts, (str, Path)):
-            check_artifacts_spec(artifacts)
+            check_artifacts_spec(artifacts, self._metadata_uri)
         self._artifacts_spec = artifacts
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
@@ -264,7 +256,7 @@ class Datalayer:
             doomed |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
             self.metadata.remove_run(run.run_id)
         for model in models:
-            doomed |= {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
+            doomed |= _model_artifacts(model)
             self.metadata.remove_component("model", identifier, model.version)
         removed = self.metadata.remove_component(type_id, identifier, version)
         for artifact in sorted(doomed - self._artifacts_in_use() if doomed else ()):
@@ -292,12 +284,7 @@ class Datalayer:
     def _artifacts_in_use(self) -> set[str]:
         """Artifacts that remaining models and checkpoints still point at (content ids can be
         shared, so one trainer's removal must not delete another's)."""
-        used = {
-            a
-            for m in self.metadata.list_components("model")
-            for a in (m.payload.get("adapter"), m.payload.get("merged"))
-            if a
-        }
+        used = set().union(*map(_model_artifacts, self.metadata.list_components("model")))
         for run in self.metadata.list_runs():
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
@@ -340,6 +327,10 @@ class Datalayer:
         if not isinstance(self._artifacts_spec, ArtifactStore):
             state["_artifacts"] = None
         return state
+
+
+def _model_artifacts(model: ComponentRecord) -> set[str]:
+    return {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
 
 
 def connect(

@@ -12,13 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.backends.base import Key
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.lineage import TrainedOn, trained_on
 from llmtrain.training.incremental import FORGOTTEN
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain")
 
@@ -28,7 +31,7 @@ class Forgotten:
     """What a forget request found: the runs, checkpoints and models that trained on the
     rows, and the trainers (identifier, version) to retrain without them."""
 
-    db: Any
+    db: Datalayer
     found: TrainedOn
     trainers: list[tuple[str, int]] = field(default_factory=list)
     retrained: list[Any] = field(default_factory=list)  # the models retrain() made
@@ -56,7 +59,7 @@ class Forgotten:
         return models
 
 
-def forget(db: Any, source: Any, keys: Sequence[Key], *, retrain: bool = False) -> Forgotten:
+def forget(db: Datalayer, source: Any, keys: Sequence[Key], *, retrain: bool = False) -> Forgotten:
     """Forget the rows ``keys`` of ``source`` (a table or collection name, or a query)."""
     from llmtrain.queries import Query
 
@@ -81,7 +84,7 @@ def forget(db: Any, source: Any, keys: Sequence[Key], *, retrain: bool = False) 
     by_run: dict[str, set[str]] = {}
     for use in found.uses:
         by_run.setdefault(use.run_id, set()).add(key_repr(use.key))
-    consumed = set().union(*by_run.values()) if by_run else set()
+    consumed = set().union(*by_run.values())
     trainers: dict[str, int] = {}
     for run_id in found.runs:
         run = db.metadata.get_run(run_id)

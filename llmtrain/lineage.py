@@ -13,10 +13,12 @@ block at a time, in the epoch's block order.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -24,6 +26,9 @@ from llmtrain.backends.base import Key
 from llmtrain.datasets.plan import rank_pieces, rows_per_rank
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import StoreError
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 #: record field: {key_repr: first epoch it was skipped in} (bad rows, rows deleted mid-run)
 SKIPPED = "skipped_keys"
@@ -46,18 +51,14 @@ class SnapshotKeys:
 
     def chunks(self) -> Iterator[Sequence[Key]]:
         size = self.view.chunk_size
-        for start in range(0, self.count, size):
-            yield self.view.keys(self.store, start, start + size)
+        return (self.view.keys(self.store, i, i + size) for i in range(0, self.count, size))
 
     def versions(self) -> Iterator[Sequence[Any]] | None:
         """The versions of the keys, chunk by chunk alongside :meth:`chunks`; None without."""
         if self.view.versions is None:
             return None
         size = self.view.chunk_size
-        return (
-            self.view.versions_of(self.store, start, start + size)
-            for start in range(0, self.count, size)
-        )
+        return (self.view.versions_of(self.store, i, i + size) for i in range(0, self.count, size))
 
 
 class Consumed(NamedTuple):
@@ -169,9 +170,6 @@ class Steps:
                 min(min(max(t - s * p.accum, 0), p.accum) for t in totals) for s in range(p.steps)
             )
 
-    def batch_of(self, pos: int) -> int:
-        return pos // self.plan.batch_size
-
     def steps_of(self, rank: int, epoch: int, batches: np.ndarray) -> np.ndarray:
         """The step that trained each batch number of ``rank``'s ``epoch``; 0 where none did
         (every row skipped, or after the run's last step)."""
@@ -186,10 +184,6 @@ class Steps:
             steps[np.isin(batches, empty)] = 0
         return steps
 
-    def step(self, rank: int, epoch: int, batch: int) -> int | None:
-        found = int(self.steps_of(rank, epoch, np.array([batch], dtype=np.int64))[0])
-        return found or None
-
     def last_epoch(self) -> int:
         """An upper bound of the epochs the run read (exclusive)."""
         p = self.plan
@@ -199,44 +193,29 @@ class Steps:
         skipped_batches = max((len(v) for v in self.empty.values()), default=0)
         return int(self.limit // per_epoch) + 2 + skipped_batches
 
-    def is_skipped(self, index: int, epoch: int) -> bool:
-        first = self.skipped_at.get(index)
-        return first is not None and epoch >= first
-
     def _empty_batches(self) -> dict[tuple[int, int], list[int]]:
         p = self.plan
-        positions: dict[tuple[int, int, int], int] = {}
-        for index, first in self.skipped_at.items():
-            stop = p.epochs if p.epochs is not None else first + 1 + int(self._max_epochs())
-            for epoch in range(first, stop):
-                for rank, pos in p.locate(index, epoch):
-                    slot = (rank, epoch, self.batch_of(pos))
-                    positions[slot] = positions.get(slot, 0) + 1
+        most = int(p.steps * p.accum / max(math.ceil(p.per_rank / p.batch_size), 1) + 1)
+        positions = Counter(
+            (rank, epoch, pos // p.batch_size)
+            for index, first in self.skipped_at.items()
+            for epoch in range(first, p.epochs if p.epochs is not None else first + 1 + most)
+            for rank, pos in p.locate(index, epoch)
+        )
         empty: dict[tuple[int, int], list[int]] = {}
-        for (rank, epoch, batch), n in positions.items():
-            size = min(p.batch_size, p.per_rank - batch * p.batch_size)
-            if n >= size:
+        for (rank, epoch, batch), n in sorted(positions.items()):
+            if n >= min(p.batch_size, p.per_rank - batch * p.batch_size):
                 empty.setdefault((rank, epoch), []).append(batch)
-        return {k: sorted(v) for k, v in empty.items()}
-
-    def _max_epochs(self) -> float:
-        p = self.plan
-        per_epoch = max(math.ceil(p.per_rank / p.batch_size), 1)
-        return p.steps * p.accum / per_epoch + 1
+        return empty
 
     def _skipped_indexes(self) -> dict[int, int]:
-        found, index = {}, 0
-        for chunk in self.keys.chunks():
-            for key in chunk:
-                first = self.skipped.get(key_repr(key))
-                if first is not None:
-                    found[index] = int(first)
-                index += 1
-        return found
+        keys = itertools.chain.from_iterable(self.keys.chunks())
+        reprs = (key_repr(key) for key in keys)
+        return {i: int(self.skipped[r]) for i, r in enumerate(reprs) if r in self.skipped}
 
     # -- the walk --------------------------------------------------------------------------
-    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, np.ndarray]]:
-        """(step, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
+    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """(step, rank, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
         positions are taken ``span`` at a time (a few whole pieces) and stepped with arrays."""
         p = self.plan
         skipped = np.fromiter(self.skipped_at, dtype=np.int64, count=len(self.skipped_at))
@@ -261,7 +240,7 @@ class Steps:
                 cut = np.flatnonzero(np.diff(steps)) + 1
                 for first, stop in zip([0, *cut.tolist()], [*cut.tolist(), held]):
                     if steps[first]:
-                        yield int(steps[first]), epoch, indexes[first:stop]
+                        yield int(steps[first]), rank, epoch, indexes[first:stop]
                 if steps[-1] == 0 and not len(gone) and start + held < p.per_rank:
                     return  # past the run's last step
                 start += held
@@ -271,7 +250,7 @@ class Steps:
         """A mask over the run's keys: which rows it trained at least once."""
         mask = np.zeros(self.plan.count, dtype=bool)
         for rank in range(self.plan.world_size):
-            for _, _, indexes in self.batches(rank):
+            for *_, indexes in self.batches(rank):
                 mask[indexes] = True
         return mask
 
@@ -302,12 +281,7 @@ class _Blocks:
 def run_rows(steps: Steps) -> Iterator[Consumed]:
     """Every row the run trained, in step order (ranks interleaved within a step)."""
     plan = steps.plan
-
-    def stream(rank: int) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        for step, epoch, indexes in steps.batches(rank):
-            yield step, rank, epoch, indexes
-
-    streams = [stream(rank) for rank in range(plan.world_size)]
+    streams = [steps.batches(rank) for rank in range(plan.world_size)]
     keys = [_Blocks(steps.keys, plan.block_size) for _ in range(plan.world_size)]
     run_id = plan.run_id
     for step, rank, epoch, indexes in heapq.merge(*streams, key=lambda b: (b[0], b[1])):
@@ -319,17 +293,16 @@ def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
     """(epoch, step, rank) of every time the row at ``index`` was trained: O(epochs x ranks x
     blocks), no key read beyond the row's own."""
     plan = steps.plan
-    for epoch in range(steps.last_epoch()):
+    last = min(steps.last_epoch(), steps.skipped_at.get(index, math.inf))  # skipped from then on
+    for epoch in range(int(last)):
         for rank, pos in plan.locate(index, epoch):
-            if steps.is_skipped(index, epoch):
-                continue
-            step = steps.step(rank, epoch, steps.batch_of(pos))
-            if step is not None:
+            batch = np.array([pos // plan.batch_size], dtype=np.int64)
+            if step := int(steps.steps_of(rank, epoch, batch)[0]):
                 yield epoch, step, rank
 
 
 # -- the stored runs ----------------------------------------------------------------------------
-def run_keys(db: Any, run: Any) -> SnapshotKeys:
+def run_keys(db: Datalayer, run: Any) -> SnapshotKeys:
     """The training keys a run pinned; a run recorded before snapshots has none to give."""
     from llmtrain.datasets.snapshot import RunSnapshot
 
@@ -344,30 +317,29 @@ def run_keys(db: Any, run: Any) -> SnapshotKeys:
     return SnapshotKeys(RunSnapshot.from_record(record).view("train"), db.artifacts)
 
 
-def reached_step(db: Any, run: Any) -> int:
+def reached_step(db: Datalayer, run: Any) -> int:
     """The last step a run trained that is known: its final or reached step, or its newest
     checkpoint's while it is still running."""
-    known = [int(run.info.get("steps") or 0)]
-    known += [c.step for c in db.metadata.list_checkpoints(run.run_id)]
-    return max(known)
+    checkpoints = db.metadata.list_checkpoints(run.run_id)
+    return max([int(run.info.get("steps") or 0), *(c.step for c in checkpoints)])
 
 
-def run_steps(db: Any, run: Any, steps: int | None = None) -> Steps:
-    keys = run_keys(db, run)
+def run_steps(
+    db: Datalayer, run: Any, steps: int | None = None, keys: SnapshotKeys | None = None
+) -> Steps:
+    keys = run_keys(db, run) if keys is None else keys
     plan = Plan.of_run(run, keys.count, reached_step(db, run) if steps is None else steps)
     return Steps(plan, run.info.get(SKIPPED) or {}, keys)
 
 
-def chain(db: Any, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
+def chain(db: Datalayer, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
     """The run and the runs it continued from (incremental fits), oldest first, each with
     the step its successor started from (None: the run's own last step)."""
     out: list[tuple[Any, int | None]] = []
-    seen: set[str] = set()
     next_id: str | None = run_id
     while next_id is not None:
-        if next_id in seen:
+        if next_id in {run.run_id for run, _ in out}:
             raise StoreError(f"run {next_id} is its own ancestor: its record was edited")
-        seen.add(next_id)
         run = db.metadata.get_run(next_id)
         out.append((run, steps))
         parent = run.info.get(PARENT)
@@ -376,7 +348,7 @@ def chain(db: Any, run_id: str, steps: int | None = None) -> list[tuple[Any, int
     return out[::-1]
 
 
-def model_lineage(db: Any, name: str, version: int | None = None) -> Iterator[Consumed]:
+def model_lineage(db: Datalayer, name: str, version: int | None = None) -> Iterator[Consumed]:
     """The rows that trained a model version, parents' runs first, each run in step order:
     streamed, a few blocks of keys in memory at a time."""
     record = db.metadata.get_component("model", name, version)
@@ -427,7 +399,7 @@ class TrainedOn:
     underivable: list[str] = field(default_factory=list)  # runs of the source with no snapshot
 
 
-def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
+def trained_on(db: Datalayer, source: Any, keys: Sequence[Key]) -> TrainedOn:
     """Who consumed the rows ``keys`` of ``source``.
 
     Cost: one listing of runs and of models; for each run that read ``source``, one pass over
@@ -442,15 +414,14 @@ def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if not matches(run.info.get("query") or {}, source):
             continue
         try:
-            run_keys_ = run_keys(db, run)
+            snapshot = run_keys(db, run)
         except StoreError:
             result.underivable.append(run.run_id)
             continue
-        found = _find(run_keys_, keys)
+        found = _find(snapshot, keys)
         if not found:
             continue
-        plan = Plan.of_run(run, run_keys_.count, reached_step(db, run))
-        steps = Steps(plan, run.info.get(SKIPPED) or {}, run_keys_)
+        steps = run_steps(db, run, keys=snapshot)
         uses = [
             Use(key, run.run_id, run.identifier, run.version, epoch, step, rank)
             for index, key in found
@@ -461,8 +432,8 @@ def trained_on(db: Any, source: Any, keys: Sequence[Key]) -> TrainedOn:
             first[run.run_id] = min(first.get(run.run_id, use.step), use.step)
     for run in runs:  # oldest first: a parent is settled before the runs continuing from it
         parent = run.info.get(PARENT)
-        inherited = isinstance(parent, dict) and parent.get("run_id") in first
-        if inherited and int(parent.get("steps") or 0) >= first[parent["run_id"]]:
+        parent = parent if isinstance(parent, dict) else {}
+        if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
     for run in runs:
         if run.run_id in first:

@@ -3,10 +3,9 @@ any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from llmtrain.artifacts.base import ArtifactStore
+from llmtrain.artifacts.base import URL_SCHEME, ArtifactStore
 from llmtrain.artifacts.local import LocalArtifactStore
 from llmtrain.errors import ConfigError
 from llmtrain.uri import is_mongo_uri, redact_uri
@@ -18,39 +17,37 @@ __all__ = [
     "is_url",
     "open_artifacts",
 ]
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def is_url(spec: str | Path) -> bool:
     """An fsspec URL (``s3://...``); ``file://`` is the local folder, not one of these."""
-    match = _URL.match(spec) if isinstance(spec, str) else None
+    match = URL_SCHEME.match(spec) if isinstance(spec, str) else None
     return match is not None and match.group(1).lower() != "file"
 
 
-def check_artifacts_spec(spec: str | Path) -> None:
-    """A URL is checked before anything opens: its protocol must be one fsspec handles (never
-    taken for a folder named ``s3:``), and it must carry no credentials."""
+def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
+    """Checked before anything opens: ``"gridfs"`` needs a MongoDB metadata database, and a
+    URL's protocol must be one fsspec handles (never taken for a folder named ``s3:``), with
+    no credentials in it."""
+    if spec == "gridfs" and not is_mongo_uri(metadata_uri):
+        raise ConfigError(
+            f"artifacts='gridfs' needs a MongoDB metadata database, not {redact_uri(metadata_uri)}"
+        )
     if is_url(spec):
         from llmtrain.artifacts.fsspec_store import check_url
 
-        assert isinstance(spec, str)
-        check_url(spec)
+        check_url(str(spec))
 
 
 def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
     """``"gridfs"``: GridFS in the (MongoDB) metadata database; an fsspec URL: that store;
     anything else (``file://`` included): a folder."""
-    check_artifacts_spec(spec)
+    check_artifacts_spec(spec, metadata_uri)
     if is_url(spec):
         from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
 
         return FsspecArtifactStore(str(spec))
-    if isinstance(spec, str) and spec == "gridfs":
-        if not is_mongo_uri(metadata_uri):
-            raise ConfigError(
-                f"artifacts='gridfs' needs a MongoDB metadata database, not "
-                f"{redact_uri(metadata_uri)}"
-            )
+    if spec == "gridfs":
         from llmtrain.artifacts.gridfs import GridFSArtifactStore
 
         return GridFSArtifactStore(metadata_uri)

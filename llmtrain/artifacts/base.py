@@ -20,18 +20,19 @@ import re
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.errors import ArtifactCorruptError, StoreError
+from llmtrain.errors import ArtifactCorruptError, LlmtrainError, StoreError
 
 BLOB, TREE = "sha256", "tree"
 _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
 CHUNK = 1 << 20
 MANIFEST_FORMAT = 1
 TMP_PREFIX = ".tmp-"
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 # -- ids, paths and manifests ---------------------------------------------------------------
@@ -74,20 +75,22 @@ def manifest_bytes(files: dict[str, str]) -> bytes:
 def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
     try:
         manifest = json.loads(data)
-    except ValueError:
-        manifest = None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if (
-        not isinstance(manifest, dict)
-        or manifest.get("format") != MANIFEST_FORMAT
-        or not isinstance(files, dict)
-    ):
+        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
+    except (ValueError, AttributeError, KeyError):  # not JSON, not an object, no files
+        files = None
+    if not isinstance(files, dict):
         raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
     for relpath, blob_id in files.items():
         check_relpath(relpath)
         if parse_id(blob_id)[0] != BLOB:
             raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
     return files
+
+
+def tree_ids(names: Iterable[Sequence[str]]) -> list[str]:
+    """The tree ids of stored ``(ab, cdef...)`` names, sorted; temporary files are skipped."""
+    ids = (f"{TREE}:{head}{name}" for head, name in names)
+    return sorted(i for i in ids if _ID.fullmatch(i))
 
 
 def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
@@ -132,12 +135,7 @@ def _os_error(what: str, exc: OSError) -> StoreError:
 
 
 class ArtifactStore(ABC):
-    """Immutable, content-addressed storage.
-
-    An artifact id is ``"sha256:<hex>"`` for a blob, or ``"tree:<hex>"`` for a folder
-    (the hash of its JSON manifest of relative paths -> blob ids). Writes go to a temporary
-    name and are renamed into place; reads verify the hash.
-    """
+    """Immutable, content-addressed storage: the contract of the module docstring."""
 
     @abstractmethod
     def put_bytes(self, data: bytes) -> str: ...
@@ -176,6 +174,23 @@ class ArtifactStore(ABC):
 class ContentAddressedStore(ArtifactStore):
     """Ids, trees, verification and deletion over five storage primitives."""
 
+    #: where the artifacts are, for messages; the storage's own exceptions, which
+    #: :meth:`_errors` turns into a StoreError naming the operation
+    _label = "artifacts"
+    _storage_errors: tuple[type[Exception], ...] = ()
+
+    def _error(self, what: str, exc: BaseException) -> StoreError:
+        return StoreError(f"{self._label}: {what} failed: {type(exc).__name__}: {exc}")
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except LlmtrainError:
+            raise
+        except self._storage_errors as exc:
+            raise self._error(what, exc) from exc
+
     @abstractmethod
     def _has(self, artifact_id: str) -> bool: ...
 
@@ -201,7 +216,10 @@ class ContentAddressedStore(ArtifactStore):
 
     # -- writing --------------------------------------------------------------------------------
     def put_bytes(self, data: bytes) -> str:
-        artifact_id = f"{BLOB}:{hashlib.sha256(data).hexdigest()}"
+        return self._put_data(BLOB, data)
+
+    def _put_data(self, kind: str, data: bytes) -> str:
+        artifact_id = f"{kind}:{hashlib.sha256(data).hexdigest()}"
         if not self._has(artifact_id):
             self._save(artifact_id, io.BytesIO(data))
         return artifact_id
@@ -233,11 +251,7 @@ class ContentAddressedStore(ArtifactStore):
                     if file.is_file():
                         relpath = check_relpath(file.relative_to(path).as_posix())
                         files[relpath] = self.put_file(file)
-            data = manifest_bytes(files)
-            tree_id = f"{TREE}:{hashlib.sha256(data).hexdigest()}"
-            if not self._has(tree_id):
-                self._save(tree_id, io.BytesIO(data))
-        return tree_id
+            return self._put_data(TREE, manifest_bytes(files))
 
     # -- reading --------------------------------------------------------------------------------
     def get_bytes(self, artifact_id: str) -> bytes:

@@ -25,20 +25,19 @@ naming it); delete while nothing trains into the same store.
 from __future__ import annotations
 
 import posixpath
-import re
 import uuid
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 from llmtrain.artifacts.base import (
-    _ID,
     BLOB,
     CHUNK,
-    TREE,
+    URL_SCHEME,
     ContentAddressedStore,
     HashingReader,
     parse_id,
+    tree_ids,
 )
 from llmtrain.errors import ConfigError, LlmtrainError, StoreError
 
@@ -50,7 +49,6 @@ READ_BLOCK = 4 * CHUNK
 #: protocols fsspec reads but cannot write (or that wrap another URL): no place for artifacts
 READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "reference"})
 STORAGE_PACKAGES = frozenset({"fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs", "google"})
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def shown_url(url: str) -> str:
@@ -64,7 +62,7 @@ def shown_url(url: str) -> str:
 def check_url(url: str, option: str = "artifacts") -> str:
     """The protocol of an fsspec URL that is safe to store; ConfigError naming ``option``
     otherwise."""
-    match = _SCHEME.match(url)
+    match = URL_SCHEME.match(url)
     if match is None:
         raise ConfigError(f"{option}={url!r} is not a URL")
     protocol = match.group(1).lower()
@@ -104,9 +102,12 @@ class FsspecArtifactStore(ContentAddressedStore):
     """Artifacts under an fsspec URL; the filesystem is opened on first use (and again after
     pickling: only the URL travels)."""
 
+    _storage_errors = (Exception,)  # whatever the driver raises
+
     def __init__(self, url: str) -> None:
         self.protocol = check_url(url)
         self.url = url.rstrip("/")
+        self._label = f"artifacts at {self.url}"
         self._fs: Any = None
         self._root = ""
 
@@ -121,10 +122,8 @@ class FsspecArtifactStore(ContentAddressedStore):
         if self._fs is None:
             from fsspec.core import url_to_fs
 
-            try:  # no listings cache: another process's writes and deletes show at once
+            with self._errors("opening"):  # no listings cache: others' changes show at once
                 self._fs, root = url_to_fs(self.url, use_listings_cache=False)
-            except Exception as exc:  # noqa: BLE001 - any driver error becomes a StoreError
-                raise self._error("opening", exc) from exc
             self._root = root.rstrip("/")
         return self._fs
 
@@ -137,25 +136,18 @@ class FsspecArtifactStore(ContentAddressedStore):
         kind, hexdigest = parse_id(artifact_id)
         return self._join("blobs" if kind == BLOB else "trees", hexdigest[:2], hexdigest[2:])
 
-    def _error(self, what: str, exc: Exception) -> StoreError:
-        return StoreError(f"artifacts at {self.url}: {what} failed: {type(exc).__name__}: {exc}")
-
     def _has(self, artifact_id: str) -> bool:
         path = self._path(artifact_id)
-        try:
+        with self._errors(f"looking up {artifact_id}"):
             return bool(self.fs.isfile(path))
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(f"looking up {artifact_id}", exc) from exc
 
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         final = self._path(artifact_id)
         direct = self.protocol in ATOMIC_COMMIT
         target = final if direct else self._join("tmp", uuid.uuid4().hex)
         reader = HashingReader(source)
-        try:
+        with self._errors(f"storing {artifact_id}"):
             out = self.fs.open(target, "wb", block_size=WRITE_BLOCK, autocommit=not direct)
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(f"storing {artifact_id}", exc) from exc
         try:
             while chunk := reader.read(CHUNK):
                 out.write(chunk)
@@ -194,13 +186,9 @@ class FsspecArtifactStore(ContentAddressedStore):
 
     def _remove(self, artifact_id: str) -> None:
         path = self._path(artifact_id)
-        try:
+        with self._errors(f"deleting {artifact_id}"), suppress(FileNotFoundError):
             if self.fs.isfile(path):
                 self.fs.rm_file(path)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(f"deleting {artifact_id}", exc) from exc
 
     def _tree_ids(self) -> list[str]:
         try:
@@ -209,10 +197,4 @@ class FsspecArtifactStore(ContentAddressedStore):
             return []
         except Exception as exc:  # noqa: BLE001
             raise self._error("listing folder artifacts", exc) from exc
-        ids = []
-        for path in sorted(paths):
-            head, name = posixpath.split(str(path).rstrip("/"))
-            candidate = f"{TREE}:{posixpath.basename(head)}{name}"
-            if _ID.fullmatch(candidate):
-                ids.append(candidate)
-        return ids
+        return tree_ids(str(path).rstrip("/").split("/")[-2:] for path in paths)

@@ -7,8 +7,8 @@ never sees a partial artifact; a writer that loses a race removes only its own c
 
 from __future__ import annotations
 
+import functools
 import io
-import threading
 from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
@@ -22,27 +22,26 @@ from llmtrain.metadata.base import TABLE_PREFIX
 from llmtrain.uri import redact_uri, scheme_of
 
 COLLECTION = f"{TABLE_PREFIX}artifacts"  # GridFS adds .files and .chunks
-_mongomock_lock = threading.Lock()
-_mongomock_enabled = False
 
 
+@functools.cache
 def _enable_mongomock_gridfs() -> None:
-    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that, once."""
-    global _mongomock_enabled
-    with _mongomock_lock:
-        if not _mongomock_enabled:
-            import mongomock.gridfs
+    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that (once; two
+    threads racing here apply the same patch twice, which is harmless)."""
+    import mongomock.gridfs
 
-            mongomock.gridfs.enable_gridfs_integration()
-            _mongomock_enabled = True
+    mongomock.gridfs.enable_gridfs_integration()
 
 
 class GridFSArtifactStore(ContentAddressedStore):
     """Artifacts in ``_llmtrain_artifacts.files`` / ``.chunks`` of the metadata database."""
 
+    _storage_errors = (PyMongoError,)
+
     def __init__(self, metadata_uri: str) -> None:
         self._uri = metadata_uri
         self._where = redact_uri(metadata_uri)
+        self._label = f"GridFS artifacts in {self._where}"
         self._index_ready = False
 
     def __repr__(self) -> str:
@@ -54,33 +53,23 @@ class GridFSArtifactStore(ContentAddressedStore):
             _enable_mongomock_gridfs()
         db = mongo_database(self._uri)
         if write and not self._index_ready:
-            try:
-                db[f"{COLLECTION}.files"].create_index(
-                    "filename", unique=True, name="llmtrain_artifact_id"
-                )
-            except PyMongoError as exc:
-                raise self._error("preparing", exc) from exc
+            with self._errors("preparing"):
+                self._files(db).create_index("filename", unique=True, name="llmtrain_artifact_id")
             self._index_ready = True
         return db
+
+    def _files(self, db: Any = None) -> Any:
+        return (self._db() if db is None else db)[f"{COLLECTION}.files"]
 
     def _fs(self, *, write: bool = False) -> Any:
         import gridfs
 
         return gridfs.GridFS(self._db(write=write), collection=COLLECTION)
 
-    def _error(self, what: str, exc: Exception) -> StoreError:
-        return StoreError(
-            f"GridFS artifacts in {self._where}: {what} failed: {type(exc).__name__}: {exc}"
-        )
-
     def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
-        try:
-            doc: dict[str, Any] | None = self._db()[f"{COLLECTION}.files"].find_one(
-                {"filename": artifact_id}
-            )
+        with self._errors(f"looking up {artifact_id}"):
+            doc: dict[str, Any] | None = self._files().find_one({"filename": artifact_id})
             return doc
-        except PyMongoError as exc:
-            raise self._error(f"looking up {artifact_id}", exc) from exc
 
     def _has(self, artifact_id: str) -> bool:
         return self._file_doc(artifact_id) is not None
@@ -112,27 +101,19 @@ class GridFSArtifactStore(ContentAddressedStore):
         doc = self._file_doc(artifact_id)
         if doc is None:
             raise StoreError(f"artifact {artifact_id} not found in {self._where} (GridFS)")
-        try:
+        with self._errors(f"reading {artifact_id}"):
             return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self._error))
-        except PyMongoError as exc:
-            raise self._error(f"reading {artifact_id}", exc) from exc
 
     def _remove(self, artifact_id: str) -> None:
         doc = self._file_doc(artifact_id)
         if doc is not None:
-            try:
+            with self._errors(f"deleting {artifact_id}"):
                 self._fs().delete(doc["_id"])  # the file document first, then its chunks
-            except PyMongoError as exc:
-                raise self._error(f"deleting {artifact_id}", exc) from exc
 
     def _tree_ids(self) -> list[str]:
-        try:
-            docs = self._db()[f"{COLLECTION}.files"].find(
-                {"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1}
-            )
+        with self._errors("listing folder artifacts"):
+            docs = self._files().find({"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
             return sorted(d["filename"] for d in docs)
-        except PyMongoError as exc:
-            raise self._error("listing folder artifacts", exc) from exc
 
 
 class _GridReader(io.RawIOBase):

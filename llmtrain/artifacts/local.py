@@ -3,8 +3,7 @@
 :class:`LocalArtifactStore` keeps ``root/blobs/ab/cdef...`` and ``root/trees/ab/cdef...``,
 written to a temporary file in the same folder, fsynced and renamed into place, so a reader
 never sees a partial artifact; a lock file keeps ``put_dir`` and ``delete`` from racing.
-The shared logic (ids, manifests, verification) lives in :mod:`llmtrain.artifacts.base`;
-its names are re-exported here for older imports.
+The shared logic (ids, manifests, verification) lives in :mod:`llmtrain.artifacts.base`.
 """
 
 from __future__ import annotations
@@ -17,20 +16,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from llmtrain.artifacts.base import (
-    _ID,
     BLOB,
     CHUNK,
-    MANIFEST_FORMAT,
     TMP_PREFIX,
-    TREE,
     ContentAddressedStore,
     HashingReader,
     _os_error,
-    check_relpath,
-    corrupt,
-    manifest_bytes,
     parse_id,
-    parse_manifest,
+    tree_ids,
 )
 from llmtrain.errors import StoreError
 
@@ -39,24 +32,7 @@ try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best 
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = [
-    "BLOB",
-    "CHUNK",
-    "MANIFEST_FORMAT",
-    "TMP_PREFIX",
-    "TREE",
-    "ContentAddressedStore",
-    "HashingReader",
-    "LocalArtifactStore",
-    "check_relpath",
-    "corrupt",
-    "manifest_bytes",
-    "parse_id",
-    "parse_manifest",
-]
 
-
-# -- the local folder -----------------------------------------------------------------------
 class LocalArtifactStore(ContentAddressedStore):
     """Artifacts under ``root``; the folder is created on the first write."""
 
@@ -81,8 +57,8 @@ class LocalArtifactStore(ContentAddressedStore):
 
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         final = self._path(artifact_id)
-        self._mkdir(final.parent)
         try:
+            final.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=TMP_PREFIX)
         except OSError as exc:
             raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc
@@ -119,12 +95,7 @@ class LocalArtifactStore(ContentAddressedStore):
             raise _os_error(f"cannot delete {artifact_id} from {self.root}", exc) from exc
 
     def _tree_ids(self) -> list[str]:
-        ids = []
-        for path in sorted((self.root / "trees").glob("??/*")):
-            candidate = f"{TREE}:{path.parent.name}{path.name}"
-            if _ID.fullmatch(candidate):  # skips temporary files
-                ids.append(candidate)
-        return ids
+        return tree_ids((p.parent.name, p.name) for p in (self.root / "trees").glob("??/*"))
 
     @contextmanager
     def _tree_lock(self, exclusive: bool) -> Iterator[None]:

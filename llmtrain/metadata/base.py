@@ -7,29 +7,17 @@ nothing is pickled, and URIs are redacted before they arrive.
 from __future__ import annotations
 
 import json
+import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from datetime import datetime
-from typing import Any, TypeVar
+from datetime import datetime, timezone
+from typing import Any, Literal, TypeVar, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from llmtrain.errors import ComponentNotFoundError, StoreError
-from llmtrain.metadata.records import (
-    MAX_TRIES,
-    UTC,
-    CheckpointRecord,
-    ComponentRecord,
-    MetricRecord,
-    RunRecord,
-    RunStatus,
-    check_status,
-    component_record,
-    dumps,
-    float_values,
-    loads,
-    now_utc,
-    pause,
-)
 from llmtrain.uri import redact_uri
 
 __all__ = [
@@ -42,8 +30,52 @@ __all__ = [
     "RunRecord",
     "RunStatus",
 ]
-T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
 TABLE_PREFIX = "_llmtrain_"
+UTC = timezone.utc
+RunStatus = Literal["created", "running", "completed", "failed", "interrupted"]
+_RUN_STATUSES = frozenset(get_args(RunStatus))
+#: concurrent writers retry a lost race this many times (each try is one short transaction)
+MAX_TRIES = 50
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ComponentRecord(_Record):
+    type_id: str
+    identifier: str
+    version: int
+    created_at: datetime
+    payload: dict[str, Any]
+
+
+class RunRecord(_Record):
+    run_id: str
+    type_id: str
+    identifier: str
+    version: int
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+    info: dict[str, Any]
+    error: str | None = None
+
+
+class MetricRecord(_Record):
+    run_id: str
+    step: int
+    values: dict[str, float]
+    created_at: datetime
+
+
+class CheckpointRecord(_Record):
+    run_id: str
+    step: int
+    artifact_id: str
+    created_at: datetime
+    info: dict[str, Any]
 
 
 class Conflict(Exception):
@@ -96,46 +128,58 @@ class MetadataStore(ABC):
     ) -> int:
         """Store a new version and return its number; with ``unless_unchanged``, return the
         newest version instead when its payload equals ``payload`` (checked in the write)."""
+        what = f"{type_id} {identifier!r}"
         if not isinstance(payload, dict):
-            raise StoreError(
-                f"{type_id} {identifier!r}: payload must be a dict, got {type(payload).__name__}"
-            )
-        text = dumps(payload, f"{type_id} {identifier!r} payload")
+            raise StoreError(f"{what}: payload must be a dict, got {type(payload).__name__}")
+        text = dumps(payload, f"{what} payload")
         stored = json.loads(text)  # as it reads back: tuples become lists
-        same = (
-            (lambda newest: loads(newest["payload"], f"{type_id} {identifier!r}") == stored)
-            if unless_unchanged
-            else None
+
+        def same(newest: Row) -> bool:
+            return unless_unchanged and loads(newest["payload"], what) == stored
+
+        row = {"type_id": type_id, "identifier": identifier, "payload": text}
+        with self._errors(f"adding {what}"):
+            for attempt in range(MAX_TRIES):
+                try:
+                    return self._insert_component({**row, "created_at": self._now()}, same)
+                except Conflict:  # another writer took that version first: read again, retry
+                    pause(attempt)
+        raise StoreError(
+            f"metadata store {self._where}: lost the race for a new version {MAX_TRIES} times"
         )
-        with self._errors(f"adding {type_id} {identifier!r}"):
-            return self._retry_conflicts(
-                lambda: self._insert_component(type_id, identifier, self._now(), text, same)
-            )
 
     def get_component(
         self, type_id: str, identifier: str, version: int | None = None
     ) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
         with self._errors(f"reading {type_id} {identifier!r}"):
-            row = self._find_component(type_id, identifier, version)
-        if row is None:
+            rows = self._find(
+                "components",
+                version is None,
+                type_id=type_id,
+                identifier=identifier,
+                version=version,
+            )
+        if not rows:
             which = "any version" if version is None else f"version {version}"
             raise ComponentNotFoundError(f"no {type_id} {identifier!r} ({which}) in {self._where}")
-        return _component(row)
+        return _component(rows[0])
 
     def list_components(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[ComponentRecord]:
         """All matching records, ordered by type_id, identifier, version."""
         with self._errors("listing components"):
-            rows = self._find_components(type_id, identifier)
+            rows = self._find("components", type_id=type_id, identifier=identifier)
         # Sorted here: collations differ between databases, code points do not.
         return sorted(map(_component, rows), key=lambda r: (r.type_id, r.identifier, r.version))
 
     def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
         """Remove one version (or all when version is None); return how many went."""
         with self._errors(f"removing {type_id} {identifier!r}"):
-            return self._delete_components(type_id, identifier, version)
+            return self._delete(
+                ["components"], type_id=type_id, identifier=identifier, version=version
+            )
 
     # -- runs ---------------------------------------------------------------------------------
     def create_run(
@@ -152,13 +196,9 @@ class MetadataStore(ABC):
             updated_at=now,
             info=dict(info),
         )
-        row = {
-            **record.model_dump(exclude={"info"}),
-            "info": dumps(record.info, f"run {run_id!r} info"),
-        }
         try:
             with self._errors(f"creating run {run_id!r}"):
-                self._insert_run(row)
+                self._insert("runs", _row(record, f"run {run_id!r} info"))
         except Conflict:
             raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
         return record
@@ -173,11 +213,12 @@ class MetadataStore(ABC):
     ) -> RunRecord:
         """Set status/error; ``info`` keys are merged into the stored info. Moving to
         ``running`` or ``completed`` without an error clears the stored one."""
-        if status is not None:
-            check_status(status)
+        if status is not None and status not in _RUN_STATUSES:
+            raise StoreError(
+                f"run status {status!r} is invalid: use one of {', '.join(sorted(_RUN_STATUSES))}"
+            )
 
         def change(row: Row) -> dict[str, Any]:
-            record = _run(row)
             changes: dict[str, Any] = {"updated_at": self._now()}
             if status is not None:
                 changes["status"] = status
@@ -185,7 +226,8 @@ class MetadataStore(ABC):
                 changes["error"] = error
             elif status in ("running", "completed"):
                 changes["error"] = None  # a run going again, or done, carries no old failure
-            changes["info"] = dumps({**record.info, **(info or {})}, f"run {run_id!r} info")
+            merged = {**_run(row).info, **(info or {})}
+            changes["info"] = dumps(merged, f"run {run_id!r} info")
             return changes
 
         with self._errors(f"updating run {run_id!r}"):
@@ -196,59 +238,51 @@ class MetadataStore(ABC):
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._errors(f"reading run {run_id!r}"):
-            row = self._find_run(run_id)
-        if row is None:
+            rows = self._find("runs", run_id=run_id)
+        if not rows:
             raise StoreError(f"no run {run_id!r} in {self._where}")
-        return _run(row)
+        return _run(rows[0])
 
     def list_runs(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[RunRecord]:
         """Oldest first."""
         with self._errors("listing runs"):
-            return [_run(row) for row in self._find_runs(type_id, identifier)]
+            return [_run(r) for r in self._find("runs", type_id=type_id, identifier=identifier)]
 
     def remove_run(self, run_id: str) -> None:
         """Remove a run with its metrics and checkpoint records (not the checkpoints'
         artifacts: :meth:`Datalayer.remove` deletes those). A missing run is a no-op."""
         with self._errors(f"removing run {run_id!r}"):
-            self._delete_run(run_id)
+            self._delete(["checkpoints", "metrics", "runs"], run_id=run_id)
 
     # -- metrics and checkpoints ----------------------------------------------------------------
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
         """Store ``values`` for ``step``; a metric the step already has is replaced, so a
         step redone after a resume is listed once."""
-        numbers = float_values(values)
-        text = dumps(numbers, f"run {run_id!r} metrics")
+        try:
+            numbers = {str(k): float(v) for k, v in values.items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(
+                f"metric values must be a dict of numbers, got {values!r}: {exc}"
+            ) from None
+        what = f"run {run_id!r} metrics"
 
         def without_these(row: Row) -> str | None:
             """The row's values less the metrics logged again (None: nothing left)."""
-            kept = {
-                k: v
-                for k, v in loads(row["values"], f"metrics of run {run_id!r}").items()
-                if k not in numbers
-            }
-            return dumps(kept, f"run {run_id!r} metrics") if kept else None
+            old = loads(row["values"], f"metrics of run {run_id!r}")
+            kept = {k: v for k, v in old.items() if k not in numbers}
+            return dumps(kept, what) if kept else None
 
+        row = {"run_id": run_id, "step": int(step), "values": dumps(numbers, what)}
         with self._errors(f"logging metrics of run {run_id!r}"):
-            self._insert_metrics(
-                {"run_id": run_id, "step": int(step), "values": text, "created_at": self._now()},
-                without_these,
-            )
+            self._insert_metrics({**row, "created_at": self._now()}, without_these)
 
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
         """Ordered by step, then insertion."""
         with self._errors(f"reading metrics of run {run_id!r}"):
-            rows = self._find_metrics(run_id)
-        return [
-            MetricRecord(
-                run_id=r["run_id"],
-                step=r["step"],
-                values=loads(r["values"], f"metrics of run {run_id!r}"),
-                created_at=as_utc(r["created_at"]),
-            )
-            for r in rows
-        ]
+            rows = self._find("metrics", run_id=run_id)
+        return [_record(MetricRecord, r, "values", f"metrics of run {run_id!r}") for r in rows]
 
     def add_checkpoint(
         self, run_id: str, step: int, artifact_id: str, info: dict[str, Any]
@@ -260,13 +294,9 @@ class MetadataStore(ABC):
             created_at=self._now(),
             info=dict(info),
         )
-        row = {
-            **record.model_dump(exclude={"info"}),
-            "info": dumps(record.info, f"checkpoint info of run {run_id!r}"),
-        }
         try:
             with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
-                self._insert_checkpoint(row)
+                self._insert("checkpoints", _row(record, f"checkpoint info of run {run_id!r}"))
         except Conflict:
             raise StoreError(f"run {run_id!r} already has a checkpoint at step {step}") from None
         return record
@@ -274,22 +304,14 @@ class MetadataStore(ABC):
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
         with self._errors(f"listing checkpoints of run {run_id!r}"):
-            rows = self._find_checkpoints(run_id)
-        return [
-            CheckpointRecord(
-                run_id=r["run_id"],
-                step=r["step"],
-                artifact_id=r["artifact_id"],
-                created_at=as_utc(r["created_at"]),
-                info=loads(r["info"], f"checkpoint info of run {run_id!r}"),
-            )
-            for r in rows
-        ]
+            rows = self._find("checkpoints", run_id=run_id)
+        what = f"checkpoint info of run {run_id!r}"
+        return [_record(CheckpointRecord, r, "info", what) for r in rows]
 
     def remove_checkpoint(self, run_id: str, step: int) -> None:
         """Removing one that is not there is a no-op (retention may run twice)."""
         with self._errors(f"removing checkpoint {step} of run {run_id!r}"):
-            self._delete_checkpoint(run_id, step)
+            self._delete(["checkpoints"], run_id=run_id, step=step)
 
     def close(self) -> None:
         """Release connections; the store reopens lazily if used again."""
@@ -306,52 +328,33 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
-    def _retry_conflicts(self, fn: Callable[[], T]) -> T:
-        """Another writer took the same version first: read again and retry."""
-        for attempt in range(MAX_TRIES):
-            try:
-                return fn()
-            except Conflict:
-                if attempt == MAX_TRIES - 1:
-                    raise StoreError(
-                        f"metadata store {self._where}: lost the race for a new "
-                        f"version {MAX_TRIES} times"
-                    ) from None
-                pause(attempt)
-        raise AssertionError("unreachable")
-
     def _now(self) -> datetime:
-        return now_utc()
+        return datetime.now(UTC)
 
     # -- backend primitives -------------------------------------------------------------------
     # Rows carry the record's fields; payload/info/values are JSON text. A primitive that only
-    # reads returns nothing (None, []) when the tables or collections do not exist yet, and
+    # reads or deletes finds nothing when the tables or collections do not exist yet, and
     # creates none of them.
     @abstractmethod
-    def _insert_component(
-        self,
-        type_id: str,
-        identifier: str,
-        created_at: datetime,
-        payload: str,
-        same: Callable[[Row], bool] | None,
-    ) -> int:
-        """Insert version newest + 1 (0 for the first); Conflict if another writer took it.
-        When ``same(newest row)`` holds, insert nothing and return the newest version."""
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        """Insert ``row`` as version newest + 1 (0 for the first) and return that version;
+        Conflict if another writer took it. When ``same(newest row)``, insert nothing and
+        return the newest version."""
 
     @abstractmethod
-    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        """The given version, or the newest when version is None."""
+    def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        """The rows whose columns equal ``equal`` (None: any value), in the table's order:
+        components by version, runs oldest first, metrics by step then insertion, checkpoints
+        by step. ``newest``: only the last of them."""
 
     @abstractmethod
-    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]: ...
+    def _delete(self, tables: list[str], **equal: Any) -> int:
+        """Remove the rows of ``tables`` whose columns equal ``equal`` (None: any value), in
+        one transaction where the database has them; returns how many went."""
 
     @abstractmethod
-    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int: ...
-
-    @abstractmethod
-    def _insert_run(self, row: Row) -> None:
-        """Conflict if the run_id is taken."""
+    def _insert(self, table: str, row: Row) -> None:
+        """Insert into ``"runs"`` or ``"checkpoints"``; Conflict if a unique key is taken."""
 
     @abstractmethod
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
@@ -359,63 +362,69 @@ class MetadataStore(ABC):
         row; None if there is no such run. Concurrent changes must all take effect."""
 
     @abstractmethod
-    def _find_run(self, run_id: str) -> Row | None: ...
-
-    @abstractmethod
-    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        """Oldest first."""
-
-    @abstractmethod
-    def _delete_run(self, run_id: str) -> None:
-        """The run, its metrics and its checkpoint records."""
-
-    @abstractmethod
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
         """In one write: every stored row of the same run and step gets ``without_these(row)``
         as its values (removed when None, untouched when unchanged), then ``row`` goes in."""
 
-    @abstractmethod
-    def _find_metrics(self, run_id: str) -> list[Row]:
-        """Ordered by step, then insertion."""
 
-    @abstractmethod
-    def _insert_checkpoint(self, row: Row) -> None:
-        """Conflict if the run already has a checkpoint at that step."""
-
-    @abstractmethod
-    def _find_checkpoints(self, run_id: str) -> list[Row]:
-        """Oldest step first."""
-
-    @abstractmethod
-    def _delete_checkpoint(self, run_id: str, step: int) -> None: ...
+def dumps(value: Any, what: str) -> str:
+    """JSON or a StoreError that says which value could not be stored."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(f"{what} is not JSON-serialisable: {exc}") from None
 
 
-def as_utc(value: datetime) -> datetime:
-    """Drivers hand back naive UTC (pymongo, mongomock) or aware times: always aware UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+def loads(value: Any, what: str) -> Any:
+    """Stored JSON text back, or a StoreError: a value edited outside llmtrain (bytes, a
+    pickle, another type) is refused, never decoded as anything but JSON."""
+    if not isinstance(value, str):
+        raise StoreError(
+            f"{what} is not JSON text but {type(value).__name__}; was it edited outside llmtrain?"
+        )
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise StoreError(
+            f"{what} is not valid JSON ({exc}); was it edited outside llmtrain?"
+        ) from None
+
+
+def pause(attempt: int) -> None:
+    """A short random sleep, so racing writers do not collide again in lockstep."""
+    time.sleep(random.uniform(0.001, 0.005 * min(attempt + 1, 10)))
+
+
+def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
+    """A new record as stored: its info as JSON text."""
+    return {**record.model_dump(exclude={"info"}), "info": dumps(record.info, what)}
+
+
+def _record(cls: type[R], row: Row, field: str, what: str) -> R:
+    """A stored row as its record: ``field`` decoded from JSON, times as aware UTC (drivers
+    hand back naive UTC, like pymongo and mongomock, or aware times)."""
+    data = {name: row.get(name) for name in cls.model_fields}
+    data[field] = loads(row.get(field), what)
+    for name in ("created_at", "updated_at"):
+        if isinstance(value := data.get(name), datetime):
+            data[name] = (
+                value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+            )
+    return cls(**data)
 
 
 def _component(row: Row) -> ComponentRecord:
-    created = row.get("created_at")
-    return component_record(
-        row.get("type_id"),
-        row.get("identifier"),
-        row.get("version"),
-        as_utc(created) if isinstance(created, datetime) else created,
-        row.get("payload"),
-    )
+    """StoreError if any part of the row is not what llmtrain writes."""
+    type_id, identifier, version = (row.get(k) for k in ("type_id", "identifier", "version"))
+    what = f"stored component {type_id!r} {identifier!r} v{version!r}"
+    try:
+        return _record(ComponentRecord, row, "payload", f"{what}: its payload")
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise StoreError(
+            f"{what} is not a valid record ({problems}); was it edited outside llmtrain?"
+        ) from None
 
 
 def _run(row: Row) -> RunRecord:
-    run_id = row["run_id"]
-    return RunRecord(
-        run_id=run_id,
-        type_id=row["type_id"],
-        identifier=row["identifier"],
-        version=row["version"],
-        status=row["status"],
-        created_at=as_utc(row["created_at"]),
-        updated_at=as_utc(row["updated_at"]),
-        info=loads(row["info"], f"info of run {run_id!r}"),
-        error=row.get("error"),
-    )
+    return _record(RunRecord, row, "info", f"info of run {row['run_id']!r}")

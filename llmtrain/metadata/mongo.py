@@ -11,24 +11,26 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import pymongo
 from pymongo.collection import Collection
 from pymongo.errors import DuplicateKeyError, PyMongoError
 
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
 from llmtrain.errors import StoreError
-from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
-from llmtrain.metadata.records import MAX_TRIES, now_utc, pause
+from llmtrain.metadata.base import MAX_TRIES, TABLE_PREFIX, Conflict, MetadataStore, Row, pause
 
-COMPONENTS = f"{TABLE_PREFIX}components"
-RUNS = f"{TABLE_PREFIX}runs"
-METRICS = f"{TABLE_PREFIX}metrics"
-CHECKPOINTS = f"{TABLE_PREFIX}checkpoints"
+#: each collection's order: runs oldest first, metrics by step then insertion (ObjectIds grow
+#: within a process, and one process writes a run's metrics)
+_ORDER = {
+    "components": ("version",),
+    "runs": ("created_at", "_id"),
+    "metrics": ("step", "_id"),
+    "checkpoints": ("step",),
+}
 _INDEXES: dict[str, list[tuple[list[tuple[str, int]], bool]]] = {
-    COMPONENTS: [([("type_id", 1), ("identifier", 1), ("version", 1)], True)],
-    RUNS: [([("run_id", 1)], True), ([("type_id", 1), ("identifier", 1)], False)],
-    METRICS: [([("run_id", 1), ("step", 1)], False)],
-    CHECKPOINTS: [([("run_id", 1), ("step", 1)], True)],
+    "components": [([("type_id", 1), ("identifier", 1), ("version", 1)], True)],
+    "runs": [([("run_id", 1)], True), ([("type_id", 1), ("identifier", 1)], False)],
+    "metrics": [([("run_id", 1), ("step", 1)], False)],
+    "checkpoints": [([("run_id", 1), ("step", 1)], True)],
 }
 
 
@@ -46,127 +48,73 @@ class MongoMetadataStore(MetadataStore):
         self._index_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _coll(self, name: str, *, write: bool = False) -> Collection[Any]:
-        """The collection; for a write, after the unique indexes exist."""
+    def _coll(self, table: str, *, write: bool = False) -> Collection[Any]:
+        """The ``_llmtrain_`` collection; for a write, after the unique indexes exist."""
         db = mongo_database(self._uri)
         if write and not self._indexes_ready:
             with self._index_lock:
                 if not self._indexes_ready:
                     for coll, specs in _INDEXES.items():
                         for keys, unique in specs:
-                            db[coll].create_index(keys, unique=unique)
+                            db[TABLE_PREFIX + coll].create_index(keys, unique=unique)
                     self._indexes_ready = True
-        return db[name]
+        return db[TABLE_PREFIX + table]
 
-    def _insert(self, name: str, doc: Row) -> None:
+    def _insert(self, table: str, row: Row) -> None:
+        doc = {**row, "rev": 0} if table == "runs" else dict(row)  # _change_run's revision
         try:
-            self._coll(name, write=True).insert_one(dict(doc))
+            self._coll(table, write=True).insert_one(doc)
         except DuplicateKeyError as exc:
             raise Conflict(str(exc)) from exc
 
     def _now(self) -> datetime:
         """BSON dates keep milliseconds: truncate so a returned record equals the stored one."""
-        now = now_utc()
+        now = super()._now()
         return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
-    # -- components ---------------------------------------------------------------------------
-    def _insert_component(
-        self,
-        type_id: str,
-        identifier: str,
-        created_at: datetime,
-        payload: str,
-        same: Callable[[Row], bool] | None,
-    ) -> int:
-        newest = self._find_component(type_id, identifier, None)
-        if newest is not None and same is not None and same(newest):
-            return int(newest["version"])
-        version = 0 if newest is None else int(newest["version"]) + 1
-        self._insert(
-            COMPONENTS,
-            {
-                "type_id": type_id,
-                "identifier": identifier,
-                "version": version,
-                "created_at": created_at,
-                "payload": payload,
-            },
-        )
+    # -- primitives ---------------------------------------------------------------------------
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
+        if found and same(found[0]):
+            return int(found[0]["version"])
+        version = int(found[0]["version"]) + 1 if found else 0
+        self._insert("components", {**row, "version": version})
         return version
 
-    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        query: dict[str, Any] = {"type_id": type_id, "identifier": identifier}
-        if version is None:
-            return self._coll(COMPONENTS).find_one(query, sort=[("version", pymongo.DESCENDING)])
-        return self._coll(COMPONENTS).find_one({**query, "version": version})
+    def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        order = [(key, -1 if newest else 1) for key in _ORDER[table]]
+        where = {k: v for k, v in equal.items() if v is not None}
+        found = self._coll(table).find(where).sort(order)
+        return list(found.limit(1) if newest else found)
 
-    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        return list(self._coll(COMPONENTS).find(_where(type_id=type_id, identifier=identifier)))
-
-    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int:
-        query = _where(type_id=type_id, identifier=identifier, version=version)
-        return int(self._coll(COMPONENTS).delete_many(query).deleted_count)
-
-    # -- runs ---------------------------------------------------------------------------------
-    def _insert_run(self, row: Row) -> None:
-        self._insert(RUNS, {**row, "rev": 0})
+    def _delete(self, tables: list[str], **equal: Any) -> int:
+        where = {k: v for k, v in equal.items() if v is not None}
+        return sum(self._coll(t).delete_many(where).deleted_count for t in tables)
 
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         """Compare-and-swap on a revision counter, so concurrent merges lose nothing."""
-        coll = self._coll(RUNS)
+        coll = self._coll("runs")
         for attempt in range(MAX_TRIES):
             doc = coll.find_one({"run_id": run_id})
             if doc is None:
                 return None
             rev = doc.get("rev", 0)
             changes = {**change(doc), "rev": rev + 1}
-            if (
-                coll.update_one({"_id": doc["_id"], "rev": rev}, {"$set": changes}).matched_count
-                == 1
-            ):
+            if coll.update_one({"_id": doc["_id"], "rev": rev}, {"$set": changes}).matched_count:
                 return {**doc, **changes}
             pause(attempt)
         raise StoreError(f"run {run_id!r}: too many concurrent updates")
 
-    def _find_run(self, run_id: str) -> Row | None:
-        return self._coll(RUNS).find_one({"run_id": run_id})
-
-    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        query = _where(type_id=type_id, identifier=identifier)
-        return list(self._coll(RUNS).find(query).sort([("created_at", 1), ("_id", 1)]))
-
-    def _delete_run(self, run_id: str) -> None:
-        for name in (CHECKPOINTS, METRICS, RUNS):
-            self._coll(name).delete_many({"run_id": run_id})
-
-    # -- metrics and checkpoints ----------------------------------------------------------------
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
         """One writer per run (rank 0): the replace needs no transaction."""
-        coll = self._coll(METRICS, write=True)
+        coll = self._coll("metrics", write=True)
         for old in coll.find({"run_id": row["run_id"], "step": row["step"]}):
             kept = without_these(old)
             if kept is None:
                 coll.delete_one({"_id": old["_id"]})
             elif kept != old["values"]:
                 coll.update_one({"_id": old["_id"]}, {"$set": {"values": kept}})
-        self._insert(METRICS, row)
-
-    def _find_metrics(self, run_id: str) -> list[Row]:
-        # ObjectIds grow within a process: (step, _id) is insertion order per step.
-        return list(self._coll(METRICS).find({"run_id": run_id}).sort([("step", 1), ("_id", 1)]))
-
-    def _insert_checkpoint(self, row: Row) -> None:
-        self._insert(CHECKPOINTS, row)
-
-    def _find_checkpoints(self, run_id: str) -> list[Row]:
-        return list(self._coll(CHECKPOINTS).find({"run_id": run_id}).sort("step", 1))
-
-    def _delete_checkpoint(self, run_id: str, step: int) -> None:
-        self._coll(CHECKPOINTS).delete_one({"run_id": run_id, "step": step})
+        self._insert("metrics", row)
 
     def close(self) -> None:
         drop_mongo_client(self._uri)
-
-
-def _where(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}

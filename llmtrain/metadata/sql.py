@@ -8,7 +8,7 @@ string columns are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay dist
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -17,8 +17,7 @@ from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine, sqlite_path
 from llmtrain.errors import StoreError
-from llmtrain.metadata.base import TABLE_PREFIX, Conflict, MetadataStore, Row
-from llmtrain.metadata.records import UTC, pause
+from llmtrain.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
 T = TypeVar("T")
 #: deadlocks and lock timeouts are retried this many times
@@ -37,9 +36,7 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         return dialect.type_descriptor(sa.DateTime())
 
     def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
-        if value is None:
-            return None
-        if value.tzinfo is not None:
+        if value is not None and value.tzinfo is not None:
             value = value.astimezone(UTC).replace(tzinfo=None)
         return value
 
@@ -51,13 +48,9 @@ _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite autoincreme
 _JSON = sa.Text().with_variant(mysql.LONGTEXT(), "mysql", "mariadb")  # TEXT caps at 64 KiB there
 # The mariadb:// dialect reads only mariadb_* options, mysql:// only mysql_* ones.
 _TABLE_KW: dict[str, Any] = {
-    f"{prefix}_{option}": value
-    for prefix in ("mysql", "mariadb")
-    for option, value in {
-        "engine": "InnoDB",
-        "charset": "utf8mb4",
-        "collate": "utf8mb4_bin",
-    }.items()
+    f"{dialect}_{option}": value
+    for dialect in ("mysql", "mariadb")
+    for option, value in (("engine", "InnoDB"), ("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))
 }
 
 schema = sa.MetaData()
@@ -98,7 +91,7 @@ metrics = sa.Table(
     sa.Column("id", _ID, primary_key=True, autoincrement=True),  # insertion order
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
-    sa.Column("metric_values", _JSON, nullable=False),
+    sa.Column("metric_values", _JSON, nullable=False, key="values"),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Index(f"ix_{TABLE_PREFIX}metrics_run_step", "run_id", "step"),
     **_TABLE_KW,
@@ -140,12 +133,12 @@ def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
 def _is_transient(exc: sa.exc.DBAPIError) -> bool:
     """Lock conflicts that a fresh transaction resolves (deadlock, busy SQLite file)."""
     orig = exc.orig
-    if getattr(orig, "sqlstate", None) in {"40001", "40P01"}:  # PostgreSQL
-        return True
     code = orig.args[0] if orig is not None and orig.args else None
-    if code in (1205, 1213):  # MySQL lock wait timeout, deadlock
-        return True
-    return "database is locked" in str(orig)  # SQLite
+    return (
+        getattr(orig, "sqlstate", None) in {"40001", "40P01"}  # PostgreSQL
+        or code in (1205, 1213)  # MySQL lock wait timeout, deadlock
+        or "database is locked" in str(orig)  # SQLite
+    )
 
 
 class SQLMetadataStore(MetadataStore):
@@ -191,13 +184,6 @@ class SQLMetadataStore(MetadataStore):
         path = sqlite_path(self._uri) if self._missing_ok else None
         return path is not None and not path.exists()
 
-    def _read(self, empty: T, fn: Callable[[sa.Connection], T]) -> T:
-        """``fn`` on a connection, or ``empty`` when the tables do not exist (none created)."""
-        if self._absent():
-            return empty
-        with sql_engine(self._uri).connect() as conn:
-            return fn(conn) if self._has_tables(conn) else empty
-
     def _write(
         self, fn: Callable[[sa.Connection], T], *, creates: bool = True, empty: T | None = None
     ) -> T | None:
@@ -240,145 +226,92 @@ class SQLMetadataStore(MetadataStore):
     def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
         return [dict(r) for r in conn.execute(query).mappings()]
 
-    # -- components ---------------------------------------------------------------------------
-    def _insert_component(
-        self,
-        type_id: str,
-        identifier: str,
-        created_at: datetime,
-        payload: str,
-        same: Callable[[Row], bool] | None,
-    ) -> int:
-        c = components.c
-        query = (
-            sa.select(components)
-            .where(c.type_id == type_id, c.identifier == identifier)
-            .order_by(c.version.desc())
-            .limit(1)
-        )
+    def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        if self._absent():
+            return []
+        with sql_engine(self._uri).connect() as conn:  # no tables yet: none are created
+            return self._rows(conn, _select(table, newest, equal)) if self._has_tables(conn) else []
+
+    def _delete(self, tables: list[str], **equal: Any) -> int:
+        def delete(conn: sa.Connection) -> int:
+            found = 0
+            for name in tables:
+                table = schema.tables[TABLE_PREFIX + name]
+                found += conn.execute(table.delete().where(*_equal(table, equal))).rowcount
+            return found
+
+        return int(self._write(delete, creates=False, empty=0) or 0)
+
+    def _insert(self, table: str, row: Row) -> None:
+        insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
+        self._write(lambda conn: conn.execute(insert))
+
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        query = _select("components", True, {k: row[k] for k in ("type_id", "identifier")})
 
         def insert(conn: sa.Connection) -> int:
             newest = next(iter(self._rows(conn, query)), None)
-            if newest is not None and same is not None and same(newest):
+            if newest is not None and same(newest):
                 return int(newest["version"])
             version = 0 if newest is None else int(newest["version"]) + 1
-            conn.execute(
-                components.insert().values(
-                    type_id=type_id,
-                    identifier=identifier,
-                    version=version,
-                    created_at=created_at,
-                    payload=payload,
-                )
-            )
+            conn.execute(components.insert().values(**row, version=version))
             return version
 
         return int(self._write(insert) or 0)
 
-    def _find_component(self, type_id: str, identifier: str, version: int | None) -> Row | None:
-        c = components.c
-        query = sa.select(components).where(c.type_id == type_id, c.identifier == identifier)
-        if version is None:
-            query = query.order_by(c.version.desc()).limit(1)
-        else:
-            query = query.where(c.version == version)
-        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
-
-    def _find_components(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        query = _filtered(components, type_id=type_id, identifier=identifier)
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_components(self, type_id: str, identifier: str, version: int | None) -> int:
-        c = components.c
-        stmt = components.delete().where(c.type_id == type_id, c.identifier == identifier)
-        if version is not None:
-            stmt = stmt.where(c.version == version)
-        return int(
-            self._write(lambda conn: conn.execute(stmt).rowcount, creates=False, empty=0) or 0
-        )
-
-    # -- runs ---------------------------------------------------------------------------------
-    def _insert_run(self, row: Row) -> None:
-        self._write(lambda conn: conn.execute(runs.insert().values(**row)))
-
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
-            found = self._rows(
-                conn, sa.select(runs).where(runs.c.run_id == run_id).with_for_update()
-            )
-            if not found:
+            query = _select("runs", False, {"run_id": run_id}).with_for_update()
+            found = next(iter(self._rows(conn, query)), None)
+            if found is None:
                 return None
-            changes = change(found[0])
+            changes = change(found)
             conn.execute(runs.update().where(runs.c.run_id == run_id).values(**changes))
-            return {**found[0], **changes}
+            return {**found, **changes}
 
         return self._write(update, creates=False)
 
-    def _find_run(self, run_id: str) -> Row | None:
-        query = sa.select(runs).where(runs.c.run_id == run_id)
-        return self._read(None, lambda conn: next(iter(self._rows(conn, query)), None))
-
-    def _find_runs(self, type_id: str | None, identifier: str | None) -> list[Row]:
-        query = _filtered(runs, type_id=type_id, identifier=identifier).order_by(runs.c.seq)
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_run(self, run_id: str) -> None:
-        def delete(conn: sa.Connection) -> None:
-            for table in (checkpoints, metrics, runs):
-                conn.execute(table.delete().where(table.c.run_id == run_id))
-
-        self._write(delete, creates=False)
-
-    # -- metrics and checkpoints ----------------------------------------------------------------
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
-        values = {("metric_values" if k == "values" else k): v for k, v in row.items()}
-        m = metrics.c
-        same_step = sa.select(metrics).where(m.run_id == row["run_id"], m.step == row["step"])
+        same_step = _select("metrics", False, {"run_id": row["run_id"], "step": row["step"]})
 
         def replace(conn: sa.Connection) -> None:
             for old in self._rows(conn, same_step.with_for_update()):
-                kept = without_these({**old, "values": old["metric_values"]})
-                if kept == old["metric_values"]:
+                kept = without_these(old)
+                if kept == old["values"]:
                     continue
                 where = metrics.c.id == old["id"]
                 if kept is None:
                     conn.execute(metrics.delete().where(where))
                 else:
-                    conn.execute(metrics.update().where(where).values(metric_values=kept))
-            conn.execute(metrics.insert().values(**values))
+                    conn.execute(metrics.update().where(where).values(values=kept))
+            conn.execute(metrics.insert().values(**row))
 
         self._write(replace)
-
-    def _find_metrics(self, run_id: str) -> list[Row]:
-        query = (
-            sa.select(metrics)
-            .where(metrics.c.run_id == run_id)
-            .order_by(metrics.c.step, metrics.c.id)
-        )
-        rows: list[Row] = self._read([], lambda conn: self._rows(conn, query))
-        return [{**r, "values": r["metric_values"]} for r in rows]
-
-    def _insert_checkpoint(self, row: Row) -> None:
-        self._write(lambda conn: conn.execute(checkpoints.insert().values(**row)))
-
-    def _find_checkpoints(self, run_id: str) -> list[Row]:
-        query = (
-            sa.select(checkpoints)
-            .where(checkpoints.c.run_id == run_id)
-            .order_by(checkpoints.c.step)
-        )
-        return self._read([], lambda conn: self._rows(conn, query))
-
-    def _delete_checkpoint(self, run_id: str, step: int) -> None:
-        stmt = checkpoints.delete().where(
-            checkpoints.c.run_id == run_id, checkpoints.c.step == step
-        )
-        self._write(lambda conn: conn.execute(stmt), creates=False)
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
 
 
-def _filtered(table: sa.Table, **equal: Any) -> sa.Select[Any]:
-    """SELECT * with ``column == value`` for every value that is not None."""
-    return sa.select(table).where(*(table.c[k] == v for k, v in equal.items() if v is not None))
+#: each table's order: runs oldest first, metrics by step then insertion
+_ORDER = {
+    "components": ("version",),
+    "runs": ("seq",),
+    "metrics": ("step", "id"),
+    "checkpoints": ("step",),
+}
+
+
+def _equal(table: sa.Table, equal: Mapping[str, Any]) -> list[Any]:
+    """``column == value`` for every value that is not None."""
+    return [table.c[k] == v for k, v in equal.items() if v is not None]
+
+
+def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]:
+    """The rows whose columns equal ``equal`` in the table's order (``newest``: the last),
+    each column under its key (``metric_values`` as ``values``)."""
+    table = schema.tables[TABLE_PREFIX + name]
+    order = [table.c[k] for k in _ORDER[name]]
+    query = sa.select(*(c.label(c.key) for c in table.c)).where(*_equal(table, equal))
+    if newest:
+        return query.order_by(*(c.desc() for c in order)).limit(1)
+    return query.order_by(*order)
