@@ -11,6 +11,7 @@ is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -78,6 +79,12 @@ SELECT_KEYS = (
     "projection",
     "allow_javascript",
 )
+#: The friendlier forms of a selection: the query built, and the keys each form takes.
+_FORMS: dict[str, tuple[Any, set[str]]] = {
+    "table": (Table, {"schema", "key", "where", "params", "columns"}),
+    "collection": (Collection, {"filter", "projection", "allow_javascript"}),
+    "sql": (RawSQL, {"key", "params"}),
+}
 #: Fields holding free-form mappings: any key below them is allowed.
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
@@ -188,7 +195,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted path set (missing sections are created)."""
-    out = _copy(config)
+    out = copy.deepcopy(config)
     for path, value in overrides:
         node = out
         *parents, leaf = path.split(".")
@@ -198,14 +205,6 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
             node = node[part]
         node[leaf] = value
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 # -- the file's schema --------------------------------------------------------------------
@@ -224,43 +223,25 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
             f"{where}: unknown key(s) {unknown}; a selection has one of "
             "kind:, table:, collection: or sql:"
         )
-    forms = [k for k in ("kind", "table", "collection", "sql") if k in spec]
+    forms = [k for k in ("kind", *_FORMS) if k in spec]
     if len(forms) != 1:
         raise ConfigError(
             f"{where} needs exactly one of kind:, table:, collection: or sql:"
             + (f" (got {forms})" if forms else "")
         )
-    allowed = {
-        "kind": set(SELECT_KEYS),
-        "table": {"table", "schema", "key", "where", "params", "columns"},
-        "collection": {"collection", "filter", "projection", "allow_javascript"},
-        "sql": {"sql", "key", "params"},
-    }[forms[0]]
-    extra = sorted(set(spec) - allowed)
-    if extra:
-        raise ConfigError(f"{where}: {forms[0]}: does not take {extra}")
+    form = forms[0]
     try:
-        if forms[0] == "kind":
+        if form == "kind":
             return Query.from_dict(spec)
-        if forms[0] == "table":
-            return Table(
-                spec["table"],
-                schema=spec.get("schema"),
-                key=spec.get("key"),
-                where=spec.get("where"),
-                params=spec.get("params"),
-                columns=spec.get("columns"),
-            )
-        if forms[0] == "collection":
-            return Collection(
-                spec["collection"],
-                filter=spec.get("filter"),
-                projection=spec.get("projection"),
-                allow_javascript=bool(spec.get("allow_javascript", False)),
-            )
-        if "key" not in spec:
+        query_class, allowed = _FORMS[form]
+        extra = sorted(set(spec) - allowed - {form})
+        if extra:
+            raise ConfigError(f"{where}: {form}: does not take {extra}")
+        if form == "sql" and "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
-        return RawSQL(spec["sql"], key=spec["key"], params=spec.get("params"))
+        if "allow_javascript" in spec:
+            spec["allow_javascript"] = bool(spec["allow_javascript"])
+        return query_class(spec.pop(form), **spec)
     except (QueryError, KeyError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 

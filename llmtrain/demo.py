@@ -12,14 +12,19 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import closing
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llmtrain as lt
 from llmtrain.console import quiet, table
 from llmtrain.errors import ConfigError
+from llmtrain.report import query_text
 from llmtrain.uri import redact_uri
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 DEFAULT_DIR = Path("llmtrain-demo")
 DEFAULT_STEPS = 60
@@ -139,20 +144,25 @@ def run(
     if (Path(workdir) / _DB_FILE).exists():
         say("(the demo ran here before: starting over with a fresh database)\n")
     uri, base_model = prepare(workdir)
-    _show_data(uri, say)
-
-    db = lt.connect(uri)
-    try:
+    data = rows()
+    english = sum(r["lang"] == "en" for r in data)
+    say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
+    say(
+        _table(
+            [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
+            ["id", "instruction", "output", "lang"],
+        )
+        + "\n   ...\n"
+    )
+    with closing(lt.connect(uri)) as db:
         _fit_load_generate_replay(db, base_model, steps, say)
         _show_locations(db, uri, base_model, say)
-    finally:
-        db.close()
     say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
     say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
 
 
 def _fit_load_generate_replay(
-    db: Any, base_model: Path, steps: int, say: Callable[[str], Any]
+    db: Datalayer, base_model: Path, steps: int, say: Callable[[str], Any]
 ) -> None:
     """Steps 2-5: the calls of examples/quickstart.py, with what each one shows."""
     trainer = lt.LLMTrainer(
@@ -189,7 +199,7 @@ def _fit_load_generate_replay(
     say(f"3. Stored: db.load('trainer', 'demo-qa') -> {loaded!r}")
     say(
         f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
-        f"X={fit.X!r}, Y={fit.Y!r}, rows {_describe(fit.select)}, data fingerprint "
+        f"X={fit.X!r}, Y={fit.Y!r}, rows {query_text(fit.select)}, data fingerprint "
         f"{(fit.data_fingerprint or '')[:12]}\n"
     )
 
@@ -199,14 +209,12 @@ def _fit_load_generate_replay(
     answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
     matches = [got == want for (_, want), got in zip(probes, answers)]
     say(
-        _indent(
-            table(
-                [
-                    (q, want, got, "yes" if ok else "no")
-                    for (q, want), got, ok in zip(probes, answers, matches)
-                ],
-                ["question", "trained answer", "generated", "match"],
-            )
+        _table(
+            [
+                (q, want, got, "yes" if ok else "no")
+                for (q, want), got, ok in zip(probes, answers, matches)
+            ],
+            ["question", "trained answer", "generated", "match"],
         )
     )
     say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
@@ -220,27 +228,6 @@ def _fit_load_generate_replay(
     )
 
 
-def _show_data(uri: str, say: Callable[[str], Any]) -> None:
-    data = rows()
-    english = sum(r["lang"] == "en" for r in data)
-    say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
-    say(
-        _indent(
-            table(
-                [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
-                ["id", "instruction", "output", "lang"],
-            )
-        )
-        + "\n   ...\n"
-    )
-
-
-def _describe(select: dict[str, Any]) -> str:
-    from llmtrain.queries import Query
-
-    return f"{Query.from_dict(select).source} where {select.get('where')} {select.get('params')}"
-
-
 def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], Any]) -> None:
     say("6. Where everything went")
     say(
@@ -251,24 +238,23 @@ def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], An
     say(f"   base model  {base_model}")
     runs = db.metadata.list_runs("trainer", "demo-qa")
     say(
-        _indent(
-            table(
-                [
-                    (
-                        r.run_id,
-                        r.status,
-                        r.info.get("steps"),
-                        r.info.get("final_loss"),
-                        f"v{r.info.get('model_version')}",
-                        r.info.get("artifact"),
-                    )
-                    for r in runs
-                ],
-                ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
-            )
+        _table(
+            [
+                (
+                    r.run_id,
+                    r.status,
+                    r.info.get("steps"),
+                    r.info.get("final_loss"),
+                    f"v{r.info.get('model_version')}",
+                    r.info.get("artifact"),
+                )
+                for r in runs
+            ],
+            ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
         )
     )
 
 
-def _indent(text: str, prefix: str = "   ") -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
+def _table(rows: list[tuple[Any, ...]], header: list[str]) -> str:
+    """A table indented under its step."""
+    return "\n".join("   " + line for line in table(rows, header).splitlines())
