@@ -13,12 +13,12 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config_file import DB_ENV
-from llmtrain.console import quiet, table
+from llmtrain.console import quiet, say, table
 from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
 from llmtrain.demo import run as run_demo
 from llmtrain.errors import (
@@ -258,12 +258,9 @@ def _drop_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe
     cannot print "Exception ignored ... BrokenPipeError" after we exit quietly."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
+    with suppress(OSError, ValueError):  # stdout is not a real file (captured in tests)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
-        pass
-    finally:
-        os.close(devnull)
+    os.close(devnull)
 
 
 def _error(exc: Exception, *, one_line: bool = False) -> None:
@@ -273,10 +270,6 @@ def _error(exc: Exception, *, one_line: bool = False) -> None:
     if one_line:
         text = " ".join(text.split())
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
-
-
-def _say(*lines: str) -> None:
-    print(*lines, sep="\n", flush=True)
 
 
 def _connect(args: argparse.Namespace) -> closing[Datalayer]:
@@ -294,7 +287,7 @@ def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
     job = load_job(args.config, overrides)
     trainer = job.trainer()
     with closing(job.connect()) as db:
-        _say(
+        say(
             f"fitting {trainer.identifier} on {query_text(job.select.to_dict())} in "
             f"{redact_uri(job.db_uri)}"
         )
@@ -315,7 +308,7 @@ def cmd_replay(args: argparse.Namespace) -> None:
         trainer = db.load("trainer", args.name, args.version)
         fit = trainer.config.fit
         source = query_text(fit.select) if fit else "?"
-        _say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
+        say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
         model = trainer.fit(
             resume=args.resume, allow_changed_data=True if args.allow_changed_data else None
         )
@@ -324,21 +317,21 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 def _report_fit(db: Datalayer, trainer: Any, model: Any) -> None:
     if model is None:  # a launcher's worker processes stored the model
-        _say(f"done: see `llmtrain show run {trainer.identifier}`")
+        say(f"done: see `llmtrain show run {trainer.identifier}`")
         return
     run = db.metadata.get_run(model.record.run_id)
     loss = run.info.get("final_loss")
     loss_text = f", final loss {loss:.4f}" if loss is not None else ""
     store = db.artifacts
     where = getattr(store, "root", None) or getattr(store, "url", None) or "GridFS"
-    _say(
+    say(
         f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
         f"stored trainer {trainer.identifier} v{run.version} and model "
         f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
         f"database {db.uri}; artifacts in {where}",
     )
     if model.record.merged:
-        _say(f"merged model: {model.record.merged}")
+        say(f"merged model: {model.record.merged}")
 
 
 # -- show ------------------------------------------------------------------------------------
@@ -353,7 +346,7 @@ def cmd_show(args: argparse.Namespace) -> None:
             if run is not None and args.plot is not None:
                 from llmtrain.report import plot_run
 
-                _say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
+                say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
         elif args.name is None:
             _show_identifiers(db, args.type)
         elif args.type == "trainer":
@@ -373,9 +366,9 @@ def _versions(records: list[Any]) -> dict[tuple[str, str], str]:
 def _show_all(db: Datalayer) -> None:
     records = db.metadata.list_components()
     if not records:
-        _say(f"nothing stored in {db.uri} yet")
+        say(f"nothing stored in {db.uri} yet")
         return
-    _say(
+    say(
         table(
             [(*key, v) for key, v in sorted(_versions(records).items())],
             ["type", "identifier", "versions"],
@@ -387,29 +380,20 @@ def _show_all(db: Datalayer) -> None:
 def _show_identifiers(db: Datalayer, type_id: str) -> None:
     records = db.metadata.list_components(type_id)
     if not records:
-        _say(f"no {type_id} stored in {db.uri}")
+        say(f"no {type_id} stored in {db.uri}")
         return
     versions = _versions(records)
     latest = {r.identifier: r for r in records}  # ordered by version: the newest wins
     rows = []
     for name, record in sorted(latest.items()):
         runs = db.metadata.list_runs("trainer", name)
-        last = runs[-1] if runs else None
+        last = (runs[-1].status, runs[-1].info.get("final_loss")) if runs else (None, None)
         if type_id == "trainer":
             base = recipe(record.payload).model_args.model_name_or_path
         else:
             base = record.payload["base"]["model_name_or_path"]
-        rows.append(
-            (
-                name,
-                versions[type_id, name],
-                len(runs),
-                last.status if last else None,
-                last.info.get("final_loss") if last else None,
-                base,
-            )
-        )
-    _say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
+        rows.append((name, versions[type_id, name], len(runs), *last, base))
+    say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
 
 
 def _show_trainer(db: Datalayer, name: str) -> None:
@@ -422,7 +406,7 @@ def _show_trainer(db: Datalayer, name: str) -> None:
         data = f"{fit['X']} -> {fit['Y']} from {query_text(fit['select'])}" if fit else "-"
         base = config.model_args.model_name_or_path
         rows.append((r.version, when(r.created_at), base, config.method(), data))
-    _say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
+    say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
     _show_runs(db, name)
 
 
@@ -450,7 +434,7 @@ def _show_model(db: Datalayer, name: str) -> None:
             )
         )
     headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
-    _say(table(rows, [*headers, "forgotten rows"]))
+    say(table(rows, [*headers, "forgotten rows"]))
 
 
 def _show_runs(db: Datalayer, name: str | None) -> Any:
@@ -460,15 +444,15 @@ def _show_runs(db: Datalayer, name: str | None) -> Any:
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
         if len(by_id) == 1:
-            _say(*run_summary(db, by_id[0]))
+            say(*run_summary(db, by_id[0]))
             return by_id[0]
         runs = [r for r in runs if r.identifier == name]
         if not runs:
             raise _not_found(db, "run", name)
     if not runs:
-        _say(f"no runs in {db.uri} yet")
+        say(f"no runs in {db.uri} yet")
         return None
-    _say(
+    say(
         table(
             [
                 (
@@ -486,7 +470,7 @@ def _show_runs(db: Datalayer, name: str | None) -> Any:
     )
     if name is None:
         return None
-    _say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
+    say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
     return runs[-1]
 
 
@@ -517,29 +501,19 @@ def cmd_lineage(args: argparse.Namespace) -> None:
 
 
 def _report_usage(found: Any) -> None:
-    if found.uses:
-        _say(
-            table(
-                [
-                    (u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step)
-                    for u in found.uses
-                ],
-                ["run id", "trainer", "key", "epoch", "step"],
-            )
-        )
-    else:
-        _say("no run trained on it")
+    uses = [(u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step) for u in found.uses]
+    say(
+        table(uses, ["run id", "trainer", "key", "epoch", "step"])
+        if uses
+        else "no run trained on it"
+    )
     if found.checkpoints:
-        _say(
-            table(
-                [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints],
-                ["run id", "step", "checkpoint"],
-            )
-        )
+        checkpoints = [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints]
+        say(table(checkpoints, ["run id", "step", "checkpoint"]))
     if found.models:
-        _say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
+        say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
     if found.underivable:
-        _say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
+        say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
 
 
 def cmd_trained_on(args: argparse.Namespace) -> None:
@@ -552,14 +526,14 @@ def cmd_trained_on(args: argparse.Namespace) -> None:
 def cmd_forget(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         result = db.forget(args.table, _keys(args.keys))
-        _say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
+        say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
         _report_usage(result.found)
         if args.retrain:
             for model in result.retrain():
-                _say(f"retrained {model.identifier} v{model.version} without them")
+                say(f"retrained {model.identifier} v{model.version} without them")
         elif result.trainers:
             names = ", ".join(f"{name} v{version}" for name, version in result.trainers)
-            _say(f"to retrain {names} without them: llmtrain forget ... --retrain")
+            say(f"to retrain {names} without them: llmtrain forget ... --retrain")
 
 
 # -- merge / export ----------------------------------------------------------------------------
@@ -572,15 +546,15 @@ def cmd_merge(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         model = db.load("model", args.name, args.version)
         bits = model.record.base.bits
-        _say(
+        say(
             f"merging the adapter of {model.identifier} v{model.version} into "
             f"{model.record.base.model_name_or_path}"
             + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
         )
         artifact = model.merge(out)
-        _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
+        say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
         if out is not None:
-            _say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
+            say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -596,10 +570,10 @@ def cmd_export(args: argparse.Namespace) -> None:
         )
         if args.adapter is not None:
             folder = model.export_adapter(args.adapter)
-            _say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
+            say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
         if args.merged is not None:
             what = model.export_merged(args.merged, into=args.merge_into)
-            _say(
+            say(
                 f"wrote {which} merged into the {what} to {args.merged.resolve()} "
                 "(safetensors, with the tokenizer)"
             )

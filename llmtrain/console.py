@@ -77,10 +77,8 @@ def quiet() -> None:
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes([prefix]))
     _ignore_noisy_warnings()
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # "Writing model shards" bars on every save
 
@@ -145,6 +143,11 @@ def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
             return method(*args, **kwargs)
 
     return wrapper
+
+
+def say(*lines: str) -> None:
+    """Print each line, flushed at once: a long command's progress shows as it goes."""
+    print(*lines, sep="\n", flush=True)
 
 
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:

@@ -11,14 +11,12 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable
 from contextlib import closing
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import llmtrain as lt
-from llmtrain.console import quiet, table
+from llmtrain.console import quiet, say, table
 from llmtrain.errors import ConfigError
 from llmtrain.report import query_text
 from llmtrain.uri import redact_uri
@@ -131,14 +129,9 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     return f"sqlite:///{db_file}", tiny_model(workdir / "tiny-llama", corpus=corpus)
 
 
-def run(
-    workdir: str | Path = DEFAULT_DIR,
-    steps: int = DEFAULT_STEPS,
-    say: Callable[[str], Any] | None = None,
-) -> None:
-    """The demo, step by step; ``say`` prints each part (the progress bar goes to stderr)."""
+def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
+    """The demo, step by step, on stdout (the progress bar goes to stderr)."""
     started = time.perf_counter()
-    say = say or partial(print, flush=True)
     quiet()
     say(f"llmtrain demo: LoRA fine-tuning of a tiny model on a SQLite table ({steps} steps)\n")
     if (Path(workdir) / _DB_FILE).exists():
@@ -155,15 +148,13 @@ def run(
         + "\n   ...\n"
     )
     with closing(lt.connect(uri)) as db:
-        _fit_load_generate_replay(db, base_model, steps, say)
-        _show_locations(db, uri, base_model, say)
+        _fit_load_generate_replay(db, base_model, steps)
+        _show_locations(db, uri, base_model)
     say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
     say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
 
 
-def _fit_load_generate_replay(
-    db: Datalayer, base_model: Path, steps: int, say: Callable[[str], Any]
-) -> None:
+def _fit_load_generate_replay(db: Datalayer, base_model: Path, steps: int) -> None:
     """Steps 2-5: the calls of examples/quickstart.py, with what each one shows."""
     trainer = lt.LLMTrainer(
         "demo-qa",
@@ -228,7 +219,7 @@ def _fit_load_generate_replay(
     )
 
 
-def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], Any]) -> None:
+def _show_locations(db: Any, uri: str, base_model: Path) -> None:
     say("6. Where everything went")
     say(
         f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, runs, "
