@@ -107,12 +107,13 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
     return fast
 
 
-def _model_config(args: dict[str, Any], tokenizer: Any) -> Any:
-    """The config for ``args["arch"]``, sized to the tokenizer and agreeing with its special ids."""
-    from transformers import LlamaConfig, OPTConfig, Qwen2Config
+def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config
 
+    tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
     hidden = args["hidden_size"]
-    common = {
+    config: dict[str, Any] = {  # sized to the tokenizer, agreeing with its special ids
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
@@ -127,24 +128,17 @@ def _model_config(args: dict[str, Any], tokenizer: Any) -> Any:
         "initializer_range": 0.2,
     }
     if args["arch"] == "opt":
-        return OPTConfig(**common, ffn_dim=2 * hidden, word_embed_proj_dim=hidden)
-    return (LlamaConfig if args["arch"] == "llama" else Qwen2Config)(
-        **common,
-        intermediate_size=2 * hidden,
-        num_key_value_heads=args["num_kv_heads"],
-        tie_word_embeddings=False,
-    )
-
-
-def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
-    config = _model_config(args, tokenizer)
+        config.update(ffn_dim=2 * hidden, word_embed_proj_dim=hidden)
+    else:
+        config.update(
+            intermediate_size=2 * hidden,
+            num_key_value_heads=args["num_kv_heads"],
+            tie_word_embeddings=False,
+        )
+    config_class = {"llama": LlamaConfig, "opt": OPTConfig, "qwen2": Qwen2Config}[args["arch"]]
     with torch.random.fork_rng(devices=[]):  # deterministic, and leaves the caller's RNG alone
         torch.manual_seed(args["seed"])
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config_class(**config), dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
