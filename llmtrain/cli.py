@@ -475,20 +475,16 @@ def _show_runs(db: Datalayer, name: str | None) -> Any:
 
 
 def _not_found(db: Datalayer, type_id: str, name: str) -> LlmtrainError:
-    listed = db.metadata.list_components("trainer" if type_id == "run" else type_id)
-    known = ", ".join(sorted({r.identifier for r in listed})) or "none"
+    known = ", ".join(db.show("trainer" if type_id == "run" else type_id)) or "none"
     return ComponentNotFoundError(f"no {type_id} {name!r} in {db.uri}; known: {known}")
 
 
 # -- lineage ------------------------------------------------------------------------------------
 def _keys(texts: Sequence[str]) -> list[Any]:
     """A key typed on the command line: the text, and the integer when it reads as one."""
-    keys: list[Any] = []
-    for text in texts:
-        keys.append(text)
-        if text.lstrip("-").isdigit():
-            keys.append(int(text))
-    return keys
+    return [
+        k for text in texts for k in ([text, int(text)] if text.lstrip("-").isdigit() else [text])
+    ]
 
 
 def cmd_lineage(args: argparse.Namespace) -> None:

@@ -134,9 +134,8 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked."""
     out: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    items = iter(args)
+    for arg in items:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(
                 f"unexpected argument {arg!r}: overrides look like "
@@ -144,13 +143,11 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
             )
         path, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+            value = next(items, "--")  # none left reads as a missing value too
+            if value.startswith("--"):
                 raise ConfigError(f"override --{path} needs a value")
-            value = args[i + 1]
-            i += 1
         check_path(path)
         out.append((path, parse_value(value)))
-        i += 1
     return out
 
 

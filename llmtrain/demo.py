@@ -95,14 +95,13 @@ def rows() -> list[dict[str, Any]]:
 
 def write_table(db_file: Path) -> None:
     """Plain ``sqlite3``: the data is any table you already have; llmtrain only reads it."""
-    with sqlite3.connect(db_file) as conn:
+    with closing(sqlite3.connect(db_file)) as conn, conn:  # closed, after a commit
         conn.execute("DROP TABLE IF EXISTS docs")
         conn.execute(
             "CREATE TABLE docs (id INTEGER PRIMARY KEY, instruction TEXT NOT NULL, "
             "output TEXT NOT NULL, lang TEXT NOT NULL)"
         )
         conn.executemany("INSERT INTO docs VALUES (:id, :instruction, :output, :lang)", rows())
-    conn.close()
 
 
 def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
