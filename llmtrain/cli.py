@@ -233,7 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handler[args.command](args)
     except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
-        _drop_stdout()
+        # stdout to /dev/null, so the interpreter's final flush into the closed pipe cannot
+        # print "Exception ignored ... BrokenPipeError" after we exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with suppress(OSError, ValueError):  # stdout is not a real file (captured in tests)
+            os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 0
     except DatabaseUnavailableError as exc:  # an outage, not the user's mistake
         _error(exc)
@@ -252,15 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: errors the user can fix by changing the command, the config or the data (exit status 2)
 _USER_MISTAKES = (ConfigError, QueryError, DataError, ComponentNotFoundError)
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe
-    cannot print "Exception ignored ... BrokenPipeError" after we exit quietly."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    with suppress(OSError, ValueError):  # stdout is not a real file (captured in tests)
-        os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 def _error(exc: Exception, *, one_line: bool = False) -> None:
