@@ -156,30 +156,24 @@ def check_path(path: str) -> None:
     parts = path.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"unknown option --{path}: empty part in the dotted path")
-    head, rest = parts[0], parts[1:]
-    if head in SCALARS:
-        if rest:
-            raise ConfigError(f"unknown option --{path}: {head} is a single value")
-        return
-    if head in SECTIONS:
-        if rest:
-            _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
-            if len(rest) > 1 and rest[0] not in _FREE_FORM:
-                raise ConfigError(f"unknown option --{path}: {head}.{rest[0]} has no sub-options")
-        return
-    if head == "data":
-        if rest:
-            _check_key(path, rest[0], list(DATA_KEYS), "data")
-            if rest[0] in ("X", "Y") and len(rest) > 1:
-                raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
-            if len(rest) > 1:
-                _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
-                if len(rest) > 2 and rest[1] not in _FREE_FORM:
-                    raise ConfigError(
-                        f"unknown option --{path}: data.{rest[0]}.{rest[1]} has no sub-options"
-                    )
-        return
+    head, *rest = parts
     _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
+    if not rest:
+        return
+    if head in SCALARS:
+        raise ConfigError(f"unknown option --{path}: {head} is a single value")
+    if head in SECTIONS:
+        _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
+        named = rest[:1]  # the section's field
+    else:
+        _check_key(path, rest[0], list(DATA_KEYS), "data")
+        if rest[0] in ("X", "Y") and len(rest) > 1:
+            raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
+        if len(rest) > 1:
+            _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
+        named = rest[:2]  # data.select's key
+    if len(rest) > len(named) and named[-1] not in _FREE_FORM:
+        raise ConfigError(f"unknown option --{path}: {'.'.join([head, *named])} has no sub-options")
 
 
 def _check_key(path: str, key: str, known: list[str], where: str) -> None:
