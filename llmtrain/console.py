@@ -153,9 +153,7 @@ def say(*lines: str) -> None:
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
     """Rows as left-aligned columns under ``header``; ``None`` shows as ``-``."""
     cells = [[_cell(v) for v in row] for row in rows]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)
-    ]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join(lines)
