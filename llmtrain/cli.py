@@ -15,10 +15,12 @@ import sys
 from collections.abc import Sequence
 from contextlib import closing, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from llmtrain.config_file import DB_ENV
+from llmtrain import __version__
+from llmtrain.config_file import DB_ENV, SCALARS, SECTIONS, load_job
 from llmtrain.console import quiet, say, table
+from llmtrain.datalayer import Datalayer, connect
 from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
 from llmtrain.demo import run as run_demo
 from llmtrain.errors import (
@@ -29,11 +31,9 @@ from llmtrain.errors import (
     LlmtrainError,
     QueryError,
 )
-from llmtrain.report import query_text, recipe, run_summary, when
+from llmtrain.lineage import trained_on
+from llmtrain.report import plot_run, query_text, recipe, run_summary, when
 from llmtrain.uri import redact_uri
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 USAGE_EXAMPLES = """\
 examples:
@@ -48,9 +48,6 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llmtrain import __version__
-    from llmtrain.config_file import SCALARS, SECTIONS
-
     parser = argparse.ArgumentParser(
         prog="llmtrain",
         description="Fine-tune LLMs on rows streamed from SQL and MongoDB.",
@@ -269,8 +266,6 @@ def _error(exc: Exception, *, one_line: bool = False) -> None:
 
 
 def _connect(args: argparse.Namespace) -> closing[Datalayer]:
-    from llmtrain.datalayer import connect
-
     if not args.db:
         raise ConfigError(f"no database: pass --db URI or set {DB_ENV}")
     return closing(connect(args.db, artifacts=args.artifacts))
@@ -278,8 +273,6 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 # -- fit / replay -----------------------------------------------------------------------------
 def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
-    from llmtrain.config_file import load_job
-
     job = load_job(args.config, overrides)
     trainer = job.trainer()
     with closing(job.connect()) as db:
@@ -340,8 +333,6 @@ def cmd_show(args: argparse.Namespace) -> None:
         elif args.type == "run":
             run = _show_runs(db, args.name)
             if run is not None and args.plot is not None:
-                from llmtrain.report import plot_run
-
                 say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
         elif args.name is None:
             _show_identifiers(db, args.type)
@@ -509,8 +500,6 @@ def _report_usage(found: Any) -> None:
 
 
 def cmd_trained_on(args: argparse.Namespace) -> None:
-    from llmtrain.lineage import trained_on
-
     with _connect(args) as db:
         _report_usage(trained_on(db, args.table, _keys([args.key])))
 

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from llmtrain.datalayer import connect
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Collection, Query, RawSQL, Table
 from llmtrain.training.args import TrainerConfig, describe
@@ -255,8 +256,6 @@ class FitJob:
         return LLMTrainer(self.config.name, **options)
 
     def connect(self) -> Any:
-        from llmtrain.datalayer import connect
-
         return connect(self.db_uri, artifacts=self.config.artifacts)
 
 

@@ -19,6 +19,7 @@ import llmtrain as lt
 from llmtrain.console import quiet, say, table
 from llmtrain.errors import ConfigError
 from llmtrain.report import query_text
+from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri
 
 if TYPE_CHECKING:
@@ -110,8 +111,6 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     Re-running starts over: the database and its artifacts are replaced, the model (the same
     bytes every time) is reused. A non-empty folder that is not a demo folder is refused.
     """
-    from llmtrain.testing import tiny_model
-
     workdir = Path(workdir).resolve()
     if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / _MARKER).exists():
         raise ConfigError(

@@ -12,8 +12,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from llmtrain.console import table
 from llmtrain.errors import ConfigError
+from llmtrain.queries import Query
+from llmtrain.training.args import TrainerConfig, build
 
 #: recipe keys that say where and on which rows, not how: shown on their own lines
 _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
@@ -63,8 +67,6 @@ def query_text(query: dict[str, Any] | None) -> str:
     """A stored query as one line: ``table docs where lang = :l {'l': 'en'}``."""
     if not query:
         return "-"
-    from llmtrain.queries import Query
-
     text = Query.from_dict(query).source
     where = query.get("where") or query.get("filter")
     if where:
@@ -80,8 +82,6 @@ def when(value: Any) -> str:
 
 def recipe(payload: dict[str, Any]) -> Any:
     """A stored trainer record read through today's schema (a bad record: ConfigError)."""
-    from llmtrain.training.args import TrainerConfig, build
-
     return build(TrainerConfig, payload, "trainer record")
 
 
@@ -131,8 +131,6 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
 def _flat_recipe(payload: dict[str, Any]) -> dict[str, Any]:
     """Every option of a stored recipe as ``section.field: value``, defaults included (a
     record leaves out the options added since 0.1.0 while they hold their defaults)."""
-    from pydantic import BaseModel
-
     flat: dict[str, Any] = {}
 
     def walk(value: Any, prefix: str) -> None:

@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmtrain.errors import ConfigError
 
 #: Bump when the build recipe changes, so stale cached models are rebuilt.
@@ -108,7 +110,6 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
 
 
 def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
-    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config
 
     tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
