@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from llmtrain.datalayer import connect
+from llmtrain.datalayer import Datalayer, connect
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Collection, Query, RawSQL, Table
 from llmtrain.training.args import TrainerConfig, describe
@@ -255,7 +255,7 @@ class FitJob:
         options = self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
         return LLMTrainer(self.config.name, **options)
 
-    def connect(self) -> Any:
+    def connect(self) -> Datalayer:
         return connect(self.db_uri, artifacts=self.config.artifacts)
 
 

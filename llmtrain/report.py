@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from llmtrain.console import table
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 from llmtrain.training.args import TrainerConfig, build
@@ -23,7 +24,7 @@ from llmtrain.training.args import TrainerConfig, build
 _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
 
 
-def run_summary(db: Any, run: Any) -> list[str]:
+def run_summary(db: Datalayer, run: Any) -> list[str]:
     """Where the run trained, its status, duration, steps, tokens, throughput, final and best
     losses, data fingerprint and the recipe's changes from the trainer's previous version,
     one fact a line; then its logged metrics and its checkpoints as tables."""
@@ -103,7 +104,7 @@ def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str
     return f"final {final[1]:.4f} (step {final[0]}), best {best[1]:.4f} (step {best[0]})"
 
 
-def recipe_changes(db: Any, run: Any) -> list[str]:
+def recipe_changes(db: Datalayer, run: Any) -> list[str]:
     """The run's trainer version against the previous stored version of that trainer, read
     through today's schema (an option added since shows at its default, not as a change)."""
     versions = {
@@ -115,7 +116,7 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
     if not earlier:
         return [f"recipe     v{run.version} is the first version of {run.identifier}"]
     previous = max(earlier)
-    before, after = _flat_recipe(versions[previous]), _flat_recipe(versions[run.version])
+    before, after = _flat(recipe(versions[previous])), _flat(recipe(versions[run.version]))
     changed = [
         (key, before.get(key), after.get(key))
         for key in sorted(before.keys() | after.keys())
@@ -128,19 +129,14 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
     return lines
 
 
-def _flat_recipe(payload: dict[str, Any]) -> dict[str, Any]:
-    """Every option of a stored recipe as ``section.field: value``, defaults included (a
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Every option of a recipe as ``section.field: value``, defaults included (a stored
     record leaves out the options added since 0.1.0 while they hold their defaults)."""
+    if not isinstance(value, BaseModel):
+        return {prefix: json.loads(json.dumps(value, default=str))}
     flat: dict[str, Any] = {}
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, BaseModel):
-            for name in type(value).model_fields:
-                walk(getattr(value, name), f"{prefix}.{name}" if prefix else name)
-        else:
-            flat[prefix] = json.loads(json.dumps(value, default=str))
-
-    walk(recipe(payload), "")
+    for name in type(value).model_fields:
+        flat |= _flat(getattr(value, name), f"{prefix}.{name}" if prefix else name)
     return flat
 
 
@@ -148,7 +144,7 @@ def _show(value: Any) -> str:
     return "-" if value is None else json.dumps(value) if not isinstance(value, str) else value
 
 
-def plot_run(db: Any, run: Any, path: str | Path) -> Path:
+def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
     """Train loss, eval loss (left axis) and learning rate (right axis) against steps, as a
     PNG at ``path``. Drawn with matplotlib's object API: no pyplot, no global backend."""
     try:
