@@ -197,15 +197,11 @@ def _fit_load_generate_replay(db: Datalayer, base_model: Path, steps: int) -> No
     probes = [(en[0], answer) for en, answer, _, _ in facts()][::3]
     answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
     matches = [got == want for (_, want), got in zip(probes, answers)]
-    say(
-        _table(
-            [
-                (q, want, got, "yes" if ok else "no")
-                for (q, want), got, ok in zip(probes, answers, matches)
-            ],
-            ["question", "trained answer", "generated", "match"],
-        )
-    )
+    checked = [
+        (q, want, got, "yes" if ok else "no")
+        for (q, want), got, ok in zip(probes, answers, matches)
+    ]
+    say(_table(checked, ["question", "trained answer", "generated", "match"]))
     say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
 
     say("5. Replay: db.load('trainer', 'demo-qa').fit() runs the stored recipe again")
