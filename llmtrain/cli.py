@@ -13,11 +13,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any
 
-from llmtrain.config_file import DB_ENV
-from llmtrain.console import quiet, table
+from llmtrain import __version__
+from llmtrain.config_file import DB_ENV, SCALARS, SECTIONS, load_job
+from llmtrain.console import quiet, say, table
+from llmtrain.datalayer import Datalayer, connect
+from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
+from llmtrain.demo import run as run_demo
 from llmtrain.errors import (
     ComponentNotFoundError,
     ConfigError,
@@ -26,6 +31,8 @@ from llmtrain.errors import (
     LlmtrainError,
     QueryError,
 )
+from llmtrain.lineage import trained_on
+from llmtrain.report import plot_run, query_text, recipe, run_summary, when
 from llmtrain.uri import redact_uri
 
 USAGE_EXAMPLES = """\
@@ -41,8 +48,6 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from llmtrain import __version__
-
     parser = argparse.ArgumentParser(
         prog="llmtrain",
         description="Fine-tune LLMs on rows streamed from SQL and MongoDB.",
@@ -51,8 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"llmtrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    from llmtrain.config_file import SCALARS, SECTIONS
 
     fit = sub.add_parser(
         "fit",
@@ -71,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fit.add_argument("--merge", action="store_true", help="also store the merged model")
 
-    show = sub.add_parser("show", help="list trainers, models and runs stored in a database")
+    show = _with_db(sub, "show", help="list trainers, models and runs stored in a database")
     show.add_argument("type", nargs="?", choices=["trainer", "model", "run"])
     show.add_argument(
         "name",
@@ -86,11 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with `run NAME`: draw its train loss, eval loss and learning rate against steps "
         "into this PNG file (needs matplotlib: pip install 'llmtrain[plot]')",
     )
-    _db_options(show)
 
-    replay = sub.add_parser("replay", help="fit a stored trainer again with its stored recipe")
-    replay.add_argument("name", help="the trainer's identifier")
-    replay.add_argument("--version", type=int, help="trainer version (default: the newest)")
+    replay = _stored(
+        sub, "replay", "trainer", help="fit a stored trainer again with its stored recipe"
+    )
     replay.add_argument(
         "--resume", action="store_true", help="continue its newest interrupted run instead"
     )
@@ -99,27 +101,23 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="train even though the selected rows changed since the last fit",
     )
-    _db_options(replay)
 
-    merge = sub.add_parser("merge", help="merge a trained adapter into its base model")
-    merge.add_argument("name", help="the model's identifier")
-    merge.add_argument("--version", type=int, help="model version (default: the newest)")
+    merge = _stored(sub, "merge", "model", help="merge a trained adapter into its base model")
     merge.add_argument(
         "--out",
         type=Path,
         help="also write the merged model to this new "
         "folder (loadable with transformers' from_pretrained)",
     )
-    _db_options(merge)
 
-    export = sub.add_parser(
+    export = _stored(
+        sub,
         "export",
+        "model",
         help="write a model for serving stacks: the adapter (PEFT) and/or the merged model",
         description="Write a trained model to folders that serving stacks load. Nothing is "
         "stored in the database.",
     )
-    export.add_argument("name", help="the model's identifier")
-    export.add_argument("--version", type=int, help="model version (default: the newest)")
     export.add_argument(
         "--checkpoint", help="'best' (save_best_by) or a step: that checkpoint's weights"
     )
@@ -142,24 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="after QLoRA: merge into the dequantised weights training saw (trained, the "
         "default: answers as the trained model) or into the full-precision base",
     )
-    _db_options(export)
 
-    lineage = sub.add_parser(
+    _stored(
+        sub,
         "lineage",
+        "model",
         help="the rows that trained a model: key, epoch, step and rank, one line each",
     )
-    lineage.add_argument("name", help="the model's identifier")
-    lineage.add_argument("--version", type=int, help="model version (default: the newest)")
-    _db_options(lineage)
 
-    trained_on = sub.add_parser(
-        "trained-on", help="the runs, checkpoints and models that trained on a row"
+    trained_on = _with_db(
+        sub, "trained-on", help="the runs, checkpoints and models that trained on a row"
     )
     trained_on.add_argument("table", help="the table or collection")
     trained_on.add_argument("key", help="the row's key (matched as text and as an integer)")
-    _db_options(trained_on)
 
-    forget = sub.add_parser(
+    forget = _with_db(
+        sub,
         "forget",
         help="forget rows: later runs leave them out; list (and retrain) what trained on them",
     )
@@ -168,9 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     forget.add_argument(
         "--retrain", action="store_true", help="fit the affected trainers again without them"
     )
-    _db_options(forget)
-
-    from llmtrain.demo import DEFAULT_DIR, DEFAULT_STEPS
 
     demo = sub.add_parser("demo", help="fine-tune a tiny model on a demo SQLite table")
     demo.add_argument(
@@ -188,11 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _db_options(parser: argparse.ArgumentParser) -> None:
+def _with_db(sub: Any, command: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command that opens a database."""
+    parser: argparse.ArgumentParser = sub.add_parser(command, **kwargs)
     parser.add_argument(
         "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"
     )
     parser.add_argument("--artifacts", help="artifact folder, if not the default one")
+    return parser
+
+
+def _stored(sub: Any, command: str, what: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A command on one stored trainer or model: NAME [--version V]."""
+    parser = _with_db(sub, command, **kwargs)
+    parser.add_argument("name", help=f"the {what}'s identifier")
+    parser.add_argument("--version", type=int, help=f"{what} version (default: the newest)")
+    return parser
 
 
 def _positive(text: str) -> int:
@@ -213,19 +217,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
     handler = {
+        "fit": lambda args: cmd_fit(args, extra),
         "show": cmd_show,
         "replay": cmd_replay,
         "merge": cmd_merge,
         "export": cmd_export,
-        "demo": cmd_demo,
+        "demo": lambda args: run_demo(args.dir, args.steps),
         "lineage": cmd_lineage,
         "trained-on": cmd_trained_on,
         "forget": cmd_forget,
     }
     try:
-        cmd_fit(args, extra) if args.command == "fit" else handler[args.command](args)
+        handler[args.command](args)
     except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
-        _drop_stdout()
+        # stdout to /dev/null, so the interpreter's final flush into the closed pipe cannot
+        # print "Exception ignored ... BrokenPipeError" after we exit quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with suppress(OSError, ValueError):  # stdout is not a real file (captured in tests)
+            os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 0
     except DatabaseUnavailableError as exc:  # an outage, not the user's mistake
         _error(exc)
@@ -246,18 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 _USER_MISTAKES = (ConfigError, QueryError, DataError, ComponentNotFoundError)
 
 
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's final flush into the closed pipe
-    cannot print "Exception ignored ... BrokenPipeError" after we exit quietly."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
-        pass
-    finally:
-        os.close(devnull)
-
-
 def _error(exc: Exception, *, one_line: bool = False) -> None:
     """``one_line``: a user mistake is one line, even when the database's own message spans
     several; a failed worker's error keeps its traceback below its first line."""
@@ -267,30 +265,21 @@ def _error(exc: Exception, *, one_line: bool = False) -> None:
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
 
 
-def _say(*lines: str) -> None:
-    print(*lines, sep="\n", flush=True)
-
-
-def _connect(args: argparse.Namespace) -> Any:
-    from llmtrain.datalayer import connect
-
+def _connect(args: argparse.Namespace) -> closing[Datalayer]:
     if not args.db:
         raise ConfigError(f"no database: pass --db URI or set {DB_ENV}")
-    return connect(args.db, artifacts=args.artifacts)
+    return closing(connect(args.db, artifacts=args.artifacts))
 
 
 # -- fit / replay -----------------------------------------------------------------------------
 def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
-    from llmtrain.config_file import load_job
-
     job = load_job(args.config, overrides)
     trainer = job.trainer()
-    db = job.connect()
-    _say(
-        f"fitting {trainer.identifier} on {_query_text(job.select.to_dict())} in "
-        f"{redact_uri(job.db_uri)}"
-    )
-    try:
+    with closing(job.connect()) as db:
+        say(
+            f"fitting {trainer.identifier} on {query_text(job.select.to_dict())} in "
+            f"{redact_uri(job.db_uri)}"
+        )
         model = trainer.fit(
             job.config.data.X,
             job.config.data.Y,
@@ -301,140 +290,114 @@ def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
             merge=args.merge,
         )
         _report_fit(db, trainer, model)
-    finally:
-        db.close()
 
 
 def cmd_replay(args: argparse.Namespace) -> None:
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         trainer = db.load("trainer", args.name, args.version)
         fit = trainer.config.fit
-        source = _query_text(fit.select) if fit else "?"
-        _say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
+        source = query_text(fit.select) if fit else "?"
+        say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
         model = trainer.fit(
             resume=args.resume, allow_changed_data=True if args.allow_changed_data else None
         )
         _report_fit(db, trainer, model)
-    finally:
-        db.close()
 
 
-def _report_fit(db: Any, trainer: Any, model: Any) -> None:
+def _report_fit(db: Datalayer, trainer: Any, model: Any) -> None:
     if model is None:  # a launcher's worker processes stored the model
-        _say(f"done: see `llmtrain show run {trainer.identifier}`")
+        say(f"done: see `llmtrain show run {trainer.identifier}`")
         return
     run = db.metadata.get_run(model.record.run_id)
     loss = run.info.get("final_loss")
     loss_text = f", final loss {loss:.4f}" if loss is not None else ""
-    _say(
+    store = db.artifacts
+    where = getattr(store, "root", None) or getattr(store, "url", None) or "GridFS"
+    say(
         f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
         f"stored trainer {trainer.identifier} v{run.version} and model "
         f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
-        f"database {db.uri}; artifacts in {_artifact_location(db)}",
+        f"database {db.uri}; artifacts in {where}",
     )
     if model.record.merged:
-        _say(f"merged model: {model.record.merged}")
-
-
-def _artifact_location(db: Any) -> str:
-    store = db.artifacts
-    where = getattr(store, "root", None) or getattr(store, "url", None)
-    return str(where) if where is not None else "GridFS"
+        say(f"merged model: {model.record.merged}")
 
 
 # -- show ------------------------------------------------------------------------------------
 def cmd_show(args: argparse.Namespace) -> None:
     if args.plot is not None and (args.type != "run" or args.name is None):
         raise ConfigError("--plot draws one run: llmtrain show run NAME --plot FILE.png")
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         if args.type is None:
             _show_all(db)
         elif args.type == "run":
             run = _show_runs(db, args.name)
             if run is not None and args.plot is not None:
-                from llmtrain.report import plot_run
-
-                _say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
+                say("", f"plotted run {run.run_id} into {plot_run(db, run, args.plot)}")
         elif args.name is None:
             _show_identifiers(db, args.type)
         elif args.type == "trainer":
             _show_trainer(db, args.name)
         else:
             _show_model(db, args.name)
-    finally:
-        db.close()
 
 
-def _show_all(db: Any) -> None:
+def _versions(records: list[Any]) -> dict[tuple[str, str], str]:
+    """``(type, identifier)`` -> its stored versions: ``"0, 1, 2"``."""
+    versions: dict[tuple[str, str], list[str]] = {}
+    for r in records:
+        versions.setdefault((r.type_id, r.identifier), []).append(str(r.version))
+    return {key: ", ".join(v) for key, v in versions.items()}
+
+
+def _show_all(db: Datalayer) -> None:
     records = db.metadata.list_components()
     if not records:
-        _say(f"nothing stored in {db.uri} yet")
+        say(f"nothing stored in {db.uri} yet")
         return
-    versions: dict[tuple[str, str], list[int]] = {}
-    for r in records:
-        versions.setdefault((r.type_id, r.identifier), []).append(r.version)
-    _say(
+    say(
         table(
-            [(t, i, _versions(v)) for (t, i), v in sorted(versions.items())],
+            [(*key, v) for key, v in sorted(_versions(records).items())],
             ["type", "identifier", "versions"],
         ),
         f"{len(db.metadata.list_runs())} run(s): llmtrain show run",
     )
 
 
-def _show_identifiers(db: Any, type_id: str) -> None:
+def _show_identifiers(db: Datalayer, type_id: str) -> None:
     records = db.metadata.list_components(type_id)
     if not records:
-        _say(f"no {type_id} stored in {db.uri}")
+        say(f"no {type_id} stored in {db.uri}")
         return
+    versions = _versions(records)
     latest = {r.identifier: r for r in records}  # ordered by version: the newest wins
-    versions: dict[str, list[int]] = {}
-    for r in records:
-        versions.setdefault(r.identifier, []).append(r.version)
     rows = []
     for name, record in sorted(latest.items()):
         runs = db.metadata.list_runs("trainer", name)
-        last = runs[-1] if runs else None
+        last = (runs[-1].status, runs[-1].info.get("final_loss")) if runs else (None, None)
         if type_id == "trainer":
-            base = _recipe(record.payload).model_args.model_name_or_path
+            base = recipe(record.payload).model_args.model_name_or_path
         else:
             base = record.payload["base"]["model_name_or_path"]
-        rows.append(
-            (
-                name,
-                _versions(versions[name]),
-                len(runs),
-                last.status if last else None,
-                last.info.get("final_loss") if last else None,
-                base,
-            )
-        )
-    _say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
+        rows.append((name, versions[type_id, name], len(runs), *last, base))
+    say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
 
 
-def _show_trainer(db: Any, name: str) -> None:
+def _show_trainer(db: Datalayer, name: str) -> None:
     records = db.metadata.list_components("trainer", name)
     if not records:
         raise _not_found(db, "trainer", name)
     rows = []
     for r in records:
-        recipe = _recipe(r.payload)
-        rows.append(
-            (
-                r.version,
-                _when(r.created_at),
-                recipe.model_args.model_name_or_path,
-                recipe.method(),
-                _selection(r.payload.get("fit")),
-            )
-        )
-    _say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
+        config, fit = recipe(r.payload), r.payload.get("fit")
+        data = f"{fit['X']} -> {fit['Y']} from {query_text(fit['select'])}" if fit else "-"
+        base = config.model_args.model_name_or_path
+        rows.append((r.version, when(r.created_at), base, config.method(), data))
+    say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
     _show_runs(db, name)
 
 
-def _show_model(db: Any, name: str) -> None:
+def _show_model(db: Datalayer, name: str) -> None:
     records = db.metadata.list_components("model", name)
     if not records:
         raise _not_found(db, "model", name)
@@ -448,7 +411,7 @@ def _show_model(db: Any, name: str) -> None:
         rows.append(
             (
                 r.version,
-                _when(r.created_at),
+                when(r.created_at),
                 p["run_id"],
                 p.get("trainer_version"),
                 history[-1]["loss"] if history else None,
@@ -458,25 +421,25 @@ def _show_model(db: Any, name: str) -> None:
             )
         )
     headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
-    _say(table(rows, [*headers, "forgotten rows"]))
+    say(table(rows, [*headers, "forgotten rows"]))
 
 
-def _show_runs(db: Any, name: str | None) -> Any:
+def _show_runs(db: Datalayer, name: str | None) -> Any:
     """The runs (of trainer ``name``), then the details of the one run ``name`` names (a run
     id or its prefix) or of the trainer's newest run; returns that run, if any."""
     runs = db.metadata.list_runs()
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
         if len(by_id) == 1:
-            _show_run(db, by_id[0])
+            say(*run_summary(db, by_id[0]))
             return by_id[0]
         runs = [r for r in runs if r.identifier == name]
         if not runs:
             raise _not_found(db, "run", name)
     if not runs:
-        _say(f"no runs in {db.uri} yet")
+        say(f"no runs in {db.uri} yet")
         return None
-    _say(
+    say(
         table(
             [
                 (
@@ -485,7 +448,7 @@ def _show_runs(db: Any, name: str | None) -> Any:
                     r.status,
                     r.info.get("steps"),
                     r.info.get("final_loss"),
-                    _when(r.created_at),
+                    when(r.created_at),
                 )
                 for r in runs
             ],
@@ -494,205 +457,91 @@ def _show_runs(db: Any, name: str | None) -> Any:
     )
     if name is None:
         return None
-    _say("", f"newest run of {name}:")
-    _show_run(db, runs[-1])
+    say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
     return runs[-1]
 
 
-def _show_run(db: Any, run: Any) -> None:
-    from llmtrain.report import run_summary
-
-    info = run.info
-    _say(
-        f"run        {run.run_id}",
-        f"trainer    {run.identifier} v{run.version}",
-        f"status     {run.status}" + (f": {run.error}" if run.error else ""),
-        f"data       {info.get('X')} -> {info.get('Y')} from {_query_text(info.get('query'))}",
-        f"database   {info.get('db')}",
-        f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
-        f"adapter    {info.get('artifact')}",
-        f"started    {_when(run.created_at)}, updated {_when(run.updated_at)}",
-        *run_summary(db, run),
-    )
-    metrics = db.metadata.get_metrics(run.run_id)
-    evals = {m.step: m.values["eval_loss"] for m in metrics if "eval_loss" in m.values}
-    train = [m for m in metrics if "loss" in m.values]
-    if train:
-        _say(
-            "",
-            table(
-                [
-                    (
-                        m.step,
-                        m.values.get("loss"),
-                        m.values.get("lr"),
-                        m.values.get("tokens_per_s"),
-                        evals.get(m.step),
-                    )
-                    for m in train
-                ],
-                ["step", "loss", "lr", "tokens/s", "eval loss"],
-            ),
-        )
-    checkpoints = db.metadata.list_checkpoints(run.run_id)
-    if checkpoints:
-        _say("", table([(c.step, c.artifact_id) for c in checkpoints], ["step", "checkpoint"]))
-
-
-def _recipe(payload: dict[str, Any]) -> Any:
-    """A stored trainer record read through its schema (a bad record: ConfigError, exit 2)."""
-    from llmtrain.training.args import TrainerConfig, build
-
-    return build(TrainerConfig, payload, "trainer record")
-
-
-def _not_found(db: Any, type_id: str, name: str) -> LlmtrainError:
-    from llmtrain.errors import ComponentNotFoundError
-
-    known = sorted(
-        {
-            r.identifier
-            for r in db.metadata.list_components("trainer" if type_id == "run" else type_id)
-        }
-    )
-    return ComponentNotFoundError(
-        f"no {type_id} {name!r} in {db.uri}; known: {', '.join(known) or 'none'}"
-    )
-
-
-def _selection(fit: dict[str, Any] | None) -> str:
-    if not fit:
-        return "-"
-    return f"{fit['X']} -> {fit['Y']} from {_query_text(fit['select'])}"
-
-
-def _query_text(query: dict[str, Any] | None) -> str:
-    if not query:
-        return "-"
-    from llmtrain.queries import Query
-
-    q = Query.from_dict(query)
-    text = q.source
-    where = query.get("where") or (query.get("filter") or None)
-    if where:
-        text += f" where {where}"
-    if query.get("params"):
-        text += f" {query['params']}"
-    return text
-
-
-def _versions(versions: list[int]) -> str:
-    return ", ".join(str(v) for v in versions)
-
-
-def _when(value: Any) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S") if hasattr(value, "strftime") else str(value)
+def _not_found(db: Datalayer, type_id: str, name: str) -> LlmtrainError:
+    known = ", ".join(db.show("trainer" if type_id == "run" else type_id)) or "none"
+    return ComponentNotFoundError(f"no {type_id} {name!r} in {db.uri}; known: {known}")
 
 
 # -- lineage ------------------------------------------------------------------------------------
 def _keys(texts: Sequence[str]) -> list[Any]:
     """A key typed on the command line: the text, and the integer when it reads as one."""
-    keys: list[Any] = []
-    for text in texts:
-        keys.append(text)
-        if text.lstrip("-").isdigit():
-            keys.append(int(text))
-    return keys
+    return [
+        k for text in texts for k in ([text, int(text)] if text.lstrip("-").isdigit() else [text])
+    ]
 
 
 def cmd_lineage(args: argparse.Namespace) -> None:
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         if not db.metadata.list_components("model", args.name):
             raise _not_found(db, "model", args.name)
         for row in db.lineage("model", args.name, args.version):
             print(f"{row.key}\t{row.epoch}\t{row.step}\t{row.rank}")
         sys.stdout.flush()
-    finally:
-        db.close()
 
 
 def _report_usage(found: Any) -> None:
-    if found.uses:
-        _say(
-            table(
-                [
-                    (u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step)
-                    for u in found.uses
-                ],
-                ["run id", "trainer", "key", "epoch", "step"],
-            )
-        )
-    else:
-        _say("no run trained on it")
+    uses = [(u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step) for u in found.uses]
+    say(
+        table(uses, ["run id", "trainer", "key", "epoch", "step"])
+        if uses
+        else "no run trained on it"
+    )
     if found.checkpoints:
-        _say(
-            table(
-                [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints],
-                ["run id", "step", "checkpoint"],
-            )
-        )
+        checkpoints = [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints]
+        say(table(checkpoints, ["run id", "step", "checkpoint"]))
     if found.models:
-        _say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
+        say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
     if found.underivable:
-        _say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
+        say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
 
 
 def cmd_trained_on(args: argparse.Namespace) -> None:
-    from llmtrain.lineage import trained_on
-
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         _report_usage(trained_on(db, args.table, _keys([args.key])))
-    finally:
-        db.close()
 
 
 def cmd_forget(args: argparse.Namespace) -> None:
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         result = db.forget(args.table, _keys(args.keys))
-        _say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
+        say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
         _report_usage(result.found)
         if args.retrain:
             for model in result.retrain():
-                _say(f"retrained {model.identifier} v{model.version} without them")
+                say(f"retrained {model.identifier} v{model.version} without them")
         elif result.trainers:
             names = ", ".join(f"{name} v{version}" for name, version in result.trainers)
-            _say(f"to retrain {names} without them: llmtrain forget ... --retrain")
-    finally:
-        db.close()
+            say(f"to retrain {names} without them: llmtrain forget ... --retrain")
 
 
-# -- merge / demo ----------------------------------------------------------------------------
+# -- merge / export ----------------------------------------------------------------------------
 def cmd_merge(args: argparse.Namespace) -> None:
     out: Path | None = args.out
     if out is not None and out.exists():
         if not out.is_dir() or any(out.iterdir()):
             raise ConfigError(f"--out {out} already exists and is not an empty folder")
         out.rmdir()  # merge() writes a new folder
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         model = db.load("model", args.name, args.version)
         bits = model.record.base.bits
-        _say(
+        say(
             f"merging the adapter of {model.identifier} v{model.version} into "
             f"{model.record.base.model_name_or_path}"
             + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
         )
         artifact = model.merge(out)
-        _say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
+        say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
         if out is not None:
-            _say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
-    finally:
-        db.close()
+            say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     if args.adapter is None and args.merged is None:
         raise ConfigError("export needs --adapter DIR and/or --merged DIR")
-    db = _connect(args)
-    try:
+    with _connect(args) as db:
         checkpoint = args.checkpoint
         if checkpoint is not None and checkpoint.isdigit():
             checkpoint = int(checkpoint)
@@ -702,21 +551,13 @@ def cmd_export(args: argparse.Namespace) -> None:
         )
         if args.adapter is not None:
             folder = model.export_adapter(args.adapter)
-            _say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
+            say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
         if args.merged is not None:
             what = model.export_merged(args.merged, into=args.merge_into)
-            _say(
+            say(
                 f"wrote {which} merged into the {what} to {args.merged.resolve()} "
                 "(safetensors, with the tokenizer)"
             )
-    finally:
-        db.close()
-
-
-def cmd_demo(args: argparse.Namespace) -> None:
-    from llmtrain.demo import run
-
-    run(args.dir, args.steps)
 
 
 if __name__ == "__main__":

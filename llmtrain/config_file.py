@@ -11,6 +11,7 @@ is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from llmtrain.datalayer import Datalayer, connect
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Collection, Query, RawSQL, Table
 from llmtrain.training.args import TrainerConfig, describe
@@ -78,6 +80,12 @@ SELECT_KEYS = (
     "projection",
     "allow_javascript",
 )
+#: The friendlier forms of a selection: the query built, and the keys each form takes.
+_FORMS: dict[str, tuple[Any, set[str]]] = {
+    "table": (Table, {"schema", "key", "where", "params", "columns"}),
+    "collection": (Collection, {"filter", "projection", "allow_javascript"}),
+    "sql": (RawSQL, {"key", "params"}),
+}
 #: Fields holding free-form mappings: any key below them is allowed.
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
@@ -127,9 +135,8 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked."""
     out: list[tuple[str, Any]] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    items = iter(args)
+    for arg in items:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(
                 f"unexpected argument {arg!r}: overrides look like "
@@ -137,13 +144,11 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
             )
         path, eq, value = arg[2:].partition("=")
         if not eq:
-            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+            value = next(items, "--")  # none left reads as a missing value too
+            if value.startswith("--"):
                 raise ConfigError(f"override --{path} needs a value")
-            value = args[i + 1]
-            i += 1
         check_path(path)
         out.append((path, parse_value(value)))
-        i += 1
     return out
 
 
@@ -152,30 +157,24 @@ def check_path(path: str) -> None:
     parts = path.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"unknown option --{path}: empty part in the dotted path")
-    head, rest = parts[0], parts[1:]
-    if head in SCALARS:
-        if rest:
-            raise ConfigError(f"unknown option --{path}: {head} is a single value")
-        return
-    if head in SECTIONS:
-        if rest:
-            _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
-            if len(rest) > 1 and rest[0] not in _FREE_FORM:
-                raise ConfigError(f"unknown option --{path}: {head}.{rest[0]} has no sub-options")
-        return
-    if head == "data":
-        if rest:
-            _check_key(path, rest[0], list(DATA_KEYS), "data")
-            if rest[0] in ("X", "Y") and len(rest) > 1:
-                raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
-            if len(rest) > 1:
-                _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
-                if len(rest) > 2 and rest[1] not in _FREE_FORM:
-                    raise ConfigError(
-                        f"unknown option --{path}: data.{rest[0]}.{rest[1]} has no sub-options"
-                    )
-        return
+    head, *rest = parts
     _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
+    if not rest:
+        return
+    if head in SCALARS:
+        raise ConfigError(f"unknown option --{path}: {head} is a single value")
+    if head in SECTIONS:
+        _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
+        named = rest[:1]  # the section's field
+    else:
+        _check_key(path, rest[0], list(DATA_KEYS), "data")
+        if rest[0] in ("X", "Y") and len(rest) > 1:
+            raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
+        if len(rest) > 1:
+            _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
+        named = rest[:2]  # data.select's key
+    if len(rest) > len(named) and named[-1] not in _FREE_FORM:
+        raise ConfigError(f"unknown option --{path}: {'.'.join([head, *named])} has no sub-options")
 
 
 def _check_key(path: str, key: str, known: list[str], where: str) -> None:
@@ -188,7 +187,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted path set (missing sections are created)."""
-    out = _copy(config)
+    out = copy.deepcopy(config)
     for path, value in overrides:
         node = out
         *parents, leaf = path.split(".")
@@ -198,14 +197,6 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
             node = node[part]
         node[leaf] = value
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
 
 
 # -- the file's schema --------------------------------------------------------------------
@@ -224,43 +215,25 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
             f"{where}: unknown key(s) {unknown}; a selection has one of "
             "kind:, table:, collection: or sql:"
         )
-    forms = [k for k in ("kind", "table", "collection", "sql") if k in spec]
+    forms = [k for k in ("kind", *_FORMS) if k in spec]
     if len(forms) != 1:
         raise ConfigError(
             f"{where} needs exactly one of kind:, table:, collection: or sql:"
             + (f" (got {forms})" if forms else "")
         )
-    allowed = {
-        "kind": set(SELECT_KEYS),
-        "table": {"table", "schema", "key", "where", "params", "columns"},
-        "collection": {"collection", "filter", "projection", "allow_javascript"},
-        "sql": {"sql", "key", "params"},
-    }[forms[0]]
-    extra = sorted(set(spec) - allowed)
-    if extra:
-        raise ConfigError(f"{where}: {forms[0]}: does not take {extra}")
+    form = forms[0]
     try:
-        if forms[0] == "kind":
+        if form == "kind":
             return Query.from_dict(spec)
-        if forms[0] == "table":
-            return Table(
-                spec["table"],
-                schema=spec.get("schema"),
-                key=spec.get("key"),
-                where=spec.get("where"),
-                params=spec.get("params"),
-                columns=spec.get("columns"),
-            )
-        if forms[0] == "collection":
-            return Collection(
-                spec["collection"],
-                filter=spec.get("filter"),
-                projection=spec.get("projection"),
-                allow_javascript=bool(spec.get("allow_javascript", False)),
-            )
-        if "key" not in spec:
+        query_class, allowed = _FORMS[form]
+        extra = sorted(set(spec) - allowed - {form})
+        if extra:
+            raise ConfigError(f"{where}: {form}: does not take {extra}")
+        if form == "sql" and "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
-        return RawSQL(spec["sql"], key=spec["key"], params=spec.get("params"))
+        if "allow_javascript" in spec:
+            spec["allow_javascript"] = bool(spec["allow_javascript"])
+        return query_class(spec.pop(form), **spec)
     except (QueryError, KeyError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
@@ -282,9 +255,7 @@ class FitJob:
         options = self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
         return LLMTrainer(self.config.name, **options)
 
-    def connect(self) -> Any:
-        from llmtrain.datalayer import connect
-
+    def connect(self) -> Datalayer:
         return connect(self.db_uri, artifacts=self.config.artifacts)
 
 

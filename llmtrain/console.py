@@ -77,10 +77,8 @@ def quiet() -> None:
         if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
             logger.addFilter(_DropPrefixes([prefix]))
     _ignore_noisy_warnings()
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # "Writing model shards" bars on every save
 
@@ -147,12 +145,15 @@ def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def say(*lines: str) -> None:
+    """Print each line, flushed at once: a long command's progress shows as it goes."""
+    print(*lines, sep="\n", flush=True)
+
+
 def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
     """Rows as left-aligned columns under ``header``; ``None`` shows as ``-``."""
     cells = [[_cell(v) for v in row] for row in rows]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(header)
-    ]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(header)]
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(header, widths)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join(lines)

@@ -11,15 +11,19 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import time
-from collections.abc import Callable
-from functools import partial
+from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llmtrain as lt
-from llmtrain.console import quiet, table
+from llmtrain.console import quiet, say, table
 from llmtrain.errors import ConfigError
+from llmtrain.report import query_text
+from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 DEFAULT_DIR = Path("llmtrain-demo")
 DEFAULT_STEPS = 60
@@ -92,14 +96,13 @@ def rows() -> list[dict[str, Any]]:
 
 def write_table(db_file: Path) -> None:
     """Plain ``sqlite3``: the data is any table you already have; llmtrain only reads it."""
-    with sqlite3.connect(db_file) as conn:
+    with closing(sqlite3.connect(db_file)) as conn, conn:  # closed, after a commit
         conn.execute("DROP TABLE IF EXISTS docs")
         conn.execute(
             "CREATE TABLE docs (id INTEGER PRIMARY KEY, instruction TEXT NOT NULL, "
             "output TEXT NOT NULL, lang TEXT NOT NULL)"
         )
         conn.executemany("INSERT INTO docs VALUES (:id, :instruction, :output, :lang)", rows())
-    conn.close()
 
 
 def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
@@ -108,8 +111,6 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     Re-running starts over: the database and its artifacts are replaced, the model (the same
     bytes every time) is reused. A non-empty folder that is not a demo folder is refused.
     """
-    from llmtrain.testing import tiny_model
-
     workdir = Path(workdir).resolve()
     if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / _MARKER).exists():
         raise ConfigError(
@@ -126,34 +127,32 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     return f"sqlite:///{db_file}", tiny_model(workdir / "tiny-llama", corpus=corpus)
 
 
-def run(
-    workdir: str | Path = DEFAULT_DIR,
-    steps: int = DEFAULT_STEPS,
-    say: Callable[[str], Any] | None = None,
-) -> None:
-    """The demo, step by step; ``say`` prints each part (the progress bar goes to stderr)."""
+def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
+    """The demo, step by step, on stdout (the progress bar goes to stderr)."""
     started = time.perf_counter()
-    say = say or partial(print, flush=True)
     quiet()
     say(f"llmtrain demo: LoRA fine-tuning of a tiny model on a SQLite table ({steps} steps)\n")
     if (Path(workdir) / _DB_FILE).exists():
         say("(the demo ran here before: starting over with a fresh database)\n")
     uri, base_model = prepare(workdir)
-    _show_data(uri, say)
-
-    db = lt.connect(uri)
-    try:
-        _fit_load_generate_replay(db, base_model, steps, say)
-        _show_locations(db, uri, base_model, say)
-    finally:
-        db.close()
+    data = rows()
+    english = sum(r["lang"] == "en" for r in data)
+    say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
+    say(
+        _table(
+            [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
+            ["id", "instruction", "output", "lang"],
+        )
+        + "\n   ...\n"
+    )
+    with closing(lt.connect(uri)) as db:
+        _fit_load_generate_replay(db, base_model, steps)
+        _show_locations(db, uri, base_model)
     say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
     say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
 
 
-def _fit_load_generate_replay(
-    db: Any, base_model: Path, steps: int, say: Callable[[str], Any]
-) -> None:
+def _fit_load_generate_replay(db: Datalayer, base_model: Path, steps: int) -> None:
     """Steps 2-5: the calls of examples/quickstart.py, with what each one shows."""
     trainer = lt.LLMTrainer(
         "demo-qa",
@@ -189,7 +188,7 @@ def _fit_load_generate_replay(
     say(f"3. Stored: db.load('trainer', 'demo-qa') -> {loaded!r}")
     say(
         f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
-        f"X={fit.X!r}, Y={fit.Y!r}, rows {_describe(fit.select)}, data fingerprint "
+        f"X={fit.X!r}, Y={fit.Y!r}, rows {query_text(fit.select)}, data fingerprint "
         f"{(fit.data_fingerprint or '')[:12]}\n"
     )
 
@@ -198,17 +197,11 @@ def _fit_load_generate_replay(
     probes = [(en[0], answer) for en, answer, _, _ in facts()][::3]
     answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
     matches = [got == want for (_, want), got in zip(probes, answers)]
-    say(
-        _indent(
-            table(
-                [
-                    (q, want, got, "yes" if ok else "no")
-                    for (q, want), got, ok in zip(probes, answers, matches)
-                ],
-                ["question", "trained answer", "generated", "match"],
-            )
-        )
-    )
+    checked = [
+        (q, want, got, "yes" if ok else "no")
+        for (q, want), got, ok in zip(probes, answers, matches)
+    ]
+    say(_table(checked, ["question", "trained answer", "generated", "match"]))
     say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
 
     say("5. Replay: db.load('trainer', 'demo-qa').fit() runs the stored recipe again")
@@ -220,28 +213,7 @@ def _fit_load_generate_replay(
     )
 
 
-def _show_data(uri: str, say: Callable[[str], Any]) -> None:
-    data = rows()
-    english = sum(r["lang"] == "en" for r in data)
-    say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
-    say(
-        _indent(
-            table(
-                [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
-                ["id", "instruction", "output", "lang"],
-            )
-        )
-        + "\n   ...\n"
-    )
-
-
-def _describe(select: dict[str, Any]) -> str:
-    from llmtrain.queries import Query
-
-    return f"{Query.from_dict(select).source} where {select.get('where')} {select.get('params')}"
-
-
-def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], Any]) -> None:
+def _show_locations(db: Any, uri: str, base_model: Path) -> None:
     say("6. Where everything went")
     say(
         f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, runs, "
@@ -251,24 +223,23 @@ def _show_locations(db: Any, uri: str, base_model: Path, say: Callable[[str], An
     say(f"   base model  {base_model}")
     runs = db.metadata.list_runs("trainer", "demo-qa")
     say(
-        _indent(
-            table(
-                [
-                    (
-                        r.run_id,
-                        r.status,
-                        r.info.get("steps"),
-                        r.info.get("final_loss"),
-                        f"v{r.info.get('model_version')}",
-                        r.info.get("artifact"),
-                    )
-                    for r in runs
-                ],
-                ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
-            )
+        _table(
+            [
+                (
+                    r.run_id,
+                    r.status,
+                    r.info.get("steps"),
+                    r.info.get("final_loss"),
+                    f"v{r.info.get('model_version')}",
+                    r.info.get("artifact"),
+                )
+                for r in runs
+            ],
+            ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
         )
     )
 
 
-def _indent(text: str, prefix: str = "   ") -> str:
-    return "\n".join(prefix + line for line in text.splitlines())
+def _table(rows: list[tuple[Any, ...]], header: list[str]) -> str:
+    """A table indented under its step."""
+    return "\n".join("   " + line for line in table(rows, header).splitlines())

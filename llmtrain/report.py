@@ -12,32 +12,78 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
+from llmtrain.console import table
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError
+from llmtrain.queries import Query
+from llmtrain.training.args import TrainerConfig, build
 
 #: recipe keys that say where and on which rows, not how: shown on their own lines
 _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
 
 
-def run_summary(db: Any, run: Any) -> list[str]:
-    """Status, duration, steps, tokens, throughput, final and best losses, data fingerprint
-    and the recipe's changes from the trainer's previous version, one fact a line."""
+def run_summary(db: Datalayer, run: Any) -> list[str]:
+    """Where the run trained, its status, duration, steps, tokens, throughput, final and best
+    losses, data fingerprint and the recipe's changes from the trainer's previous version,
+    one fact a line; then its logged metrics and its checkpoints as tables."""
     info = run.info
     metrics = db.metadata.get_metrics(run.run_id)
     train = [(m.step, m.values) for m in metrics if "loss" in m.values]
+    evals = [(m.step, m.values) for m in metrics if "eval_loss" in m.values]
     rate = next((v["tokens_per_s"] for _, v in reversed(train) if "tokens_per_s" in v), None)
     seconds = (run.updated_at - run.created_at).total_seconds()
     lines = [
+        f"run        {run.run_id}",
+        f"trainer    {run.identifier} v{run.version}",
+        f"status     {run.status}" + (f": {run.error}" if run.error else ""),
+        f"data       {info.get('X')} -> {info.get('Y')} from {query_text(info.get('query'))}",
+        f"database   {info.get('db')}",
+        f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
+        f"adapter    {info.get('artifact')}",
+        f"started    {when(run.created_at)}, updated {when(run.updated_at)}",
         f"duration   {duration(seconds)}"
         + ("" if run.status in ("completed", "failed", "interrupted") else " so far"),
         f"tokens/s   {rate:.0f} (training)" if rate is not None else "tokens/s   -",
         f"loss       {_final_and_best(train, 'loss')}",
     ]
-    evals = [(m.step, m.values) for m in metrics if "eval_loss" in m.values]
     if evals:
         lines.append(f"eval loss  {_final_and_best(evals, 'eval_loss')}")
     lines.append(f"data fingerprint  {info.get('data_fingerprint') or '-'}")
     lines += recipe_changes(db, run)
+    eval_at = {step: v["eval_loss"] for step, v in evals}
+    if train:
+        rows = [
+            (s, v["loss"], v.get("lr"), v.get("tokens_per_s"), eval_at.get(s)) for s, v in train
+        ]
+        lines += ["", table(rows, ["step", "loss", "lr", "tokens/s", "eval loss"])]
+    checkpoints = db.metadata.list_checkpoints(run.run_id)
+    if checkpoints:
+        lines += ["", table([(c.step, c.artifact_id) for c in checkpoints], ["step", "checkpoint"])]
     return lines
+
+
+def query_text(query: dict[str, Any] | None) -> str:
+    """A stored query as one line: ``table docs where lang = :l {'l': 'en'}``."""
+    if not query:
+        return "-"
+    text = Query.from_dict(query).source
+    where = query.get("where") or query.get("filter")
+    if where:
+        text += f" where {where}"
+    if query.get("params"):
+        text += f" {query['params']}"
+    return text
+
+
+def when(value: Any) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if hasattr(value, "strftime") else str(value)
+
+
+def recipe(payload: dict[str, Any]) -> Any:
+    """A stored trainer record read through today's schema (a bad record: ConfigError)."""
+    return build(TrainerConfig, payload, "trainer record")
 
 
 def duration(seconds: float) -> str:
@@ -58,7 +104,7 @@ def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str
     return f"final {final[1]:.4f} (step {final[0]}), best {best[1]:.4f} (step {best[0]})"
 
 
-def recipe_changes(db: Any, run: Any) -> list[str]:
+def recipe_changes(db: Datalayer, run: Any) -> list[str]:
     """The run's trainer version against the previous stored version of that trainer, read
     through today's schema (an option added since shows at its default, not as a change)."""
     versions = {
@@ -70,7 +116,7 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
     if not earlier:
         return [f"recipe     v{run.version} is the first version of {run.identifier}"]
     previous = max(earlier)
-    before, after = _flat_recipe(versions[previous]), _flat_recipe(versions[run.version])
+    before, after = _flat(recipe(versions[previous])), _flat(recipe(versions[run.version]))
     changed = [
         (key, before.get(key), after.get(key))
         for key in sorted(before.keys() | after.keys())
@@ -83,23 +129,14 @@ def recipe_changes(db: Any, run: Any) -> list[str]:
     return lines
 
 
-def _flat_recipe(payload: dict[str, Any]) -> dict[str, Any]:
-    """Every option of a stored recipe as ``section.field: value``, defaults included (a
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Every option of a recipe as ``section.field: value``, defaults included (a stored
     record leaves out the options added since 0.1.0 while they hold their defaults)."""
-    from pydantic import BaseModel
-
-    from llmtrain.training.args import TrainerConfig, build
-
+    if not isinstance(value, BaseModel):
+        return {prefix: json.loads(json.dumps(value, default=str))}
     flat: dict[str, Any] = {}
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, BaseModel):
-            for name in type(value).model_fields:
-                walk(getattr(value, name), f"{prefix}.{name}" if prefix else name)
-        else:
-            flat[prefix] = json.loads(json.dumps(value, default=str))
-
-    walk(build(TrainerConfig, payload, "trainer record"), "")
+    for name in type(value).model_fields:
+        flat |= _flat(getattr(value, name), f"{prefix}.{name}" if prefix else name)
     return flat
 
 
@@ -107,7 +144,7 @@ def _show(value: Any) -> str:
     return "-" if value is None else json.dumps(value) if not isinstance(value, str) else value
 
 
-def plot_run(db: Any, run: Any, path: str | Path) -> Path:
+def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
     """Train loss, eval loss (left axis) and learning rate (right axis) against steps, as a
     PNG at ``path``. Drawn with matplotlib's object API: no pyplot, no global backend."""
     try:

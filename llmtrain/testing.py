@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from llmtrain.errors import ConfigError
 
 #: Bump when the build recipe changes, so stale cached models are rebuilt.
@@ -68,29 +70,6 @@ The library reads rows from SQL databases and MongoDB collections in key order.
 """
 
 
-def _marker_args(
-    arch: str,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    seed: int,
-    corpus: list[str] | None,
-) -> dict[str, Any]:
-    return {
-        "recipe": _RECIPE_VERSION,
-        "arch": arch,
-        "vocab_size": vocab_size,
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "seed": seed,
-        "corpus_sha256": hashlib.sha256(json.dumps(corpus or []).encode()).hexdigest(),
-    }
-
-
 def _read_marker(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads((path / _MARKER).read_text(encoding="utf-8"))
@@ -130,63 +109,37 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
     return fast
 
 
-def _model_config(
-    arch: str, tokenizer: Any, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int
-) -> Any:
-    """The config for ``arch``, sized to the tokenizer and agreeing with its special ids."""
-    ids = {
+def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config
+
+    tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
+    hidden = args["hidden_size"]
+    config: dict[str, Any] = {  # sized to the tokenizer, agreeing with its special ids
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
+        "hidden_size": hidden,
+        "num_hidden_layers": args["num_layers"],
+        "num_attention_heads": args["num_heads"],
         "max_position_embeddings": _MAX_POSITIONS,
         # Wider than the 0.02 of real checkpoints: a random tiny model initialised that
         # narrowly barely reacts to a LoRA update, so tests and the demo could not show a
         # model learning in a few dozen steps.
         "initializer_range": 0.2,
     }
-    if arch == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(
-            **ids,
-            intermediate_size=2 * hidden_size,
-            num_key_value_heads=num_kv_heads,
+    if args["arch"] == "opt":
+        config.update(ffn_dim=2 * hidden, word_embed_proj_dim=hidden)
+    else:
+        config.update(
+            intermediate_size=2 * hidden,
+            num_key_value_heads=args["num_kv_heads"],
             tie_word_embeddings=False,
         )
-    if arch == "qwen2":
-        from transformers import Qwen2Config
-
-        return Qwen2Config(
-            **ids,
-            intermediate_size=2 * hidden_size,
-            num_key_value_heads=num_kv_heads,
-            tie_word_embeddings=False,
-        )
-    from transformers import OPTConfig
-
-    return OPTConfig(**ids, ffn_dim=2 * hidden_size, word_embed_proj_dim=hidden_size)
-
-
-def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
-    config = _model_config(
-        args["arch"],
-        tokenizer,
-        args["hidden_size"],
-        args["num_layers"],
-        args["num_heads"],
-        args["num_kv_heads"],
-    )
+    config_class = {"llama": LlamaConfig, "opt": OPTConfig, "qwen2": Qwen2Config}[args["arch"]]
     with torch.random.fork_rng(devices=[]):  # deterministic, and leaves the caller's RNG alone
         torch.manual_seed(args["seed"])
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config_class(**config), dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -229,9 +182,17 @@ def tiny_model(
         raise ConfigError(
             f"tiny_model: num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}"
         )
-    args = _marker_args(
-        arch, vocab_size, hidden_size, num_layers, num_heads, kv_heads, seed, corpus
-    )
+    args = {
+        "recipe": _RECIPE_VERSION,
+        "arch": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": kv_heads,
+        "seed": seed,
+        "corpus_sha256": hashlib.sha256(json.dumps(corpus or []).encode()).hexdigest(),
+    }
     path = Path(path)
     if _read_marker(path) == args:
         return path
