@@ -11,7 +11,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+from llmtrain.backends.retry import RetryPolicy
 from llmtrain.queries import Query
+from llmtrain.uri import redact_uri
 
 Key = Any
 Row = dict[str, Any]
@@ -20,8 +22,10 @@ Row = dict[str, Any]
 class DataBackend(ABC):
     """Reads rows of a query in key order. Implementations must be safe to pickle."""
 
-    #: redacted URI, safe to show and store
-    uri: str
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
+        self._uri = uri
+        self.uri = redact_uri(uri)  # safe to show and store
+        self.retry = retry or RetryPolicy()
 
     @abstractmethod
     def key_name(self, query: Query) -> str:
@@ -29,15 +33,9 @@ class DataBackend(ABC):
 
     @abstractmethod
     def fetch_rows(
-        self,
-        query: Query,
-        fields: Sequence[str],
-        lower: Key | None,
-        limit: int,
-        *,
-        inclusive: bool = True,
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> list[tuple[Key, Row]]:
-        """Up to ``limit`` rows with key >= lower (> when not inclusive), in key order.
+        """Up to ``limit`` rows with key >= lower, in key order.
 
         Each row is ``(key, {field: value})``; a field absent from the row is absent from the
         dict (the caller decides whether that is an error). Dotted Mongo paths are resolved.

@@ -7,10 +7,9 @@ from typing import Any
 
 from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
-from llmtrain.backends.retry import RetryPolicy, with_retry
+from llmtrain.backends.retry import with_retry
 from llmtrain.errors import QueryError
 from llmtrain.queries import Collection, Query
-from llmtrain.uri import redact_uri
 
 _IN_CHUNK = 1000
 _MISSING = object()
@@ -50,9 +49,9 @@ def _brackets() -> list[tuple[tuple[type, ...], Any]]:
     ]  # Timestamp _ids (after dates) are left out: nothing writes them, mongomock cannot sort them
 
 
-def key_after(lower: Key, *, inclusive: bool) -> dict[str, Any]:
-    """The condition for ``_id`` >= ``lower`` (> unless inclusive) in MongoDB's sort order,
-    across type brackets (ints, strings and ObjectIds in one collection page correctly)."""
+def key_after(lower: Key) -> dict[str, Any]:
+    """The condition for ``_id`` >= ``lower`` in MongoDB's sort order, across type brackets
+    (ints, strings and ObjectIds in one collection page correctly)."""
     brackets = _brackets()
     own = next(
         (
@@ -62,11 +61,9 @@ def key_after(lower: Key, *, inclusive: bool) -> dict[str, Any]:
         ),
         None,
     )
-    cond = {"_id": {"$gte" if inclusive else "$gt": lower}}
     if own is None:  # a type this table does not know: its own bracket only, as before
-        return cond
-    later = [{"_id": {"$gte": start}} for _, start in brackets[own + 1 :]]
-    return {"$or": [cond, *later]}
+        return {"_id": {"$gte": lower}}
+    return {"$or": [{"_id": {"$gte": v}} for v in (lower, *[s for _, s in brackets[own + 1 :]])]}
 
 
 def _transient_errors() -> tuple[type[BaseException], ...]:
@@ -76,13 +73,12 @@ def _transient_errors() -> tuple[type[BaseException], ...]:
 
 
 class MongoBackend(DataBackend):
-    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
-        self._uri = uri
-        self.uri = redact_uri(uri)
-        self.retry = retry or RetryPolicy()
+    def close(self) -> None:
+        drop_mongo_client(self._uri)
 
-    def _collection(self, query: Query) -> Any:
-        return mongo_database(self._uri)[self._query(query).name]
+    def key_name(self, query: Query) -> str:
+        self._query(query)
+        return "_id"
 
     def _query(self, query: Query) -> Collection:
         if not isinstance(query, Collection):
@@ -92,81 +88,43 @@ class MongoBackend(DataBackend):
             )
         return query
 
-    def _run(self, what: str, call: Any) -> Any:
-        return with_retry(
-            call,
+    def _find(
+        self, query: Query, fields: Sequence[str], cond: dict[str, Any], limit: int | None = None
+    ) -> list[tuple[Key, Row]]:
+        """The documents matching the query's filter and ``cond``; with a ``limit``, the
+        first ones in ``_id`` order."""
+        query = self._query(query)
+        where = (
+            {"$and": [query.filter, cond]} if query.filter and cond else {**query.filter, **cond}
+        )
+        projection = {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
+
+        def find() -> list[dict[str, Any]]:
+            cursor = mongo_database(self._uri)[query.name].find(where, projection)
+            return list(cursor if limit is None else cursor.sort("_id", 1).limit(limit))
+
+        docs = with_retry(
+            find,
             policy=self.retry,
             transient=_transient_errors(),
             reconnect=self.reconnect,
-            what=what,
+            what="reading documents",
             where=self.uri,
         )
-
-    def close(self) -> None:
-        drop_mongo_client(self._uri)
-
-    @staticmethod
-    def _where(query: Collection, key_condition: dict[str, Any] | None) -> dict[str, Any]:
-        parts = [p for p in (query.filter, key_condition) if p]
-        if not parts:
-            return {}
-        return parts[0] if len(parts) == 1 else {"$and": parts}
-
-    def key_name(self, query: Query) -> str:
-        self._collection(query)
-        return "_id"
-
-    def _projection(self, fields: Sequence[str]) -> dict[str, int]:
-        return {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
-
-    @staticmethod
-    def _rows(docs: list[dict[str, Any]], fields: Sequence[str]) -> list[tuple[Key, Row]]:
-        out = []
-        for doc in docs:
-            row = {}
-            for f in fields:
-                value = get_path(doc, f)
-                if value is not _MISSING:
-                    row[f] = value
-            out.append((doc["_id"], row))
-        return out
+        return [
+            (doc["_id"], {f: v for f in fields if (v := get_path(doc, f)) is not _MISSING})
+            for doc in docs
+        ]
 
     def fetch_rows(
-        self,
-        query: Query,
-        fields: Sequence[str],
-        lower: Key | None,
-        limit: int,
-        *,
-        inclusive: bool = True,
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> list[tuple[Key, Row]]:
-        query = self._query(query)
-        cond = None if lower is None else key_after(lower, inclusive=inclusive)
-        docs = self._run(
-            "reading documents",
-            lambda: list(
-                self._collection(query)
-                .find(self._where(query, cond), self._projection(fields))
-                .sort("_id", 1)
-                .limit(limit)
-            ),
-        )
-        return self._rows(docs, fields)
+        return self._find(query, fields, {} if lower is None else key_after(lower), limit)
 
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]
     ) -> list[tuple[Key, Row]]:
-        query = self._query(query)
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
-            chunk = list(keys[i : i + _IN_CHUNK])
-            docs = self._run(
-                "reading documents",
-                lambda chunk=chunk: list(
-                    self._collection(query).find(
-                        self._where(query, {"_id": {"$in": chunk}}), self._projection(fields)
-                    )
-                ),
-            )
-            out.extend(self._rows(docs, fields))
+            out += self._find(query, fields, {"_id": {"$in": list(keys[i : i + _IN_CHUNK])}})
         return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -23,7 +24,6 @@ from llmtrain.backends.retry import RetryPolicy, with_retry
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
 from llmtrain.errors import ConfigError, DatabaseNotFoundError, LlmtrainError, QueryError
 from llmtrain.queries import Query, RawSQL, Table
-from llmtrain.uri import redact_uri
 
 _IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
@@ -33,11 +33,6 @@ _MAX_PAGES = 256
 def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     """``(key, {field: value})`` from rows laid out as (key, *fields)."""
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
-
-
-def is_permanent(exc: BaseException) -> bool:
-    """An error that no retry can cure (see :mod:`llmtrain.backends.sql_errors`)."""
-    return not is_transient(exc)
 
 
 def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
@@ -58,17 +53,21 @@ def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, An
         raw.text_factory = str
 
 
+def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
+    try:
+        return sa.text(sql).bindparams(**params)
+    except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
+        raise QueryError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True)
 class _Source:
     """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
 
-    def __init__(
-        self,
-        key: sa.ColumnElement[Any],
-        columns: Mapping[str, sa.ColumnElement[Any]],
-        where: sa.ColumnElement[bool] | sa.TextClause | None,
-        source: str,
-    ) -> None:
-        self.key, self.columns, self.where, self.source = key, columns, where, source
+    key: sa.ColumnElement[Any]
+    columns: Mapping[str, sa.ColumnElement[Any]]
+    where: sa.TextClause | None
+    source: str
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
         try:
@@ -85,9 +84,7 @@ class _Source:
 
 class SQLBackend(DataBackend):
     def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
-        self._uri = uri
-        self.uri = redact_uri(uri)
-        self.retry = retry or RetryPolicy()
+        super().__init__(uri, retry=retry)
         self._sources: dict[str, _Source] = {}
         self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
 
@@ -103,9 +100,6 @@ class SQLBackend(DataBackend):
         dispose_sql_engine(self._uri)
         self._sources.clear()
         self._pages.clear()
-
-    def reconnect(self) -> None:
-        self.close()
 
     def _failure(self, source: str, exc: sa.exc.StatementError) -> LlmtrainError:
         """One line for an error no retry cures, with the database's own message: the
@@ -128,7 +122,7 @@ class SQLBackend(DataBackend):
                 reconnect=self.reconnect,
                 what=what,
                 where=self.uri,
-                permanent=is_permanent,
+                permanent=lambda exc: not is_transient(exc),
             )
         except sa.exc.StatementError as exc:
             raise self._failure(source, exc) from None
@@ -218,19 +212,11 @@ class SQLBackend(DataBackend):
                     f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
                 )
             columns[name] = table.c[name]
-        where = None
-        if query.where_sql:
-            try:
-                where = sa.text(query.where_sql).bindparams(**query.params)
-            except sa.exc.ArgumentError as exc:
-                raise QueryError(f"{query.source}: {exc}") from None
+        where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
         return _Source(key, columns, where, query.source)
 
     def _build_raw(self, query: RawSQL) -> _Source:
-        try:
-            text = sa.text(query.text).bindparams(**query.params)
-        except sa.exc.ArgumentError as exc:
-            raise QueryError(f"{query.source}: {exc}") from None
+        text = _text(query.text, query.params, query.source)
         probe = self._retrying(
             "reading the query's columns", lambda: self._probe_columns(text), query.source
         )
@@ -261,27 +247,20 @@ class SQLBackend(DataBackend):
         return self._source(query).key.name
 
     def fetch_rows(
-        self,
-        query: Query,
-        fields: Sequence[str],
-        lower: Key | None,
-        limit: int,
-        *,
-        inclusive: bool = True,
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> list[tuple[Key, Row]]:
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
-        cond = None if lower is None else (src.key >= lower if inclusive else src.key > lower)
-        lower_type = None if cond is None else cond.right.type  # as SQLAlchemy typed it
+        # the bound's type as SQLAlchemy gives it to ``lower``
+        lower_type = None if lower is None else (src.key >= lower).right.type
 
         def build() -> sa.Select[Any]:
             stmt = src.select(src.key, *[src.column(f) for f in names])
             if lower_type is not None:
-                bound = sa.bindparam(_LOWER, type_=lower_type)
-                stmt = stmt.where(src.key >= bound if inclusive else src.key > bound)
+                stmt = stmt.where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
             return stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
 
-        shape = ("rows", fingerprint, names, inclusive, lower_type)
+        shape = ("rows", fingerprint, names, lower_type)
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
         rows = self._run("reading rows", self._page(shape, build), values, source=query.source)
         return _pairs(rows, names)
