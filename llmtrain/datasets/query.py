@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 from llmtrain.backends.base import Row
 from llmtrain.datasets.cached import ReadStats
 from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.datasets.snapshot import MemoryStore, take_snapshot
+from llmtrain.datasets.snapshot import MemoryStore, keyset_pages, take_snapshot
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 
@@ -40,11 +40,7 @@ class QueryDataset(Dataset):
         self.data_fingerprint = snapshot.fingerprint
 
     def _read(self, page_size: int) -> None:
-        lower, inclusive = None, True
-        while True:
-            page = self.db.backend.fetch_rows(
-                self.query, self.fields, lower, page_size, inclusive=inclusive
-            )
+        for page in keyset_pages(self.db.backend, self.query, self.fields, page_size):
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
@@ -54,9 +50,6 @@ class QueryDataset(Dataset):
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)
-            if len(page) < page_size:
-                return
-            lower, inclusive = page[-1][0], False
 
     def __len__(self) -> int:
         return len(self.rows)

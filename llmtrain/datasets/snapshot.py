@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from llmtrain.backends.base import Key
+from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Query
 
@@ -347,6 +347,27 @@ def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
     )
 
 
+def keyset_pages(
+    backend: DataBackend, query: Query, fields: Sequence[str], page_size: int
+) -> Iterator[list[tuple[Key, Row]]]:
+    """The selection's rows in key order, ``page_size`` a statement. A key that is NULL or
+    repeated is refused: paging on it would read rows twice or skip them.
+
+    Each page after the first starts *at* the last key seen (one row more), so a key
+    repeated across the page boundary shows up as a repeat too; that overlapping row is
+    dropped."""
+    lower: Any = _NONE
+    while True:
+        limit = page_size if lower is _NONE else page_size + 1
+        page = backend.fetch_rows(query, fields, None if lower is _NONE else lower, limit)
+        rows = page[1:] if page and same_key(page[0][0], lower) else page
+        _check_unique([k for k, _ in rows], lower, backend.key_name(query), query.source)
+        yield rows
+        if len(page) < limit:
+            return
+        lower = page[-1][0]
+
+
 def take_snapshot(
     db: Any,
     query: Query,
@@ -364,24 +385,18 @@ def take_snapshot(
     fingerprint notes keys at (see :func:`data_fingerprint`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    backend, store = db.backend, db.artifacts if store is None else store
+    store = db.artifacts if store is None else store
     fields = (version_column,) if version_column else ()
     split = eval_fraction > 0
     train = _Writer(store, chunk_size, bool(version_column))
     held = _Writer(store, chunk_size, bool(version_column)) if split else None
-    lower: Any = None
     last: Any = None
     statements = seen = 0
     boundaries: list[str] = []
-    while True:
-        # each page after the first starts *at* the last key seen, so a key repeated across
-        # the page boundary shows up as a repeat too; that one overlapping key is dropped
-        page = backend.fetch_rows(query, fields, lower, _KEY_PAGE)
+    for rows in keyset_pages(db.backend, query, fields, _KEY_PAGE):
         statements += 1
-        rows = page[1:] if lower is not None and page and same_key(page[0][0], lower) else page
         keys = [k for k, _ in rows]
         versions = [r.get(version_column) for _, r in rows] if version_column else []
-        _check_unique(keys, last if seen else _NONE, backend.key_name(query), query.source)
         boundaries += [key_repr(k) for k in keys[-seen % cache_size :: cache_size]]
         if held is None:
             train.extend(keys, versions)
@@ -391,9 +406,6 @@ def take_snapshot(
                 view.extend([key], versions[i : i + 1])
         if keys:
             seen, last = seen + len(keys), keys[-1]
-        if len(page) < _KEY_PAGE:
-            break
-        lower = page[-1][0]
     return RunSnapshot(
         query.fingerprint(),
         train.done(),
