@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from bson import json_util
 
@@ -19,6 +19,7 @@ from llmtrain.errors import QueryError
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 _MONGO_FIELD = re.compile(r"^[^$\x00][^\x00]*$")
 _JS_OPERATORS = frozenset({"$where", "$function", "$accumulator"})
+_Q = TypeVar("_Q", bound="Query")
 
 
 def _check_name(kind: str, name: object) -> str:
@@ -47,16 +48,13 @@ class Query(ABC):
     def source(self) -> str:
         """A human-readable name of where rows come from, used in error messages."""
 
-    @property
-    def is_mongo(self) -> bool:
-        return False
-
     @abstractmethod
     def to_dict(self) -> dict[str, Any]: ...
 
     @classmethod
-    @abstractmethod
-    def _from_fields(cls, data: dict[str, Any]) -> Query: ...
+    def _from_fields(cls: type[_Q], data: dict[str, Any]) -> _Q:
+        """The query that ``to_dict()`` gave ``data``: its fields are the constructor's."""
+        return cls(**{k: v for k, v in data.items() if k != "kind"})
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Query:
@@ -119,24 +117,12 @@ class Table(Query):
         clash = set(params) & set(self.params)
         if clash:
             raise QueryError(f"where() parameter(s) {sorted(clash)} are already bound")
-        return Table(
-            self.name,
-            schema=self.schema,
-            key=self.key,
-            where=merged,
-            params={**self.params, **params},
-            columns=self.columns,
+        return self._from_fields(
+            {**self.to_dict(), "where": merged, "params": {**self.params, **params}}
         )
 
     def select(self, *columns: str) -> Table:
-        return Table(
-            self.name,
-            schema=self.schema,
-            key=self.key,
-            where=self.where_sql,
-            params=self.params,
-            columns=columns,
-        )
+        return self._from_fields({**self.to_dict(), "columns": columns})
 
     @property
     def source(self) -> str:
@@ -152,17 +138,6 @@ class Table(Query):
             "params": self.params,
             "columns": list(self.columns) if self.columns else None,
         }
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> Table:
-        return cls(
-            data["name"],
-            schema=data.get("schema"),
-            key=data.get("key"),
-            where=data.get("where"),
-            params=data.get("params"),
-            columns=data.get("columns"),
-        )
 
 
 class RawSQL(Query):
@@ -188,10 +163,6 @@ class RawSQL(Query):
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> RawSQL:
-        return cls(data["text"], key=data["key"], params=data.get("params"))
 
 
 def sql(text: str, *, key: str, **params: Any) -> RawSQL:
@@ -237,10 +208,6 @@ class Collection(Query):
     @property
     def key(self) -> str:
         return "_id"
-
-    @property
-    def is_mongo(self) -> bool:
-        return True
 
     @property
     def source(self) -> str:
