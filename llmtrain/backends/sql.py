@@ -22,7 +22,7 @@ from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
 from llmtrain.backends.retry import RetryPolicy, with_retry
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
-from llmtrain.errors import ConfigError, DatabaseNotFoundError, LlmtrainError, QueryError
+from llmtrain.errors import ConfigError, DatabaseNotFoundError, QueryError
 from llmtrain.queries import Query, RawSQL, Table
 
 _IN_CHUNK = 1000
@@ -101,19 +101,10 @@ class SQLBackend(DataBackend):
         self._sources.clear()
         self._pages.clear()
 
-    def _failure(self, source: str, exc: sa.exc.StatementError) -> LlmtrainError:
-        """One line for an error no retry cures, with the database's own message: the
-        database or credentials are wrong (ConfigError), or the statement is (QueryError)."""
-        message = database_message(exc)
-        if is_connection_error(exc):
-            found = "database" in message.lower() and "denied" not in message.lower()
-            cls = DatabaseNotFoundError if found else ConfigError
-            return cls(f"cannot open {self.uri}: {message}")
-        return QueryError(f"{source} failed on {self.uri}: {message}")
-
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
         """``call`` with retries for faults that heal; any other database error becomes one
-        clear error at once."""
+        line with the database's own message: the database or credentials are wrong
+        (ConfigError), or the statement is (QueryError)."""
         try:
             return with_retry(
                 call,
@@ -125,59 +116,43 @@ class SQLBackend(DataBackend):
                 permanent=lambda exc: not is_transient(exc),
             )
         except sa.exc.StatementError as exc:
-            raise self._failure(source, exc) from None
+            message = database_message(exc)
+            if not is_connection_error(exc):
+                raise QueryError(f"{source} failed on {self.uri}: {message}") from None
+            found = "database" in message.lower() and "denied" not in message.lower()
+            cls = DatabaseNotFoundError if found else ConfigError
+            raise cls(f"cannot open {self.uri}: {message}") from None
         except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
             raise QueryError(f"{source}: {exc}") from None
 
-    def _run(
-        self,
-        what: str,
-        stmt: sa.Executable,
-        params: dict[str, Any] | None = None,
-        *,
-        source: str,
-    ) -> list[Any]:
+    def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
                 if conn.dialect.name == "postgresql":
                     # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
                     conn.execution_options(isolation_level="AUTOCOMMIT")
                 try:
-                    return list(conn.execute(stmt, params or {}).all())
+                    return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
                     if not _undecodable_text(conn, exc):
                         raise
-                    return _lenient_rows(conn, stmt, params or {})
+                    return _lenient_rows(conn, stmt, params)
 
-        return list(self._retrying(what, call, source))
-
-    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> sa.Select[Any]:
-        """The statement for ``shape``, built once. Bound types are keyed by identity
-        (SQLAlchemy reuses them), so the cache is capped in case a key type makes a new one
-        each call."""
-        stmt = self._pages.get(shape)
-        if stmt is None:
-            if len(self._pages) >= _MAX_PAGES:
-                self._pages.clear()
-            stmt = self._pages[shape] = build()
-        return stmt
+        return list(self._retrying("reading rows", call, source))
 
     def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
         fingerprint = fingerprint or query.fingerprint()
-        cached = self._sources.get(fingerprint)
-        if cached is None:
-            cached = self._sources[fingerprint] = self._build(query)
-        return cached
-
-    def _build(self, query: Query) -> _Source:
-        if isinstance(query, Table):
-            return self._build_table(query)
-        if isinstance(query, RawSQL):
-            return self._build_raw(query)
-        raise QueryError(
-            f"{query.source} is a MongoDB query and cannot run on SQL database {self.uri}; "
-            "use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
-        )
+        if fingerprint not in self._sources:
+            if isinstance(query, Table):
+                self._sources[fingerprint] = self._build_table(query)
+            elif isinstance(query, RawSQL):
+                self._sources[fingerprint] = self._build_raw(query)
+            else:
+                raise QueryError(
+                    f"{query.source} is a MongoDB query and cannot run on SQL database "
+                    f"{self.uri}; use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
+                )
+        return self._sources[fingerprint]
 
     def _build_table(self, query: Table) -> _Source:
         try:
@@ -253,26 +228,28 @@ class SQLBackend(DataBackend):
         src = self._source(query, fingerprint)
         # the bound's type as SQLAlchemy gives it to ``lower``
         lower_type = None if lower is None else (src.key >= lower).right.type
-
-        def build() -> sa.Select[Any]:
+        # each shape's statement is built once; bound types are keyed by identity (SQLAlchemy
+        # reuses them), so the cache is capped in case a key type makes a new one each call
+        shape = (fingerprint, names, lower_type)
+        stmt = self._pages.get(shape)
+        if stmt is None:
+            if len(self._pages) >= _MAX_PAGES:
+                self._pages.clear()
             stmt = src.select(src.key, *[src.column(f) for f in names])
             if lower_type is not None:
                 stmt = stmt.where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
-            return stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
-
-        shape = ("rows", fingerprint, names, lower_type)
+            stmt = stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
+            self._pages[shape] = stmt
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
-        rows = self._run("reading rows", self._page(shape, build), values, source=query.source)
-        return _pairs(rows, names)
+        return _pairs(self._rows(stmt, values, query.source), names)
 
     def fetch_by_keys(
         self, query: Query, fields: Sequence[str], keys: Sequence[Key]
     ) -> list[tuple[Key, Row]]:
         src = self._source(query)
         cols = [src.column(f) for f in fields]
-        names = list(fields)
         out: list[tuple[Key, Row]] = []
         for i in range(0, len(keys), _IN_CHUNK):
             stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
-            out.extend(_pairs(self._run("reading rows", stmt, source=query.source), names))
+            out += _pairs(self._rows(stmt, {}, query.source), fields)
         return out
