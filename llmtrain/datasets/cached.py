@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -34,6 +34,9 @@ from llmtrain.datasets.snapshot import (
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 from llmtrain.queries import Query
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain.datasets")
 # 3: the rows are a stored snapshot's (named in the state), deleted keys are kept;
@@ -76,7 +79,7 @@ class CachedQueryDataset(IterableDataset):
 
     def __init__(
         self,
-        db: Any,
+        db: Datalayer,
         select: Query,
         fields: str | Sequence[str],
         *,
@@ -336,8 +339,7 @@ class CachedQueryDataset(IterableDataset):
         piece = ws.piece
         first = piece.block * self.cache_size + piece.start
         keys = self.view.keys(self.store, first, first + len(piece))
-        visit = piece.order()
-        picks = range(len(piece)) if ws.whole else ws.picks
+        visit, picks = piece.order(), ws.picks
         wanted = [keys[visit[p]] for p in picks]
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
         pairs = self.db.backend.fetch_by_keys(self.query, self.fields, wanted)

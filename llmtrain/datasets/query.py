@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
@@ -14,13 +14,16 @@ from llmtrain.datasets.snapshot import MemoryStore, keyset_pages, take_snapshot
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
 
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
 
 class QueryDataset(Dataset):
     """Map-style: ``len()`` and indexing over rows read in key order with keyset pages."""
 
     def __init__(
         self,
-        db: Any,
+        db: Datalayer,
         select: Query,
         fields: str | Sequence[str],
         *,

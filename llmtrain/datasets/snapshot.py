@@ -24,13 +24,16 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Query
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 Split = Literal["all", "train", "held_out"]
 CODEC = "keys-v1"
@@ -369,7 +372,7 @@ def keyset_pages(
 
 
 def take_snapshot(
-    db: Any,
+    db: Datalayer,
     query: Query,
     *,
     eval_fraction: float = 0.0,
