@@ -7,16 +7,21 @@ never pins the database.
 
 from __future__ import annotations
 
+import logging
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from llmtrain.backends.retry import RetryPolicy
+from llmtrain.errors import DatabaseUnavailableError
 from llmtrain.queries import Query
 from llmtrain.uri import redact_uri
 
 Key = Any
 Row = dict[str, Any]
+T = TypeVar("T")
+log = logging.getLogger("llmtrain.backends")
 
 
 class DataBackend(ABC):
@@ -53,3 +58,40 @@ class DataBackend(ABC):
     def reconnect(self) -> None:
         """Forget pooled connections after a fault so the next call opens fresh ones."""
         self.close()
+
+    def _with_retry(
+        self,
+        what: str,
+        call: Callable[[], T],
+        transient: tuple[type[BaseException], ...],
+        permanent: Callable[[BaseException], bool] = lambda exc: False,
+    ) -> T:
+        """Run ``call`` (one idempotent statement); on a transient fault reconnect, back off
+        as ``self.retry`` says and try again. ``permanent`` picks out errors of a transient
+        type that no retry can cure (a missing table, say), so they surface at once instead
+        of after the whole budget."""
+        policy = self.retry
+        delays = policy.delays()
+        for attempt in range(policy.attempts):
+            try:
+                return call()
+            except transient as exc:
+                if permanent(exc):
+                    raise
+                first_line = str(exc).splitlines()[0] if str(exc) else ""  # one line to show
+                if attempt == policy.attempts - 1:
+                    raise DatabaseUnavailableError(
+                        f"{what} on {self.uri} failed after {policy.attempts} attempts: "
+                        f"{type(exc).__name__}: {first_line}"
+                    ) from exc
+                log.warning(
+                    "%s on %s failed (%s: %s); retrying in %.1fs",
+                    what,
+                    self.uri,
+                    type(exc).__name__,
+                    first_line,
+                    delays[attempt],
+                )
+                self.reconnect()
+                time.sleep(delays[attempt])
+        raise AssertionError("unreachable")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from bson import Binary, Decimal128, Int64, ObjectId
+from pymongo.errors import ConnectionFailure
+
 from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
-from llmtrain.backends.retry import with_retry
 from llmtrain.errors import QueryError
 from llmtrain.queries import Collection, Query
 
@@ -26,50 +30,36 @@ def get_path(doc: dict[str, Any], path: str) -> Any:
     return value
 
 
-def _brackets() -> list[tuple[tuple[type, ...], Any]]:
-    """MongoDB's sort order of ``_id`` types, each with its smallest value.
-
-    ``{"$gt": 5}`` only matches numbers (comparisons stay inside a type's bracket), while
-    a sort walks every bracket in this order: a page after key ``k`` is ``k``'s own bracket
-    from ``k`` on, plus every later bracket from its start.
-    """
-    import datetime as dt
-    import uuid
-
-    from bson import Binary, Decimal128, Int64, ObjectId
-
-    return [
-        ((int, float, Int64, Decimal128), float("-inf")),
-        ((str,), ""),
-        ((dict,), {}),
-        ((bytes, Binary, uuid.UUID), Binary(b"")),
-        ((ObjectId,), ObjectId(b"\x00" * 12)),
-        ((bool,), False),
-        ((dt.datetime,), dt.datetime.min),
-    ]  # Timestamp _ids (after dates) are left out: nothing writes them, mongomock cannot sort them
+# MongoDB's sort order of ``_id`` types, each with its smallest value. ``{"$gte": 5}`` only
+# matches numbers (comparisons stay inside a type's bracket), while a sort walks every bracket
+# in this order: a page from key ``k`` on is ``k``'s own bracket from ``k`` on, plus every
+# later bracket from its start. Timestamp _ids (after dates) are left out: nothing writes
+# them, mongomock cannot sort them.
+_BRACKETS: list[tuple[tuple[type, ...], Any]] = [
+    ((int, float, Int64, Decimal128), float("-inf")),
+    ((str,), ""),
+    ((dict,), {}),
+    ((bytes, Binary, uuid.UUID), Binary(b"")),
+    ((ObjectId,), ObjectId(b"\x00" * 12)),
+    ((bool,), False),
+    ((dt.datetime,), dt.datetime.min),
+]
 
 
 def key_after(lower: Key) -> dict[str, Any]:
     """The condition for ``_id`` >= ``lower`` in MongoDB's sort order, across type brackets
     (ints, strings and ObjectIds in one collection page correctly)."""
-    brackets = _brackets()
     own = next(
         (
             i
-            for i, (types, _) in enumerate(brackets)
+            for i, (types, _) in enumerate(_BRACKETS)
             if isinstance(lower, types) and not (isinstance(lower, bool) and i == 0)
         ),
         None,
     )
     if own is None:  # a type this table does not know: its own bracket only, as before
         return {"_id": {"$gte": lower}}
-    return {"$or": [{"_id": {"$gte": v}} for v in (lower, *[s for _, s in brackets[own + 1 :]])]}
-
-
-def _transient_errors() -> tuple[type[BaseException], ...]:
-    from pymongo.errors import AutoReconnect, ConnectionFailure, NetworkTimeout
-
-    return (AutoReconnect, ConnectionFailure, NetworkTimeout)
+    return {"$or": [{"_id": {"$gte": v}} for v in (lower, *[s for _, s in _BRACKETS[own + 1 :]])]}
 
 
 class MongoBackend(DataBackend):
@@ -103,14 +93,8 @@ class MongoBackend(DataBackend):
             cursor = mongo_database(self._uri)[query.name].find(where, projection)
             return list(cursor if limit is None else cursor.sort("_id", 1).limit(limit))
 
-        docs = with_retry(
-            find,
-            policy=self.retry,
-            transient=_transient_errors(),
-            reconnect=self.reconnect,
-            what="reading documents",
-            where=self.uri,
-        )
+        # AutoReconnect and NetworkTimeout are ConnectionFailures too
+        docs = self._with_retry("reading documents", find, (ConnectionFailure,))
         return [
             (doc["_id"], {f: v for f in fields if (v := get_path(doc, f)) is not _MISSING})
             for doc in docs

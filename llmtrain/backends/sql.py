@@ -20,7 +20,7 @@ import sqlalchemy as sa
 
 from llmtrain.backends.base import DataBackend, Key, Row
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
-from llmtrain.backends.retry import RetryPolicy, with_retry
+from llmtrain.backends.retry import RetryPolicy
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
 from llmtrain.errors import ConfigError, DatabaseNotFoundError, QueryError
 from llmtrain.queries import Query, RawSQL, Table
@@ -106,15 +106,8 @@ class SQLBackend(DataBackend):
         line with the database's own message: the database or credentials are wrong
         (ConfigError), or the statement is (QueryError)."""
         try:
-            return with_retry(
-                call,
-                policy=self.retry,
-                transient=(sa.exc.OperationalError, sa.exc.InterfaceError),
-                reconnect=self.reconnect,
-                what=what,
-                where=self.uri,
-                permanent=lambda exc: not is_transient(exc),
-            )
+            transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
+            return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
         except sa.exc.StatementError as exc:
             message = database_message(exc)
             if not is_connection_error(exc):

@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, get_args
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -42,6 +43,8 @@ log = logging.getLogger("llmtrain.datasets")
 # 3: the rows are a stored snapshot's (named in the state), deleted keys are kept;
 # 2 added split and eval_fraction; format 1 reads as the whole selection
 STATE_FORMAT = 3
+# what the epoch's order depends on: a state resumes only a dataset with the same values
+_ORDER = ("seed", "world_size", "cache_size", "shuffle", "drop_remainder", "split", "eval_fraction")
 Window = list[Positioned]  # a skipped bad row comes as None, a refused one as its BadRowError
 
 
@@ -117,19 +120,16 @@ class CachedQueryDataset(IterableDataset):
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.split, self.eval_fraction = split, float(eval_fraction)
         self._rank, self._world = rank, world_size
-        self._placement: Placement | None = None
         self._snapshot = snapshot
         self.store = store if store is not None or snapshot is None else db.artifacts
         self.position = Position()
         self.stats = ReadStats()
 
     # -- placement and size ----------------------------------------------------------------
-    @property
+    @cached_property
     def placement(self) -> Placement:
         """Resolved on first use: explicit rank/world_size, else the launcher's."""
-        if self._placement is None:
-            self._placement = Placement.resolve(self._rank, self._world)
-        return self._placement
+        return Placement.resolve(self._rank, self._world)
 
     @property
     def rank(self) -> int:
@@ -182,15 +182,9 @@ class CachedQueryDataset(IterableDataset):
             "query": self.query.fingerprint(),
             "data": self.data_fingerprint,
             "count": self.snapshot().count,
-            "seed": self.seed,
             "epoch": epoch,
             "consumed": consumed,
-            "world_size": self.world_size,
-            "cache_size": self.cache_size,
-            "shuffle": self.shuffle,
-            "drop_remainder": self.drop_remainder,
-            "split": self.split,
-            "eval_fraction": self.eval_fraction,
+            **{name: getattr(self, name) for name in _ORDER},
             "deleted": sorted(self.stats.deleted),
         }
 
@@ -208,8 +202,7 @@ class CachedQueryDataset(IterableDataset):
                 "the state was taken for a different query "
                 f"({state['query']} != {self.query.fingerprint()})"
             )
-        names = ["seed", "world_size", "cache_size", "shuffle", "drop_remainder"]
-        for name in names + (["split", "eval_fraction"] if fmt != 1 else []):
+        for name in _ORDER if fmt != 1 else _ORDER[:-2]:  # format 1 had no split
             mine = getattr(self, name)
             if state[name] != mine:
                 raise ConfigError(

@@ -68,16 +68,11 @@ class QueryDataLoader:
         deleted = self.dataset.stats.deleted
         skipped = [key_repr(k) for _, k, row in items if row is None]
         gone = [r for r in skipped if r in deleted]
-        if self.with_keys:
-            rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
-        elif self.dataset.return_keys:
-            rows = [{**row, "_key": key} for _, key, row in items if row is not None]
-        else:
-            rows = [row for _, _, row in items if row is not None]
-        last = max(pos for pos, _, _ in items)
-        if not rows:
-            return last, False, None, gone, skipped
-        return last, True, (self.collate_fn(rows) if self.collate_fn else rows), gone, skipped
+        rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
+        if not self.with_keys:
+            rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
+        batch = self.collate_fn(rows) if self.collate_fn and rows else rows
+        return max(pos for pos, _, _ in items), bool(rows), batch, gone, skipped
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
