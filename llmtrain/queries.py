@@ -17,7 +17,6 @@ from bson import json_util
 from llmtrain.errors import QueryError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
-_MONGO_FIELD = re.compile(r"^[^$\x00][^\x00]*$")
 _JS_OPERATORS = frozenset({"$where", "$function", "$accumulator"})
 _Q = TypeVar("_Q", bound="Query")
 
@@ -229,12 +228,8 @@ class Collection(Query):
         filt = json_util.loads(
             json.dumps(data.get("filter") or {}), json_options=json_util.CANONICAL_JSON_OPTIONS
         )
-        return cls(
-            data["name"],
-            filter=filt,
-            projection=data.get("projection"),
-            allow_javascript=bool(data.get("allow_javascript", False)),
-        )
+        allow = bool(data.get("allow_javascript", False))
+        return super()._from_fields({**data, "filter": filt, "allow_javascript": allow})
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

@@ -70,28 +70,21 @@ class DataBackend(ABC):
         as ``self.retry`` says and try again. ``permanent`` picks out errors of a transient
         type that no retry can cure (a missing table, say), so they surface at once instead
         of after the whole budget."""
-        policy = self.retry
-        delays = policy.delays()
-        for attempt in range(policy.attempts):
+        for delay in [*self.retry.delays(), None]:  # None: the last attempt
             try:
                 return call()
             except transient as exc:
                 if permanent(exc):
                     raise
-                first_line = str(exc).splitlines()[0] if str(exc) else ""  # one line to show
-                if attempt == policy.attempts - 1:
+                problem = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                if delay is None:
                     raise DatabaseUnavailableError(
-                        f"{what} on {self.uri} failed after {policy.attempts} attempts: "
-                        f"{type(exc).__name__}: {first_line}"
+                        f"{what} on {self.uri} failed after {self.retry.attempts} attempts: "
+                        f"{problem}"
                     ) from exc
                 log.warning(
-                    "%s on %s failed (%s: %s); retrying in %.1fs",
-                    what,
-                    self.uri,
-                    type(exc).__name__,
-                    first_line,
-                    delays[attempt],
+                    "%s on %s failed (%s); retrying in %.1fs", what, self.uri, problem, delay
                 )
                 self.reconnect()
-                time.sleep(delays[attempt])
+                time.sleep(delay)
         raise AssertionError("unreachable")

@@ -49,17 +49,11 @@ _BRACKETS: list[tuple[tuple[type, ...], Any]] = [
 def key_after(lower: Key) -> dict[str, Any]:
     """The condition for ``_id`` >= ``lower`` in MongoDB's sort order, across type brackets
     (ints, strings and ObjectIds in one collection page correctly)."""
-    own = next(
-        (
-            i
-            for i, (types, _) in enumerate(_BRACKETS)
-            if isinstance(lower, types) and not (isinstance(lower, bool) and i == 0)
-        ),
-        None,
-    )
-    if own is None:  # a type this table does not know: its own bracket only, as before
-        return {"_id": {"$gte": lower}}
-    return {"$or": [{"_id": {"$gte": v}} for v in (lower, *[s for _, s in _BRACKETS[own + 1 :]])]}
+    for i, (types, _) in enumerate(_BRACKETS):
+        if isinstance(lower, types) and not (isinstance(lower, bool) and i == 0):
+            later = [start for _, start in _BRACKETS[i + 1 :]]
+            return {"$or": [{"_id": {"$gte": v}} for v in (lower, *later)]}
+    return {"_id": {"$gte": lower}}  # a type this table does not know: its own bracket only
 
 
 class MongoBackend(DataBackend):

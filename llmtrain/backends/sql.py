@@ -35,12 +35,6 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
-def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
-    """SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost connection
-    (retrying it would only end in DatabaseUnavailableError, naming no row)."""
-    return conn.dialect.name == "sqlite" and "Could not decode to UTF-8" in str(exc.orig)
-
-
 def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
     """``stmt`` again with invalid UTF-8 kept as surrogate escapes: the rows' text checks then
     reject (or skip) the row by key and field. Only on this error path: a Python
@@ -127,7 +121,10 @@ class SQLBackend(DataBackend):
                 try:
                     return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
-                    if not _undecodable_text(conn, exc):
+                    # SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost
+                    # connection (retrying would only end in DatabaseUnavailableError, no row)
+                    undecodable = "Could not decode to UTF-8" in str(exc.orig)
+                    if conn.dialect.name != "sqlite" or not undecodable:
                         raise
                     return _lenient_rows(conn, stmt, params)
 
