@@ -28,10 +28,6 @@ def _check_name(kind: str, name: object) -> str:
     return name
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 class Query(ABC):
     """Base of every query: serialisation, fingerprint and registry by ``kind``."""
 
@@ -65,7 +61,8 @@ class Query(ABC):
         return cls._from_fields(data)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(_canonical(self.to_dict()).encode()).hexdigest()[:32]
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Query) and self.to_dict() == other.to_dict()
@@ -113,8 +110,7 @@ class Table(Query):
                 f"where({condition!r}): one condition, without ';' (bind values as :params)"
             )
         merged = f"({self.where_sql}) AND ({condition})" if self.where_sql else condition
-        clash = set(params) & set(self.params)
-        if clash:
+        if clash := set(params) & set(self.params):
             raise QueryError(f"where() parameter(s) {sorted(clash)} are already bound")
         return self._from_fields(
             {**self.to_dict(), "where": merged, "params": {**self.params, **params}}

@@ -23,10 +23,9 @@ def get_path(doc: dict[str, Any], path: str) -> Any:
     """Resolve a dotted path (``"meta.prompt"``); ``_MISSING`` when any step is absent."""
     value: Any = doc
     for part in path.split("."):
-        if isinstance(value, dict) and part in value:
-            value = value[part]
-        else:
+        if not isinstance(value, dict) or part not in value:
             return _MISSING
+        value = value[part]
     return value
 
 

@@ -132,10 +132,6 @@ class CachedQueryDataset(IterableDataset):
         return Placement.resolve(self._rank, self._world)
 
     @property
-    def rank(self) -> int:
-        return self.placement.rank
-
-    @property
     def world_size(self) -> int:
         return self.placement.world_size
 
@@ -244,10 +240,8 @@ class CachedQueryDataset(IterableDataset):
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Row]:
-        info = get_worker_info()  # in a DataLoader worker: its share, batch by batch
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = self.position.begin()
-        rows = self.positioned(epoch, start, worker, workers, chunk=1)
+        rows = self.positioned(epoch, start, chunk=1)
         try:
             for pos, key, row in rows:
                 self.position.consumed = pos + 1
@@ -263,10 +257,13 @@ class CachedQueryDataset(IterableDataset):
         return QueryDataLoader(self, batch_size, **kwargs)
 
     def positioned(
-        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
+        self, epoch: int, start: int, *, chunk: int
     ) -> Generator[Positioned, None, None]:
         """This worker's rows of ``epoch`` from ``start`` on, with their positions: the one
-        iteration every reader uses. A skipped bad row comes as ``None``."""
+        iteration every reader uses (in a DataLoader worker: its share, ``chunk`` rows at a
+        time). A skipped bad row comes as ``None``."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         pieces = rank_pieces(
             self.view.count,
             self.cache_size,
@@ -274,7 +271,7 @@ class CachedQueryDataset(IterableDataset):
             epoch=epoch,
             shuffle=self.shuffle,
             world_size=self.world_size,
-            rank=self.rank,
+            rank=self.placement.rank,
             drop_remainder=self.drop_remainder,
         )
         slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers, chunk=chunk)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from llmtrain.datasets.position import Positioned
 from llmtrain.datasets.snapshot import key_repr
@@ -25,9 +25,7 @@ class _WorkerShare(IterableDataset):
         self.dataset, self.epoch, self.start, self.chunk = dataset, epoch, start, chunk
 
     def __iter__(self) -> Iterator[Positioned]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        return self.dataset.positioned(self.epoch, self.start, worker, workers, chunk=self.chunk)
+        return self.dataset.positioned(self.epoch, self.start, chunk=self.chunk)
 
 
 class QueryDataLoader:

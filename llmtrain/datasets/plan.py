@@ -52,8 +52,6 @@ def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
     out (different rows each epoch when shuffling); otherwise the order wraps around and the
     first ``world_size - count % world_size`` rows are read twice.
     """
-    if count == 0:
-        return 0
     return count // world_size if drop_remainder else math.ceil(count / world_size)
 
 

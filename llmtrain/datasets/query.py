@@ -38,21 +38,18 @@ class QueryDataset(Dataset):
         self.stats = ReadStats()
         self.keys: list[Any] = []
         self.rows: list[Row] = []
-        self._read(page_size)
-        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
-        self.data_fingerprint = snapshot.fingerprint
-
-    def _read(self, page_size: int) -> None:
-        for page in keyset_pages(self.db.backend, self.query, self.fields, page_size):
+        for page in keyset_pages(db.backend, select, self.fields, page_size):
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
-                if check_row(self.query.source, key, row, self.fields, self.on_bad_row):
+                if check_row(select.source, key, row, self.fields, self.on_bad_row):
                     self.keys.append(key)
-                    self.rows.append({**row, "_key": key} if self.return_keys else row)
+                    self.rows.append({**row, "_key": key} if return_keys else row)
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)
+        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
+        self.data_fingerprint = snapshot.fingerprint
 
     def __len__(self) -> int:
         return len(self.rows)
