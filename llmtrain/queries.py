@@ -29,14 +29,9 @@ def _check_name(kind: str, name: object) -> str:
 
 
 class Query(ABC):
-    """Base of every query: serialisation, fingerprint and registry by ``kind``."""
+    """Base of every query: serialisation, fingerprint and loading by ``kind``."""
 
     kind: ClassVar[str]
-    _registry: ClassVar[dict[str, type[Query]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        Query._registry[cls.kind] = cls
 
     @property
     @abstractmethod
@@ -55,7 +50,7 @@ class Query(ABC):
     def from_dict(data: dict[str, Any]) -> Query:
         if not isinstance(data, dict) or "kind" not in data:
             raise QueryError(f"not a stored query: {data!r}")
-        cls = Query._registry.get(data["kind"])
+        cls = _KINDS.get(data["kind"])
         if cls is None:
             raise QueryError(f"unknown query kind {data['kind']!r}")
         return cls._from_fields(data)
@@ -226,6 +221,9 @@ class Collection(Query):
         )
         allow = bool(data.get("allow_javascript", False))
         return super()._from_fields({**data, "filter": filt, "allow_javascript": allow})
+
+
+_KINDS: dict[str, type[Query]] = {q.kind: q for q in (Table, RawSQL, Collection)}
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

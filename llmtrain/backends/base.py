@@ -20,6 +20,7 @@ from llmtrain.uri import redact_uri
 
 Key = Any
 Row = dict[str, Any]
+KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
 T = TypeVar("T")
 log = logging.getLogger("llmtrain.backends")
 
@@ -39,7 +40,7 @@ class DataBackend(ABC):
     @abstractmethod
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> list[tuple[Key, Row]]:
+    ) -> KeyedRows:
         """Up to ``limit`` rows with key >= lower, in key order.
 
         Each row is ``(key, {field: value})``; a field absent from the row is absent from the
@@ -47,9 +48,7 @@ class DataBackend(ABC):
         """
 
     @abstractmethod
-    def fetch_by_keys(
-        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
-    ) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default

@@ -10,7 +10,7 @@ from typing import Any
 from bson import Binary, Decimal128, Int64, ObjectId
 from pymongo.errors import ConnectionFailure
 
-from llmtrain.backends.base import DataBackend, Key, Row
+from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.backends.engines import drop_mongo_client, mongo_database
 from llmtrain.errors import QueryError
 from llmtrain.queries import Collection, Query
@@ -73,13 +73,12 @@ class MongoBackend(DataBackend):
 
     def _find(
         self, query: Query, fields: Sequence[str], cond: dict[str, Any], limit: int | None = None
-    ) -> list[tuple[Key, Row]]:
+    ) -> KeyedRows:
         """The documents matching the query's filter and ``cond``; with a ``limit``, the
         first ones in ``_id`` order."""
         query = self._query(query)
-        where = (
-            {"$and": [query.filter, cond]} if query.filter and cond else {**query.filter, **cond}
-        )
+        both = query.filter and cond
+        where = {"$and": [query.filter, cond]} if both else {**query.filter, **cond}
         projection = {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
 
         def find() -> list[dict[str, Any]]:
@@ -95,13 +94,11 @@ class MongoBackend(DataBackend):
 
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> list[tuple[Key, Row]]:
+    ) -> KeyedRows:
         return self._find(query, fields, {} if lower is None else key_after(lower), limit)
 
-    def fetch_by_keys(
-        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
-    ) -> list[tuple[Key, Row]]:
-        out: list[tuple[Key, Row]] = []
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
+        out: KeyedRows = []
         for i in range(0, len(keys), _IN_CHUNK):
             out += self._find(query, fields, {"_id": {"$in": list(keys[i : i + _IN_CHUNK])}})
         return out

@@ -18,7 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from llmtrain.backends.base import DataBackend, Key, Row
+from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
 from llmtrain.backends.retry import RetryPolicy
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
@@ -30,7 +30,7 @@ _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
 
 
-def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
+def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
     """``(key, {field: value})`` from rows laid out as (key, *fields)."""
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
@@ -213,7 +213,7 @@ class SQLBackend(DataBackend):
 
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> list[tuple[Key, Row]]:
+    ) -> KeyedRows:
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
         # the bound's type as SQLAlchemy gives it to ``lower``
@@ -233,12 +233,10 @@ class SQLBackend(DataBackend):
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
         return _pairs(self._rows(stmt, values, query.source), names)
 
-    def fetch_by_keys(
-        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
-    ) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         src = self._source(query)
         cols = [src.column(f) for f in fields]
-        out: list[tuple[Key, Row]] = []
+        out: KeyedRows = []
         for i in range(0, len(keys), _IN_CHUNK):
             stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
             out += _pairs(self._rows(stmt, {}, query.source), fields)

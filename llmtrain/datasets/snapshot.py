@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from bson import ObjectId
 
-from llmtrain.backends.base import DataBackend, Key, Row
+from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Query
 
@@ -340,7 +340,7 @@ def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
 
 def keyset_pages(
     backend: DataBackend, query: Query, fields: Sequence[str], page_size: int
-) -> Iterator[list[tuple[Key, Row]]]:
+) -> Iterator[KeyedRows]:
     """The selection's rows in key order, ``page_size`` a statement. A key that is NULL or
     repeated is refused: paging on it would read rows twice or skip them.
 
