@@ -10,15 +10,15 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from bson import json_util
 
 from llmtrain.errors import QueryError
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
-_MONGO_FIELD = re.compile(r"^[^$\x00][^\x00]*$")
 _JS_OPERATORS = frozenset({"$where", "$function", "$accumulator"})
+_Q = TypeVar("_Q", bound="Query")
 
 
 def _check_name(kind: str, name: object) -> str:
@@ -28,47 +28,36 @@ def _check_name(kind: str, name: object) -> str:
     return name
 
 
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
 class Query(ABC):
-    """Base of every query: serialisation, fingerprint and registry by ``kind``."""
+    """Base of every query: serialisation, fingerprint and loading by ``kind``."""
 
     kind: ClassVar[str]
-    _registry: ClassVar[dict[str, type[Query]]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        Query._registry[cls.kind] = cls
 
     @property
     @abstractmethod
     def source(self) -> str:
         """A human-readable name of where rows come from, used in error messages."""
 
-    @property
-    def is_mongo(self) -> bool:
-        return False
-
     @abstractmethod
     def to_dict(self) -> dict[str, Any]: ...
 
     @classmethod
-    @abstractmethod
-    def _from_fields(cls, data: dict[str, Any]) -> Query: ...
+    def _from_fields(cls: type[_Q], data: dict[str, Any]) -> _Q:
+        """The query that ``to_dict()`` gave ``data``: its fields are the constructor's."""
+        return cls(**{k: v for k, v in data.items() if k != "kind"})
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> Query:
         if not isinstance(data, dict) or "kind" not in data:
             raise QueryError(f"not a stored query: {data!r}")
-        cls = Query._registry.get(data["kind"])
+        cls = _KINDS.get(data["kind"])
         if cls is None:
             raise QueryError(f"unknown query kind {data['kind']!r}")
         return cls._from_fields(data)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(_canonical(self.to_dict()).encode()).hexdigest()[:32]
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Query) and self.to_dict() == other.to_dict()
@@ -116,27 +105,14 @@ class Table(Query):
                 f"where({condition!r}): one condition, without ';' (bind values as :params)"
             )
         merged = f"({self.where_sql}) AND ({condition})" if self.where_sql else condition
-        clash = set(params) & set(self.params)
-        if clash:
+        if clash := set(params) & set(self.params):
             raise QueryError(f"where() parameter(s) {sorted(clash)} are already bound")
-        return Table(
-            self.name,
-            schema=self.schema,
-            key=self.key,
-            where=merged,
-            params={**self.params, **params},
-            columns=self.columns,
+        return self._from_fields(
+            {**self.to_dict(), "where": merged, "params": {**self.params, **params}}
         )
 
     def select(self, *columns: str) -> Table:
-        return Table(
-            self.name,
-            schema=self.schema,
-            key=self.key,
-            where=self.where_sql,
-            params=self.params,
-            columns=columns,
-        )
+        return self._from_fields({**self.to_dict(), "columns": columns})
 
     @property
     def source(self) -> str:
@@ -152,17 +128,6 @@ class Table(Query):
             "params": self.params,
             "columns": list(self.columns) if self.columns else None,
         }
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> Table:
-        return cls(
-            data["name"],
-            schema=data.get("schema"),
-            key=data.get("key"),
-            where=data.get("where"),
-            params=data.get("params"),
-            columns=data.get("columns"),
-        )
 
 
 class RawSQL(Query):
@@ -188,10 +153,6 @@ class RawSQL(Query):
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
-
-    @classmethod
-    def _from_fields(cls, data: dict[str, Any]) -> RawSQL:
-        return cls(data["text"], key=data["key"], params=data.get("params"))
 
 
 def sql(text: str, *, key: str, **params: Any) -> RawSQL:
@@ -239,10 +200,6 @@ class Collection(Query):
         return "_id"
 
     @property
-    def is_mongo(self) -> bool:
-        return True
-
-    @property
     def source(self) -> str:
         return f"collection {self.name}"
 
@@ -262,12 +219,11 @@ class Collection(Query):
         filt = json_util.loads(
             json.dumps(data.get("filter") or {}), json_options=json_util.CANONICAL_JSON_OPTIONS
         )
-        return cls(
-            data["name"],
-            filter=filt,
-            projection=data.get("projection"),
-            allow_javascript=bool(data.get("allow_javascript", False)),
-        )
+        allow = bool(data.get("allow_javascript", False))
+        return super()._from_fields({**data, "filter": filt, "allow_javascript": allow})
+
+
+_KINDS: dict[str, type[Query]] = {q.kind: q for q in (Table, RawSQL, Collection)}
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

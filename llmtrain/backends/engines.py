@@ -65,21 +65,17 @@ def sql_engine(uri: str, *, create: bool = False) -> Any:
             except Exception as exc:  # noqa: BLE001 - driver errors vary; name the URI
                 raise ConfigError(f"cannot open {redact_uri(uri)}: {exc}") from None
             if url.startswith("sqlite"):
-                _sqlite_pragmas(engine)
+                sa.event.listen(engine, "connect", _sqlite_pragmas)
             _engines[key] = engine
         return engine
 
 
-def _sqlite_pragmas(engine: Any) -> None:
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     """WAL lets readers and one writer work at once (several trainers, one file)."""
-    import sqlalchemy as sa
-
-    @sa.event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=60000")
-        cur.close()
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=60000")
+    cur.close()
 
 
 def dispose_sql_engine(uri: str) -> None:
@@ -89,17 +85,14 @@ def dispose_sql_engine(uri: str) -> None:
         engine.dispose()
 
 
-def mongo_database_name(uri: str) -> str:
+def mongo_database(uri: str) -> Any:
+    """The URI's database on a shared pymongo client, or on a mongomock one for
+    ``mongomock://`` (same API, in-process)."""
     name = urlsplit(uri).path.lstrip("/").split("?", 1)[0]
     if not name:
         raise ConfigError(
             f"{redact_uri(uri)}: the URI path must name the database (mongodb://host/dbname)"
         )
-    return name
-
-
-def mongo_client(uri: str) -> Any:
-    """A pymongo client, or a mongomock one for ``mongomock://`` (same API, in-process)."""
     # a mongomock client *is* its data: a forked DataLoader worker keeps using the copy
     key = (0, uri.split("?", 1)[0]) if scheme_of(uri) == "mongomock" else (os.getpid(), uri)
     with _lock:
@@ -118,11 +111,7 @@ def mongo_client(uri: str) -> Any:
 
                 client = pymongo.MongoClient(uri, serverSelectionTimeoutMS=10_000)
             _clients[key] = client
-        return client
-
-
-def mongo_database(uri: str) -> Any:
-    return mongo_client(uri)[mongo_database_name(uri)]
+    return client[name]
 
 
 def drop_mongo_client(uri: str) -> None:

@@ -13,37 +13,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
-from llmtrain.backends.base import DataBackend, Key, Row
+from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
-from llmtrain.backends.retry import RetryPolicy, with_retry
+from llmtrain.backends.retry import RetryPolicy
 from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
-from llmtrain.errors import ConfigError, DatabaseNotFoundError, LlmtrainError, QueryError
+from llmtrain.errors import ConfigError, DatabaseNotFoundError, QueryError
 from llmtrain.queries import Query, RawSQL, Table
-from llmtrain.uri import redact_uri
 
 _IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
 
 
-def _pairs(rows: Sequence[Any], names: Sequence[str]) -> list[tuple[Key, Row]]:
+def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
     """``(key, {field: value})`` from rows laid out as (key, *fields)."""
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
-
-
-def is_permanent(exc: BaseException) -> bool:
-    """An error that no retry can cure (see :mod:`llmtrain.backends.sql_errors`)."""
-    return not is_transient(exc)
-
-
-def _undecodable_text(conn: sa.Connection, exc: sa.exc.DBAPIError) -> bool:
-    """SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost connection
-    (retrying it would only end in DatabaseUnavailableError, naming no row)."""
-    return conn.dialect.name == "sqlite" and "Could not decode to UTF-8" in str(exc.orig)
 
 
 def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
@@ -58,17 +47,21 @@ def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, An
         raw.text_factory = str
 
 
+def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
+    try:
+        return sa.text(sql).bindparams(**params)
+    except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
+        raise QueryError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True)
 class _Source:
     """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
 
-    def __init__(
-        self,
-        key: sa.ColumnElement[Any],
-        columns: Mapping[str, sa.ColumnElement[Any]],
-        where: sa.ColumnElement[bool] | sa.TextClause | None,
-        source: str,
-    ) -> None:
-        self.key, self.columns, self.where, self.source = key, columns, where, source
+    key: sa.ColumnElement[Any]
+    columns: Mapping[str, sa.ColumnElement[Any]]
+    where: sa.TextClause | None
+    source: str
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
         try:
@@ -85,9 +78,7 @@ class _Source:
 
 class SQLBackend(DataBackend):
     def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
-        self._uri = uri
-        self.uri = redact_uri(uri)
-        self.retry = retry or RetryPolicy()
+        super().__init__(uri, retry=retry)
         self._sources: dict[str, _Source] = {}
         self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
 
@@ -104,86 +95,54 @@ class SQLBackend(DataBackend):
         self._sources.clear()
         self._pages.clear()
 
-    def reconnect(self) -> None:
-        self.close()
-
-    def _failure(self, source: str, exc: sa.exc.StatementError) -> LlmtrainError:
-        """One line for an error no retry cures, with the database's own message: the
-        database or credentials are wrong (ConfigError), or the statement is (QueryError)."""
-        message = database_message(exc)
-        if is_connection_error(exc):
-            found = "database" in message.lower() and "denied" not in message.lower()
-            cls = DatabaseNotFoundError if found else ConfigError
-            return cls(f"cannot open {self.uri}: {message}")
-        return QueryError(f"{source} failed on {self.uri}: {message}")
-
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
         """``call`` with retries for faults that heal; any other database error becomes one
-        clear error at once."""
+        line with the database's own message: the database or credentials are wrong
+        (ConfigError), or the statement is (QueryError)."""
         try:
-            return with_retry(
-                call,
-                policy=self.retry,
-                transient=(sa.exc.OperationalError, sa.exc.InterfaceError),
-                reconnect=self.reconnect,
-                what=what,
-                where=self.uri,
-                permanent=is_permanent,
-            )
+            transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
+            return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
         except sa.exc.StatementError as exc:
-            raise self._failure(source, exc) from None
+            message = database_message(exc)
+            if not is_connection_error(exc):
+                raise QueryError(f"{source} failed on {self.uri}: {message}") from None
+            found = "database" in message.lower() and "denied" not in message.lower()
+            cls = DatabaseNotFoundError if found else ConfigError
+            raise cls(f"cannot open {self.uri}: {message}") from None
         except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
             raise QueryError(f"{source}: {exc}") from None
 
-    def _run(
-        self,
-        what: str,
-        stmt: sa.Executable,
-        params: dict[str, Any] | None = None,
-        *,
-        source: str,
-    ) -> list[Any]:
+    def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
         def call() -> list[Any]:
             with self.engine.connect() as conn:
                 if conn.dialect.name == "postgresql":
                     # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
                     conn.execution_options(isolation_level="AUTOCOMMIT")
                 try:
-                    return list(conn.execute(stmt, params or {}).all())
+                    return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
-                    if not _undecodable_text(conn, exc):
+                    # SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost
+                    # connection (retrying would only end in DatabaseUnavailableError, no row)
+                    undecodable = "Could not decode to UTF-8" in str(exc.orig)
+                    if conn.dialect.name != "sqlite" or not undecodable:
                         raise
-                    return _lenient_rows(conn, stmt, params or {})
+                    return _lenient_rows(conn, stmt, params)
 
-        return list(self._retrying(what, call, source))
-
-    def _page(self, shape: tuple[Any, ...], build: Callable[[], sa.Select[Any]]) -> sa.Select[Any]:
-        """The statement for ``shape``, built once. Bound types are keyed by identity
-        (SQLAlchemy reuses them), so the cache is capped in case a key type makes a new one
-        each call."""
-        stmt = self._pages.get(shape)
-        if stmt is None:
-            if len(self._pages) >= _MAX_PAGES:
-                self._pages.clear()
-            stmt = self._pages[shape] = build()
-        return stmt
+        return list(self._retrying("reading rows", call, source))
 
     def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
         fingerprint = fingerprint or query.fingerprint()
-        cached = self._sources.get(fingerprint)
-        if cached is None:
-            cached = self._sources[fingerprint] = self._build(query)
-        return cached
-
-    def _build(self, query: Query) -> _Source:
-        if isinstance(query, Table):
-            return self._build_table(query)
-        if isinstance(query, RawSQL):
-            return self._build_raw(query)
-        raise QueryError(
-            f"{query.source} is a MongoDB query and cannot run on SQL database {self.uri}; "
-            "use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
-        )
+        if fingerprint not in self._sources:
+            if isinstance(query, Table):
+                self._sources[fingerprint] = self._build_table(query)
+            elif isinstance(query, RawSQL):
+                self._sources[fingerprint] = self._build_raw(query)
+            else:
+                raise QueryError(
+                    f"{query.source} is a MongoDB query and cannot run on SQL database "
+                    f"{self.uri}; use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
+                )
+        return self._sources[fingerprint]
 
     def _build_table(self, query: Table) -> _Source:
         try:
@@ -218,19 +177,11 @@ class SQLBackend(DataBackend):
                     f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
                 )
             columns[name] = table.c[name]
-        where = None
-        if query.where_sql:
-            try:
-                where = sa.text(query.where_sql).bindparams(**query.params)
-            except sa.exc.ArgumentError as exc:
-                raise QueryError(f"{query.source}: {exc}") from None
+        where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
         return _Source(key, columns, where, query.source)
 
     def _build_raw(self, query: RawSQL) -> _Source:
-        try:
-            text = sa.text(query.text).bindparams(**query.params)
-        except sa.exc.ArgumentError as exc:
-            raise QueryError(f"{query.source}: {exc}") from None
+        text = _text(query.text, query.params, query.source)
         probe = self._retrying(
             "reading the query's columns", lambda: self._probe_columns(text), query.source
         )
@@ -261,39 +212,32 @@ class SQLBackend(DataBackend):
         return self._source(query).key.name
 
     def fetch_rows(
-        self,
-        query: Query,
-        fields: Sequence[str],
-        lower: Key | None,
-        limit: int,
-        *,
-        inclusive: bool = True,
-    ) -> list[tuple[Key, Row]]:
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
+    ) -> KeyedRows:
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
-        cond = None if lower is None else (src.key >= lower if inclusive else src.key > lower)
-        lower_type = None if cond is None else cond.right.type  # as SQLAlchemy typed it
-
-        def build() -> sa.Select[Any]:
+        # the bound's type as SQLAlchemy gives it to ``lower``
+        lower_type = None if lower is None else (src.key >= lower).right.type
+        # each shape's statement is built once; bound types are keyed by identity (SQLAlchemy
+        # reuses them), so the cache is capped in case a key type makes a new one each call
+        shape = (fingerprint, names, lower_type)
+        stmt = self._pages.get(shape)
+        if stmt is None:
+            if len(self._pages) >= _MAX_PAGES:
+                self._pages.clear()
             stmt = src.select(src.key, *[src.column(f) for f in names])
             if lower_type is not None:
-                bound = sa.bindparam(_LOWER, type_=lower_type)
-                stmt = stmt.where(src.key >= bound if inclusive else src.key > bound)
-            return stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
-
-        shape = ("rows", fingerprint, names, inclusive, lower_type)
+                stmt = stmt.where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
+            stmt = stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
+            self._pages[shape] = stmt
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
-        rows = self._run("reading rows", self._page(shape, build), values, source=query.source)
-        return _pairs(rows, names)
+        return _pairs(self._rows(stmt, values, query.source), names)
 
-    def fetch_by_keys(
-        self, query: Query, fields: Sequence[str], keys: Sequence[Key]
-    ) -> list[tuple[Key, Row]]:
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         src = self._source(query)
         cols = [src.column(f) for f in fields]
-        names = list(fields)
-        out: list[tuple[Key, Row]] = []
+        out: KeyedRows = []
         for i in range(0, len(keys), _IN_CHUNK):
             stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
-            out.extend(_pairs(self._run("reading rows", stmt, source=query.source), names))
+            out += _pairs(self._rows(stmt, {}, query.source), fields)
         return out

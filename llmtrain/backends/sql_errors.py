@@ -39,10 +39,6 @@ def database_message(exc: BaseException) -> str:
 _PG_REFUSALS = ("does not exist", "authentication failed", "no password supplied", "pg_hba.conf")
 
 
-def _pg_refused(orig: Any) -> bool:
-    return any(p in str(orig) for p in _PG_REFUSALS)
-
-
 def _mysql_code(orig: Any) -> int | None:
     args = getattr(orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
@@ -53,13 +49,11 @@ def is_transient(exc: BaseException) -> bool:
     if getattr(exc, "connection_invalidated", False) or isinstance(exc, sa.exc.InterfaceError):
         return True  # InterfaceError: the driver's own connection is closed or broken
     orig = getattr(exc, "orig", None)
-    if orig is None:
-        return False
-    module = type(orig).__module__
+    module = type(orig).__module__  # builtins when there is none
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
         if state is None:  # libpq's own error: refused, reset, timed out, or turned away
-            return not _pg_refused(orig)
+            return not any(p in str(orig) for p in _PG_REFUSALS)
         return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in _MYSQL_TRANSIENT
@@ -73,11 +67,11 @@ def is_connection_error(exc: BaseException) -> bool:
     """A permanent error about reaching the database (unknown database, bad credentials,
     an unopenable SQLite file) rather than about one statement."""
     orig = getattr(exc, "orig", None)
-    module = type(orig).__module__ if orig is not None else ""
+    module = type(orig).__module__
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
         if state is None:
-            return _pg_refused(orig)
+            return any(p in str(orig) for p in _PG_REFUSALS)
         return state == "3D000" or state.startswith("28")
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in (1044, 1045, 1049)

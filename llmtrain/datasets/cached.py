@@ -14,7 +14,8 @@ import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, get_args
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, get_args
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -35,10 +36,15 @@ from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 from llmtrain.queries import Query
 
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
 log = logging.getLogger("llmtrain.datasets")
 # 3: the rows are a stored snapshot's (named in the state), deleted keys are kept;
 # 2 added split and eval_fraction; format 1 reads as the whole selection
 STATE_FORMAT = 3
+# what the epoch's order depends on: a state resumes only a dataset with the same values
+_ORDER = ("seed", "world_size", "cache_size", "shuffle", "drop_remainder", "split", "eval_fraction")
 Window = list[Positioned]  # a skipped bad row comes as None, a refused one as its BadRowError
 
 
@@ -76,7 +82,7 @@ class CachedQueryDataset(IterableDataset):
 
     def __init__(
         self,
-        db: Any,
+        db: Datalayer,
         select: Query,
         fields: str | Sequence[str],
         *,
@@ -114,23 +120,16 @@ class CachedQueryDataset(IterableDataset):
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.split, self.eval_fraction = split, float(eval_fraction)
         self._rank, self._world = rank, world_size
-        self._placement: Placement | None = None
         self._snapshot = snapshot
         self.store = store if store is not None or snapshot is None else db.artifacts
         self.position = Position()
         self.stats = ReadStats()
 
     # -- placement and size ----------------------------------------------------------------
-    @property
+    @cached_property
     def placement(self) -> Placement:
         """Resolved on first use: explicit rank/world_size, else the launcher's."""
-        if self._placement is None:
-            self._placement = Placement.resolve(self._rank, self._world)
-        return self._placement
-
-    @property
-    def rank(self) -> int:
-        return self.placement.rank
+        return Placement.resolve(self._rank, self._world)
 
     @property
     def world_size(self) -> int:
@@ -179,15 +178,9 @@ class CachedQueryDataset(IterableDataset):
             "query": self.query.fingerprint(),
             "data": self.data_fingerprint,
             "count": self.snapshot().count,
-            "seed": self.seed,
             "epoch": epoch,
             "consumed": consumed,
-            "world_size": self.world_size,
-            "cache_size": self.cache_size,
-            "shuffle": self.shuffle,
-            "drop_remainder": self.drop_remainder,
-            "split": self.split,
-            "eval_fraction": self.eval_fraction,
+            **{name: getattr(self, name) for name in _ORDER},
             "deleted": sorted(self.stats.deleted),
         }
 
@@ -205,8 +198,7 @@ class CachedQueryDataset(IterableDataset):
                 "the state was taken for a different query "
                 f"({state['query']} != {self.query.fingerprint()})"
             )
-        names = ["seed", "world_size", "cache_size", "shuffle", "drop_remainder"]
-        for name in names + (["split", "eval_fraction"] if fmt != 1 else []):
+        for name in _ORDER if fmt != 1 else _ORDER[:-2]:  # format 1 had no split
             mine = getattr(self, name)
             if state[name] != mine:
                 raise ConfigError(
@@ -248,10 +240,8 @@ class CachedQueryDataset(IterableDataset):
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Row]:
-        info = get_worker_info()  # in a DataLoader worker: its share, batch by batch
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, start = self.position.begin()
-        rows = self.positioned(epoch, start, worker, workers, chunk=1)
+        rows = self.positioned(epoch, start, chunk=1)
         try:
             for pos, key, row in rows:
                 self.position.consumed = pos + 1
@@ -261,44 +251,19 @@ class CachedQueryDataset(IterableDataset):
         finally:
             rows.close()  # stops the prefetch thread now, even on an error or a break
 
-    def loader(
-        self,
-        batch_size: int,
-        *,
-        num_workers: int = 0,
-        collate_fn: Any = None,
-        with_keys: bool = False,
-        **kwargs: Any,
-    ) -> QueryDataLoader:
-        """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows."""
-        return QueryDataLoader(
-            self,
-            batch_size,
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            with_keys=with_keys,
-            **kwargs,
-        )
+    def loader(self, batch_size: int, **kwargs: Any) -> QueryDataLoader:
+        """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows
+        (``num_workers``, ``collate_fn``, ``with_keys``: see :class:`QueryDataLoader`)."""
+        return QueryDataLoader(self, batch_size, **kwargs)
 
     def positioned(
-        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
+        self, epoch: int, start: int, *, chunk: int
     ) -> Generator[Positioned, None, None]:
         """This worker's rows of ``epoch`` from ``start`` on, with their positions: the one
-        iteration every reader uses. A skipped bad row comes as ``None``."""
-        windows = self._windows(epoch, start, worker, workers, chunk=chunk)
-        try:
-            for window in windows:
-                for item in window:
-                    if isinstance(item[2], BadRowError):  # raised where the row is reached
-                        raise item[2]
-                    yield item
-        finally:
-            windows.close()
-
-    def _windows(
-        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
-    ) -> Generator[Window, None, None]:
-        """This worker's windows from ``start`` on, in order (fetched one ahead if asked)."""
+        iteration every reader uses (in a DataLoader worker: its share, ``chunk`` rows at a
+        time). A skipped bad row comes as ``None``."""
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         pieces = rank_pieces(
             self.view.count,
             self.cache_size,
@@ -306,52 +271,46 @@ class CachedQueryDataset(IterableDataset):
             epoch=epoch,
             shuffle=self.shuffle,
             world_size=self.world_size,
-            rank=self.rank,
+            rank=self.placement.rank,
             drop_remainder=self.drop_remainder,
         )
         slices = worker_slices(pieces, start=start, worker=worker, num_workers=workers, chunk=chunk)
-        if self._should_prefetch():
-            yield from self._prefetched(slices)
-        else:
-            yield from map(self._fetch, slices)
+        # prefetch=None: fetch ahead from a server, whose replies the thread waits for without
+        # the GIL; not from an embedded SQLite file, where the fetch is CPU work that would
+        # only contend with the consumer (measured: 15-25% fewer rows/s)
+        sqlite = self.db.uri.startswith("sqlite")
+        prefetch = self.prefetch if self.prefetch is not None else not sqlite
+        windows = self._prefetched(slices) if prefetch else (self._fetch(s) for s in slices)
+        try:
+            for window in windows:
+                for item in window:
+                    if isinstance(item[2], BadRowError):  # raised where the row is reached
+                        raise item[2]
+                    yield item
+        finally:
+            windows.close()  # stops the prefetch thread now, even on an error or a break
 
-    def _should_prefetch(self) -> bool:
-        """``prefetch=None``: fetch ahead from a server, whose replies the thread waits for
-        without the GIL; not from an embedded SQLite file, where the fetch is CPU work that
-        would only contend with the consumer (measured: 15-25% fewer rows/s)."""
-        if self.prefetch is not None:
-            return self.prefetch
-        return not self.db.uri.startswith("sqlite")
-
-    def _prefetched(self, slices: list[WorkerSlice]) -> Iterator[Window]:
-        """Fetch window i+1 on a thread while window i is consumed."""
-        ready: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+    def _prefetched(self, slices: list[WorkerSlice]) -> Generator[Window, None, None]:
+        """Fetch window i+1 on a thread while window i is consumed. The thread hands over
+        each window, then None at the end, or the error that stopped it."""
+        ready: queue.Queue[Window | BaseException | None] = queue.Queue(maxsize=1)
         stop = threading.Event()
 
         def produce() -> None:
             try:
                 for s in slices:
-                    window = self._fetch(s)
-                    while not stop.is_set():
-                        try:
-                            ready.put(("window", window), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    ready.put(self._fetch(s))  # the consumer drains the queue once it stops
                     if stop.is_set():
                         return
-                ready.put(("done", None))
+                ready.put(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-                ready.put(("error", exc))
+                ready.put(exc)
 
         thread = threading.Thread(target=produce, name="llmtrain-prefetch", daemon=True)
         thread.start()
         try:
-            while True:
-                kind, item = ready.get()
-                if kind == "done":
-                    return
-                if kind == "error":
+            while (item := ready.get()) is not None:
+                if isinstance(item, BaseException):
                     raise item
                 yield item
         finally:
@@ -369,8 +328,7 @@ class CachedQueryDataset(IterableDataset):
         piece = ws.piece
         first = piece.block * self.cache_size + piece.start
         keys = self.view.keys(self.store, first, first + len(piece))
-        visit = piece.order()
-        picks = range(len(piece)) if ws.whole else ws.picks
+        visit, picks = piece.order(), ws.picks
         wanted = [keys[visit[p]] for p in picks]
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
         pairs = self.db.backend.fetch_by_keys(self.query, self.fields, wanted)
@@ -395,15 +353,9 @@ class CachedQueryDataset(IterableDataset):
 
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
+        source, logged = self.query.source, self.stats.skipped_once
         try:
-            if check_row(
-                self.query.source,
-                key,
-                row,
-                self.fields,
-                self.on_bad_row,
-                logged=self.stats.skipped_once,
-            ):
+            if check_row(source, key, row, self.fields, self.on_bad_row, logged=logged):
                 return row
         except BadRowError as exc:
             return exc

@@ -3,47 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
-from llmtrain.datasets.position import Position, Positioned
+from llmtrain.datasets.position import Positioned
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from llmtrain.datasets.cached import CachedQueryDataset
 
-class PositionedRows(Protocol):
-    """What the loader needs of a dataset (CachedQueryDataset): its rows with positions."""
-
-    position: Position
-    seed: int
-    return_keys: bool
-    stats: Any
-
-    def __len__(self) -> int: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(
-        self, state: dict[str, Any], *, allow_changed_data: bool = False
-    ) -> None: ...
-
-    def positioned(
-        self, epoch: int, start: int, worker: int, workers: int, *, chunk: int
-    ) -> Iterator[Positioned]: ...
+_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
 
 
 class _WorkerShare(IterableDataset):
     """What each worker runs: its share of one pass, with positions attached."""
 
-    def __init__(self, dataset: PositionedRows, epoch: int, start: int, chunk: int) -> None:
+    def __init__(self, dataset: CachedQueryDataset, epoch: int, start: int, chunk: int) -> None:
         self.dataset, self.epoch, self.start, self.chunk = dataset, epoch, start, chunk
 
     def __iter__(self) -> Iterator[Positioned]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        return self.dataset.positioned(self.epoch, self.start, worker, workers, chunk=self.chunk)
+        return self.dataset.positioned(self.epoch, self.start, chunk=self.chunk)
 
 
 class QueryDataLoader:
@@ -58,7 +40,7 @@ class QueryDataLoader:
 
     def __init__(
         self,
-        dataset: PositionedRows,
+        dataset: CachedQueryDataset,
         batch_size: int,
         *,
         num_workers: int = 0,
@@ -68,14 +50,7 @@ class QueryDataLoader:
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        for banned in (
-            "batch_size",
-            "shuffle",
-            "sampler",
-            "batch_sampler",
-            "drop_last",
-            "persistent_workers",
-        ):
+        for banned in _OWNED:
             if banned in kwargs:
                 raise ConfigError(
                     f"QueryDataLoader does not take {banned}=: the dataset owns "
@@ -91,16 +66,11 @@ class QueryDataLoader:
         deleted = self.dataset.stats.deleted
         skipped = [key_repr(k) for _, k, row in items if row is None]
         gone = [r for r in skipped if r in deleted]
-        if self.with_keys:
-            rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
-        elif self.dataset.return_keys:
-            rows = [{**row, "_key": key} for _, key, row in items if row is not None]
-        else:
-            rows = [row for _, _, row in items if row is not None]
-        last = max(pos for pos, _, _ in items)
-        if not rows:
-            return last, False, None, gone, skipped
-        return last, True, (self.collate_fn(rows) if self.collate_fn else rows), gone, skipped
+        rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
+        if not self.with_keys:
+            rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
+        batch = self.collate_fn(rows) if self.collate_fn and rows else rows
+        return max(pos for pos, _, _ in items), bool(rows), batch, gone, skipped
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)

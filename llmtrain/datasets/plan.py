@@ -52,15 +52,7 @@ def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
     out (different rows each epoch when shuffling); otherwise the order wraps around and the
     first ``world_size - count % world_size`` rows are read twice.
     """
-    if count == 0:
-        return 0
     return count // world_size if drop_remainder else math.ceil(count / world_size)
-
-
-def block_order(n_blocks: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
-        return np.arange(n_blocks)
-    return np.random.default_rng([seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
 
 
 def rank_pieces(
@@ -81,19 +73,16 @@ def rank_pieces(
     if per_rank == 0:
         return []
     n_blocks = math.ceil(count / block_size)
-    order = block_order(n_blocks, seed, epoch, shuffle)
+    if shuffle:
+        order = np.random.default_rng([seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
+    else:
+        order = np.arange(n_blocks)
     sizes = np.minimum(block_size, count - order * block_size)
     starts = np.concatenate([[0], np.cumsum(sizes)])  # global start of each visited block
 
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    spans = []  # padding wraps around to the start of the epoch's order
-    pos = lo
-    while pos < hi:
-        span_lo = pos % count
-        take = min(hi - pos, count - span_lo)
-        spans.append((span_lo, span_lo + take))
-        pos += take
-
+    # per_rank <= count: padding wraps around to the start of the epoch's order at most once
+    lo = rank * per_rank % count
+    spans = [(lo, min(lo + per_rank, count)), (0, max(lo + per_rank - count, 0))]
     pieces: list[Piece] = []
     for span_lo, span_hi in spans:
         first = int(np.searchsorted(starts, span_lo, side="right")) - 1
@@ -130,10 +119,6 @@ class WorkerSlice:
             for i in range(self.first, n)
             if ((self.offset + i - self.start) // self.chunk) % self.num_workers == self.worker
         ]
-
-    @property
-    def whole(self) -> bool:
-        return self.num_workers == 1 and self.first == 0
 
 
 def worker_slices(

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import Dataset
 
 from llmtrain.backends.base import Row
 from llmtrain.datasets.cached import ReadStats
 from llmtrain.datasets.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.datasets.snapshot import MemoryStore, take_snapshot
+from llmtrain.datasets.snapshot import MemoryStore, keyset_pages, take_snapshot
 from llmtrain.errors import ConfigError
 from llmtrain.queries import Query
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 
 class QueryDataset(Dataset):
@@ -20,7 +23,7 @@ class QueryDataset(Dataset):
 
     def __init__(
         self,
-        db: Any,
+        db: Datalayer,
         select: Query,
         fields: str | Sequence[str],
         *,
@@ -35,28 +38,18 @@ class QueryDataset(Dataset):
         self.stats = ReadStats()
         self.keys: list[Any] = []
         self.rows: list[Row] = []
-        self._read(page_size)
-        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
-        self.data_fingerprint = snapshot.fingerprint
-
-    def _read(self, page_size: int) -> None:
-        lower, inclusive = None, True
-        while True:
-            page = self.db.backend.fetch_rows(
-                self.query, self.fields, lower, page_size, inclusive=inclusive
-            )
+        for page in keyset_pages(db.backend, select, self.fields, page_size):
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
-                if check_row(self.query.source, key, row, self.fields, self.on_bad_row):
+                if check_row(select.source, key, row, self.fields, self.on_bad_row):
                     self.keys.append(key)
-                    self.rows.append({**row, "_key": key} if self.return_keys else row)
+                    self.rows.append({**row, "_key": key} if return_keys else row)
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)
-            if len(page) < page_size:
-                return
-            lower, inclusive = page[-1][0], False
+        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
+        self.data_fingerprint = snapshot.fingerprint
 
     def __len__(self) -> int:
         return len(self.rows)

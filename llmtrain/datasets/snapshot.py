@@ -21,16 +21,20 @@ import threading
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from decimal import Decimal
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+from bson import ObjectId
 
-from llmtrain.backends.base import Key
+from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.queries import Query
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
 
 Split = Literal["all", "train", "held_out"]
 CODEC = "keys-v1"
@@ -57,52 +61,47 @@ def same_key(a: Key, b: Key) -> bool:
 
 
 # -- the chunk codec ----------------------------------------------------------------------
+def _same(value: Any) -> Any:
+    return value
+
+
+# each type a typed chunk keeps, with its tag and how it becomes JSON and back
+_CODECS: dict[type, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    type(None): ("n", _same, _same),
+    bool: ("?", _same, _same),
+    int: ("i", _same, _same),
+    str: ("s", _same, _same),
+    float: ("f", float.hex, float.fromhex),
+    uuid.UUID: ("u", operator.attrgetter("hex"), uuid.UUID),
+    bytes: ("x", bytes.hex, bytes.fromhex),
+    dt.datetime: ("dt", dt.datetime.isoformat, dt.datetime.fromisoformat),
+    dt.date: ("d", dt.date.isoformat, dt.date.fromisoformat),
+    Decimal: ("D", str, Decimal),
+    ObjectId: ("o", str, ObjectId),
+}
+_DECODERS = {tag: decode for tag, _, decode in _CODECS.values()}
+
+
 def _typed(value: Any) -> list[Any]:
     """One value as ``[tag, json value]``: its type survives the round trip."""
     t = type(value)
-    if value is None or t in (bool, int, str):
-        return [{type(None): "n", bool: "?", int: "i", str: "s"}[t], value]
-    if t is float:
-        return ["f", value.hex()]
-    if t is uuid.UUID:
-        return ["u", value.hex]
-    if t is bytes:
-        return ["x", value.hex()]
-    if t is dt.datetime:
-        return ["dt", value.isoformat()]
-    if t is dt.date:
-        return ["d", value.isoformat()]
-    if t is Decimal:
-        return ["D", str(value)]
     if t is dict:  # a MongoDB _id may be a document
         return ["m", [[k, _typed(v)] for k, v in value.items()]]
-    if t.__module__.startswith("bson") and t.__name__ == "ObjectId":
-        return ["o", str(value)]
-    raise QueryError(
-        f"a key or version of type {t.__module__}.{t.__name__} ({value!r:.60}) cannot be kept "
-        "in a run's snapshot; use a column of a plain type (int, str, uuid, datetime, ...)"
-    )
+    if t not in _CODECS:
+        raise QueryError(
+            f"a key or version of type {t.__module__}.{t.__name__} ({value!r:.60}) cannot "
+            "be kept in a run's snapshot; use a column of a plain type (int, str, uuid, "
+            "datetime, ...)"
+        )
+    tag, encode, _ = _CODECS[t]
+    return [tag, encode(value)]
 
 
 def _untyped(item: list[Any]) -> Any:
     tag, value = item
-    if tag in ("n", "?", "i", "s"):
-        return value
-    if tag == "o":
-        from bson import ObjectId
-
-        return ObjectId(value)
     if tag == "m":
         return {k: _untyped(v) for k, v in value}
-    decode: dict[str, Any] = {
-        "f": float.fromhex,
-        "u": uuid.UUID,
-        "x": bytes.fromhex,
-        "dt": dt.datetime.fromisoformat,
-        "d": dt.date.fromisoformat,
-        "D": Decimal,
-    }
-    return decode[tag](value)
+    return _DECODERS[tag](value)
 
 
 def encode_chunk(values: Sequence[Any]) -> bytes:
@@ -187,14 +186,8 @@ class KeySnapshot:
         return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
     def to_record(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "chunk_size": self.chunk_size,
-            "chunks": list(self.chunks),
-            "codec": self.codec,
-            "fingerprint": self.fingerprint,
-            "versions": None if self.versions is None else list(self.versions),
-        }
+        versions = None if self.versions is None else list(self.versions)
+        return {**asdict(self), "chunks": list(self.chunks), "versions": versions}
 
     @classmethod
     def from_record(cls, data: dict[str, Any]) -> KeySnapshot:
@@ -293,17 +286,16 @@ class _Writer:
     """Collects one view's keys (and versions) and stores every full chunk as it fills."""
 
     def __init__(self, store: Any, chunk_size: int, with_versions: bool) -> None:
-        self.store, self.chunk_size = store, chunk_size
+        self.store, self.chunk_size, self.with_versions = store, chunk_size, with_versions
         self.keys: list[Key] = []
-        self.versions: list[Any] | None = [] if with_versions else None
+        self.versions: list[Any] = []  # stays empty without a version column
         self.chunks: list[str] = []
         self.version_chunks: list[str] = []
         self.count = 0
 
     def extend(self, keys: list[Key], versions: list[Any]) -> None:
         self.keys += keys
-        if self.versions is not None:
-            self.versions += versions
+        self.versions += versions
         self.count += len(keys)
         while len(self.keys) >= self.chunk_size:
             self._flush(self.chunk_size)
@@ -311,14 +303,13 @@ class _Writer:
     def _flush(self, n: int) -> None:
         if self.keys:
             self.chunks.append(self.store.put_bytes(encode_chunk(self.keys[:n])))
-            del self.keys[:n]
-            if self.versions is not None:
+            if self.with_versions:
                 self.version_chunks.append(self.store.put_bytes(encode_chunk(self.versions[:n])))
-                del self.versions[:n]
+            del self.keys[:n], self.versions[:n]
 
     def done(self) -> KeySnapshot:
         self._flush(len(self.keys))
-        versions = None if self.versions is None else tuple(self.version_chunks)
+        versions = tuple(self.version_chunks) if self.with_versions else None
         chunks = tuple(self.chunks)
         fingerprint = KeySnapshot.digest(self.count, chunks, versions)
         return KeySnapshot(self.count, self.chunk_size, chunks, CODEC, fingerprint, versions)
@@ -347,8 +338,29 @@ def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
     )
 
 
+def keyset_pages(
+    backend: DataBackend, query: Query, fields: Sequence[str], page_size: int
+) -> Iterator[KeyedRows]:
+    """The selection's rows in key order, ``page_size`` a statement. A key that is NULL or
+    repeated is refused: paging on it would read rows twice or skip them.
+
+    Each page after the first starts *at* the last key seen (one row more), so a key
+    repeated across the page boundary shows up as a repeat too; that overlapping row is
+    dropped."""
+    lower: Any = _NONE
+    while True:
+        limit = page_size if lower is _NONE else page_size + 1
+        page = backend.fetch_rows(query, fields, None if lower is _NONE else lower, limit)
+        rows = page[1:] if page and same_key(page[0][0], lower) else page
+        _check_unique([k for k, _ in rows], lower, backend.key_name(query), query.source)
+        yield rows
+        if len(page) < limit:
+            return
+        lower = page[-1][0]
+
+
 def take_snapshot(
-    db: Any,
+    db: Datalayer,
     query: Query,
     *,
     eval_fraction: float = 0.0,
@@ -364,24 +376,18 @@ def take_snapshot(
     fingerprint notes keys at (see :func:`data_fingerprint`)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    backend, store = db.backend, db.artifacts if store is None else store
+    store = db.artifacts if store is None else store
     fields = (version_column,) if version_column else ()
     split = eval_fraction > 0
     train = _Writer(store, chunk_size, bool(version_column))
     held = _Writer(store, chunk_size, bool(version_column)) if split else None
-    lower: Any = None
     last: Any = None
     statements = seen = 0
     boundaries: list[str] = []
-    while True:
-        # each page after the first starts *at* the last key seen, so a key repeated across
-        # the page boundary shows up as a repeat too; that one overlapping key is dropped
-        page = backend.fetch_rows(query, fields, lower, _KEY_PAGE)
+    for rows in keyset_pages(db.backend, query, fields, _KEY_PAGE):
         statements += 1
-        rows = page[1:] if lower is not None and page and same_key(page[0][0], lower) else page
         keys = [k for k, _ in rows]
         versions = [r.get(version_column) for _, r in rows] if version_column else []
-        _check_unique(keys, last if seen else _NONE, backend.key_name(query), query.source)
         boundaries += [key_repr(k) for k in keys[-seen % cache_size :: cache_size]]
         if held is None:
             train.extend(keys, versions)
@@ -391,9 +397,6 @@ def take_snapshot(
                 view.extend([key], versions[i : i + 1])
         if keys:
             seen, last = seen + len(keys), keys[-1]
-        if len(page) < _KEY_PAGE:
-            break
-        lower = page[-1][0]
     return RunSnapshot(
         query.fingerprint(),
         train.done(),
