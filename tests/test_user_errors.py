@@ -126,7 +126,7 @@ def test_a_hub_id_with_a_silent_hub_fails_within_the_check_timeout(
         monkeypatch.setattr(constants, "ENDPOINT", endpoint)
         monkeypatch.setattr(modeling, "HUB_CHECK_TIMEOUT_S", 1.0)
         message, seconds = _timed_refusal("some-org/no-such-model")
-    assert seconds < 1.0 + 2, seconds
+    assert seconds < 1.0 + 10, seconds  # one timeout, not the hub client's 48 s of retries
     assert f"the hub {endpoint} is unreachable (no answer within 1 s)" in message
 
 
