@@ -113,10 +113,6 @@ def build_config(
     return cfg
 
 
-def zero_stage(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("zero_optimization", {}).get("stage", 0))
-
-
 def check_quantization(model: torch.nn.Module, stage: int) -> None:
     """The stage a raw config file sets is only known now (the config's own was checked when
     the trainer was built); the loaded model says whether the base is quantised."""
@@ -240,7 +236,7 @@ class DeepSpeed(ProcessGroupStrategy):
                 "set training_args.mixed_precision to 'bf16' or 'no' (and no "
                 "fp16 section in deepspeed_config.raw)"
             )
-        self.stage = zero_stage(cfg)
+        self.stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
