@@ -485,9 +485,14 @@ class FitRun:
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Collective. The state carries every rank's deleted keys, and so does the run."""
+        """Collective. The state carries every rank's deleted keys, and so does the run; the
+        run also keeps the epoch each skipped row (deleted or bad) was first skipped in, from
+        every rank: the one per-key fact its lineage cannot derive."""
+        from llmtrain.lineage import SKIPPED
+
+        s = self.strategy
         dataset = self.batches.state_dict()
-        gone = sorted(set().union(*self.strategy.gather_object(dataset["deleted"])))
+        gone = sorted(set().union(*s.gather_object(dataset["deleted"])))
         state = {
             "step": self.step,
             "epoch": self.batches.epoch,
@@ -496,27 +501,19 @@ class FitRun:
             "run_id": self.run_id,
             "history": self.history[-1000:],
         }
-        if self.strategy.is_main and gone:
+        if s.is_main and gone:
             self.db.metadata.update_run(
                 self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
             )
-        self._record_skipped()
+        ranks = s.gather_object(self.batches.stats.skipped_in)
+        if s.is_main and any(ranks):
+            merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
+            for found in ranks:
+                for key, epoch in found.items():
+                    merged[key] = min(merged.get(key, epoch), epoch)
+            self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
         self._saved_step = self.step
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
-
-    def _record_skipped(self) -> None:
-        """Collective. The epoch each skipped row (deleted or bad) was first skipped in, from
-        every rank, kept on the run: the one per-key fact its lineage cannot derive."""
-        from llmtrain.lineage import SKIPPED
-
-        ranks = self.strategy.gather_object(self.batches.stats.skipped_in)
-        if not self.strategy.is_main or not any(ranks):
-            return
-        merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
-        for found in ranks:
-            for key, epoch in found.items():
-                merged[key] = min(merged.get(key, epoch), epoch)
-        self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
 
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""

@@ -121,17 +121,6 @@ def check_quantization(model: torch.nn.Module, stage: int) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def _skip_cpu_shm_op() -> None:
-    """On the CPU, DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++
-    toolchain) used only by inference all-reduce; training never calls it."""
-    import deepspeed.ops as ops
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        ops.__compatible_ops__[builder.NAME] = False
-
-
 @contextlib.contextmanager
 def _weights_only_loads(engine: Any) -> Iterator[None]:
     """DeepSpeed unpickles its checkpoints with ``weights_only=False`` (any code could run);
@@ -190,10 +179,15 @@ class DeepSpeed(ProcessGroupStrategy):
 
     def launch(self) -> None:
         import deepspeed
+        import deepspeed.ops as ops
         from deepspeed.accelerator import get_accelerator
 
         if self.device.type != "cuda":
-            _skip_cpu_shm_op()
+            # DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++ toolchain) used
+            # only by inference all-reduce on the CPU; training never calls it
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is not None:
+                ops.__compatible_ops__[builder.NAME] = False
         if not self.placement.launched:
             self._environment.enter_context(_local_rank_for_deepspeed(self.placement.local_rank))
         init_single_process_group(self.placement)

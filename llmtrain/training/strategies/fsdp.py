@@ -118,9 +118,8 @@ class FSDP2(ProcessGroupStrategy):
             "reshard_after_forward": cfg.reshard_after_forward,
         }
         if cfg.mixed_precision != "no":
-            dtype = _DTYPES[cfg.mixed_precision]
             options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=dtype, reduce_dtype=torch.float32
+                param_dtype=_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32
             )
         if cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
