@@ -54,8 +54,6 @@ class Placement:
     def resolve(cls, rank: int | None = None, world_size: int | None = None) -> Placement:
         """Explicit values win over the environment's (a dataset built for one rank)."""
         found = cls.from_environment()
-        if rank is None and world_size is None:
-            return found
         return replace(
             found,
             rank=found.rank if rank is None else rank,

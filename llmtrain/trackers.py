@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,34 +35,24 @@ from llmtrain.versions import library_versions
 
 log = logging.getLogger("llmtrain.trackers")
 
-#: tracker -> (the module it needs, the llmtrain extra that installs it)
-REQUIRES = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb"),
-    "trackio": ("trackio", "trackio"),
-}
 TENSORBOARD_DIR_ENV = "LLMTRAIN_TENSORBOARD_DIR"
 
 
 def check_trackers(report_to: Sequence[str]) -> None:
     """ConfigError naming ``report_to`` and the extra to install, for a tracker whose library
-    is missing (checked before anything is recorded or trained)."""
+    is missing (checked before anything is recorded or trained). Each tracker's package and
+    llmtrain extra bear its name. Checked without importing (mlflow alone takes seconds); a
+    module set to ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
     for name in report_to:
-        module, extra = REQUIRES[name]
-        if not _installed(module):
+        if name in sys.modules:
+            installed = sys.modules[name] is not None
+        else:
+            installed = importlib.util.find_spec(name) is not None
+        if not installed:
             raise ConfigError(
-                f"training_args.report_to: {name!r} needs the {module} package: "
-                f"pip install 'llmtrain[{extra}]' (or drop {name!r} from report_to)"
+                f"training_args.report_to: {name!r} needs the {name} package: "
+                f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
             )
-
-
-def _installed(module: str) -> bool:
-    """Importable, without importing it (mlflow alone takes seconds); a module set to
-    ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
-    if module in sys.modules:
-        return sys.modules[module] is not None
-    return importlib.util.find_spec(module) is not None
 
 
 def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
@@ -156,17 +146,15 @@ class Tracker(Callback, abc.ABC):
                 raise
             log.exception("could not finish the %s run", self.name)
 
+    # one of each per tracker library
     @abc.abstractmethod
-    def start(self, facts: RunFacts) -> None:
-        """One per tracker library."""
+    def start(self, facts: RunFacts) -> None: ...
 
     @abc.abstractmethod
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        """One per tracker library."""
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
 
     @abc.abstractmethod
-    def finish(self, failed: bool) -> None:
-        """One per tracker library."""
+    def finish(self, failed: bool) -> None: ...
 
 
 class TensorBoardTracker(Tracker):
@@ -185,13 +173,9 @@ class TensorBoardTracker(Tracker):
         assert events is not None  # opened by SummaryWriter()
         for summary in hparams(flatten(facts.params()), {}):  # the HPARAMS tab
             events.add_summary(summary)
-        texts = {
-            "recipe": facts.recipe,
-            "data_fingerprint": facts.data_fingerprint,
-            "versions": facts.versions,
-        }
-        for tag, value in texts.items():
-            self.writer.add_text(tag, f"```\n{json.dumps(value, indent=2)}\n```")
+        for tag in ("recipe", "data_fingerprint", "versions"):
+            text = json.dumps(getattr(facts, tag), indent=2)
+            self.writer.add_text(tag, f"```\n{text}\n```")
         self.writer.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -312,19 +296,11 @@ class TrackioTracker(Tracker):
                 self.run.finish()
 
 
-@contextlib.contextmanager
-def _quiet_stdout() -> Iterator[None]:
+def _quiet_stdout() -> contextlib.AbstractContextManager[Any]:
     """trackio prints banners on stdout; a quiet fit keeps stdout for its own results."""
-    if os.environ.get(QUIET_ENV) != "1":
-        yield
-        return
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
+    if os.environ.get(QUIET_ENV) == "1":
+        return contextlib.redirect_stdout(io.StringIO())
+    return contextlib.nullcontext()
 
 
-_TRACKERS: dict[str, type[Tracker]] = {
-    "tensorboard": TensorBoardTracker,
-    "mlflow": MLflowTracker,
-    "wandb": WandbTracker,
-    "trackio": TrackioTracker,
-}
+_TRACKERS = {t.name: t for t in (TensorBoardTracker, MLflowTracker, WandbTracker, TrackioTracker)}

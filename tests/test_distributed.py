@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import fill
+from hooks import REPORT_ENV, TRACE_ENV
 from safetensors.torch import load_file
 
 import llmtrain as lt
@@ -43,7 +44,7 @@ from llmtrain.launchers import build_command
 from llmtrain.launchers.command import DB_ENV, METADATA_ENV
 from llmtrain.launchers.process import alive
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import REPORT_ENV, TRACE_ENV
+from llmtrain.training.callbacks import CALLBACKS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -219,7 +220,15 @@ def _train(env: Env, strategy: str) -> Result:
     prefix = env.root / f"report-{strategy}"
     trace = env.root / f"trace-{strategy}"
     started = time.perf_counter()
-    with environ(**{REPORT_ENV: str(prefix), TRACE_ENV: str(trace)}), PsWatcher("llmtrain") as ps:
+    callbacks = {  # the workers import tests/hooks.py
+        CALLBACKS_ENV: "hooks:key_trace,hooks:RankReport",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        REPORT_ENV: str(prefix),
+        TRACE_ENV: str(trace),
+    }
+    with environ(**callbacks), PsWatcher("llmtrain") as ps:
         if strategy == "zero3":
             script = _deepspeed_script(env, name, kwargs, "docs")
             from llmtrain.launchers import free_port

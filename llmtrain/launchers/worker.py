@@ -37,7 +37,7 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
     from llmtrain.training.launch import run_in_process
     from llmtrain.training.strategies import strategy_for
 
-    install_from_environment()  # test hooks (key trace, rank report), read once
+    install_from_environment()  # the callbacks LLMTRAIN_CALLBACKS names, read once
 
     # popped: nothing this process starts (compilers, loader workers) inherits the secrets
     db = connect(

@@ -2,23 +2,22 @@
 
 A callback is handed to ``FitRun(..., callbacks=[...])`` or registered for the whole process
 (``register``, or the ``registered`` context), so ``LLMTrainer.fit`` runs pick it up
-without new arguments. Launched workers are separate processes: they register the test
-hooks their environment names once, at start (``install_from_environment``), never per step.
+without new arguments. Launched workers are separate processes: they register the callbacks
+their environment names once, at start (``install_from_environment``), never per step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-TRACE_ENV = "LLMTRAIN_TRACE_KEYS"  # a path: every step appends the keys it trained on
-REPORT_ENV = "LLMTRAIN_RANK_REPORT"  # a path prefix: each rank reports what it held
+#: comma-separated ``module:name`` of Callback classes or factories (called with no
+#: arguments) that each launched worker imports and registers
+CALLBACKS_ENV = "LLMTRAIN_CALLBACKS"
 
 
 class Callback:
@@ -87,64 +86,9 @@ class KeyTrace(Callback):
         return [k for entry in self.steps for k in entry["keys"]]
 
 
-def local_tensor(param: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of ``param``: a DTensor's shard, ZeRO-3's partition, or itself."""
-    partition = getattr(param, "ds_tensor", None)
-    if hasattr(param, "to_local"):
-        param = param.to_local()
-    elif partition is not None:
-        param = partition
-    return param.detach().to("cpu", copy=True).contiguous()
-
-
-def optimizer_numel(optimizer: Any) -> int:
-    """Elements of optimizer state held by this rank (partitioned under ZeRO and FSDP2)."""
-    total = 0
-    for state in getattr(optimizer, "state", {}).values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                total += local_tensor(value).numel()
-    return total
-
-
-class RankReport(Callback):
-    """What each rank really was and held, so tests can prove distribution:
-    ``{prefix}.rank{r}.json`` (placement, pid, strategy, optimizer-state size) and
-    ``{prefix}.rank{r}.safetensors`` (its *local* trainable tensors: a shard under FSDP2 and
-    ZeRO-3, the full tensor under DDP and ZeRO-1/2)."""
-
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
-        self.prefix = prefix
-
-    def on_train_end(self, run: Any) -> None:
-        from safetensors.torch import save_file
-
-        s = run.strategy
-        inner = s.unwrap(run.model)
-        trainable = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
-        save_file(
-            {name: local_tensor(p) for name, p in trainable},
-            f"{self.prefix}.rank{s.rank}.safetensors",
-        )
-        report = {
-            "rank": s.rank,
-            "world_size": s.world_size,
-            "local_rank": s.placement.local_rank,
-            "launched": s.placement.launched,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "strategy": s.name,
-            "step": run.step,
-            "optimizer_numel": optimizer_numel(run.optimizer),
-            "shapes": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in trainable},
-        }
-        with open(f"{self.prefix}.rank{s.rank}.json", "w") as fh:
-            json.dump(report, fh)
-
-
 def install_from_environment() -> None:
-    """Register the test hooks the environment names; called once when a worker starts."""
-    if os.environ.get(TRACE_ENV):
-        register(KeyTrace(os.environ[TRACE_ENV]))
-    if os.environ.get(REPORT_ENV):
-        register(RankReport(os.environ[REPORT_ENV]))
+    """Register the callbacks ``$LLMTRAIN_CALLBACKS`` names; called once when a worker starts,
+    so a launched fit's ranks run an observer (a test's key trace) with no new arguments."""
+    for spec in filter(None, os.environ.get(CALLBACKS_ENV, "").split(",")):
+        module, _, name = spec.strip().partition(":")
+        register(getattr(importlib.import_module(module), name)())

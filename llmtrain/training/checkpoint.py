@@ -44,19 +44,15 @@ def sha256_file(path: Path) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": json.dumps(random.getstate()),
-        "numpy": json.dumps(_numpy_state()),
+        "numpy": json.dumps([kind, np.asarray(keys).tolist(), pos, has_gauss, gauss]),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
-
-
-def _numpy_state() -> list[Any]:
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return [kind, np.asarray(keys).tolist(), pos, has_gauss, gauss]
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -29,8 +29,7 @@ the chunked step's peak RSS is 0.14x the plain path's.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,38 +73,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         chunk: int,
         *params: torch.Tensor,
     ) -> torch.Tensor:
-        wanted = [hidden, *params]
+        # the inputs whose gradient is wanted: hidden, then the head's trainable parameters
         need = [bool(n) for i, n in enumerate(ctx.needs_input_grad) if i == 0 or i >= 4]
+        grads: list[Any] = [
+            torch.zeros_like(t) if n else None for t, n in zip([hidden, *params], need)
+        ]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grads: list[torch.Tensor | None] = [None] * len(wanted)
-        grad_hidden = torch.zeros_like(hidden) if need[0] else None
         for start in range(0, hidden.size(0), chunk):
-            stop = min(start + chunk, hidden.size(0))
-            if not any(need):
-                total += F.cross_entropy(
-                    head(hidden[start:stop]).float(), targets[start:stop], reduction="sum"
-                )
-                continue
-            with torch.enable_grad():
-                h = hidden[start:stop].detach().requires_grad_(need[0])
-                loss = F.cross_entropy(head(h).float(), targets[start:stop], reduction="sum")
-                inputs = [t for t, n in zip([h, *params], need, strict=True) if n]
-                found = iter(torch.autograd.grad(loss, inputs, allow_unused=True))
+            rows = slice(start, start + chunk)
+            with torch.set_grad_enabled(any(need)):
+                h = hidden[rows].detach().requires_grad_(need[0])
+                loss = F.cross_entropy(head(h).float(), targets[rows], reduction="sum")
+                if any(need):
+                    inputs = [t for t, n in zip([h, *params], need, strict=True) if n]
+                    found = torch.autograd.grad(loss, inputs, allow_unused=True)
+                    for i, g in zip([i for i, n in enumerate(need) if n], found):
+                        if g is not None and i == 0:
+                            grads[0][rows] = g
+                        elif g is not None:
+                            grads[i] += g
             total += loss.detach()
-            for i, n in enumerate(need):
-                if not n:
-                    continue
-                g = next(found)
-                if i == 0:
-                    assert grad_hidden is not None
-                    grad_hidden[start:stop] = g if g is not None else 0
-                elif g is not None:
-                    grads[i] = g if grads[i] is None else grads[i] + g  # type: ignore[operator]
-        grads[0] = grad_hidden
-        for i in range(1, len(wanted)):  # a weight no target touched (no targets at all)
-            if need[i] and grads[i] is None:
-                grads[i] = torch.zeros_like(wanted[i])
-        ctx.grads = grads
+        ctx.grads = grads  # a weight no target touched (no targets at all) gets zeros
         return total
 
     @staticmethod
@@ -125,18 +113,6 @@ def _liger_available(device: torch.device, head: torch.nn.Module) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _head_returns(
-    head: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
-) -> Iterator[None]:
-    """``head(x)`` is ``fn(x)`` for the duration (module hooks still run around it)."""
-    head.forward = fn
-    try:
-        yield
-    finally:
-        del head.forward
-
-
 class LossFunction:
     """The loop's loss: ``loss(model, batch)`` is the summed next-token cross-entropy over the
     batch's target tokens (float32), normalised by the caller across micro-batches and ranks.
@@ -145,13 +121,11 @@ class LossFunction:
     ``model`` at call time is whatever wraps it (DDP, FSDP2, a DeepSpeed engine, or itself).
     """
 
-    def __init__(
-        self, base: Any, *, chunked: bool = True, chunk_elements: int = CHUNK_ELEMENTS
-    ) -> None:
+    def __init__(self, base: Any, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         self.head: torch.nn.Module = base.get_output_embeddings()
         config = getattr(base, "config", None)
         softcapped = getattr(config, "final_logit_softcapping", None) is not None
-        self.chunked = chunked and self.head is not None and not softcapped
+        self.chunked = self.head is not None and not softcapped
         vocab = int(getattr(self.head, "out_features", 0) or getattr(config, "vocab_size", 1))
         self.chunk = max(1, chunk_elements // max(vocab, 1))
 
@@ -161,9 +135,7 @@ class LossFunction:
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE_INDEX
         head = self.head
-        own_forward = type(head).forward.__get__(
-            head
-        )  # the module's own forward, adapters included
+        own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
 
         def loss_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
             selected = hidden[:, :-1][keep]
@@ -177,6 +149,8 @@ class LossFunction:
             params = [p for p in head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
-        with _head_returns(head, loss_from_hidden):
-            loss = model(**_model_inputs(batch), use_cache=False).logits
-        return loss
+        head.forward = loss_from_hidden  # for this call (module hooks still run around it)
+        try:
+            return model(**_model_inputs(batch), use_cache=False).logits
+        finally:
+            del head.forward

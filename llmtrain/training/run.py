@@ -65,7 +65,7 @@ class FitRun:
     def __init__(
         self,
         trainer: Any,
-        db: Any,
+        db: Any,  # a Datalayer, or on a Ray worker the driver's (ray.bridge.RemoteDB)
         run_id: str,
         strategy: Strategy,
         *,
@@ -87,9 +87,12 @@ class FitRun:
         self.last_grad_norm = 0.0
         self.best: float | None = None  # the best save_best_by value so far
         self._saved_step: int | None = None
+        self._eval_data: Any = None  # this rank's view of the eval rows, built once
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
+        from transformers import get_scheduler
+
         s, cfg = self.strategy, self.config
         s.launch()
         seed_everything(self.targs.seed)
@@ -147,9 +150,16 @@ class FitRun:
                 f"{train.view.count} to train on: too few to give each of "
                 f"{s.world_size} process(es) one"
             )
-        self._eval_data: Any = None
-        self.total_steps = self._total_steps()
-        self.scheduler = self._make_scheduler()
+        t = self.targs
+        self.total_steps = (
+            t.max_steps if t.max_steps > 0 else len(self.batches) * t.num_train_epochs
+        )
+        self.scheduler = get_scheduler(
+            t.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=t.warmup_steps or int(t.warmup_ratio * self.total_steps),
+            num_training_steps=self.total_steps,
+        )
         self.checkpointer = self.make_checkpointer(
             self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
         )
@@ -224,23 +234,6 @@ class FitRun:
         cls = bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         return cls(params, **kwargs)
 
-    def _total_steps(self) -> int:
-        if self.targs.max_steps > 0:
-            return self.targs.max_steps
-        return max(1, len(self.batches) * self.targs.num_train_epochs)
-
-    def _make_scheduler(self) -> Any:
-        from transformers import get_scheduler
-
-        t = self.targs
-        warmup = t.warmup_steps or int(t.warmup_ratio * self.total_steps)
-        return get_scheduler(
-            t.lr_scheduler_type,
-            self.optimizer,
-            num_warmup_steps=warmup,
-            num_training_steps=self.total_steps,
-        )
-
     def _restore(self) -> None:
         ck = self.checkpointer
         record = ck.latest() if self.resume in (True, "latest") else ck.find(str(self.resume))
@@ -252,7 +245,7 @@ class FitRun:
         state = ck.restore(record, self.model, self.optimizer, self.scheduler)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.history = state.get("history", [])
-        best = self.checkpointer.best_record()
+        best = ck.best_record()
         if best is not None and best["step"] <= self.step:
             self.best = best["value"]
         # fit(allow_changed_data=) is this run's, recorded on it, not the trainer's recipe
@@ -276,7 +269,10 @@ class FitRun:
         for callback in self.callbacks:
             callback.on_train_begin(self)
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
-        progress = self._progress()
+        progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
+        if t.progress_bar and self.strategy.is_main:
+            desc = f"fit {self.trainer.identifier}"
+            progress = make_progress(desc, self.total_steps, self.step, t.logging_steps)
         try:
             while self.step < self.total_steps:
                 group, targets = self._next_group(stream)
@@ -292,21 +288,20 @@ class FitRun:
                     "tokens_per_s": rate,
                 }
                 self.history.append({"step": self.step, "loss": loss})
-                if progress is not None:
-                    progress.step(self.step, metrics)
+                progress.step(self.step, metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
                     self._log(metrics)
                 if t.eval_steps and self.step % t.eval_steps == 0:
                     self._eval_step(progress)
-                if t.save_steps and self.step % t.save_steps == 0 and not self._saved_now():
+                if t.save_steps and self.step % t.save_steps == 0 and self._saved_step != self.step:
                     self.save_checkpoint()
             if self.step == 0:
                 self._nothing_trained()
-            if self.has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
+            has_eval = self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
+            if has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
                 self._eval_step(progress)
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
 
@@ -374,18 +369,6 @@ class FitRun:
             callback.on_step(self, keys)
         return loss_sum / max(targets, 1)
 
-    @property
-    def has_eval(self) -> bool:
-        return self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
-
-    def _progress(self) -> Progress | None:
-        """Rank 0's bar on a terminal, or its plain lines off one (``progress_bar=True``)."""
-        if not (self.targs.progress_bar and self.strategy.is_main):
-            return None
-        return make_progress(
-            f"fit {self.trainer.identifier}", self.total_steps, self.step, self.targs.logging_steps
-        )
-
     def _log(self, metrics: dict[str, float]) -> None:
         """Rank 0 records ``metrics`` in the metadata store, then hands them to the
         callbacks (the trackers of ``report_to``)."""
@@ -395,13 +378,12 @@ class FitRun:
                 callback.on_log(self, metrics)
 
     # -- evaluation --------------------------------------------------------------------------
-    def _eval_step(self, progress: Progress | None) -> None:
+    def _eval_step(self, progress: Progress) -> None:
         """Collective. Evaluate, log, and checkpoint the model when it is the best so far by
         save_best_by (every rank sees the same all-reduced values, so all agree)."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
         self._log(metrics)
-        if progress is not None:
-            progress.evaluated(self.step, metrics["eval_loss"])
+        progress.evaluated(self.step, metrics["eval_loss"])
         key = self.targs.best_key()
         value = metrics.get(key) if key else None
         if value is None or value != value:  # nothing scored (nan)
@@ -415,20 +397,16 @@ class FitRun:
             if self.strategy.is_main:
                 self.checkpointer.mark_best(record, key, value)
 
-    def _saved_now(self) -> bool:
-        return self._saved_step == self.step
-
     def score_generations(self) -> dict[str, float]:
         """Collective. The eval rows (this rank's shard, up to max_eval_rows) answered by
         greedy generation through the training prompt, in batches, and each eval metric's
         mean over the rows of every rank; {} without eval_metrics."""
-        if not self.metrics or self._eval_dataset() is None:
+        ds = self._eval_dataset() if self.metrics else None
+        if ds is None:
             return {}
         from llmtrain.training.metrics import generate_batch
 
         s, fit, t = self.strategy, self.config.fit, self.targs
-        ds = self._eval_data
-        ds.position.restore(0, 0)
         loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
         model = s.unwrap(self.model)
@@ -456,10 +434,15 @@ class FitRun:
 
     def evaluate(self) -> float:
         """Mean token loss on the eval selection or the held-out rows (up to max_eval_rows)."""
-        s = self.strategy
-        batches = self._eval_loader()
-        if batches is None:
+        s, ds = self.strategy, self._eval_dataset()
+        if ds is None:
             return float("nan")
+        collate = make_collate(
+            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
+        )
+        batches = ds.loader(
+            self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True
+        )
         total, count, seen = torch.zeros(()), torch.zeros(()), 0
         self.model.eval()
         with torch.no_grad():
@@ -475,27 +458,16 @@ class FitRun:
         total, count = s.all_reduce(total), s.all_reduce(count)
         return float(total / count.clamp(min=1))
 
-    def _eval_loader(self) -> Any:
-        """Batches of the eval selection, or of the held-out view of the training selection
-        (read directly, not found by streaming the training rows), from their first row each
-        time; None when there is nothing to evaluate on."""
-        ds = self._eval_dataset()
-        if ds is None:
-            return None
-        ds.position.restore(0, 0)
-        collate = make_collate(
-            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
-        )
-        return ds.loader(self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True)
-
     def _eval_dataset(self) -> Any:
-        """This rank's view of the eval rows, built once (the eval selection is snapshotted
-        once a run); None when there is nothing to evaluate on."""
+        """This rank's view of the eval selection, or of the held-out rows of the training
+        selection (read directly, not found by streaming the training rows), built once (the
+        eval selection is snapshotted once a run) and rewound to its first row; None when
+        there is nothing to evaluate on."""
         fit, s = self.config.fit, self.strategy
         held = fit.eval_query() is None
         if held and self.dargs.eval_fraction <= 0:
             return None
-        if self._eval_data is None:  # built once: the eval selection is snapshotted once a run
+        if self._eval_data is None:
             self._eval_data = view_dataset(
                 self.db,
                 fit.query() if held else fit.eval_query(),
@@ -508,45 +480,40 @@ class FitRun:
                 rank=s.rank,
                 world_size=s.world_size,
             )
+        self._eval_data.position.restore(0, 0)
         return self._eval_data
 
     # -- saving ------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {
+    def save_checkpoint(self) -> Any:
+        """Collective. The state carries every rank's deleted keys, and so does the run; the
+        run also keeps the epoch each skipped row (deleted or bad) was first skipped in, from
+        every rank: the one per-key fact its lineage cannot derive."""
+        from llmtrain.lineage import SKIPPED
+
+        s = self.strategy
+        dataset = self.batches.state_dict()
+        gone = sorted(set().union(*s.gather_object(dataset["deleted"])))
+        state = {
             "step": self.step,
             "epoch": self.batches.epoch,
             "tokens_seen": self.tokens_seen,
-            "dataset": self.batches.state_dict(),
+            "dataset": {**dataset, "deleted": gone},
             "run_id": self.run_id,
             "history": self.history[-1000:],
         }
-
-    def save_checkpoint(self) -> Any:
-        """Collective. The state carries every rank's deleted keys, and so does the run."""
-        state = self.state()
-        gone = sorted(set().union(*self.strategy.gather_object(state["dataset"]["deleted"])))
-        state["dataset"]["deleted"] = gone
-        if self.strategy.is_main and gone:
+        if s.is_main and gone:
             self.db.metadata.update_run(
                 self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
             )
-        self._record_skipped()
+        ranks = s.gather_object(self.batches.stats.skipped_in)
+        if s.is_main and any(ranks):
+            merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
+            for found in ranks:
+                for key, epoch in found.items():
+                    merged[key] = min(merged.get(key, epoch), epoch)
+            self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
         self._saved_step = self.step
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
-
-    def _record_skipped(self) -> None:
-        """Collective. The epoch each skipped row (deleted or bad) was first skipped in, from
-        every rank, kept on the run: the one per-key fact its lineage cannot derive."""
-        from llmtrain.lineage import SKIPPED
-
-        ranks = self.strategy.gather_object(self.batches.stats.skipped_in)
-        if not self.strategy.is_main or not any(ranks):
-            return
-        merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
-        for found in ranks:
-            for key, epoch in found.items():
-                merged[key] = min(merged.get(key, epoch), epoch)
-        self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
 
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""

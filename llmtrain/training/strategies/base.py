@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +23,6 @@ from llmtrain.training.precision import Precision
 
 MakeOptimizer = Callable[[list[torch.nn.Parameter]], Any]
 _SCALER = "llmtrain_grad_scaler"  # its key in optimizer.pt
-_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 def trainable_parameters(model: Any) -> list[torch.nn.Parameter]:
@@ -39,14 +37,16 @@ def init_single_process_group(placement: Placement) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-class Strategy(ABC):
-    """One process's part of the job, at the ``placement`` it was given (resolved once)."""
+class Strategy:
+    """One process's part of the job, at the ``placement`` it was given (resolved once);
+    the defaults are one process's, on one device."""
 
     name: str = "base"
 
     def __init__(self, placement: Placement | None = None) -> None:
         self.placement = placement if placement is not None else Placement.from_environment()
         self.scaler: Any = None  # a GradScaler when fp16 compute needs loss scaling
+        self._params: list[torch.nn.Parameter] = []  # what optimizer_step clips
 
     @property
     def rank(self) -> int:
@@ -68,11 +68,13 @@ class Strategy(ABC):
     def launch(self) -> None:
         """Join the process group (if any). Called once, before the model is built."""
 
-    @abstractmethod
     def setup(
-        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
         """Wrap the model for this strategy and build its optimizer over trainable params."""
+        self.scaler = precision.grad_scaler()
+        self._params = trainable_parameters(model)
+        return model, make_optimizer(self._params)
 
     def teardown(self) -> None:
         """Leave the process group."""
@@ -86,21 +88,16 @@ class Strategy(ABC):
     def backward(self, model: Any, loss: torch.Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
-    @abstractmethod
     def optimizer_step(
         self, model: Any, optimizer: Any, max_grad_norm: float | None
     ) -> float | torch.Tensor:
-        """Clip, step and zero the gradients; return the gradient norm before clipping (a
-        tensor left on the device: the loop reads it with the step's other numbers)."""
-
-    def clip_and_step(
-        self, params: list[torch.nn.Parameter], optimizer: Any, max_grad_norm: float | None
-    ) -> torch.Tensor:
-        """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads."""
+        """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads;
+        return the gradient norm before clipping (a tensor left on the device: the loop reads
+        it with the step's other numbers)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         # over DTensor shards (FSDP2) clip_grad_norm_ reduces them into the global norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self._params, max_grad_norm or math.inf)
         if self.scaler is None:
             optimizer.step()
         else:
@@ -110,7 +107,8 @@ class Strategy(ABC):
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
     # -- collectives -----------------------------------------------------------------------
-    def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's ``value``."""
         return value
 
     def all_gather(self, value: torch.Tensor) -> torch.Tensor:
@@ -133,34 +131,18 @@ class Strategy(ABC):
         """The PEFT (or plain) model inside any wrapper."""
         return model
 
-    def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
-        """Full (gathered) tensors of the trainable weights, on the CPU, on rank 0."""
+    def _named_state(self, model: Any) -> dict[str, Any]:
+        """Adapter (PEFT key names) or full state of the model inside any wrapper."""
         from peft import PeftModel, get_peft_model_state_dict
 
         inner = self.unwrap(model)
         if isinstance(inner, PeftModel):
-            state = get_peft_model_state_dict(inner)
-            return {k: v.detach().cpu().clone() for k, v in state.items()}
-        return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+            return get_peft_model_state_dict(inner)
+        return inner.state_dict()
 
-    def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
-        """Write the optimizer state under ``folder`` (rank 0 for replicated optimizers)."""
-        if self.is_main:
-            torch.save(self._with_scaler(optimizer.state_dict()), folder / "optimizer.pt")
-
-    def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
-        state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-        optimizer.load_state_dict(self._without_scaler(state))
-
-    def _with_scaler(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The loss scale is training state too: a resumed fp16 run continues with it."""
-        return state if self.scaler is None else {**state, _SCALER: self.scaler.state_dict()}
-
-    def _without_scaler(self, state: dict[str, Any]) -> dict[str, Any]:
-        scaler = state.pop(_SCALER, None)
-        if scaler is not None and self.scaler is not None:
-            self.scaler.load_state_dict(scaler)
-        return state
+    def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
+        """Full (gathered) tensors of the trainable weights, on the CPU, on rank 0."""
+        return {k: v.detach().cpu().clone() for k, v in self._named_state(model).items()}
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         from peft import PeftModel, set_peft_model_state_dict
@@ -170,6 +152,29 @@ class Strategy(ABC):
             set_peft_model_state_dict(inner, state)
         else:
             inner.load_state_dict(state)
+
+    def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        """Write the optimizer state under ``folder`` (rank 0), with the loss scale: it is
+        training state too, a resumed fp16 run continues with it."""
+        state = self._optimizer_state(model, optimizer)
+        if self.is_main:
+            if self.scaler is not None:
+                state = {**state, _SCALER: self.scaler.state_dict()}
+            torch.save(state, folder / "optimizer.pt")
+
+    def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+        state = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+        scaler = state.pop(_SCALER, None)
+        if scaler is not None and self.scaler is not None:
+            self.scaler.load_state_dict(scaler)
+        self._load_optimizer_state(model, optimizer, state)
+
+    def _optimizer_state(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        """The full optimizer state (collective where it is sharded)."""
+        return optimizer.state_dict()
+
+    def _load_optimizer_state(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
 
 
 class ProcessGroupStrategy(Strategy):
@@ -187,18 +192,18 @@ class ProcessGroupStrategy(Strategy):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def all_reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    # the placement's device is the collectives' (cuda with NCCL, else the CPU with gloo)
+    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         if not self.placement.distributed:
             return value
-        out = value.detach().clone().to(self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(out, op=_OPS[op])
+        out = value.detach().to(self.device, copy=True)
+        dist.all_reduce(out)
         return out.to(value.device)
 
     def all_gather(self, value: torch.Tensor) -> torch.Tensor:
         if not self.placement.distributed:
             return value.unsqueeze(0)
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
-        local = value.detach().to(device)
+        local = value.detach().to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local)
         return torch.stack(out).to(value.device)

@@ -53,17 +53,6 @@ _TAG = "state"  # one checkpoint per folder: the Checkpointer makes a folder per
 _OWN_SECTIONS = ("optimizer", "scheduler")
 
 
-def load_raw(raw: dict[str, Any] | str) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return copy.deepcopy(raw)
-    try:
-        return json.loads(Path(raw).read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"deepspeed_config.raw: cannot read a JSON config from {raw!r}: {exc}"
-        ) from None
-
-
 def build_config(
     config: DeepspeedConfig,
     args: TrainingArguments,
@@ -77,21 +66,28 @@ def build_config(
     sizes, accumulation and clipping filled from TrainingArguments where absent or "auto".
     ``fp16_compute`` (mixed_precision="fp16") turns on DeepSpeed's fp16 mode, whose dynamic
     loss scaling keeps small gradients from flushing to zero."""
-    if config.raw is not None:
-        cfg = load_raw(config.raw)
-        present = [s for s in _OWN_SECTIONS if s in cfg]
-        if present:
-            raise ConfigError(
-                f"deepspeed_config.raw has {present}: the trainer builds the "
-                "optimizer and LR scheduler from training_args; remove them"
-            )
-    else:
+    if config.raw is None:
         zero: dict[str, Any] = {"stage": config.stage}
         if config.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
         if config.offload_param:
             zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
-        cfg = {"zero_optimization": zero}
+        cfg: dict[str, Any] = {"zero_optimization": zero}
+    elif isinstance(config.raw, dict):
+        cfg = copy.deepcopy(config.raw)
+    else:
+        try:
+            cfg = json.loads(Path(config.raw).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"deepspeed_config.raw: cannot read a JSON config from {config.raw!r}: {exc}"
+            ) from None
+    present = [s for s in _OWN_SECTIONS if s in cfg]
+    if present:  # never in the config built above
+        raise ConfigError(
+            f"deepspeed_config.raw has {present}: the trainer builds the "
+            "optimizer and LR scheduler from training_args; remove them"
+        )
 
     def fill(key: str, value: Any) -> None:
         if cfg.get(key, "auto") == "auto":
@@ -117,10 +113,6 @@ def build_config(
     return cfg
 
 
-def zero_stage(cfg: dict[str, Any]) -> int:
-    return int(cfg.get("zero_optimization", {}).get("stage", 0))
-
-
 def check_quantization(model: torch.nn.Module, stage: int) -> None:
     """The stage a raw config file sets is only known now (the config's own was checked when
     the trainer was built); the loaded model says whether the base is quantised."""
@@ -129,33 +121,18 @@ def check_quantization(model: torch.nn.Module, stage: int) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def _skip_cpu_shm_op() -> None:
-    """On the CPU, DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++
-    toolchain) used only by inference all-reduce; training never calls it."""
-    import deepspeed.ops as ops
-    from deepspeed.accelerator import get_accelerator
-
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is not None:
-        ops.__compatible_ops__[builder.NAME] = False
-
-
-def _checkpoint_globals() -> list[Any]:
-    """The only classes DeepSpeed's ZeRO checkpoints pickle besides tensors and builtins."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, ZeroStageEnum, fragment_address]
-
-
 @contextlib.contextmanager
 def _weights_only_loads(engine: Any) -> Iterator[None]:
     """DeepSpeed unpickles its checkpoints with ``weights_only=False`` (any code could run);
     like every other checkpoint file here, load them with ``weights_only=True`` instead,
     allowing just DeepSpeed's own state classes."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
     checkpoint_engine = engine.checkpoint_engine
-    allowed = _checkpoint_globals()
+    # the only classes ZeRO checkpoints pickle besides tensors and builtins
+    allowed = [LossScaler, ZeroStageEnum, fragment_address]
 
     def load(path: str, map_location: Any = None) -> Any:
         with torch.serialization.safe_globals(allowed):
@@ -202,10 +179,15 @@ class DeepSpeed(ProcessGroupStrategy):
 
     def launch(self) -> None:
         import deepspeed
+        import deepspeed.ops as ops
         from deepspeed.accelerator import get_accelerator
 
         if self.device.type != "cuda":
-            _skip_cpu_shm_op()
+            # DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++ toolchain) used
+            # only by inference all-reduce on the CPU; training never calls it
+            builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+            if builder is not None:
+                ops.__compatible_ops__[builder.NAME] = False
         if not self.placement.launched:
             self._environment.enter_context(_local_rank_for_deepspeed(self.placement.local_rank))
         init_single_process_group(self.placement)
@@ -226,7 +208,7 @@ class DeepSpeed(ProcessGroupStrategy):
         self._environment.close()
 
     def setup(
-        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -240,7 +222,7 @@ class DeepSpeed(ProcessGroupStrategy):
             world_size=self.world_size,
             trainable_dtype=params[0].dtype,
             on_gpu=self.device.type == "cuda",
-            fp16_compute=precision is not None and precision.scaled,
+            fp16_compute=precision.scaled,
         )
         if cfg["fp16"].get("enabled") is True and not get_accelerator().is_fp16_supported():
             raise ConfigError(
@@ -248,7 +230,7 @@ class DeepSpeed(ProcessGroupStrategy):
                 "set training_args.mixed_precision to 'bf16' or 'no' (and no "
                 "fp16 section in deepspeed_config.raw)"
             )
-        self.stage = zero_stage(cfg)
+        self.stage = int(cfg.get("zero_optimization", {}).get("stage", 0))
         check_quantization(model, self.stage)
         optimizer = make_optimizer(params)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
@@ -284,8 +266,7 @@ class DeepSpeed(ProcessGroupStrategy):
 
     def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
         with self._gathered(model, modifier_rank=None):
-            state = super().trainable_state_dict(model) if self.is_main else {}
-        return state
+            return super().trainable_state_dict(model) if self.is_main else {}
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         # engine.load_checkpoint (load_optimizer) restores these too, with ZeRO's fp32

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,15 +52,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return []
 
 
-def shard_model(
-    model: torch.nn.Module,
-    mesh: Any,
-    *,
-    mp_policy: Any = None,
-    offload_policy: Any = None,
-    reshard_after_forward: bool = True,
-) -> int:
-    """``fully_shard`` every decoder layer, then the root; returns how many layers.
+def shard_model(model: torch.nn.Module, **options: Any) -> None:
+    """``fully_shard(..., **options)`` every decoder layer, then the root.
 
     Raises ConfigError when no layer is found or no parameter ended up sharded: a model
     silently replicated on every rank would train, but with none of FSDP's memory savings.
@@ -69,23 +61,16 @@ def shard_model(
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
-    if offload_policy is not None:
-        options["offload_policy"] = offload_policy
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
             f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
             "(no _no_split_modules and no 'layers' module list)"
         )
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(model, **options)
+    for module in [*layers, model]:
+        fully_shard(module, **options)
     if not any(isinstance(p, DTensor) for p in model.parameters()):
         raise ConfigError(f"FSDP2 sharded no parameter of {type(model).__name__}")
-    return len(layers)
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
@@ -117,7 +102,7 @@ class FSDP2(ProcessGroupStrategy):
         super().launch()
 
     def setup(
-        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision | None = None
+        self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -125,25 +110,20 @@ class FSDP2(ProcessGroupStrategy):
 
         check_quantization(model, self.device)
         cfg = self.config
-        if cfg.mixed_precision == "fp16" or (precision is not None and precision.scaled):
+        if cfg.mixed_precision == "fp16" or precision.scaled:
             # fp16 compute (autocast or the shards' param_dtype): scale, per shard
             self.scaler = ShardedGradScaler(device=self.device.type)
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = None
+        options: dict[str, Any] = {
+            "mesh": init_device_mesh(self.device.type, (self.world_size,)),
+            "reshard_after_forward": cfg.reshard_after_forward,
+        }
         if cfg.mixed_precision != "no":
-            mp = MixedPrecisionPolicy(
+            options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32
             )
-        offload = (
-            CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cfg.cpu_offload else None
-        )
-        shard_model(
-            model,
-            mesh,
-            mp_policy=mp,
-            offload_policy=offload,
-            reshard_after_forward=cfg.reshard_after_forward,
-        )
+        if cfg.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        shard_model(model, **options)
         # after sharding: fully_shard replaced the parameters with DTensor ones
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
@@ -154,20 +134,7 @@ class FSDP2(ProcessGroupStrategy):
         model.set_requires_gradient_sync(sync)  # off: keep unsharded grads, reduce later
         yield
 
-    def optimizer_step(
-        self, model: Any, optimizer: Any, max_grad_norm: float | None
-    ) -> torch.Tensor:
-        return self.clip_and_step(self._params, optimizer, max_grad_norm)
-
     # -- state -----------------------------------------------------------------------------
-    def _named_state(self, model: Any) -> dict[str, Any]:
-        """Adapter (PEFT key names) or full state, as the model's (possibly DTensor) values."""
-        from peft import PeftModel, get_peft_model_state_dict
-
-        if isinstance(model, PeftModel):
-            return get_peft_model_state_dict(model)
-        return model.state_dict()
-
     def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers each tensor in the same order; rank 0 keeps them."""
         from torch.distributed.tensor import DTensor
@@ -192,7 +159,6 @@ class FSDP2(ProcessGroupStrategy):
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         """Every rank holds the full tensors: each keeps its own shard (no communication)."""
-        from peft import PeftModel, set_peft_model_state_dict
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         current = self._named_state(model)
@@ -205,33 +171,23 @@ class FSDP2(ProcessGroupStrategy):
                     local, ref.device_mesh, ref.placements, src_data_rank=None
                 )
             sharded[key] = value
-        if isinstance(model, PeftModel):
-            set_peft_model_state_dict(model, sharded)
-        else:
-            model.load_state_dict(sharded)
+        super().load_trainable_state_dict(model, sharded)
 
-    def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
-        """Collective: the full (unsharded) optimizer state, written by rank 0."""
+    # the full (unsharded) optimizer state, gathered by every rank, written by rank 0
+    def _optimizer_state(self, model: Any, optimizer: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
         )
 
-        state = get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.is_main:
-            torch.save(self._with_scaler(state), folder / "optimizer.pt")
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(model, optimizer, options=options)
 
-    def load_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
+    def _load_optimizer_state(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
         )
 
-        state = self._without_scaler(
-            torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
-        )
-        set_optimizer_state_dict(
-            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
-        )
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -1,0 +1,76 @@
+"""Callbacks the launched workers of tests/test_distributed.py register at start: the test
+names them in ``LLMTRAIN_CALLBACKS`` (``hooks:key_trace,hooks:RankReport``) with this folder
+on ``PYTHONPATH``, and where they write in the variables below."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from typing import Any
+
+import torch
+
+from llmtrain.training.callbacks import Callback, KeyTrace
+
+TRACE_ENV = "LLMTRAIN_TRACE_KEYS"  # a path: every step appends the keys it trained on
+REPORT_ENV = "LLMTRAIN_RANK_REPORT"  # a path prefix: each rank reports what it held
+
+
+def key_trace() -> KeyTrace:
+    return KeyTrace(os.environ[TRACE_ENV])
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``param``: a DTensor's shard, ZeRO-3's partition, or itself."""
+    partition = getattr(param, "ds_tensor", None)
+    if hasattr(param, "to_local"):
+        param = param.to_local()
+    elif partition is not None:
+        param = partition
+    return param.detach().to("cpu", copy=True).contiguous()
+
+
+def optimizer_numel(optimizer: Any) -> int:
+    """Elements of optimizer state held by this rank (partitioned under ZeRO and FSDP2)."""
+    total = 0
+    for state in getattr(optimizer, "state", {}).values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += local_tensor(value).numel()
+    return total
+
+
+class RankReport(Callback):
+    """What each rank really was and held, so tests can prove distribution:
+    ``{prefix}.rank{r}.json`` (placement, pid, strategy, optimizer-state size) and
+    ``{prefix}.rank{r}.safetensors`` (its *local* trainable tensors: a shard under FSDP2 and
+    ZeRO-3, the full tensor under DDP and ZeRO-1/2); ``prefix`` defaults to $REPORT_ENV."""
+
+    def __init__(self, prefix: str | os.PathLike[str] | None = None) -> None:
+        self.prefix = os.environ[REPORT_ENV] if prefix is None else prefix
+
+    def on_train_end(self, run: Any) -> None:
+        from safetensors.torch import save_file
+
+        s = run.strategy
+        inner = s.unwrap(run.model)
+        trainable = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
+        save_file(
+            {name: local_tensor(p) for name, p in trainable},
+            f"{self.prefix}.rank{s.rank}.safetensors",
+        )
+        report = {
+            "rank": s.rank,
+            "world_size": s.world_size,
+            "local_rank": s.placement.local_rank,
+            "launched": s.placement.launched,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "strategy": s.name,
+            "step": run.step,
+            "optimizer_numel": optimizer_numel(run.optimizer),
+            "shapes": {name: list(getattr(p, "ds_shape", p.shape)) for name, p in trainable},
+        }
+        with open(f"{self.prefix}.rank{s.rank}.json", "w") as fh:
+            json.dump(report, fh)
