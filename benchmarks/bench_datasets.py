@@ -391,9 +391,9 @@ def bench_wait(
         wait.data.append(time.perf_counter() - t0)
         return group
 
-    def timed_step(self: Any, group: Any) -> Any:
+    def timed_step(self: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
-        loss = train_step(self, group)
+        loss = train_step(self, *args)
         wait.train.append(time.perf_counter() - t0)
         return loss
 
