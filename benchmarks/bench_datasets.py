@@ -3,7 +3,7 @@ spent waiting for data.
 
     python benchmarks/bench_datasets.py [--rows 1000000] [--backends sqlite,postgresql]
         [--quick] [--rounds 3] [--cache-size 1024] [--steps 60] [--no-memory]
-        [--no-steps] [--cleanup]
+        [--no-steps] [--num-workers 0] [--cleanup]
 
 Data: ``docs(id INTEGER PRIMARY KEY, instruction TEXT, output TEXT)`` with ``--rows`` rows
 of short varied text, plus ``docs_small`` (its first tenth) for the memory comparison. SQLite
@@ -375,7 +375,14 @@ class Wait:
 
 
 def bench_wait(
-    label: str, uri: str, select: Any, rows: int, steps: int, workdir: Path, model: Path
+    label: str,
+    uri: str,
+    select: Any,
+    rows: int,
+    steps: int,
+    workdir: Path,
+    model: Path,
+    num_workers: int = 0,
 ) -> Wait:
     """``fit()`` with the demo's settings, timing FitRun's two halves of every step."""
     import llmtrain as lt
@@ -414,6 +421,7 @@ def bench_wait(
             lora_r=16,
             lora_dropout=0.0,
             progress_bar=False,
+            num_workers=num_workers,
         )
         trainer.fit(X="instruction", Y="output", db=db, select=select)
     finally:
@@ -428,7 +436,7 @@ def bench_wait(
     return wait
 
 
-def bench_waits(targets: list[Target], rows: int, steps: int) -> list[Wait]:
+def bench_waits(targets: list[Target], rows: int, steps: int, num_workers: int = 0) -> list[Wait]:
     """The demo's table, then every target's ``rows``-row table, with the demo's model."""
     import llmtrain as lt
     from llmtrain import demo
@@ -451,11 +459,14 @@ def bench_waits(targets: list[Target], rows: int, steps: int) -> list[Wait]:
             steps,
             workdir,
             model,
+            num_workers,
         )
     ]
     for target in targets:
         waits.append(
-            bench_wait(target.name, target.uri, lt.Table(TABLE), rows, steps, workdir, model)
+            bench_wait(
+                target.name, target.uri, lt.Table(TABLE), rows, steps, workdir, model, num_workers
+            )
         )
     return waits
 
@@ -640,6 +651,12 @@ def main(argv: list[str] | None = None) -> int:
         default=60,
         help="optimizer steps of each data-wait fit (default 60, the demo's)",
     )
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="data_args.num_workers of the data-wait fits (0: formatting in the loop's process)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory runs")
     parser.add_argument("--no-steps", action="store_true", help="skip the data-wait fits")
     parser.add_argument(
@@ -674,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{pair[1]['maxrss_mib']:.1f} MiB",
                     flush=True,
                 )
-        waits = [] if args.no_steps else bench_waits(targets, rows, args.steps)
+        waits = [] if args.no_steps else bench_waits(targets, rows, args.steps, args.num_workers)
         ok = report(rows, args.cache_size, speeds, memory, waits)
     finally:
         if args.cleanup:
