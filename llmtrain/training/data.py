@@ -16,8 +16,13 @@ collectives stay paired).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -172,6 +177,8 @@ class TrainBatches:
             collate_fn=collate,
             with_keys=True,
         )
+        # (state, epoch, stats) taken with the group the loop last took; None before any
+        self._at: tuple[dict[str, Any], int, ReadStats] | None = None
 
     def __len__(self) -> int:
         """Optimizer steps per epoch on this rank (the same on every rank)."""
@@ -179,22 +186,83 @@ class TrainBatches:
 
     @property
     def epoch(self) -> int:
-        return self.dataset.epoch
+        return self.dataset.epoch if self._at is None else self._at[1]
 
     @property
     def stats(self) -> ReadStats:
         """What this process read and skipped (the loop reports it; it never reaches past)."""
-        return self.dataset.stats
+        return self.dataset.stats if self._at is None else self._at[2]
 
-    def steps(self, start_epoch: int, num_epochs: int | None) -> Iterator[list[Any]]:
+    def steps(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
         """Each optimizer step's micro-batches from ``start_epoch`` on (a group of batches may
-        run into the next epoch, as without a budget it always has)."""
+        run into the next epoch, as without a budget it always has).
+
+        A thread makes the next group while the loop trains on this one, so reading and
+        formatting (the tokenizer releases the GIL) overlap the step instead of stalling it.
+        Each group comes with the position, epoch and skip counts taken right after it was
+        made; ``state_dict``, ``epoch`` and ``stats`` report those of the group the loop last
+        took, so a group made ahead but not trained is never counted. Close the generator
+        when done: that stops the thread."""
+        made: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        stop = threading.Event()
+
+        def hand_over(item: tuple[str, Any]) -> bool:
+            while not stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    made.put(item, timeout=0.05)
+                    return True
+            return False
+
+        def produce() -> None:
+            groups = self._groups(start_epoch, num_epochs)
+            try:
+                for group in groups:
+                    if not hand_over(("group", (group, self._taken()))):
+                        return
+                hand_over(("done", self._taken()))
+            except BaseException as exc:  # raised in the loop's thread, at the same step
+                hand_over(("error", exc))
+            finally:
+                groups.close()
+
+        thread = threading.Thread(target=produce, name="llmtrain-batches", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = made.get()
+                if kind == "error":
+                    raise item
+                if kind == "done":
+                    self._at = item
+                    return
+                group, self._at = item
+                yield group
+        finally:
+            stop.set()
+            thread.join()
+
+    def _groups(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
         batches = (batch for _, batch in self.epochs(start_epoch, num_epochs))
         if self.per_step:  # a loader batch is the step's packed micro-batches
             yield from batches
         else:
             while group := list(itertools.islice(batches, self.accumulation)):
                 yield group
+
+    def _taken(self) -> tuple[dict[str, Any], int, ReadStats]:
+        """The position, epoch and skip counts now (copies: the thread goes on reading)."""
+        stats = self.dataset.stats
+        return (
+            copy.deepcopy(self.loader.state_dict()),
+            self.dataset.epoch,
+            dataclasses.replace(
+                stats,
+                skipped_keys=list(stats.skipped_keys),
+                skipped_once=set(stats.skipped_once),
+                deleted=set(stats.deleted),
+                skipped_in=dict(stats.skipped_in),
+            ),
+        )
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
         """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""
@@ -212,9 +280,10 @@ class TrainBatches:
             epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return self.loader.state_dict() if self._at is None else self._at[0]
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool) -> None:
+        self._at = None
         self.loader.load_state_dict(state, allow_changed_data=allow_changed_data)
 
 

@@ -301,6 +301,7 @@ class FitRun:
             if has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
                 self._eval_step(progress)
         finally:
+            stream.close()  # stops the thread making batches ahead
             progress.close()
         for callback in self.callbacks:
             callback.on_train_end(self)
