@@ -473,3 +473,60 @@ def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) 
     assert [len(b) for b in got[:-1]] == [8] * (len(got) - 1) and 0 < len(got[-1]) <= 8
     assert not any(held_out(k, 0.25) for b in got for k, _ in b)
     assert batches.epoch == 0 and batches.state_dict()["epoch"] == 1
+
+
+def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri: str) -> None:
+    """The next groups are made in a thread while the loop trains: the position, epoch and
+    skips reported are those of the group last taken, a read error reaches the loop's
+    thread at the step it belongs to, and closing the stream stops the thread."""
+    import threading
+    import time
+
+    from llmtrain.datasets import take_snapshot
+    from llmtrain.training.args import DataArguments
+    from llmtrain.training.data import TrainBatches, view_dataset
+
+    fill(sqlite_uri, "docs", _rows(40))
+    db = lt.connect(sqlite_uri)
+    args = DataArguments(cache_size=16)
+    snapshot = take_snapshot(db, lt.Table("docs"))
+
+    def make(collate: Any) -> TrainBatches:
+        dataset = view_dataset(
+            db,
+            lt.Table("docs"),
+            ["instruction", "output"],
+            args,
+            split="all",
+            snapshot=snapshot,
+            rank=0,
+            world_size=1,
+            seed=3,
+        )
+        return TrainBatches(dataset, args, batch_size=4, collate=collate, accumulation=2)
+
+    batches = make(lambda rows: rows)
+    stream = batches.steps(0, None)
+    taken = [next(stream), next(stream)]
+    deadline = time.monotonic() + 30
+    while batches.dataset.state_dict()["consumed"] == 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert batches.dataset.state_dict()["consumed"] > 16  # read ahead ...
+    assert batches.state_dict()["consumed"] == 16  # ... but not counted
+    assert batches.epoch == 0 and sum(len(b) for g in taken for b in g) == 16
+    stream.close()
+    assert not [t for t in threading.enumerate() if t.name == "llmtrain-batches"]
+
+    order = [k for _, b in make(lambda rows: rows).epochs(0, 1) for k, _ in b]
+    fails_at = order.index(30) // 8  # the step whose rows hold key 30
+
+    def failing(rows: list[Any]) -> list[Any]:
+        if any(key == 30 for key, _ in rows):
+            raise ValueError("the collate failed on key 30")
+        return rows
+
+    trained = []
+    with pytest.raises(ValueError, match="key 30"):
+        for group in make(failing).steps(0, 1):
+            trained.append(group)
+    assert len(trained) == fails_at

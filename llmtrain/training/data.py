@@ -239,7 +239,7 @@ class TrainBatches:
                 yield group
         finally:
             stop.set()
-            thread.join()
+            thread.join(timeout=30)  # a read stuck in the database must not hold up a failure
 
     def _groups(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
         batches = (batch for _, batch in self.epochs(start_epoch, num_epochs))
