@@ -48,7 +48,6 @@ import io
 import math
 import os
 import pstats
-import random
 import shutil
 import sqlite3
 import statistics
@@ -64,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
+import synthetic_rows  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -156,15 +156,7 @@ _VERBS = ("Explain", "Summarise", "Describe", "List", "Compare", "Translate", "R
 # -- setup -----------------------------------------------------------------------------------
 def make_rows(n: int, seed: int = 0) -> list[tuple[int, str, str]]:
     """Short to long prompts, and answers with a long tail (log-normal word counts)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        k_in = min(60, max(2, int(rng.lognormvariate(2.0, 0.5))))
-        k_out = min(150, max(1, int(rng.lognormvariate(2.6, 0.8))))
-        instruction = f"{rng.choice(_VERBS)} " + " ".join(rng.choices(_WORDS, k=k_in)) + "?"
-        output = " ".join(rng.choices(_WORDS, k=k_out)) + "."
-        rows.append((i, instruction, output))
-    return rows
+    return synthetic_rows.make_rows(n, seed, _WORDS, verbs=_VERBS)
 
 
 def make_database(folder: Path, rows: int) -> str:

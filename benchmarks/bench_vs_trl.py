@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import resource
 import shutil
 import statistics
@@ -46,6 +45,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import synthetic_rows  # noqa: E402
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -92,14 +93,7 @@ _WORDS = [
 
 def make_rows(n: int, seed: int = 0) -> list[tuple[int, str, str]]:
     """Short to long prompts, and answers with a long tail (log-normal word counts)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        k_in = min(60, max(2, int(rng.lognormvariate(2.0, 0.5))))
-        k_out = min(150, max(1, int(rng.lognormvariate(2.6, 0.8))))
-        question = "Explain " + " ".join(rng.choices(_WORDS, k=k_in)) + "?"
-        rows.append((i, question, " ".join(rng.choices(_WORDS, k=k_out)) + "."))
-    return rows
+    return synthetic_rows.make_rows(n, seed, _WORDS)
 
 
 def _peak_mb() -> float:

@@ -48,7 +48,6 @@ import argparse
 import importlib.util
 import json
 import math
-import random
 import resource
 import sqlite3
 import subprocess
@@ -61,6 +60,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the checkout's llmtrain, installed or not
     sys.path.insert(0, str(ROOT))
+
+import synthetic_rows  # noqa: E402
 
 RESULT = "GPU_MFU_RESULT "
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
@@ -122,14 +123,9 @@ _WORDS = _TEXT.split()
 
 def make_rows(n: int, seed: int = 0) -> list[tuple[int, str, str]]:
     """Prompts of tens to hundreds of words, answers with a long tail (log-normal)."""
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        k_in = min(600, max(4, int(rng.lognormvariate(4.3, 0.6))))
-        k_out = min(1200, max(2, int(rng.lognormvariate(5.0, 0.8))))
-        question = "Explain " + " ".join(rng.choices(_WORDS, k=k_in)) + "?"
-        rows.append((i, question, " ".join(rng.choices(_WORDS, k=k_out)) + "."))
-    return rows
+    return synthetic_rows.make_rows(
+        n, seed, _WORDS, prompt=(4.3, 0.6, 4, 600), answer=(5.0, 0.8, 2, 1200)
+    )
 
 
 def datasheet_peak(name: str) -> float | None:
