@@ -17,7 +17,6 @@ collectives stay paired).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import itertools
 import queue
@@ -250,10 +249,11 @@ class TrainBatches:
                 yield group
 
     def _taken(self) -> tuple[dict[str, Any], int, ReadStats]:
-        """The position, epoch and skip counts now (copies: the thread goes on reading)."""
+        """The position, epoch and skip counts now; the stats' containers are copied, as the
+        thread goes on filling them."""
         stats = self.dataset.stats
         return (
-            copy.deepcopy(self.loader.state_dict()),
+            self.loader.state_dict(),  # a new dict of plain values each call
             self.dataset.epoch,
             dataclasses.replace(
                 stats,
