@@ -297,8 +297,8 @@ class FitRun:
                     self.save_checkpoint()
             if self.step == 0:
                 self._nothing_trained()
-            has_eval = self.config.fit.eval_select is not None or self.dargs.eval_fraction > 0
-            if has_eval and not (t.eval_steps and self.step % t.eval_steps == 0):
+            evaluated_now = t.eval_steps and self.step % t.eval_steps == 0
+            if not evaluated_now and self._eval_dataset() is not None:
                 self._eval_step(progress)
         finally:
             stream.close()  # stops the thread making batches ahead
