@@ -570,3 +570,36 @@ def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> 
     loss.backward()
     assert loss.item() == 0.0 and empty["num_target_tokens"] == 0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("packing", "budget"), [(False, None), (True, None), (True, 64)])
+def test_training_batches_carry_their_counts_as_plain_ints(
+    tok: Any, packing: bool, budget: int | None
+) -> None:
+    """The loop reads a step's counts without a torch call (one would hand the GIL to the
+    thread making the next batches); the ints equal what the tensors hold."""
+    from types import SimpleNamespace
+
+    from llmtrain.datasets.snapshot import key_repr
+    from llmtrain.training.args import DataArguments
+    from llmtrain.training.data import make_collate
+
+    args = DataArguments(max_length=32, packing=packing, max_tokens_per_batch=budget)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    collate = make_collate(
+        Formatter(tok, TEMPLATE, max_length=32),
+        tok,
+        model,
+        args,
+        "docs",
+        token_budget=budget is not None,
+    )
+    rows = [(i, {"X": "word " * i, "Y": f"answer {i}"}) for i in range(1, 9)]
+    made = collate(rows)
+    batches = made if isinstance(made, list) else [made]
+    assert len(batches) >= (2 if budget else 1)
+    for batch in batches:
+        assert type(batch["num_target_tokens"]) is int and type(batch["num_tokens"]) is int
+        assert batch["num_target_tokens"] == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        assert batch["num_tokens"] == int((batch["input_ids"] != tok.pad_token_id).sum())
+    assert sorted(k for b in batches for k in b["keys"]) == sorted(key_repr(k) for k, _ in rows)

@@ -55,8 +55,8 @@ def seed_everything(seed: int) -> None:
 
 
 def _targets(group: list[dict[str, Any]]) -> int:
-    """The target tokens of a group of host-side batches (no device involved)."""
-    return sum(int(b["num_target_tokens"]) for b in group)
+    """The target tokens of a group of host-side batches (plain ints, no torch call)."""
+    return sum(b["num_target_tokens"] for b in group)
 
 
 class FitRun:
@@ -348,7 +348,7 @@ class FitRun:
         waits for the device. Micro-batches move to the device one at a time.
         """
         s = self.strategy
-        tokens = sum(int(b["num_tokens"]) for b in group)  # host tensors: no device sync
+        tokens = sum(b["num_tokens"] for b in group)  # plain ints: no device sync
         scale = s.world_size / max(targets, 1)
         total = torch.zeros((), device=s.device)
         for i, host_batch in enumerate(group):
@@ -451,7 +451,7 @@ class FitRun:
                 batch = to_device(batch, s.device)
                 with self.precision.autocast():
                     total += self.loss(self.model, batch).float().cpu()
-                count += batch["num_target_tokens"].float().cpu()
+                count += batch["num_target_tokens"]
                 seen += len(batch["keys"])
                 if seen >= self.dargs.max_eval_rows:
                     break
