@@ -530,3 +530,64 @@ def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri
         for group in make(failing).steps(0, 1):
             trained.append(group)
     assert len(trained) == fails_at
+
+
+def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
+    sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each group made ahead takes the position and counters only: the state (which lists
+    every key found deleted, sorted) is built when asked, and the rows first skipped in each
+    epoch are those of the groups taken, exactly as a reader that never ran ahead has."""
+    import sqlite3
+    import time
+
+    from llmtrain.datasets import CachedQueryDataset, take_snapshot
+    from llmtrain.training.args import DataArguments
+    from llmtrain.training.data import TrainBatches, view_dataset
+
+    fill(sqlite_uri, "docs", _rows(40))
+    db = lt.connect(sqlite_uri)
+    args = DataArguments(cache_size=8)
+    snapshot = take_snapshot(db, lt.Table("docs"))
+    with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as conn:
+        conn.execute("DELETE FROM docs WHERE id % 5 = 0")  # gone since the snapshot
+
+    def make() -> TrainBatches:
+        dataset = view_dataset(
+            db,
+            lt.Table("docs"),
+            ["instruction", "output"],
+            args,
+            split="all",
+            snapshot=snapshot,
+            rank=0,
+            world_size=1,
+            seed=3,
+        )
+        return TrainBatches(dataset, args, batch_size=4, collate=lambda rows: rows)  # type: ignore[arg-type]
+
+    reference = make()  # no thread: read exactly two groups' rows
+    groups = reference._groups(0, 1)
+    next(groups), next(groups)
+    expected = reference.dataset.state_dict()
+    assert reference.dataset.stats.skipped_in  # some deleted rows were met ...
+
+    states = []
+    state_dict = CachedQueryDataset.state_dict
+    monkeypatch.setattr(
+        CachedQueryDataset,
+        "state_dict",
+        lambda self, at=None: states.append(at) or state_dict(self, at),
+    )
+    batches = make()
+    stream = batches.steps(0, 1)
+    next(stream), next(stream)
+    deadline = time.monotonic() + 30
+    while batches.dataset.stats.skipped_in == reference.dataset.stats.skipped_in:
+        assert time.monotonic() < deadline, "the thread never read ahead"
+        time.sleep(0.01)
+    assert states == []  # ... and no group made built a state
+    assert batches.stats.skipped_in == reference.dataset.stats.skipped_in  # ... nor counts ahead
+    assert batches.state_dict()["consumed"] == expected["consumed"]
+    assert len(states) == 1
+    stream.close()

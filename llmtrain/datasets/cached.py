@@ -171,8 +171,10 @@ class CachedQueryDataset(IterableDataset):
         """Select the epoch whose order to follow; a new epoch starts at its first row."""
         self.position.set_epoch(epoch)
 
-    def state_dict(self) -> dict[str, Any]:
-        epoch, consumed = self.position.resume_point()
+    def state_dict(self, at: tuple[int, int] | None = None) -> dict[str, Any]:
+        """The state to resume from; ``at``: the (epoch, consumed) of a resume point taken
+        earlier (:meth:`Position.resume_point`) instead of the present one."""
+        epoch, consumed = self.position.resume_point() if at is None else at
         return {
             "format": STATE_FORMAT,
             "query": self.query.fingerprint(),

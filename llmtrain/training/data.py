@@ -158,6 +158,17 @@ def view_dataset(
     )
 
 
+@dataclass(frozen=True)
+class _Taken:
+    """Taken with each group as it is made: the dataset's epoch, resume point and counters,
+    and how many first-skip epochs lineage had then."""
+
+    epoch: int
+    resume: tuple[int, int]
+    stats: ReadStats
+    skipped_in: int
+
+
 class TrainBatches:
     """The one data object the training loop knows: each optimizer step's micro-batches
     across epochs, the steps per epoch, and the dataset position as resume state."""
@@ -181,8 +192,8 @@ class TrainBatches:
             collate_fn=collate,
             with_keys=True,
         )
-        # (state, epoch, stats) taken with the group the loop last took; None before any
-        self._at: tuple[dict[str, Any], int, ReadStats] | None = None
+        # taken with the group the loop last took; None before any
+        self._at: _Taken | None = None
 
     def __len__(self) -> int:
         """Optimizer steps per epoch on this rank (the same on every rank)."""
@@ -190,12 +201,23 @@ class TrainBatches:
 
     @property
     def epoch(self) -> int:
-        return self.dataset.epoch if self._at is None else self._at[1]
+        return self.dataset.epoch if self._at is None else self._at.epoch
 
     @property
     def stats(self) -> ReadStats:
-        """What this process read and skipped (the loop reports it; it never reaches past)."""
-        return self.dataset.stats if self._at is None else self._at[2]
+        """What this process read and skipped up to the group the loop last took: the rows
+        first skipped in each epoch (lineage) exactly; the keys found deleted or bad as of
+        the windows read, which may run ahead of the rows trained, as they always have."""
+        if self._at is None:
+            return self.dataset.stats
+        live = self.dataset.stats
+        skipped_in = list(live.skipped_in.items())  # one C call: the thread cannot cut in
+        return dataclasses.replace(
+            self._at.stats,
+            skipped_once=set(live.skipped_once),
+            deleted=set(live.deleted),
+            skipped_in=dict(skipped_in[: self._at.skipped_in]),
+        )
 
     def steps(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
         """Each optimizer step's micro-batches from ``start_epoch`` on (a group of batches may
@@ -253,20 +275,22 @@ class TrainBatches:
             while group := list(itertools.islice(batches, self.accumulation)):
                 yield group
 
-    def _taken(self) -> tuple[dict[str, Any], int, ReadStats]:
-        """The position, epoch and skip counts now; the stats' containers are copied, as the
-        thread goes on filling them."""
+    def _taken(self) -> _Taken:
+        """Where the data stands now, in work that does not grow with the keys found deleted
+        or skipped (a live table may lose 100k rows: sorting and copying those every step
+        took the making thread 50 ms); state and stats are built from it when asked."""
         stats = self.dataset.stats
-        return (
-            self.loader.state_dict(),  # a new dict of plain values each call
+        return _Taken(
             self.dataset.epoch,
+            self.dataset.position.resume_point(),
             dataclasses.replace(
                 stats,
-                skipped_keys=list(stats.skipped_keys),
-                skipped_once=set(stats.skipped_once),
-                deleted=set(stats.deleted),
-                skipped_in=dict(stats.skipped_in),
+                skipped_keys=list(stats.skipped_keys),  # at most 100
+                skipped_once=set(),
+                deleted=set(),
+                skipped_in={},
             ),
+            len(stats.skipped_in),  # insertion-ordered and only added to
         )
 
     def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
@@ -285,7 +309,8 @@ class TrainBatches:
             epoch += 1
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict() if self._at is None else self._at[0]
+        at = None if self._at is None else self._at.resume
+        return self.dataset.state_dict(at)
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool) -> None:
         self._at = None
