@@ -446,27 +446,44 @@ def test_a_state_from_before_snapshots_resumes_only_on_as_many_rows(
         _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).load_state_dict(old)
 
 
+def _batches(
+    db: Any,
+    snapshot: Any,
+    args: Any,
+    collate: Any,
+    *,
+    split: Any = "all",
+    batch_size: int = 4,
+    accumulation: int = 1,
+) -> Any:
+    """TrainBatches over the ``split`` view of ``docs`` (seed 3, one process)."""
+    from llmtrain.training.data import TrainBatches, view_dataset
+
+    dataset = view_dataset(
+        db,
+        lt.Table("docs"),
+        ["instruction", "output"],
+        args,
+        split=split,
+        snapshot=snapshot,
+        rank=0,
+        world_size=1,
+        seed=3,
+    )
+    return TrainBatches(
+        dataset, args, batch_size=batch_size, collate=collate, accumulation=accumulation
+    )
+
+
 def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) -> None:
     from llmtrain.datasets import held_out, take_snapshot
     from llmtrain.training.args import DataArguments
-    from llmtrain.training.data import TrainBatches, view_dataset
 
     fill(sqlite_uri, "docs", _rows(203))
     db = lt.connect(sqlite_uri)
     args = DataArguments(eval_fraction=0.25, cache_size=16)
     scan = take_snapshot(db, lt.Table("docs"), eval_fraction=0.25, chunk_size=40)  # db.artifacts
-    train = view_dataset(
-        db,
-        lt.Table("docs"),
-        ["instruction", "output"],
-        args,
-        split="train",
-        snapshot=scan,
-        rank=0,
-        world_size=1,
-        seed=3,
-    )
-    batches = TrainBatches(train, args, batch_size=8, collate=lambda rows: rows)  # type: ignore[arg-type]
+    batches = _batches(db, scan, args, lambda rows: rows, split="train", batch_size=8)
     got = [batch for _, batch in batches.epochs(0, 1)]
     n_train = sum(not held_out(k, 0.25) for k in range(203))
     assert len(got) == len(batches) == -(-n_train // 8)
@@ -484,26 +501,14 @@ def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri
 
     from llmtrain.datasets import take_snapshot
     from llmtrain.training.args import DataArguments
-    from llmtrain.training.data import TrainBatches, view_dataset
 
     fill(sqlite_uri, "docs", _rows(40))
     db = lt.connect(sqlite_uri)
     args = DataArguments(cache_size=16)
     snapshot = take_snapshot(db, lt.Table("docs"))
 
-    def make(collate: Any) -> TrainBatches:
-        dataset = view_dataset(
-            db,
-            lt.Table("docs"),
-            ["instruction", "output"],
-            args,
-            split="all",
-            snapshot=snapshot,
-            rank=0,
-            world_size=1,
-            seed=3,
-        )
-        return TrainBatches(dataset, args, batch_size=4, collate=collate, accumulation=2)
+    def make(collate: Any) -> Any:
+        return _batches(db, snapshot, args, collate, accumulation=2)
 
     batches = make(lambda rows: rows)
     stream = batches.steps(0, None)
@@ -543,7 +548,6 @@ def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
 
     from llmtrain.datasets import CachedQueryDataset, take_snapshot
     from llmtrain.training.args import DataArguments
-    from llmtrain.training.data import TrainBatches, view_dataset
 
     fill(sqlite_uri, "docs", _rows(40))
     db = lt.connect(sqlite_uri)
@@ -552,19 +556,8 @@ def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
     with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as conn:
         conn.execute("DELETE FROM docs WHERE id % 5 = 0")  # gone since the snapshot
 
-    def make() -> TrainBatches:
-        dataset = view_dataset(
-            db,
-            lt.Table("docs"),
-            ["instruction", "output"],
-            args,
-            split="all",
-            snapshot=snapshot,
-            rank=0,
-            world_size=1,
-            seed=3,
-        )
-        return TrainBatches(dataset, args, batch_size=4, collate=lambda rows: rows)  # type: ignore[arg-type]
+    def make() -> Any:
+        return _batches(db, snapshot, args, lambda rows: rows)
 
     reference = make()  # no thread: read exactly two groups' rows
     groups = reference._groups(0, 1)
