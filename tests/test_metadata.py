@@ -238,6 +238,28 @@ def test_checkpoints(store: MetadataStore) -> None:
     assert [c.step for c in store.list_checkpoints("other")] == [10]
 
 
+def test_a_none_id_finds_and_removes_nothing(store: MetadataStore) -> None:
+    """Only the optional filters (list_*, a component's version) may be left out; None in
+    a required id matches no record, so a bug upstream cannot read or wipe every run."""
+    store.add_component("model", "m", {})
+    store.create_run("r1", "trainer", "t", 0, {})
+    store.add_checkpoint("r1", 10, "tree:" + "0" * 64, {})
+    store.log_metrics("r1", 10, {"loss": 1.0})
+    none: Any = None
+    with pytest.raises(StoreError, match="no run None"):
+        store.get_run(none)
+    with pytest.raises(ComponentNotFoundError):
+        store.get_component("model", none)
+    assert store.list_checkpoints(none) == [] and store.get_metrics(none) == []
+    store.remove_checkpoint("r1", none)
+    store.remove_run(none)
+    assert store.remove_component("model", none) == 0
+    assert [c.step for c in store.list_checkpoints("r1")] == [10]
+    assert len(store.get_metrics("r1")) == 1 and store.get_run("r1").run_id == "r1"
+    assert [r.identifier for r in store.list_components()] == ["m"]
+    assert [r.run_id for r in store.list_runs()] == ["r1"]
+
+
 # -- schema ---------------------------------------------------------------------------------------
 def test_schema_is_created_once_and_user_tables_are_untouched(any_uri: str) -> None:
     rows = [{"id": i, "text": f"doc {i}"} for i in range(5)]

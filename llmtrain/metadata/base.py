@@ -158,7 +158,7 @@ class MetadataStore(ABC):
                 version is None,
                 type_id=type_id,
                 identifier=identifier,
-                version=version,
+                **_given(version=version),
             )
         if not rows:
             which = "any version" if version is None else f"version {version}"
@@ -170,7 +170,7 @@ class MetadataStore(ABC):
     ) -> list[ComponentRecord]:
         """All matching records, ordered by type_id, identifier, version."""
         with self._errors("listing components"):
-            rows = self._find("components", type_id=type_id, identifier=identifier)
+            rows = self._find("components", **_given(type_id=type_id, identifier=identifier))
         # Sorted here: collations differ between databases, code points do not.
         return sorted(map(_component, rows), key=lambda r: (r.type_id, r.identifier, r.version))
 
@@ -178,7 +178,7 @@ class MetadataStore(ABC):
         """Remove one version (or all when version is None); return how many went."""
         with self._errors(f"removing {type_id} {identifier!r}"):
             return self._delete(
-                ["components"], type_id=type_id, identifier=identifier, version=version
+                ["components"], type_id=type_id, identifier=identifier, **_given(version=version)
             )
 
     # -- runs ---------------------------------------------------------------------------------
@@ -248,7 +248,8 @@ class MetadataStore(ABC):
     ) -> list[RunRecord]:
         """Oldest first."""
         with self._errors("listing runs"):
-            return [_run(r) for r in self._find("runs", type_id=type_id, identifier=identifier)]
+            rows = self._find("runs", **_given(type_id=type_id, identifier=identifier))
+        return [_run(r) for r in rows]
 
     def remove_run(self, run_id: str) -> None:
         """Remove a run with its metrics and checkpoint records (not the checkpoints'
@@ -343,14 +344,14 @@ class MetadataStore(ABC):
 
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
-        """The rows whose columns equal ``equal`` (None: any value), in the table's order:
+        """The rows whose columns equal ``equal`` (each one, None included), in the table's order:
         components by version, runs oldest first, metrics by step then insertion, checkpoints
         by step. ``newest``: only the last of them."""
 
     @abstractmethod
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        """Remove the rows of ``tables`` whose columns equal ``equal`` (None: any value), in
-        one transaction where the database has them; returns how many went."""
+        """Remove the rows of ``tables`` whose columns equal ``equal`` (each one, None
+        included), in one transaction where the database has them; returns how many went."""
 
     @abstractmethod
     def _insert(self, table: str, row: Row) -> None:
@@ -365,6 +366,12 @@ class MetadataStore(ABC):
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
         """In one write: every stored row of the same run and step gets ``without_these(row)``
         as its values (removed when None, untouched when unchanged), then ``row`` goes in."""
+
+
+def _given(**filters: Any) -> dict[str, Any]:
+    """The optional filters that were given: only these may be left out (None: any value);
+    a required key is always matched, so a None there finds and removes nothing."""
+    return {k: v for k, v in filters.items() if v is not None}
 
 
 def dumps(value: Any, what: str) -> str:

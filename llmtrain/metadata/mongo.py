@@ -83,13 +83,11 @@ class MongoMetadataStore(MetadataStore):
 
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         order = [(key, -1 if newest else 1) for key in _ORDER[table]]
-        where = {k: v for k, v in equal.items() if v is not None}
-        found = self._coll(table).find(where).sort(order)
+        found = self._coll(table).find(equal).sort(order)
         return list(found.limit(1) if newest else found)
 
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        where = {k: v for k, v in equal.items() if v is not None}
-        return sum(self._coll(t).delete_many(where).deleted_count for t in tables)
+        return sum(self._coll(t).delete_many(equal).deleted_count for t in tables)
 
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         """Compare-and-swap on a revision counter, so concurrent merges lose nothing."""

@@ -302,8 +302,8 @@ _ORDER = {
 
 
 def _equal(table: sa.Table, equal: Mapping[str, Any]) -> list[Any]:
-    """``column == value`` for every value that is not None."""
-    return [table.c[k] == v for k, v in equal.items() if v is not None]
+    """``column == value`` for every key (``IS NULL`` for None)."""
+    return [table.c[k] == v for k, v in equal.items()]
 
 
 def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]:
