@@ -18,6 +18,13 @@ REPORT_ENV = "LLMTRAIN_RANK_REPORT"  # a path prefix: each rank reports what it 
 
 
 def key_trace() -> KeyTrace:
+    # the worker installs its callbacks only once the database URIs are out of its
+    # environment: code it imports, and what that code starts, never sees the secrets
+    from llmtrain.launchers.command import DB_ENV, METADATA_ENV
+
+    leaked = [name for name in (DB_ENV, METADATA_ENV) if name in os.environ]
+    if leaked:
+        raise RuntimeError(f"callbacks were installed with {leaked} still in the environment")
     return KeyTrace(os.environ[TRACE_ENV])
 
 

@@ -37,14 +37,14 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
     from llmtrain.training.launch import run_in_process
     from llmtrain.training.strategies import strategy_for
 
-    install_from_environment()  # the callbacks LLMTRAIN_CALLBACKS names, read once
-
     # popped: nothing this process starts (compilers, loader workers) inherits the secrets
     db = connect(
         os.environ.pop(DB_ENV),
         metadata_uri=os.environ.pop(METADATA_ENV, None),
         artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None,
     )
+    # after the pops: the code LLMTRAIN_CALLBACKS names imports with the secrets gone
+    install_from_environment()
     trainer = db.load("trainer", args.trainer, args.version)
     run_in_process(
         trainer,
