@@ -53,7 +53,10 @@ class Query(ABC):
         cls = _KINDS.get(data["kind"])
         if cls is None:
             raise QueryError(f"unknown query kind {data['kind']!r}")
-        return cls._from_fields(data)
+        try:
+            return cls._from_fields(data)
+        except TypeError as exc:  # a field missing or unknown: say which, as a QueryError
+            raise QueryError(f"not a stored {data['kind']} query: {exc}") from None
 
     def fingerprint(self) -> str:
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from bson import ObjectId
-from conftest import fill
+from conftest import fill, fresh_database
 
 import llmtrain as lt
 from llmtrain.backends.engines import mongo_database, sql_engine
@@ -173,3 +173,24 @@ def test_a_null_key_is_refused(sql_uri: str) -> None:
     query = lt.sql("SELECT g, text FROM docs WHERE id < 6", key="g")
     with pytest.raises(lt.QueryError, match="key column 'g' holds NULL"):
         len(_dataset(db, query))
+
+
+def test_a_nan_key_is_refused_not_read_twice(tmp_path: Any) -> None:
+    """PostgreSQL sorts NaN above every number and finds it equal to itself; Python does
+    not, so a page starting at a NaN would read its row again. Both readers refuse it."""
+    databases = fresh_database("postgresql", tmp_path)
+    uri = next(databases)
+    try:
+        engine = sa.create_engine(uri)
+        with engine.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE t (id double precision PRIMARY KEY, x text)"))
+            conn.execute(sa.text("INSERT INTO t VALUES (1, 'a'), (2, 'b'), ('NaN', 'n')"))
+        engine.dispose()
+        db = lt.connect(uri)
+        with pytest.raises(lt.QueryError, match="key column 'id' holds NaN"):
+            list(lt.QueryDataset(db, lt.Table("t"), ["x"], page_size=2))
+        with pytest.raises(lt.QueryError, match="key column 'id' holds NaN"):
+            len(_dataset(db, lt.Table("t")))
+        db.close()
+    finally:
+        databases.close()

@@ -70,6 +70,14 @@ def test_fingerprint_is_stable_across_processes() -> None:
             r"\$function",
         ),
         (lambda: Query.from_dict({"kind": "nope"}), "unknown query kind"),
+        (
+            lambda: Query.from_dict({"kind": "sql_table", "name": "docs", "filter": {}}),
+            "not a stored sql_table query: .*'filter'",
+        ),
+        (
+            lambda: Query.from_dict({"kind": "sql_raw", "text": "SELECT 1"}),
+            "not a stored sql_raw query: .*'key'",
+        ),
     ],
 )
 def test_bad_queries_are_refused(make, message: str) -> None:  # noqa: ANN001

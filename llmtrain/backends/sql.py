@@ -109,8 +109,6 @@ class SQLBackend(DataBackend):
             found = "database" in message.lower() and "denied" not in message.lower()
             cls = DatabaseNotFoundError if found else ConfigError
             raise cls(f"cannot open {self.uri}: {message}") from None
-        except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
-            raise QueryError(f"{source}: {exc}") from None
 
     def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
         def call() -> list[Any]:

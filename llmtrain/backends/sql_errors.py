@@ -44,6 +44,11 @@ def _mysql_code(orig: Any) -> int | None:
     return args[0] if args and isinstance(args[0], int) else None
 
 
+def _pg_refused(orig: object) -> bool:
+    """libpq's error (no SQLSTATE) for a database or login the server turned away."""
+    return any(p in str(orig) for p in _PG_REFUSALS)
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether retrying ``exc`` (a SQLAlchemy DBAPIError) can succeed."""
     if getattr(exc, "connection_invalidated", False) or isinstance(exc, sa.exc.InterfaceError):
@@ -53,7 +58,7 @@ def is_transient(exc: BaseException) -> bool:
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
         if state is None:  # libpq's own error: refused, reset, timed out, or turned away
-            return not any(p in str(orig) for p in _PG_REFUSALS)
+            return not _pg_refused(orig)
         return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in _MYSQL_TRANSIENT
@@ -71,7 +76,7 @@ def is_connection_error(exc: BaseException) -> bool:
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
         if state is None:
-            return any(p in str(orig) for p in _PG_REFUSALS)
+            return _pg_refused(orig)
         return state == "3D000" or state.startswith("28")
     if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
         return _mysql_code(orig) in (1044, 1045, 1049)

@@ -319,9 +319,13 @@ _NONE = object()  # no key before this page
 
 
 def _check_unique(keys: list[Key], before: Any, key_name: str, source: str) -> None:
-    """Refuse a NULL key or a key equal to the one before it (keys come sorted)."""
+    """Refuse a NULL or NaN key, or a key equal to the one before it (keys come sorted). A
+    NaN equals itself to PostgreSQL but not to Python, so a page starting at one would read
+    it again."""
     if None in keys:
         raise _not_unique(key_name, source, None)
+    if any(map(operator.ne, keys, keys)):  # only NaN differs from itself; in C
+        raise _not_unique(key_name, source, next(k for k in keys if k != k))
     prev = [before, *keys[:-1]]
     if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
         for a, b in zip(prev, keys):
@@ -330,7 +334,7 @@ def _check_unique(keys: list[Key], before: Any, key_name: str, source: str) -> N
 
 
 def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
-    what = "NULL" if key is None else f"the key {key!r} more than once"
+    what = "NULL" if key is None else "NaN" if key != key else f"the key {key!r} more than once"
     return QueryError(
         f"{source}: key column {key_name!r} holds {what}, so rows would "
         "be read twice or skipped; pass key= naming a unique, non-null column, or use "
