@@ -55,6 +55,26 @@ def test_every_field_of_every_model_has_a_description() -> None:
     assert missing == []
 
 
+@pytest.mark.parametrize(
+    "section",
+    [
+        lt.TrainingArguments(learning_rate=1e-3, max_steps=7),
+        lt.LoraArguments(r=4, lora_dropout=0.0),
+        lt.ModelArguments(model_name_or_path="m", bits=4),
+        lt.DataArguments(max_length=64, packing=True),
+        lt.DeepspeedConfig(stage=3),
+        lt.FSDPConfig(),
+        lt.RayConfig(num_workers=3),
+    ],
+    ids=lambda section: type(section).__name__,
+)
+def test_each_section_round_trips_through_its_dict(section: Any) -> None:
+    cls = type(section)
+    assert cls.from_dict(section.to_dict()) == section
+    with pytest.raises(ConfigError, match=f"{cls.__name__}.nope"):
+        cls.from_dict({**section.to_dict(), "nope": 1})
+
+
 def test_flat_keywords_are_the_fields_of_the_flat_sections_and_their_aliases() -> None:
     flat = TrainerConfig.flat_keywords()
     for alias, target in ALIASES.items():

@@ -58,6 +58,15 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
         except ValidationError as exc:
             raise ConfigError(describe(type(self).__name__, exc)) from None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The section as JSON values, as a recipe stores it."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """The section back from ``to_dict()``; every problem is one ConfigError."""
+        return build(cls, data)
+
     @model_serializer(mode="wrap")
     def _omit_unset_new_fields(self, handler: Any) -> dict[str, Any]:
         """A field added after 0.1.0 (marked ``since``) stays out of the record while it
