@@ -77,8 +77,10 @@ def run_in_process(
     except BaseException as exc:
         if not strategy.is_main or completed:
             raise
-        refused = bool(resume) and not started  # the attempt never continued the run
-        mark_failed(db, run_id, exc, steps=run.step, tokens=run.tokens_seen, refused=refused)
+        if started or not resume:
+            mark_failed(db, run_id, exc, steps=run.step, tokens=run.tokens_seen)
+        else:  # the attempt never continued the run: its status stays, the reason is noted
+            note_refused_resume(db, run_id, exc)
         raise
     finally:
         run.cleanup(failed=not completed)
@@ -141,6 +143,17 @@ def train_to_end(run: FitRun) -> str | None:
     return run.save_adapter()
 
 
+def note_refused_resume(db: Datalayer, run_id: str, exc: BaseException) -> None:
+    """A resume that could not start (rows changed, a bad checkpoint): the run keeps its
+    status, and its error says why the last attempt to continue it was refused."""
+    try:
+        if db.metadata.get_run(run_id).status != "completed":
+            message = f"resume refused: {type(exc).__name__}: {exc}"
+            db.metadata.update_run(run_id, error=message[:4000])
+    except Exception:  # noqa: BLE001 - the original error matters more
+        log.exception("could not note the refused resume of run %s", run_id)
+
+
 def mark_failed(
     db: Datalayer,
     run_id: str,
@@ -148,20 +161,15 @@ def mark_failed(
     *,
     steps: int | None = None,
     tokens: int | None = None,
-    refused: bool = False,
 ) -> None:
     """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed", with the
-    steps and tokens reached when known. ``refused``: a resume that could not start (rows
-    changed, a bad checkpoint): the run keeps its status, and its error says why the last
-    attempt to continue it was refused. A completed run stays completed (an interrupt that
+    steps and tokens reached when known. A completed run stays completed (an interrupt that
     lands after the work is done is not the run's failure). A store that fails too must not
     hide the original error."""
     from llmtrain.errors import DistributedError
 
     interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-    if refused:
-        message = f"resume refused: {type(exc).__name__}: {exc}"
-    elif isinstance(exc, DistributedError) or (interrupted and not str(exc)):
+    if isinstance(exc, DistributedError) or (interrupted and not str(exc)):
         message = str(exc) or type(exc).__name__
     else:
         message = f"{type(exc).__name__}: {exc}"
@@ -171,9 +179,9 @@ def mark_failed(
             return
         db.metadata.update_run(
             run_id,
-            status=None if refused else "interrupted" if interrupted else "failed",
+            status="interrupted" if interrupted else "failed",
             error=message[:4000],
-            info=None if refused else reached or None,
+            info=reached or None,
         )
     except Exception:  # noqa: BLE001 - the original error matters more
-        log.exception("could not record the failure on run %s", run_id)
+        log.exception("could not mark run %s failed", run_id)
