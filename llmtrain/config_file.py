@@ -11,7 +11,6 @@ is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import os
 import re
@@ -187,7 +186,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """A copy of ``config`` with each dotted path set (missing sections are created)."""
-    out = copy.deepcopy(config)
+    out = _copy(config)
     for path, value in overrides:
         node = out
         *parents, leaf = path.split(".")
@@ -197,6 +196,16 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]
             node = node[part]
         node[leaf] = value
     return out
+
+
+def _copy(value: Any) -> Any:
+    """Every dict and list anew: a YAML alias (``eval_select: *s``) becomes its own copy, so
+    an override of one path never changes another (``copy.deepcopy`` keeps them shared)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
 
 
 # -- the file's schema --------------------------------------------------------------------

@@ -187,6 +187,22 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
 ]
 
 
+def test_an_override_changes_only_its_path_even_where_yaml_aliased_it(tmp_path: Path) -> None:
+    from llmtrain.config_file import apply_overrides, parse_overrides, read_config
+
+    path = tmp_path / "fit.yaml"
+    path.write_text(
+        "data:\n"
+        "  select: &s {table: docs, where: 'lang = :l', params: {l: en}}\n"
+        "  eval_select: *s\n"
+    )
+    config = read_config(path)
+    changed = apply_overrides(config, parse_overrides(["--data.select.params.l", "fr"]))
+    assert changed["data"]["select"]["params"] == {"l": "fr"}
+    assert changed["data"]["eval_select"]["params"] == {"l": "en"}
+    assert config["data"]["select"]["params"] == {"l": "en"}  # the file's own, untouched
+
+
 @pytest.mark.parametrize(
     ("options", "message"), REFUSED, ids=[re.sub(r"\W+", "-", m)[:40] for _, m in REFUSED]
 )
