@@ -4,6 +4,7 @@ fit(); and a fit that keeps third-party noise out of its output unless asked."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -126,6 +127,13 @@ def test_a_hub_id_with_a_silent_hub_fails_within_the_check_timeout(
         monkeypatch.setattr(constants, "ENDPOINT", endpoint)
         monkeypatch.setattr(modeling, "HUB_CHECK_TIMEOUT_S", 1.0)
         message, seconds = _timed_refusal("some-org/no-such-model")
+        server.setblocking(False)
+        attempts = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                server.accept()[0].close()
+                attempts += 1
+    assert attempts == 1  # one probe: no hub client call and none of its retries
     assert seconds < 1.0 + 10, seconds  # one timeout, not the hub client's 48 s of retries
     assert f"the hub {endpoint} is unreachable (no answer within 1 s)" in message
 
