@@ -26,6 +26,7 @@ _MARKER = "llmtrain_tiny.json"
 _MAX_POSITIONS = 512
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>"]
 ARCHES = ("llama", "opt", "qwen2")
+TOKENIZER_STYLES = ("bytelevel", "metaspace", "legacy", "wordpiece")
 
 #: A plain user/assistant template; ``{% generation %}`` marks what an assistant-only loss
 #: trains, and it includes the EOS so a fine-tuned model learns to stop.
@@ -77,20 +78,54 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
-    """Byte-level BPE (any UTF-8 text encodes, no ``<unk>`` in practice) with BOS prepended."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: int = 512) -> Any:
+    """A fast tokenizer trained on ``corpus``, with ``<s>`` prepended by ``tokenizer(text)``,
+    in one of the styles that mark words and the start of a text differently:
+    ``bytelevel`` (GPT-2, Llama-3: ``Ġword``, any UTF-8 text encodes), ``metaspace``
+    (tokenizers' Llama/Mistral style: ``▁word``, ``▁`` before the first word), ``legacy``
+    (Llama-2's tokenizer.json: a normaliser prepends ``▁`` to every text) and ``wordpiece``
+    (BERT: whitespace dropped, ``##`` continuations, lowercased)."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer: Any
+    if style == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece()
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
+        )
+    else:
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        alphabet = ["\n", "#", ":", "▁"]
+        if style == "bytelevel":
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            alphabet = pre_tokenizers.ByteLevel.alphabet()
+        elif style == "metaspace":
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+            tok.decoder = decoders.Metaspace(prepend_scheme="first")
+        else:
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            )
+            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # The post-processor is what makes ``tokenizer(text)`` add BOS, as Llama tokenizers do.
@@ -112,7 +147,9 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]) -> Any:
 def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config
 
-    tokenizer = _train_tokenizer(args["vocab_size"], [_CORPUS, *corpus])
+    tokenizer = train_tokenizer(
+        [_CORPUS, *corpus], style=args["tokenizer"], vocab_size=args["vocab_size"]
+    )
     hidden = args["hidden_size"]
     config: dict[str, Any] = {  # sized to the tokenizer, agreeing with its special ids
         "vocab_size": len(tokenizer),
@@ -158,12 +195,14 @@ def tiny_model(
     num_kv_heads: int | None = None,
     seed: int = 0,
     corpus: list[str] | None = None,
+    tokenizer: str = "bytelevel",
 ) -> Path:
     """Build (once) a tiny causal LM plus tokenizer in ``path`` and return the path.
 
     ``arch`` is ``"llama"``, ``"opt"`` or ``"qwen2"``. The tokenizer has ``<s>`` (BOS, added
     by ``tokenizer(text)``), ``</s>`` (EOS), ``<pad>`` (its own id, never EOS) and ``<unk>``,
-    and a chat template with ``{% generation %}`` tags. ``vocab_size`` is the BPE target; the
+    and a chat template with ``{% generation %}`` tags; ``tokenizer`` is its style (see
+    :func:`train_tokenizer`). ``vocab_size`` is the BPE target; the
     embeddings are sized to the tokenizer actually trained. ``num_kv_heads`` defaults to
     ``num_heads`` (set it lower for grouped-query attention; ignored by OPT).
 
@@ -176,6 +215,10 @@ def tiny_model(
     if hidden_size % num_heads:
         raise ConfigError(
             f"tiny_model: hidden_size {hidden_size} is not divisible by num_heads {num_heads}"
+        )
+    if tokenizer not in TOKENIZER_STYLES:
+        raise ConfigError(
+            f"tiny_model: tokenizer must be one of {TOKENIZER_STYLES}, got {tokenizer!r}"
         )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % kv_heads:
@@ -193,6 +236,8 @@ def tiny_model(
         "seed": seed,
         "corpus_sha256": hashlib.sha256(json.dumps(corpus or []).encode()).hexdigest(),
     }
+    if tokenizer != "bytelevel":  # the marker of a byte-level model stays as it was
+        args["tokenizer"] = tokenizer
     path = Path(path)
     if _read_marker(path) == args:
         return path
@@ -207,7 +252,7 @@ def tiny_model(
     # Build next to the target and rename, so a concurrent reader never sees a partial model.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _build(staging, args, list(corpus or []))
+        _build(staging, {"tokenizer": tokenizer, **args}, list(corpus or []))
         try:
             staging.rename(path)
         except OSError:  # another process finished first

@@ -8,7 +8,7 @@ from llmtrain.formatting.collate import (
     padding_efficiency,
 )
 from llmtrain.formatting.template import PromptTemplate
-from llmtrain.formatting.tokenize import IGNORE_INDEX, Example, Formatter
+from llmtrain.formatting.tokenize import IGNORE_INDEX, Example, Formatter, Prompt
 
 __all__ = [
     "IGNORE_INDEX",
@@ -16,6 +16,7 @@ __all__ = [
     "Formatter",
     "PackedCollator",
     "PaddingEfficiency",
+    "Prompt",
     "PromptTemplate",
     "pack_examples",
     "pad_collate",

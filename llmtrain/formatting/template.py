@@ -74,6 +74,11 @@ class PromptTemplate:
     def text(self) -> str:
         return self._text
 
+    @property
+    def between(self) -> str:
+        """The template's text between ``{X}`` and ``{Y}`` (the end of every prompt)."""
+        return self._after_x
+
     def prompt(self, x: str) -> str:
         """The prompt for input ``x``: everything before ``{Y}``. Use it at inference too."""
         return f"{self._before_x}{x}{self._after_x}"

@@ -4,12 +4,18 @@ A row ``{X: input, Y: response}`` becomes an :class:`Example`. The whole text (p
 response) is tokenized at once, so the trained ids are the very ones the tokenizer produces for
 it (tokenizing the response on its own would put a spurious ``▁`` before every response with
 tokenizers that mark the start of a text, Llama-2 style). Character offsets then split the
-tokens: those that reach past the end of the prompt text are the response. A token that
-straddles the boundary (a prompt ending in a space, merged into the response's first word)
-therefore counts as response; the prompt is then tokenized differently in context than alone,
-which is what :meth:`Formatter.prompt_ids` gives at inference, so the formatter warns once:
-end such prompts with a newline. Wherever the boundary is clean (the usual case), the untrained
-tokens are exactly the inference prompt ids.
+tokens: those that reach past the end of the prompt text are the response.
+
+Where the prompt ends in text that the response's first token can absorb (a trailing space:
+``"Fruit: "`` + ``"banana"`` is ``Ġbanana``), the boundary would depend on each response, and
+a model trained on such rows, given the prompt tokenized alone (ending in a lone ``Ġ`` it never
+saw there), answers garbage. So the formatter finds once, by tokenizing the template's prompt in
+front of a few common words, how many of its last characters a response may absorb, and every
+example is cut there: tokens reaching into those characters are trained as the response (a
+lone ``Ġ`` too, when a response's first word does not absorb it). Generation is given the same
+ids and re-spells those characters as its first tokens, then drops them from the answer
+(:class:`Prompt`, token healing), so a model answers as it was trained whatever its template
+ends with.
 
 Labels: ``IGNORE_INDEX`` (-100) on prompt tokens (unless ``train_on_inputs``); the response
 and the EOS after it are trained, so the model learns to stop. An empty response therefore
@@ -70,6 +76,25 @@ class Example:
     def num_target_tokens(self) -> int:
         """Tokens the loss trains: labels after the first position that are not ignored."""
         return sum(label != IGNORE_INDEX for label in self.labels[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """What generation is given for one input: the token ids training had before the first
+    target, and ``heal``, the prompt's tail that the first trained token carried (generated
+    again, then cut from the answer; empty at a clean boundary)."""
+
+    ids: list[int]
+    heal: str = ""
+
+
+#: responses a template's prompt is tokenized in front of, to find how much of it they absorb
+_PROBES = ("the", "The", "a", "A", "I", "it", "is", "yes", "No", "to", "1", "2024")
+
+
+def _first_response_token(offsets: Sequence[tuple[int, int]], end: int) -> int:
+    """The index of the first token that reaches past character ``end`` (the prompt's)."""
+    return next((i for i, (a, b) in enumerate(offsets) if b > end or a >= end), len(offsets))
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -142,8 +167,8 @@ class Formatter:
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
         }
         self._backend = None if chat_template else _backend_encoder(tokenizer)
-        self._boundary_warned = False
         self._prefix = self._check_chat_template() if chat_template else _special_prefix(tokenizer)
+        self._absorbed = 0 if chat_template else self._absorbable()
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
             raise ConfigError(
                 f"max_length {max_length} leaves no room for a response after "
@@ -176,46 +201,45 @@ class Formatter:
             ]
         assert self.template is not None
         prompts = [self.template.prompt(x) for x, _ in texts]
-        alone = self._encode(prompts)
         examples = []
-        for (key, _), prompt, (ids, offsets), prompt_ids in zip(
-            rows, prompts, self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)]), alone
+        for (key, _), prompt, (ids, offsets) in zip(
+            rows, prompts, self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)])
         ):
-            end = len(prompt)  # the first token that reaches into the response starts it
-            cut = next((i for i, (a, b) in enumerate(offsets) if b > end or a >= end), len(ids))
-            if ids[:cut] != prompt_ids and not self._boundary_warned:
-                self._boundary_warned = True  # once per formatter
-                tokens = self.tokenizer.convert_ids_to_tokens(ids[max(cut - 1, 0) : cut + 1])
-                warnings.warn(
-                    f"the prompt {prompt[-20:]!r} ends inside a token when followed by its "
-                    f"response (tokens {tokens!r}): the token spanning both is trained as part "
-                    "of the response, and the prompt tokenizes differently at inference; end "
-                    "the template's prompt with a newline (no trailing space)",
-                    stacklevel=3,
-                )
+            cut = _first_response_token(offsets, len(prompt) - self._absorbed)
             examples.append(
                 self._assemble(key, self._prefix, ids[:cut], ids[cut:] + [self.eos_id], None, [])
             )
         return examples
 
-    def prompt_ids(self, x: str) -> list[int]:
-        """The token ids a model is given at inference for input ``x``; identical to the
-        untrained part of a training example (before truncation) unless the formatter warned
-        that the prompt ends inside a token."""
+    def prompt(self, x: str) -> Prompt:
+        """What a model is given at inference for input ``x``: the ids a training example
+        with this input has before its response, and the characters to heal."""
         if self.chat_template:
             out = self._chat([[{"role": "user", "content": x}]], generation_prompt=True)
-            return list(out["input_ids"][0])
+            return Prompt(list(out["input_ids"][0]))
         assert self.template is not None
-        return self._prefix + self._encode([self.template.prompt(x)])[0]
+        text = self.template.prompt(x)
+        end = len(text) - self._absorbed
+        ((ids, offsets),) = self._encode_offsets([text + _PROBES[0]])
+        return Prompt(self._prefix + ids[: _first_response_token(offsets, end)], text[end:])
+
+    def _absorbable(self) -> int:
+        """How many of the prompt's last characters a response's first token may absorb:
+        the most any probe absorbs, within the template's text after ``{X}``."""
+        assert self.template is not None
+        text = self.template.prompt("x")
+        starts = [len(text)]
+        for ids, offsets in self._encode_offsets([text + probe for probe in _PROBES]):
+            cut = _first_response_token(offsets, len(text))
+            starts += [offsets[cut][0]] if cut < len(ids) else []
+        return min(len(text) - min(starts), len(self.template.between))
+
+    def prompt_ids(self, x: str) -> list[int]:
+        """The ids of :meth:`prompt` (identical to the untrained part of a training example
+        with input ``x``, before truncation)."""
+        return self.prompt(x).ids
 
     # -- internals -------------------------------------------------------------------------
-    def _encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of ``texts`` without special tokens, in one batched call."""
-        if self._backend is None:
-            return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        encode = getattr(self._backend, "encode_batch_fast", self._backend.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
-
     def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """(token ids, character spans) of ``texts`` without special tokens, batched."""
         if self._backend is None:

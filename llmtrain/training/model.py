@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from llmtrain.components import register_component
+from llmtrain.console import quieted
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.training.args import ModelArguments, build
 
@@ -175,7 +176,7 @@ class TrainedModel:
 
         db = self._require_db()
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        with tempfile.TemporaryDirectory(prefix="llmtrain-model-") as scratch:
+        with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-model-") as scratch:
             weights = Path(scratch) / "weights"
             if self.record.full_model:
                 db.artifacts.get_dir(self._weights(), weights)
@@ -276,12 +277,13 @@ class TrainedModel:
 
         model, tokenizer = self.load()
         formatter = self.formatter()
-        outputs = [
-            generate_batch(
-                model, tokenizer, [formatter.prompt_ids(x)], max_new_tokens, **generate_kwargs
-            )[0]
-            for x in ([X] if isinstance(X, str) else X)
-        ]
+        with quieted():  # transformers' deprecation notes on every call
+            outputs = [
+                generate_batch(
+                    model, tokenizer, [formatter.prompt(x)], max_new_tokens, **generate_kwargs
+                )[0]
+                for x in ([X] if isinstance(X, str) else X)
+            ]
         return outputs[0] if isinstance(X, str) else outputs
 
     def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803

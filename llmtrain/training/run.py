@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -420,7 +421,8 @@ class FitRun:
                 if isinstance(r.get(fit.X), str) and isinstance(r.get(fit.Y), str)
             ][: self.dargs.max_eval_rows - count]
             if pairs:
-                prompts = [self.formatter.prompt_ids(x)[-limit:] for x, _ in pairs]
+                prompts = [self.formatter.prompt(x) for x, _ in pairs]
+                prompts = [replace(p, ids=p.ids[-limit:]) for p in prompts]
                 with self.precision.autocast():
                     answers = generate_batch(model, self.tokenizer, prompts, t.eval_max_new_tokens)
                 for i, fn in enumerate(self.metrics.values()):
