@@ -3,6 +3,7 @@ exact resume, replay, stock loading of the adapter and the merged model, config 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -164,17 +165,43 @@ def test_resume_after_interruption_gives_the_same_adapter(
     assert steps == sorted(steps) and steps[-1] == 10
 
 
-def test_replay_loads_the_same_trainer_and_fits(tiny: Path, db: Any) -> None:
+def test_replay_loads_the_same_trainer_and_fits_the_same_adapter(tiny: Path, db: Any) -> None:
     trainer = _trainer(tiny, "replay", max_steps=2)
-    _fit(trainer, db)
+    first = _fit(trainer, db)
     again = db.load("trainer", "replay")
     assert again == trainer and again.config.fit.X == "instruction"
     assert again.config.fit.select == trainer.config.fit.select
-    again.fit()
+    replayed = again.fit()
     runs = db.metadata.list_runs("trainer", "replay")
     assert [r.status for r in runs] == ["completed", "completed"]
     assert runs[0].info["data_fingerprint"] == runs[1].info["data_fingerprint"]
     assert db.show("trainer", "replay") == [0]  # the same recipe is not stored twice
+    # bit-equal tensors and the same adapter_config.json: the same content id
+    assert replayed.record.adapter == first.record.adapter
+
+
+def test_config_values_serialise_the_same_however_they_were_given(tmp_path: Path) -> None:
+    """lora_alpha=16 by default, 16 or 16.0 explicitly, read back from a record or a YAML
+    file: the same stored recipe (a float field never keeps an int)."""
+    from llmtrain.config_file import load_job
+
+    given = [
+        lt.LLMTrainer("same", model="m", prompt_template=TEMPLATE),
+        lt.LLMTrainer("same", model="m", prompt_template=TEMPLATE, lora_alpha=16),
+        lt.LLMTrainer("same", model="m", prompt_template=TEMPLATE, lora_alpha=16.0),
+        lt.LLMTrainer("same", model="m", prompt_template=TEMPLATE, warmup_ratio=0),
+    ]
+    given.append(lt.LLMTrainer.from_dict(given[0].to_dict()))
+    (tmp_path / "c.yaml").write_text(
+        "name: same\nmodel_args: {model_name_or_path: m}\nprompt_template: 'Q {X} A {Y}'\n"
+        "lora_args: {lora_alpha: 16}\ndata: {X: x, Y: y, select: {table: t}}\ndb: sqlite:///x.db\n"
+    )
+    from_yaml = load_job(tmp_path / "c.yaml").trainer().to_dict()
+    texts = {json.dumps(t.to_dict(), sort_keys=True) for t in given}
+    values = {json.dumps(t.config.model_dump(), sort_keys=True) for t in given}  # in memory
+    assert len(texts) == 1 and len(values) == 1
+    assert from_yaml["lora_args"] == given[0].to_dict()["lora_args"]
+    assert repr(given[0].to_dict()["lora_args"]["lora_alpha"]) == "16.0"
 
 
 def test_replay_refuses_changed_rows_unless_allowed(tiny: Path, db: Any) -> None:

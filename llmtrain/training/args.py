@@ -48,8 +48,14 @@ else:
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
     # the docstring under each field is its description (shown by help(LLMTrainer))
+    # defaults validated too: a float field never holds an int (``lora_alpha=16`` would reach
+    # PEFT as 16 in a first fit and as 16.0 read back from its record: another adapter id)
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, frozen=False, use_attribute_docstrings=True
+        extra="forbid",
+        validate_assignment=True,
+        validate_default=True,
+        frozen=False,
+        use_attribute_docstrings=True,
     )
 
     def __setattr__(self, name: str, value: Any) -> None:
