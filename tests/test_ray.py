@@ -341,3 +341,19 @@ def test_ray_config_rules() -> None:
     assert pickle.loads(pickle.dumps(lt.RayConfig(storage="s3://b/p"))).storage == "s3://b/p"
     with pytest.raises(lt.ConfigError, match="credentials and options do not belong"):
         lt.RayConfig(storage="s3://key:secret@bucket/ray")
+
+
+def test_workers_the_cluster_cannot_place_are_refused_at_once(env: Env) -> None:
+    """use_gpu on a cluster without a GPU: Ray would wait for one (printing its autoscaler's
+    lines for minutes); the fit fails at once, naming the request and what the cluster has."""
+    trainer = lt.LLMTrainer(
+        "ray-gpu",
+        model=env.tiny,
+        prompt_template=TEMPLATE,
+        ray_config=lt.RayConfig(num_workers=WORLD, use_gpu=True, storage=str(env.root / "ray")),
+        **OPTIONS,
+    )
+    with pytest.raises(lt.ConfigError, match=r"\{'GPU': 2\.0\}.*'GPU': 0.*not enough GPU"):
+        trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    (run,) = env.db.metadata.list_runs("trainer", "ray-gpu")
+    assert run.status == "failed" and "not enough GPU" in run.error

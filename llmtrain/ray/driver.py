@@ -19,7 +19,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from llmtrain.artifacts.fsspec_store import check_url
-from llmtrain.errors import DistributedError
+from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.ray.bridge import DriverService
 from llmtrain.ray.worker import checkpoint_name, train_loop
 from llmtrain.training.args import RayConfig
@@ -111,16 +111,16 @@ class RayRun:
         return TorchTrainer(
             train_loop,
             train_loop_config=self.loop_config(broker),
-            scaling_config=ray.train.ScalingConfig(
-                num_workers=c.num_workers,
-                use_gpu=c.use_gpu,
-                resources_per_worker=c.resources_per_worker,
-            ),
+            scaling_config=scaling(c),
             run_config=ray.train.RunConfig(
                 name=self.name,
                 storage_path=self.path,
                 storage_filesystem=self.filesystem,
-                failure_config=ray.train.FailureConfig(max_failures=c.max_failures),
+                # a worker group that cannot start within Ray's start timeout (60 s; its
+                # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) fails the run, never waits on
+                failure_config=ray.train.FailureConfig(
+                    max_failures=c.max_failures, controller_failure_limit=0
+                ),
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
             ),
         )
@@ -183,6 +183,29 @@ class RayRun:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def scaling(config: RayConfig) -> Any:
+    return ray.train.ScalingConfig(
+        num_workers=config.num_workers,
+        use_gpu=config.use_gpu,
+        resources_per_worker=config.resources_per_worker,
+    )
+
+
+def check_resources(config: RayConfig) -> None:
+    """ConfigError naming the request and what the cluster has, when the workers could never
+    be placed (``use_gpu`` on a cluster without GPUs): Ray itself would wait for them."""
+    wanted = scaling(config).total_resources
+    have = ray.cluster_resources()
+    short = sorted(name for name, amount in wanted.items() if amount > have.get(name, 0))
+    if short:
+        shown = {name: have.get(name, 0) for name in sorted({*wanted, "CPU", "GPU"})}
+        raise ConfigError(
+            f"ray_config asks for {config.num_workers} worker(s) needing {dict(wanted)} in "
+            f"all, but the Ray cluster has {shown}: not enough {', '.join(short)}; lower "
+            "ray_config.num_workers or resources_per_worker, or drop use_gpu"
+        )
+
+
 def run_on_ray(trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str, merge: bool) -> Any:
     """Train run ``run_id`` on Ray; returns the trained model. Joins the Ray instance this
     process has (or ``ray_config.address``'s); one it starts itself it also shuts down."""
@@ -191,6 +214,13 @@ def run_on_ray(trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str, 
     if started:
         ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
     try:
+        try:
+            check_resources(config)
+        except ConfigError as exc:
+            from llmtrain.training.launch import mark_failed
+
+            mark_failed(db, run_id, exc)
+            raise
         return RayRun(trainer, db, run_id, resume=resume).fit(merge=merge)
     finally:
         if started:
