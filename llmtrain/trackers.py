@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from llmtrain.console import QUIET_ENV
 from llmtrain.errors import ConfigError
@@ -53,6 +54,27 @@ def check_trackers(report_to: Sequence[str]) -> None:
                 f"training_args.report_to: {name!r} needs the {name} package: "
                 f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
             )
+    if "mlflow" in report_to:
+        check_mlflow_store()
+
+
+def check_mlflow_store() -> None:
+    """MLflow 3 refuses its file store (``MLFLOW_TRACKING_URI=file:./mlruns`` or a folder)
+    unless ``MLFLOW_ALLOW_FILE_STORE`` is set: say so now, not after the model loaded."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    file_store = bool(uri) and urlsplit(uri).scheme.lower() in ("", "file")  # a folder
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes")
+    if not file_store or allowed:
+        return
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # noqa: F401
+    except ImportError:  # an MLflow that still takes the file store
+        return
+    raise ConfigError(
+        f"training_args.report_to: 'mlflow' with MLFLOW_TRACKING_URI={uri!r}: this MLflow "
+        "refuses its file store; set MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or a tracking "
+        "server's URL), or MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+    )
 
 
 def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
