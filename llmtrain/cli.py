@@ -187,7 +187,11 @@ def _with_db(sub: Any, command: str, **kwargs: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"
     )
-    parser.add_argument("--artifacts", help="artifact folder, if not the default one")
+    parser.add_argument(
+        "--artifacts",
+        help="the artifact store: a folder, 'gridfs' or a URL (s3://bucket/prefix); default: "
+        "where the newest run recorded its artifacts, else the database's default folder",
+    )
     return parser
 
 
@@ -268,7 +272,13 @@ def _error(exc: Exception, *, one_line: bool = False) -> None:
 def _connect(args: argparse.Namespace) -> closing[Datalayer]:
     if not args.db:
         raise ConfigError(f"no database: pass --db URI or set {DB_ENV}")
-    return closing(connect(args.db, artifacts=args.artifacts))
+    db = connect(args.db, artifacts=args.artifacts)
+    if args.artifacts is None:  # where the newest run stored its artifacts (s3://, gridfs)
+        runs = db.metadata.list_runs()
+        recorded = runs[-1].info.get("artifacts") if runs else None
+        if isinstance(recorded, str) and recorded != db.artifacts.location:
+            db = connect(args.db, artifacts=recorded)
+    return closing(db)
 
 
 # -- fit / replay -----------------------------------------------------------------------------

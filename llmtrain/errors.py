@@ -51,6 +51,10 @@ class ComponentNotFoundError(StoreError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class ArtifactNotFoundError(StoreError):
+    """No artifact with that id is in the store (it was deleted, or is in another store)."""
+
+
 class ArtifactCorruptError(StoreError):
     """An artifact's bytes no longer match its content address."""
 

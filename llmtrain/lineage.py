@@ -314,7 +314,10 @@ def run_keys(db: Datalayer, run: Any) -> SnapshotKeys:
         )
     if not isinstance(run.info.get("config"), dict):
         raise StoreError(f"run {run.run_id} records no trainer config: no lineage to derive")
-    return SnapshotKeys(RunSnapshot.from_record(record).view("train"), db.artifacts)
+    view = RunSnapshot.from_record(record).view("train")
+    if view.chunks:
+        db.artifacts.require(view.chunks[0], run.info.get("artifacts"), f"run {run.run_id}")
+    return SnapshotKeys(view, db.artifacts)
 
 
 def reached_step(db: Datalayer, run: Any) -> int:

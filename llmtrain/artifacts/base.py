@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.errors import ArtifactCorruptError, LlmtrainError, StoreError
+from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, LlmtrainError, StoreError
 
 BLOB, TREE = "sha256", "tree"
 _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
@@ -157,6 +157,27 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def exists(self, artifact_id: str) -> bool: ...
+
+    @property
+    def location(self) -> str:
+        """Where the artifacts are, as ``connect(artifacts=)`` takes it (no secret in it):
+        recorded on every run and model, so a reader can be told where to look."""
+        return repr(self)
+
+    def require(self, artifact_id: str, recorded: str | None, what: str) -> None:
+        """ArtifactNotFoundError naming where ``what`` recorded its artifacts, when
+        ``artifact_id`` is not here and that is another store."""
+        if self.exists(artifact_id):
+            return
+        hint = ""
+        if recorded and recorded != self.location:
+            hint = (
+                f"; {what} stored its artifacts in {recorded}: open the database with "
+                f"artifacts={recorded!r} (llmtrain ... --artifacts {recorded})"
+            )
+        raise ArtifactNotFoundError(
+            f"artifact {artifact_id} of {what} is not in {self.location}{hint}"
+        )
 
     @abstractmethod
     def delete(self, artifact_id: str) -> None:

@@ -39,7 +39,7 @@ from llmtrain.artifacts.base import (
     parse_id,
     tree_ids,
 )
-from llmtrain.errors import ConfigError, LlmtrainError, StoreError
+from llmtrain.errors import ArtifactNotFoundError, ConfigError, LlmtrainError
 
 #: filesystems whose writes with ``autocommit=False`` publish the object only on ``commit()``
 ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})
@@ -114,6 +114,10 @@ class FsspecArtifactStore(ContentAddressedStore):
     def __repr__(self) -> str:
         return f"FsspecArtifactStore({self.url!r})"
 
+    @property
+    def location(self) -> str:
+        return self.url
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None}
 
@@ -180,7 +184,7 @@ class FsspecArtifactStore(ContentAddressedStore):
         try:
             return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
         except FileNotFoundError:
-            raise StoreError(f"artifact {artifact_id} not found in {self.url}") from None
+            raise ArtifactNotFoundError(f"artifact {artifact_id} not found in {self.url}") from None
         except Exception as exc:  # noqa: BLE001
             raise self._error(f"reading {artifact_id}", exc) from exc
 

@@ -17,7 +17,7 @@ from pymongo.errors import PyMongoError
 
 from llmtrain.artifacts.base import CHUNK, TREE, ContentAddressedStore, HashingReader
 from llmtrain.backends.engines import mongo_database
-from llmtrain.errors import ArtifactCorruptError, StoreError
+from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, StoreError
 from llmtrain.metadata.base import TABLE_PREFIX
 from llmtrain.uri import redact_uri, scheme_of
 
@@ -46,6 +46,10 @@ class GridFSArtifactStore(ContentAddressedStore):
 
     def __repr__(self) -> str:
         return f"GridFSArtifactStore({self._where!r})"
+
+    @property
+    def location(self) -> str:
+        return "gridfs"
 
     def _db(self, *, write: bool = False) -> Any:
         """The database; for a write, after the unique index exists (reads create nothing)."""
@@ -100,7 +104,9 @@ class GridFSArtifactStore(ContentAddressedStore):
     def _open(self, artifact_id: str) -> BinaryIO:
         doc = self._file_doc(artifact_id)
         if doc is None:
-            raise StoreError(f"artifact {artifact_id} not found in {self._where} (GridFS)")
+            raise ArtifactNotFoundError(
+                f"artifact {artifact_id} not found in {self._where} (GridFS)"
+            )
         with self._errors(f"reading {artifact_id}"):
             return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self._error))
 

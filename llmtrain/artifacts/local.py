@@ -25,7 +25,7 @@ from llmtrain.artifacts.base import (
     parse_id,
     tree_ids,
 )
-from llmtrain.errors import StoreError
+from llmtrain.errors import ArtifactNotFoundError
 
 try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best effort
     import fcntl
@@ -41,6 +41,10 @@ class LocalArtifactStore(ContentAddressedStore):
 
     def __repr__(self) -> str:
         return f"LocalArtifactStore({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
 
     def _path(self, artifact_id: str) -> Path:
         kind, hexdigest = parse_id(artifact_id)
@@ -84,7 +88,9 @@ class LocalArtifactStore(ContentAddressedStore):
         try:
             return open(self._path(artifact_id), "rb")
         except FileNotFoundError:
-            raise StoreError(f"artifact {artifact_id} not found in {self.root}") from None
+            raise ArtifactNotFoundError(
+                f"artifact {artifact_id} not found in {self.root}"
+            ) from None
         except OSError as exc:
             raise _os_error(f"cannot read {artifact_id} from {self.root}", exc) from exc
 

@@ -39,6 +39,7 @@ class ModelRecord(BaseModel):
     run_id: str
     trainer_version: int | None
     history: list[dict[str, float]] = []
+    artifacts: str | None = None  # where the adapter was stored (connect(artifacts=))
 
 
 @register_component
@@ -77,6 +78,7 @@ class TrainedModel:
                 run_id=run_id,
                 trainer_version=trainer.version,
                 history=history[-200:],
+                artifacts=trainer.db.artifacts.location if trainer.db is not None else None,
             )
         )
         model.db = trainer.db
@@ -134,6 +136,8 @@ class TrainedModel:
     def _weights(self) -> str:
         if self.record.adapter is None:
             raise ConfigError(f"model {self.identifier!r} v{self.version} has no stored weights")
+        what = f"model {self.identifier!r} v{self.version}"
+        self._require_db().artifacts.require(self.record.adapter, self.record.artifacts, what)
         return self.record.adapter
 
     def _adapter_folder(self, dest: Path) -> Path:

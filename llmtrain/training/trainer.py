@@ -320,6 +320,7 @@ class LLMTrainer:
                 "Y": fit.Y,
                 "data_fingerprint": fit.data_fingerprint,
                 "db": db.uri,
+                "artifacts": db.artifacts.location,
                 "versions": library_versions(),
                 "allow_changed_data": allow_changed_data,
                 "snapshot": snapshot.to_record(),

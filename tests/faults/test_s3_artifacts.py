@@ -158,3 +158,27 @@ def test_no_credential_reaches_the_database_the_logs_or_the_bucket(world: World)
     for key in keys:
         data = store.fs.cat_file(key)
         assert not any(s in data for s in secrets), f"a credential is in s3://{key}"
+
+
+def test_a_reader_without_the_bucket_is_told_where_the_artifacts_are(
+    world: World, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Runs and models record their artifact store: the CLI reads from it when --artifacts is
+    not given, and a Datalayer opened on another store names it instead of a bare not-found."""
+    from llmtrain.cli import main
+    from llmtrain.errors import ArtifactNotFoundError
+
+    (run,) = world.db.metadata.list_runs("trainer", "reference")
+    bucket = f"s3://{world.bucket}/runs"
+    assert run.info["artifacts"] == bucket
+    assert world.db.load("model", "reference").record.artifacts == bucket
+    uri = world.db.secret_uri()
+    assert main(["lineage", "reference", "--db", uri]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == OPTIONS["max_steps"] * OPTIONS["batch_size"]
+    elsewhere = lt.connect(uri)  # the default folder next to the file: not where they are
+    with pytest.raises(ArtifactNotFoundError, match=f"stored its artifacts in {bucket}"):
+        list(elsewhere.lineage("model", "reference"))
+    with pytest.raises(ArtifactNotFoundError, match=f"artifacts='{bucket}'"):
+        elsewhere.load("model", "reference").export_adapter(tmp_path / "adapter")
+    assert not (world.root / "data.db.artifacts").exists()  # reading created nothing
