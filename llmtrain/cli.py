@@ -10,6 +10,7 @@ on stderr; output cut short by its reader (``llmtrain show | head``) ends quietl
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -165,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--retrain", action="store_true", help="fit the affected trainers again without them"
     )
 
-    demo = sub.add_parser("demo", help="fine-tune a tiny model on a demo SQLite table")
+    what = "fine-tune a tiny model on a demo SQLite table"
+    demo = sub.add_parser("demo", help=what, description=what)
     demo.add_argument(
         "--dir",
         type=Path,
@@ -181,8 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of one command (``replay``), which reports its own mistakes and usage."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]  # type: ignore[no-any-return]
+    raise KeyError(command)
+
+
 def _with_db(sub: Any, command: str, **kwargs: Any) -> argparse.ArgumentParser:
-    """A command that opens a database."""
+    """A command that opens a database; its help line is its description too."""
+    kwargs.setdefault("description", kwargs.get("help"))
     parser: argparse.ArgumentParser = sub.add_parser(command, **kwargs)
     parser.add_argument(
         "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"
@@ -216,7 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra and args.command != "fit":
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            command = _command_parser(parser, args.command)
+            options = [o[2:] for o in command._option_string_actions if o.startswith("--")]
+            close = difflib.get_close_matches(extra[0].lstrip("-"), options, n=1)
+            hint = f" (did you mean --{close[0]}?)" if close else ""
+            command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
@@ -283,7 +298,7 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 # -- fit / replay -----------------------------------------------------------------------------
 def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
-    job = load_job(args.config, overrides)
+    job = load_job(args.config, overrides, flags=("resume", "merge"))
     trainer = job.trainer()
     with closing(job.connect()) as db:
         say(

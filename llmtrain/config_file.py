@@ -131,8 +131,9 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 # -- overrides --------------------------------------------------------------------------------
-def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
-    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked."""
+def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked;
+    ``flags``: the command's own options, suggested for a mistyped one (``--resum``)."""
     out: list[tuple[str, Any]] = []
     items = iter(args)
     for arg in items:
@@ -142,11 +143,14 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
                 "--training_args.learning_rate 1e-4"
             )
         path, eq, value = arg[2:].partition("=")
+        close = difflib.get_close_matches(path, flags, n=1)
+        if close and "." not in path:
+            raise ConfigError(f"unknown option --{path} (did you mean --{close[0]}?)")
+        check_path(path)
         if not eq:
             value = next(items, "--")  # none left reads as a missing value too
             if value.startswith("--"):
                 raise ConfigError(f"override --{path} needs a value")
-        check_path(path)
         out.append((path, parse_value(value)))
     return out
 
@@ -320,7 +324,8 @@ def load_job(
     path: str | os.PathLike[str],
     overrides: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    flags: Sequence[str] = (),
 ) -> FitJob:
     """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
-    config = apply_overrides(read_config(path), parse_overrides(overrides))
+    config = apply_overrides(read_config(path), parse_overrides(overrides, flags))
     return build_job(config, env)

@@ -248,6 +248,8 @@ def test_missing_components_and_databases_fail_cleanly(
         (["--lora_args.r", "0"], "LLMTrainer.lora_args.r"),
         (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
         (["--training_args.learning_rate"], "needs a value"),
+        (["--resum"], "unknown option --resum (did you mean --resume?)"),
+        (["--merg", "x"], "unknown option --merg (did you mean --merge?)"),
     ],
 )
 def test_bad_overrides_exit_2_naming_the_option(
@@ -255,6 +257,49 @@ def test_bad_overrides_exit_2_naming_the_option(
 ) -> None:
     code, out, err = run_cli(capsys, "fit", str(CONFIG), "--db", "sqlite://", *args)
     assert code == 2 and message in err and "Traceback" not in err + out
+
+
+def test_each_command_reports_its_own_mistakes_and_describes_itself(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run_cli(capsys, "replay", "X", "--verison", "0")
+    assert code == 2 and err.startswith("usage: llmtrain replay ")
+    assert (
+        "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)"
+        in err
+    )
+    from llmtrain.cli import build_parser
+
+    for command in (
+        "fit",
+        "show",
+        "replay",
+        "merge",
+        "export",
+        "lineage",
+        "trained-on",
+        "forget",
+        "demo",
+    ):
+        code, out, _ = run_cli(capsys, command, "--help")
+        paragraphs = out.split("\n\n")
+        assert code == 0 and paragraphs[0].startswith(f"usage: llmtrain {command}")
+        assert paragraphs[1].strip() and not paragraphs[1].startswith(("positional", "options"))
+    assert build_parser().prog == "llmtrain"
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_a_server_database_that_does_not_exist_is_the_users_mistake(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2, one line naming the database, as for a SQLite file that is not there."""
+    from conftest import MY_ADMIN, PG_ADMIN
+
+    uri = f"{PG_ADMIN if kind == 'postgresql' else MY_ADMIN}/lt_no_such_database"
+    for argv in (["show"], ["trained-on", "docs", "1"], ["replay", "x"]):
+        code, out, err = run_cli(capsys, *argv, "--db", uri)
+        assert code == 2 and err.count("\n") == 1, err
+        assert "lt_no_such_database" in err and "Traceback" not in out + err
 
 
 def test_subprocess_errors_are_clean_and_never_show_passwords(workdir: Path) -> None:

@@ -21,8 +21,8 @@ import sqlalchemy as sa
 from llmtrain.backends.base import DataBackend, Key, KeyedRows
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine
 from llmtrain.backends.retry import RetryPolicy
-from llmtrain.backends.sql_errors import database_message, is_connection_error, is_transient
-from llmtrain.errors import ConfigError, DatabaseNotFoundError, QueryError
+from llmtrain.backends.sql_errors import database_message, is_transient, refusal
+from llmtrain.errors import QueryError
 from llmtrain.queries import Query, RawSQL, Table
 
 _IN_CHUNK = 1000
@@ -103,12 +103,10 @@ class SQLBackend(DataBackend):
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
         except sa.exc.StatementError as exc:
-            message = database_message(exc)
-            if not is_connection_error(exc):
-                raise QueryError(f"{source} failed on {self.uri}: {message}") from None
-            found = "database" in message.lower() and "denied" not in message.lower()
-            cls = DatabaseNotFoundError if found else ConfigError
-            raise cls(f"cannot open {self.uri}: {message}") from None
+            refused = refusal(exc, self.uri)
+            if refused is not None:
+                raise refused from None
+            raise QueryError(f"{source} failed on {self.uri}: {database_message(exc)}") from None
 
     def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
         def call() -> list[Any]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from llmtrain.errors import ConfigError, DatabaseNotFoundError
+
 # PostgreSQL SQLSTATE classes and codes that heal: connection exceptions (08), operator
 # intervention while the server shuts down or starts (57P01-57P03), serialization failure,
 # deadlock, lock not available, insufficient resources (53: too many connections, ...).
@@ -66,6 +68,17 @@ def is_transient(exc: BaseException) -> bool:
         return any(p in str(orig).lower() for p in _SQLITE_TRANSIENT)
     # another driver: only what SQLAlchemy itself calls a lost connection heals
     return False
+
+
+def refusal(exc: BaseException, where: str) -> ConfigError | None:
+    """A database or login the server turned away, as the user's mistake: a
+    DatabaseNotFoundError for a database that is not there, else a ConfigError (bad
+    credentials, an unopenable SQLite file); None for any other error."""
+    if not is_connection_error(exc):
+        return None
+    message = database_message(exc)
+    found = "database" in message.lower() and "denied" not in message.lower()
+    return (DatabaseNotFoundError if found else ConfigError)(f"cannot open {where}: {message}")
 
 
 def is_connection_error(exc: BaseException) -> bool:

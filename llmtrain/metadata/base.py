@@ -320,14 +320,22 @@ class MetadataStore(ABC):
     # -- shared plumbing ------------------------------------------------------------------------
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
-        """A driver error becomes one StoreError line naming the store and the operation."""
+        """A driver error becomes one StoreError line naming the store and the operation; a
+        database the server does not have, or a login it refuses, is the user's mistake."""
         try:
             yield
         except self._driver_errors as exc:
+            refused = self._refused(exc)
+            if refused is not None:
+                raise refused from None
             detail = getattr(exc, "orig", None) or exc
             raise StoreError(
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
+
+    def _refused(self, exc: BaseException) -> Exception | None:
+        """The ConfigError for a driver error that says the database or login is wrong."""
+        return None
 
     def _now(self) -> datetime:
         return datetime.now(UTC)

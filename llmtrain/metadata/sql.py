@@ -16,6 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from llmtrain.backends.engines import dispose_sql_engine, sql_engine, sqlite_path
+from llmtrain.backends.sql_errors import refusal
 from llmtrain.errors import StoreError
 from llmtrain.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
@@ -152,6 +153,9 @@ class SQLMetadataStore(MetadataStore):
     """
 
     _driver_errors = (sa.exc.SQLAlchemyError,)
+
+    def _refused(self, exc: BaseException) -> Exception | None:
+        return refusal(exc, self._where)
 
     def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
         super().__init__(uri, missing_ok=missing_ok)
