@@ -520,6 +520,9 @@ def _report_usage(found: Any) -> None:
         say(table(checkpoints, ["run id", "step", "checkpoint"]))
     if found.models:
         say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
+    if found.forgotten:
+        shown = ", ".join(str(k) for k in found.forgotten)
+        say(f"forgotten (db.forget): {shown}: runs since leave them out")
     if found.underivable:
         say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
 

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 from llmtrain.backends.base import Key
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
-from llmtrain.lineage import TrainedOn, trained_on
-from llmtrain.training.incremental import FORGOTTEN
+from llmtrain.lineage import FORGOTTEN, TrainedOn, trained_on
 
 if TYPE_CHECKING:
     from llmtrain.datalayer import Datalayer

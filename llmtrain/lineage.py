@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 SKIPPED = "skipped_keys"
 #: record field: the run this one continued from (an incremental fit): {run_id, steps, model}
 PARENT = "parent"
+FORGOTTEN = "forgotten"  # the metadata record type of a source's forgotten keys
 
 
 class SnapshotKeys:
@@ -359,6 +360,27 @@ def model_lineage(db: Datalayer, name: str, version: int | None = None) -> Itera
         yield from run_rows(run_steps(db, run, steps))
 
 
+def forgotten_keys(db: Datalayer, source: Any) -> list[str]:
+    """The keys (as key_repr) forgotten in ``source``: a stored query, a table or collection
+    name, or a query."""
+    from llmtrain.queries import Query
+
+    # ordered by version: the newest record of each source wins
+    newest = {r.identifier: r for r in db.metadata.list_components(FORGOTTEN)}
+    out: set[str] = set()
+    for record in newest.values():
+        theirs = record.payload.get("source")
+        theirs = Query.from_dict(theirs) if isinstance(theirs, dict) else theirs
+        mine = source.to_dict() if isinstance(source, Query) else source
+        if (
+            matches(mine, theirs)
+            if isinstance(mine, dict)
+            else mine == theirs or (isinstance(theirs, Query) and matches(theirs.to_dict(), mine))
+        ):
+            out.update(record.payload.get("keys") or [])
+    return sorted(out)
+
+
 def matches(query: dict[str, Any], source: Any) -> bool:
     """Whether a stored query reads ``source``: a table or collection name (``schema.name``
     for a table in a schema), or a query (the same table, collection or SQL text)."""
@@ -400,6 +422,11 @@ class TrainedOn:
     checkpoints: list[Any] = field(default_factory=list)  # CheckpointRecords
     models: list[tuple[str, int]] = field(default_factory=list)
     underivable: list[str] = field(default_factory=list)  # runs of the source with no snapshot
+    forgotten: list[Key] = field(default_factory=list)  # of ``keys``, those db.forget forgot
+
+    def __bool__(self) -> bool:
+        """Whether any run trained on the rows: an answer of none is falsy."""
+        return bool(self.uses or self.runs)
 
 
 def trained_on(db: Datalayer, source: Any, keys: Sequence[Key]) -> TrainedOn:
@@ -411,6 +438,8 @@ def trained_on(db: Datalayer, source: Any, keys: Sequence[Key]) -> TrainedOn:
     affected runs only.
     """
     result = TrainedOn(source, list(keys))
+    forgotten = set(forgotten_keys(db, source))
+    result.forgotten = [k for k in keys if key_repr(k) in forgotten]
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
     for run in runs:

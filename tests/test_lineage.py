@@ -159,7 +159,8 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
         (run.run_id, c.step) for c in db.metadata.list_checkpoints(run.run_id) if c.step >= steps[0]
     }
     assert sorted(found.models) == [("lin", parent.version), ("lin", child.version)]
-    assert db.trained_on("docs", 10_000).runs == []
+    assert db.trained_on("docs", 10_000).runs == [] and not db.trained_on("docs", 10_000)
+    assert found and found.forgotten == []
 
     # the CLI says the same
     assert main(["trained-on", "docs", key.split(":")[1], *where]) == 0
@@ -175,6 +176,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert sorted(forgotten.models) == sorted(found.models)
     assert forgotten.trainers == [("lin", run.version)]
     assert key in db.metadata.get_run(run.run_id).info["forgotten_keys"]
+    assert db.trained_on("docs", int(key.split(":")[1])).forgotten == [int(key.split(":")[1])]
     assert db.load("model", "lin", parent.version).record.adapter == parent.record.adapter
     assert main(["show", "model", "lin", *where]) == 0
     assert "FORGOTTEN ROWS" in capsys.readouterr().out.upper()
@@ -192,6 +194,8 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert main(["forget", "docs", other, *where]) == 0
     out = capsys.readouterr().out
     assert retrain_run.run_id in out and f"lin v{retrained.version}" in out
+    assert main(["trained-on", "docs", other, *where]) == 0
+    assert f"forgotten (db.forget): {other}" in capsys.readouterr().out
     assert main(["trained-on", "docs", other]) == 2  # no --db
     assert "no database" in capsys.readouterr().err
     db.close()

@@ -18,7 +18,7 @@ import numpy as np
 from llmtrain.backends.base import Key
 from llmtrain.datasets.snapshot import key_repr
 from llmtrain.errors import ConfigError
-from llmtrain.lineage import PARENT, matches, run_steps
+from llmtrain.lineage import PARENT, forgotten_keys, matches, run_steps
 from llmtrain.queries import Query
 
 if TYPE_CHECKING:
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from llmtrain.training.trainer import LLMTrainer
 
 log = logging.getLogger("llmtrain.training")
-FORGOTTEN = "forgotten"  # the metadata record type of a source's forgotten keys
 
 
 def digests(keys: Sequence[Key]) -> np.ndarray:
@@ -94,18 +93,6 @@ def trained_by(db: Datalayer, identifier: str, query: dict[str, Any]) -> tuple[T
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
     k, p, pk = (np.unique(np.concatenate(parts)) for parts in (keys, pairs, pair_keys))
     return Trained(k, p, pk, list(finished)), parent
-
-
-def forgotten_keys(db: Datalayer, query: dict[str, Any]) -> list[str]:
-    """The keys (as key_repr) forgotten in the source ``query`` reads."""
-    # ordered by version: the newest record of each source wins
-    newest = {r.identifier: r for r in db.metadata.list_components(FORGOTTEN)}
-    out: set[str] = set()
-    for record in newest.values():
-        source = record.payload.get("source")
-        if matches(query, Query.from_dict(source) if isinstance(source, dict) else source):
-            out.update(record.payload.get("keys") or [])
-    return sorted(out)
 
 
 def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
