@@ -36,10 +36,16 @@ PINNED: dict[str, tuple[dict[str, Any], list[float]]] = {
         LORA,
         [6.747960707720588, 6.343872547149658, 6.002149245318244, 5.255343914031982],
     ),
-    # packing is loss-equivalent to padding: the same numbers
-    "lora_packed": (
-        {**LORA, "packing": True},
-        [6.747960707720588, 6.343872547149658, 6.002149245318244, 5.255343914031982],
+    # packing is loss-equivalent to padding: the same numbers, without dropout (its masks are
+    # drawn over the batch's layout, and packing each step's rows under a token budget lays
+    # them out otherwise); pinned when that budget became packing's default
+    "lora_padded_no_dropout": (
+        {**LORA, "lora_dropout": 0.0},
+        [6.747961156508502, 6.334839820861816, 6.027302012724035, 5.271739959716797],
+    ),
+    "lora_packed_no_dropout": (
+        {**LORA, "lora_dropout": 0.0, "packing": True},
+        [6.747961156508502, 6.334839820861816, 6.027302012724035, 5.271739959716797],
     ),
     "full_fine_tuning": (
         {"lora_args": None, "learning_rate": 1e-3},

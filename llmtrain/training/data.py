@@ -4,7 +4,8 @@ The held-out split is part of the dataset's plan (``split="train"`` / ``"held_ou
 collate function tokenizes every row it gets, so every training batch has ``batch_size``
 rows (an epoch's last may have fewer) and the step count comes from training rows only.
 
-With a token budget (``max_tokens_per_batch``) an optimizer step still trains a fixed number
+With packing, a step's rows are packed together under a token budget
+(``max_tokens_per_batch``, default ``batch_size`` rows of ``max_length``): it still trains a fixed number
 of rows, ``batch_size x gradient_accumulation_steps`` per process, read as one loader batch:
 they are packed best-fit-decreasing into rows of ``max_length``, grouped into micro-batches
 of at most the budget with under 3% padding. The look-ahead is the step's rows, so the steps
@@ -113,17 +114,16 @@ def make_collate(
     args: DataArguments,
     source: str,
     *,
-    token_budget: bool = False,
+    token_budget: int | None = None,
 ) -> Collate:
-    """The collate function of ``args``; ``token_budget``: the training one, which packs a
-    step's rows to ``max_tokens_per_batch`` (evaluation keeps batches of rows)."""
+    """The collate function of ``args``; ``token_budget``: the training one's, which packs a
+    step's rows into micro-batches of that many tokens (evaluation keeps batches of rows)."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
-    budget = args.max_tokens_per_batch if token_budget else None
-    return Collate(formatter, tokenizer.pad_token_id, source, packer, budget)
+    return Collate(formatter, tokenizer.pad_token_id, source, packer, token_budget)
 
 
 def view_dataset(
@@ -184,7 +184,7 @@ class TrainBatches:
     ) -> None:
         self.dataset = dataset
         # with a token budget one loader batch is one step's rows (collate packs them)
-        self.per_step = args.max_tokens_per_batch is not None
+        self.per_step = args.token_budget(batch_size) is not None
         self.accumulation = 1 if self.per_step else accumulation
         self.loader: QueryDataLoader = dataset.loader(
             batch_size * accumulation if self.per_step else batch_size,

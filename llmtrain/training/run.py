@@ -125,7 +125,12 @@ class FitRun:
         select = fit.query()
         self.snapshot = self._selection_snapshot(select)
         collate = make_collate(
-            self.formatter, self.tokenizer, model, self.dargs, select.source, token_budget=True
+            self.formatter,
+            self.tokenizer,
+            model,
+            self.dargs,
+            select.source,
+            token_budget=self.dargs.token_budget(self.targs.per_device_train_batch_size),
         )
         train = view_dataset(
             self.db,
