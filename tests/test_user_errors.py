@@ -274,21 +274,26 @@ con.executemany("INSERT INTO qa VALUES (?, ?, ?)", [(i, f"q{i}", f"a{i}") for i 
 con.commit()
 con.close()
 db = lt.connect(f"sqlite:///{folder}/data.db")
+ray = sys.argv[4] == "ray"
 trainer = lt.LLMTrainer(
     "noise", model=sys.argv[3], prompt_template="Q: {X} A: {Y}", bits=4, max_steps=2,
-    batch_size=2, progress_bar=False, gradient_checkpointing=True,
-    launcher=lt.Launcher(kind=sys.argv[4], num_processes=1) if sys.argv[4] != "-" else None,
+    batch_size=2, progress_bar=ray, logging_steps=1, gradient_checkpointing=True,
+    launcher=lt.Launcher(kind="torchrun", num_processes=1) if sys.argv[4] == "torchrun" else None,
+    ray_config=lt.RayConfig(num_workers=2, storage=f"{folder}/ray") if ray else None,
 )
 model = trainer.fit("q", "a", db, lt.Table("qa"), verbose=verbose)
 print("stored", model.identifier, model.version)
 """
 
 
-@pytest.mark.parametrize(("verbose", "launcher"), [(False, "-"), (True, "-"), (False, "torchrun")])
+@pytest.mark.parametrize(
+    ("verbose", "launcher"), [(False, "-"), (True, "-"), (False, "torchrun"), (False, "ray")]
+)
 def test_a_fit_keeps_third_party_noise_out_unless_verbose(
     tiny: Path, tmp_path: Path, verbose: bool, launcher: str
 ) -> None:
-    """In this process, and in the worker processes a launched fit starts."""
+    """In this process, and in the worker processes a launched fit (or Ray) starts; on Ray,
+    piped, rank 0's progress lines come once each through the driver, and nothing of Ray's."""
     mode = "verbose" if verbose else "quiet"
     result = subprocess.run(
         [sys.executable, "-c", FIT, str(tmp_path), mode, str(tiny), launcher],
@@ -304,6 +309,12 @@ def test_a_fit_keeps_third_party_noise_out_unless_verbose(
         assert heard, result.stderr  # the noise is real: verbose lets it through
     else:
         assert heard == [], result.stderr
+    if launcher == "ray":
+        lines = result.stderr.splitlines()
+        assert [line.split(" loss ")[0] for line in lines] == [
+            "fit noise: step 1/2",
+            "fit noise: step 2/2",
+        ], result.stderr
 
 
 def test_quiet_is_scoped_to_the_call_and_respects_the_callers_settings() -> None:

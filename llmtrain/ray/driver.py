@@ -8,7 +8,10 @@ the model and marks the run, as :func:`llmtrain.training.launch.run_in_process` 
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -19,6 +22,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from llmtrain.artifacts.fsspec_store import check_url
+from llmtrain.console import QUIET_ENV
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.ray.bridge import DriverService
 from llmtrain.ray.worker import checkpoint_name, train_loop
@@ -74,6 +78,7 @@ class RayRun:
             "run_id": self.run_id,
             "resume": self.resume,
             "callbacks": registered_callbacks(),
+            "quiet": os.environ.get(QUIET_ENV) == "1",  # as quiet as the fit on the driver
         }
 
     # -- what the driver answers ---------------------------------------------------------------
@@ -151,6 +156,7 @@ class RayRun:
                 "resume_point": self.resume_point,
                 "record_checkpoint": self.record_checkpoint,
                 "finished": self.finish,
+                "say": lambda text: print(text, file=sys.stderr, flush=True),
             },
             threads=self.config.num_workers,
         )
@@ -211,8 +217,14 @@ def run_on_ray(trainer: Any, db: Datalayer, run_id: str, *, resume: bool | str, 
     process has (or ``ray_config.address``'s); one it starts itself it also shuts down."""
     config: RayConfig = trainer.config.ray_config
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
+    if started:  # a quiet fit hears from its workers through the driver only (progress)
+        quiet = os.environ.get(QUIET_ENV) == "1"
+        ray.init(
+            address=config.address,
+            include_dashboard=False,
+            log_to_driver=not quiet,
+            logging_level=logging.ERROR if quiet else logging.INFO,
+        )
     try:
         try:
             check_resources(config)

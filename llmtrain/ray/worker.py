@@ -17,6 +17,7 @@ from typing import Any
 import ray.train
 import torch
 
+from llmtrain.console import quieted
 from llmtrain.metadata.base import CheckpointRecord
 from llmtrain.placement import Placement
 from llmtrain.ray.bridge import Channel, RemoteDB
@@ -117,24 +118,47 @@ def train_loop(config: dict[str, Any]) -> None:
         resume=resume,
         callbacks=config["callbacks"],
         checkpointer=functools.partial(RayCheckpointer, channel=channel),
+        progress_stream=ToDriver(channel),
     )
     completed = False
-    try:
-        run.setup()
-        if strategy.is_main:
-            db.metadata.update_run(config["run_id"], status="running", info=running_info(run))
-        adapter = train_to_end(run)
-        if strategy.is_main:
-            channel.call(
-                "driver",
-                "finished",
-                {
-                    "adapter": adapter,
-                    "history": run.history,
-                    "steps": run.step,
-                    "tokens": run.tokens_seen,
-                },
-            )
-        completed = True
-    finally:
-        run.cleanup(failed=not completed)
+    with quieted(config["quiet"]):  # as quiet as the fit on the driver
+        try:
+            run.setup()
+            if strategy.is_main:
+                db.metadata.update_run(config["run_id"], status="running", info=running_info(run))
+            adapter = train_to_end(run)
+            if strategy.is_main:
+                channel.call(
+                    "driver",
+                    "finished",
+                    {
+                        "adapter": adapter,
+                        "history": run.history,
+                        "steps": run.step,
+                        "tokens": run.tokens_seen,
+                    },
+                )
+            completed = True
+        finally:
+            run.cleanup(failed=not completed)
+
+
+class ToDriver:
+    """A text stream whose lines the driver prints (the rank's progress lines): a worker's
+    own output is Ray's to forward, and a quiet fit has Ray forward none."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel, self.held = channel, ""
+
+    def write(self, text: str) -> int:
+        self.held += text
+        *lines, self.held = self.held.split("\n")
+        for line in lines:
+            self.channel.call("driver", "say", line)
+        return len(text)
+
+    def flush(self) -> None:
+        """Lines go as they end."""
+
+    def isatty(self) -> bool:
+        return False

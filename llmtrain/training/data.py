@@ -5,14 +5,14 @@ collate function tokenizes every row it gets, so every training batch has ``batc
 rows (an epoch's last may have fewer) and the step count comes from training rows only.
 
 With packing, a step's rows are packed together under a token budget
-(``max_tokens_per_batch``, default ``batch_size`` rows of ``max_length``): it still trains a fixed number
-of rows, ``batch_size x gradient_accumulation_steps`` per process, read as one loader batch:
-they are packed best-fit-decreasing into rows of ``max_length``, grouped into micro-batches
-of at most the budget with under 3% padding. The look-ahead is the step's rows, so the steps
-per epoch (the LR schedule), the resume state (rows consumed, at step boundaries) and the step
-count every rank agrees on stay what they are without a budget; only the micro-batches per
-step vary, and processes agree on their number (the shorter ones add an empty micro-batch:
-collectives stay paired).
+(``max_tokens_per_batch``, default ``batch_size`` rows of ``max_length``): a step still
+trains a fixed number of rows, ``batch_size x gradient_accumulation_steps`` per process,
+read as one loader batch: they are packed best-fit-decreasing into rows of ``max_length``,
+grouped into micro-batches of at most the budget with under 3% padding. The look-ahead is
+the step's rows, so the steps per epoch (the LR schedule), the resume state (rows consumed,
+at step boundaries) and the step count every rank agrees on stay what they are without a
+budget; only the micro-batches per step vary, and processes agree on their number (the
+shorter ones add an empty micro-batch: collectives stay paired).
 """
 
 from __future__ import annotations

@@ -73,9 +73,11 @@ class FitRun:
         resume: bool | str = False,
         callbacks: Sequence[Callback] = (),
         checkpointer: Callable[..., Checkpointer] = Checkpointer,
+        progress_stream: Any = None,
     ) -> None:
         self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
         self.make_checkpointer = checkpointer  # Ray's reports its checkpoints to Ray Train
+        self.progress_stream = progress_stream  # None: stderr; a Ray worker's goes to the driver
         self.config = trainer.config
         self.resume = resume
         self.targs, self.dargs = self.config.training_args, self.config.data_args
@@ -278,7 +280,9 @@ class FitRun:
         progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
         if t.progress_bar and self.strategy.is_main:
             desc = f"fit {self.trainer.identifier}"
-            progress = make_progress(desc, self.total_steps, self.step, t.logging_steps)
+            progress = make_progress(
+                desc, self.total_steps, self.step, t.logging_steps, self.progress_stream
+            )
         try:
             while self.step < self.total_steps:
                 group, targets = self._next_group(stream)
