@@ -52,11 +52,19 @@ def run_summary(db: Datalayer, run: Any) -> list[str]:
         lines.append(f"eval loss  {_final_and_best(evals, 'eval_loss')}")
     lines.append(f"data fingerprint  {info.get('data_fingerprint') or '-'}")
     lines += recipe_changes(db, run)
-    eval_at = {step: v["eval_loss"] for step, v in evals}
-    if train:
-        rows = [
-            (s, v["loss"], v.get("lr"), v.get("tokens_per_s"), eval_at.get(s)) for s, v in train
-        ]
+    ray = info.get("ray")
+    if isinstance(ray, dict):
+        lines.append(
+            f"ray        {ray.get('name')}: {ray.get('status')}, {ray.get('num_workers')} "
+            f"worker(s), storage {ray.get('storage')}, checkpoints "
+            f"{', '.join(ray.get('checkpoints') or []) or '-'}"
+        )
+    by_step: dict[int, dict[str, float]] = {}
+    for m in metrics:  # an evaluation off the logging steps gets its own row
+        by_step.setdefault(m.step, {}).update(m.values)
+    if by_step:
+        keys = ("loss", "lr", "tokens_per_s", "eval_loss")
+        rows = [(s, *(v.get(k) for k in keys)) for s, v in sorted(by_step.items())]
         lines += ["", table(rows, ["step", "loss", "lr", "tokens/s", "eval loss"])]
     checkpoints = db.metadata.list_checkpoints(run.run_id)
     if checkpoints:

@@ -383,3 +383,30 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
     assert text.splitlines() == [
         f"fit t: step {step}/5 loss 1.5000 lr 1.00e-04 tokens/s 100" for step in (2, 4, 5)
     ] + ["fit t: step 5/5 eval_loss 1.2500"]
+
+
+def test_show_run_lists_every_logged_step_and_a_ray_runs_details(tmp_path: Path) -> None:
+    """An evaluation at a step that logged no train loss (eval_steps=3, logging_steps=2) has
+    its own row; a Ray run shows its Ray run, status, workers, storage and checkpoints."""
+    from llmtrain.report import run_summary
+
+    db = lt.connect(f"sqlite:///{tmp_path / 'data.db'}")
+    ray = {
+        "name": "llmtrain-ab12-cd34",
+        "status": "completed",
+        "num_workers": 2,
+        "storage": "s3://bucket/ray",
+        "checkpoints": ["checkpoint-00000002", "checkpoint-00000004"],
+    }
+    db.metadata.create_run("r1", "trainer", "t", 0, {"ray": ray, "steps": 4})
+    db.metadata.log_metrics("r1", 2, {"loss": 1.5, "lr": 1e-3, "tokens_per_s": 10.0})
+    db.metadata.log_metrics("r1", 3, {"eval_loss": 1.25})
+    db.metadata.log_metrics("r1", 4, {"loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0})
+    lines = run_summary(db, db.metadata.get_run("r1"))
+    text = "\n".join(lines)
+    assert re.search(r"^3\s+-\s+-\s+-\s+1\.25$", text, re.M), text
+    assert [ln.split()[0] for ln in text.split("STEP")[1].splitlines()[1:4]] == ["2", "3", "4"]
+    assert (
+        "ray        llmtrain-ab12-cd34: completed, 2 worker(s), storage s3://bucket/ray, "
+        "checkpoints checkpoint-00000002, checkpoint-00000004"
+    ) in lines
