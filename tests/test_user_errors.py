@@ -282,6 +282,7 @@ trainer = lt.LLMTrainer(
     ray_config=lt.RayConfig(num_workers=2, storage=f"{folder}/ray") if ray else None,
 )
 model = trainer.fit("q", "a", db, lt.Table("qa"), verbose=verbose)
+db.load("model", "noise").generate("q1", max_new_tokens=2)  # quiet whatever the fit was
 print("stored", model.identifier, model.version)
 """
 
