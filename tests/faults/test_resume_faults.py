@@ -72,10 +72,11 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
 
 
 # -- rows that changed between a run and its resume -------------------------------------------
+#: each applied to a row the crashed attempt had not read yet ({k}), which the resume reaches
 CHANGES = {
-    "row deleted": "DELETE FROM {t} WHERE id = 5",
+    "row deleted": "DELETE FROM {t} WHERE id = {k}",
     "row added": "INSERT INTO {t} (id, instruction, output) VALUES (99, 'x', 'y')",
-    "row re-keyed": "UPDATE {t} SET id = 1005 WHERE id = 5",
+    "row re-keyed": "UPDATE {t} SET id = 1000 + {k} WHERE id = {k}",
 }
 
 
@@ -90,25 +91,31 @@ def test_a_resume_reads_the_runs_snapshot_whatever_changed_since(
     table = f"docs_{name}"
     fill(world.db.secret_uri(), table, doc_rows(32))
     crash_after_checkpoint(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
+    first = KeyTrace()
+    with registered(first), pytest.raises(KeyboardInterrupt):
         fit(world, tiny, name)
     monkeypatch.undo()
     (run,) = world.db.metadata.list_runs("trainer", name)
     checkpoints = [c.step for c in world.db.metadata.list_checkpoints(run.run_id)]
+    assert max(checkpoints) == 4 and [e["step"] for e in first.steps] == [1, 2, 3, 4]
+    # one epoch of 32 rows in 8 steps: the resume reads exactly the rows not read yet
+    unread = sorted({f"int:{i}" for i in range(32)} - set(first.keys), key=lambda k: int(k[4:]))
+    assert len(unread) == 16
+    key = int(unread[len(unread) // 2][4:])
     with sql_engine(world.db.secret_uri()).begin() as conn:
-        conn.execute(sa.text(CHANGES[change].format(t=table)))
+        conn.execute(sa.text(CHANGES[change].format(t=table, k=key)))
 
     trace = KeyTrace()
     with registered(trace):
         model = fit(world, tiny, name, resume=True)  # no allow_changed_data needed
     (run,) = world.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and model.record.run_id == run.run_id
-    steps = [e["step"] for e in trace.steps]
-    assert steps == list(range(max(checkpoints) + 1, OPTIONS["max_steps"] + 1))
-    # only the snapshot's rows: an added or re-keyed row is not trained, a deleted one is
-    # skipped and recorded on the run when its window comes
-    assert not {"int:99", "int:1005", "int:5"} & set(trace.keys)
-    assert set(run.info.get("deleted_keys", [])) <= ({"int:5"} if change != "row added" else set())
+    assert [e["step"] for e in trace.steps] == list(range(5, OPTIONS["max_steps"] + 1))
+    # only the snapshot's rows: an added or re-keyed row is not trained; the deleted one,
+    # which the resume would have trained, is skipped and recorded on the run exactly
+    gone = [f"int:{key}"] if change != "row added" else []
+    assert sorted(trace.keys) == sorted(set(unread) - set(gone))
+    assert run.info.get("deleted_keys", []) == gone
 
 
 # -- a checkpoint the artifact store cannot take ----------------------------------------------
