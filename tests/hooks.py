@@ -48,6 +48,25 @@ def optimizer_numel(optimizer: Any) -> int:
     return total
 
 
+class ResumeReport(Callback):
+    """Where each rank's attempt started, after its setup restored any checkpoint:
+    ``{prefix}.rank{r}.json`` with the loop's step and the optimizer's own step counters
+    (a sharded optimizer state restored from the checkpoint counts its steps on)."""
+
+    def __init__(self) -> None:
+        self.prefix = os.environ[REPORT_ENV]
+
+    def on_train_begin(self, run: Any) -> None:
+        counters = {
+            float(state["step"])
+            for state in run.optimizer.state.values()
+            if isinstance(state, dict) and "step" in state
+        }
+        report = {"rank": run.strategy.rank, "step": run.step, "optimizer_steps": sorted(counters)}
+        with open(f"{self.prefix}.rank{run.strategy.rank}.json", "w") as fh:
+            json.dump(report, fh)
+
+
 class RankReport(Callback):
     """What each rank really was and held, so tests can prove distribution:
     ``{prefix}.rank{r}.json`` (placement, pid, strategy, optimizer-state size) and

@@ -146,6 +146,23 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def _hooks(names: str, *, trace: Path, report: Path | None = None) -> dict[str, str]:
+    """The environment that has launched workers run ``names`` (tests/hooks.py)."""
+    values = {
+        CALLBACKS_ENV: names,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        TRACE_ENV: str(trace),
+    }
+    return {**values, REPORT_ENV: str(report)} if report is not None else values
+
+
+def _lines(trace: Path, rank: int) -> list[str]:
+    path = Path(f"{trace}.rank{rank}")
+    return path.read_text().splitlines() if path.exists() else []
+
+
 def _trainer(env: Env, name: str, **kwargs: Any) -> lt.LLMTrainer:
     return lt.LLMTrainer(name, model=env.tiny, prompt_template=TEMPLATE, **{**OPTIONS, **kwargs})
 
@@ -540,7 +557,11 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
     )
     trainer = _trainer(env, name, **kwargs)
     select = lt.Table(table)
-    with pytest.raises(DistributedError, match="rank 1 failed"):
+    first, resumed_trace = env.root / f"first-{strategy}", env.root / f"resumed-{strategy}"
+    with (
+        environ(**_hooks("hooks:key_trace", trace=first)),
+        pytest.raises(DistributedError, match="rank 1 failed"),
+    ):
         trainer.fit(X="instruction", Y="output", db=env.db, select=select)
     (failed,) = env.db.metadata.list_runs("trainer", name)
     assert failed.status == "failed"
@@ -555,11 +576,21 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
             sa.text(f"UPDATE {table} SET output = :o WHERE id = :i"),
             {"o": _row(BAD_ID)["output"], "i": BAD_ID},
         )
-    resumed = trainer.fit(X="instruction", Y="output", db=env.db, select=select, resume=True)
+    report = env.root / f"resume-report-{strategy}"
+    hooks = _hooks("hooks:key_trace,hooks:ResumeReport", trace=resumed_trace, report=report)
+    with environ(**hooks):
+        resumed = trainer.fit(X="instruction", Y="output", db=env.db, select=select, resume=True)
     (run,) = env.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and resumed.record.run_id == failed.run_id
-    steps = [m.step for m in env.db.metadata.get_metrics(run.run_id)]
-    assert steps[-1] == STEPS and 3 in steps
+    # the resumed attempt, traced on its own: it starts after the checkpoint, on every rank,
+    # with the sharded optimizer state of step 2 restored (a retrain from step 0 would trace
+    # steps 1.. and count the optimizer's steps from 0)
+    for rank in range(WORLD):
+        steps = [json.loads(line)["step"] for line in _lines(resumed_trace, rank)]
+        assert steps == list(range(3, STEPS + 1)), (rank, steps)
+        assert [json.loads(line)["step"] for line in _lines(first, rank)][:2] == [1, 2]
+        started = json.loads(Path(f"{report}.rank{rank}.json").read_text())
+        assert started["step"] == 2 and started["optimizer_steps"] == [2.0], started
     adapter = _adapter(env, resumed)
     assert adapter.keys() == uninterrupted.adapter.keys()
     for key in adapter:
