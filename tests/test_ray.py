@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import Callback, KeyTrace, registered
+from llmtrain.training.callbacks import Callback, registered
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +64,39 @@ class DieOnce(Callback):
         if run.step == self.step and run.strategy.rank == self.rank and not self.marker.exists():
             self.marker.write_text(str(os.getpid()))
             os._exit(1)
+
+
+class Attempts(Callback):
+    """Each rank's attempts at the run, as JSON lines in ``{path}.rank{r}``: where an attempt
+    began (its pid, the step its setup restored, the optimizer's step counters) and each step
+    it trained (pid, step, keys). A restart or a resume is a new pid."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _write(self, run: Any, entry: dict[str, Any]) -> None:
+        with open(f"{self.path}.rank{run.strategy.rank}", "a") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), **entry}) + "\n")
+
+    def on_train_begin(self, run: Any) -> None:
+        counters = sorted({float(s["step"]) for s in run.optimizer.state.values() if "step" in s})
+        self._write(run, {"begin": run.step, "optimizer_steps": counters})
+
+    def on_step(self, run: Any, keys: list[str]) -> None:
+        self._write(run, {"step": run.step, "keys": keys})
+
+
+def attempts(path: Path) -> list[dict[str, Any]]:
+    """A rank's attempts in order: ``{begin, optimizer_steps, steps: [step, ...]}``."""
+    out: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        if "begin" in entry:
+            out.append({**entry, "steps": []})
+        else:
+            assert out and out[-1]["pid"] == entry["pid"], "a step outside its attempt"
+            out[-1]["steps"].append(entry["step"])
+    return out
 
 
 class FailAt(Callback):
@@ -149,7 +182,7 @@ def _fit(
 def _uninterrupted(env: Env) -> Any:
     if "plain" not in env.fits:
         trace, seen = (
-            KeyTrace(env.root / "trace-plain"),
+            Attempts(env.root / "trace-plain"),
             DatabaseSeen(env.root / "data.db", env.root / "seen"),
         )
         env.fits["plain"] = _fit(env, "ray-plain", trace, seen)
@@ -168,7 +201,8 @@ def _trace(path: Path) -> dict[int, list[str]]:
     steps: dict[int, list[str]] = {}
     for line in path.read_text().splitlines():
         entry = json.loads(line)
-        steps[entry["step"]] = entry["keys"]
+        if "step" in entry:
+            steps[entry["step"]] = entry["keys"]
     return steps
 
 
@@ -250,7 +284,8 @@ def test_each_worker_trains_its_rank_rows_in_the_local_order(env: Env) -> None:
         )
         expected = [f"int:{row['_key']}" for row in local]
         traced = _trace(env.root / f"trace-plain.rank{rank}")
-        assert sorted(traced) == list(range(1, STEPS + 1))
+        (only,) = attempts(env.root / f"trace-plain.rank{rank}")  # one attempt, from scratch
+        assert only["begin"] == 0 and only["steps"] == list(range(1, STEPS + 1))
         got = [k for step in sorted(traced) for k in traced[step]]
         assert got == expected[: len(got)] and len(got) == N_ROWS // WORLD
         trained += got
@@ -278,7 +313,7 @@ def test_losses_and_adapter_equal_a_local_two_process_ddp_run(env: Env) -> None:
 def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) -> None:
     uninterrupted = _uninterrupted(env)
     marker = env.root / "killed"
-    trace = KeyTrace(env.root / "trace-killed")
+    trace = Attempts(env.root / "trace-killed")
     storage = f"s3://{env.bucket}/ray"  # Ray's storage on S3 (moto): written, restored from
     model = _fit(env, "ray-killed", DieOnce(3, 1, marker), trace, max_failures=1, storage=storage)
     assert marker.exists()  # a worker really died
@@ -289,6 +324,13 @@ def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) 
 
     written = s3fs.S3FileSystem().find(f"{env.bucket}/ray/{run.info['ray']['name']}")
     assert any("checkpoint-00000004/" in path for path in written), written
+    # Ray restarted the group from the step-2 checkpoint: every rank's second attempt began
+    # there, with the optimizer's state of step 2, and trained steps 3 and 4 only
+    for rank in range(WORLD):
+        first, second = attempts(env.root / f"trace-killed.rank{rank}")
+        assert first["begin"] == 0 and first["steps"][:2] == [1, 2]
+        assert second["begin"] == 2 and second["optimizer_steps"] == [2.0]
+        assert second["steps"] == [3, 4] and second["pid"] != first["pid"]
     # every row trained as often as in the uninterrupted run, in the same steps
     for rank in range(WORLD):
         assert _trace(env.root / f"trace-killed.rank{rank}") == _trace(
@@ -301,7 +343,7 @@ def test_killed_worker_restarts_from_checkpoint_with_the_same_adapter(env: Env) 
 
 
 def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) -> None:
-    trace = KeyTrace(env.root / "trace-resumed")
+    trace = Attempts(env.root / "trace-resumed")
     with pytest.raises(Exception, match="worker boom at step 3"):
         _fit(env, "ray-failing", FailAt(3, 1), trace, max_failures=0)
     (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
@@ -314,7 +356,11 @@ def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) ->
         model = env.db.load("trainer", "ray-failing").fit(resume=True)
     (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
     assert run.status == "completed" and run.info["steps"] == STEPS
-    for rank in range(WORLD):
+    for rank in range(WORLD):  # the new Ray job began at the checkpoint, optimizer restored
+        first, resumed = attempts(env.root / f"trace-resumed.rank{rank}")
+        assert first["begin"] == 0 and first["steps"][:2] == [1, 2]
+        assert resumed["begin"] == 2 and resumed["optimizer_steps"] == [2.0]
+        assert resumed["steps"] == [3, 4]
         assert _trace(env.root / f"trace-resumed.rank{rank}") == _trace(
             env.root / f"trace-plain.rank{rank}"
         )
