@@ -62,14 +62,32 @@ BAD_CONFIGS: list[tuple[dict[str, Any], str]] = [
     BAD_CONFIGS,
     ids=[next(iter(k)) + "-" + str(i) for i, (k, _) in enumerate(BAD_CONFIGS)],
 )
-def test_a_bad_configuration_is_rejected_naming_the_field_before_any_read(
+def test_a_bad_configuration_is_rejected_naming_the_field_when_the_trainer_is_built(
+    tiny: Path, kwargs: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field):
+        lt.LLMTrainer("bad", model=tiny, prompt_template=TEMPLATE, **kwargs)
+
+
+#: what only fit() can find wrong: the model, its layers, the rows to evaluate on
+FIT_REFUSES: list[tuple[dict[str, Any], str]] = [
+    ({"target_modules": ["no_such_proj"]}, r"lora_args.target_modules \['no_such_proj'\]"),
+    ({"model": "./no-model-here"}, "model_args.model_name_or_path: no model folder"),
+    ({"save_best_by": "eval_loss"}, "save_best_by need rows to evaluate on"),
+    ({"eval_metrics": ["exact_match"]}, "eval_metrics need rows to evaluate on"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), FIT_REFUSES, ids=[next(iter(k)) for k, _ in FIT_REFUSES]
+)
+def test_what_only_fit_can_refuse_is_refused_before_any_read(
     tiny: Path, db: Any, kwargs: dict[str, Any], field: str
 ) -> None:
+    bad = lt.LLMTrainer("bad", prompt_template=TEMPLATE, **{"model": tiny, **kwargs})
     reads = count_reads(db)
     with pytest.raises(ConfigError, match=field):
-        lt.LLMTrainer("bad", model=tiny, prompt_template=TEMPLATE, **kwargs).fit(
-            X="instruction", Y="output", db=db, select=lt.Table("docs")
-        )
+        bad.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
     assert reads.calls == {}  # nothing was read, not even the keys
     assert db.show() == []  # and nothing was stored
 
