@@ -89,6 +89,15 @@ def make_table(uri: str, kind: str, n: int) -> list[Any]:
     return keys
 
 
+def wait_for(done: Any, what: str, proc: Any, timeout_s: float = 30) -> None:
+    """Poll ``done()`` until true; fail naming ``what`` if the writer died or time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert proc.poll() is None, f"the writer process died before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.01)
+
+
 class Writer:
     def __init__(self, uri: str, kind: str, doomed: list[Any], root: Path) -> None:
         self.go, self.gone, self.inserted = root / "go", root / "gone", root / "inserted"
@@ -96,9 +105,12 @@ class Writer:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WRITER, *args, *map(str, (self.go, self.gone, self.inserted))]
         )
-        while not self.inserted.exists():  # writing before the run starts
-            assert self.proc.poll() is None, "the writer process died"
-            time.sleep(0.01)
+        wait_for(lambda: self.inserted.exists(), "the writer's first insert", self.proc)
+
+    def wait_deleted(self, keys: set[str], count: int) -> set[str]:
+        """Wait (bounded) until ``count`` of ``keys`` are deleted; those deleted by then."""
+        wait_for(lambda: len(self.deleted() & keys) >= count, f"{count} deletes", self.proc)
+        return self.deleted() & keys
 
     def deleted(self) -> set[str]:
         if not self.gone.exists():
@@ -128,14 +140,13 @@ class EpochTrace(Callback):
     def __init__(self, writer: Writer, doomed: list[Any]) -> None:
         self.writer, self.epochs = writer, Counter[tuple[int, str]]()
         self.doomed = {str(k) for k in doomed}
+        self.deleted_mid_run: set[str] = set()  # doomed rows gone before epoch 1 read them
 
     def on_step(self, run: Any, keys: list[str]) -> None:
         self.epochs.update((run.batches.epoch, k) for k in keys)
         if run.step == 1:
             self.writer.go.touch()
-            deadline = time.monotonic() + 10
-            while len(self.writer.deleted() & self.doomed) < 3 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            self.deleted_mid_run = self.writer.wait_deleted(self.doomed, 3)
 
 
 @pytest.mark.parametrize("kind", ["serial", "uuid"])
@@ -157,14 +168,19 @@ def test_a_fit_on_a_live_table_trains_its_snapshot_once_per_epoch(
     snapshot = snapshot_keys(db, run)
     recorded = set(run.info.get("deleted_keys", []))
     deleted = {k for k in snapshot if plain(k) in writer.deleted()}
-    # every deleted row that the second epoch would have read was skipped and recorded
-    assert recorded and recorded <= deleted and run.info["deleted_rows"] == len(recorded)
+    # the doomed rows deleted during epoch 0 were in the snapshot, and the second epoch would
+    # have read them: each was skipped and recorded (not only the writer's own rows)
+    mid_run = {k for k in snapshot if plain(k) in trace.deleted_mid_run}
+    assert len(mid_run) >= 3 and mid_run <= recorded
+    assert recorded <= deleted and run.info["deleted_rows"] == len(recorded)
     for epoch in (0, 1):
         trained = {k for (e, k), n in trace.epochs.items() if e == epoch}
         assert all(n == 1 for (e, _), n in trace.epochs.items() if e == epoch)
         # each epoch: the snapshot's rows minus the deleted ones (drop_remainder: none here)
         assert trained <= set(snapshot) and set(snapshot) - trained <= recorded
-    assert not {plain(k) for _, k in trace.epochs} & inserted  # new rows are not trained
+    # rows inserted after the snapshot (the writer kept inserting) are not trained
+    new = inserted - {plain(k) for k in snapshot}
+    assert new and not {plain(k) for _, k in trace.epochs} & new
     assert set(snapshot) - recorded <= {k for (e, k) in trace.epochs if e == 1}
 
 
@@ -187,9 +203,8 @@ def test_a_resume_after_kill_9_reads_the_snapshot_and_continues_batch_for_batch(
         first = launch({**base, "hold": hold}, tmp_path / "first", tmp_path / "first.first.log")
         kill_when_held({"first": first}, tmp_path)
         first.wait(timeout=30)
-        writer.go.touch()  # rows deleted between the kill and the resume, and during it
-        while len(writer.deleted() & {str(k) for k in keys[::4]}) < 8:
-            time.sleep(0.01)
+        writer.go.touch()  # rows deleted between the kill and the resume
+        assert len(writer.wait_deleted({str(k) for k in keys[::4]}, 8)) == 8
         resumed = launch({**base, "resume": True}, tmp_path / "resumed", tmp_path / "resumed.log")
         result = finish(resumed, tmp_path / "resumed.log")
     finally:
@@ -202,12 +217,18 @@ def test_a_resume_after_kill_9_reads_the_snapshot_and_continues_batch_for_batch(
     recorded = set(run.info["deleted_keys"])
     assert recorded and {plain(k) for k in recorded} <= writer.deleted()
     before, after = dict(read_trace(tmp_path / "first")), dict(read_trace(tmp_path / "resumed"))
+    # every doomed row the first attempt had not trained by its checkpoint (step 3) comes in
+    # the rest of epoch 0: gone before the resume, each is skipped and recorded
+    doomed = {k for k in snapshot if plain(k) in {str(d) for d in keys[::4]}}
+    unread = doomed - {k for s in (1, 2, 3) for k in before[s]}
+    assert unread and unread <= recorded
     assert sorted(after) == list(range(4, 13))  # from the checkpoint at step 3 on
     for step in (4, 5):  # the steps the killed run took again: the same rows, less deleted
         assert after[step] == [k for k in before[step] if k not in recorded]
     trained = [k for s in sorted(after) for k in after[s]] + [
         k for s in (1, 2, 3) for k in before[s]
     ]
-    assert set(trained) <= snapshot and not {plain(k) for k in trained} & inserted
+    new = inserted - {plain(k) for k in snapshot}  # inserted after the snapshot was taken
+    assert new and set(trained) <= snapshot and not {plain(k) for k in trained} & new
     # every doomed row was gone before the resume started: it trained none of them
     assert not {k for keys in after.values() for k in keys} & recorded
