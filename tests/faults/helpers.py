@@ -286,3 +286,16 @@ def count_reads(db: Any) -> CountingBackend:
     counting = CountingBackend(db.backend)
     db._backend = counting
     return counting
+
+
+def count_reconnects(db: Any) -> list[float]:
+    """The backend's reconnects (one before each retry of a read), as they happen."""
+    backend, seen = db.backend, []
+    reconnect = backend.reconnect
+
+    def counted() -> None:
+        seen.append(time.monotonic())
+        reconnect()
+
+    backend.reconnect = counted
+    return seen

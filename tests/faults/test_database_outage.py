@@ -31,6 +31,7 @@ from .helpers import (
     adapter,
     admin_engine,
     assert_same_weights,
+    count_reconnects,
     database_name,
     doc_rows,
     ensure_postgres_running,
@@ -118,15 +119,22 @@ def test_postgres_restart_mid_epoch_loses_and_repeats_no_row(
     before = started_at()
     admin.dispose()
     restarter: list[threading.Thread] = []
+    policy = RetryPolicy(attempts=12, base=0.2, cap=1.0)  # ~7 s: enough for a restart
+    db = lt.connect(pg_uri, retry=policy)
+    reconnects = count_reconnects(db)
+
+    def start_once_a_read_failed() -> None:
+        deadline = time.monotonic() + 30
+        while not reconnects and time.monotonic() < deadline:  # a read met the down server
+            time.sleep(0.01)
+        pg_ctl("start")
 
     def restart() -> None:
         pg_ctl("stop")  # fast shutdown: every session is cut
-        thread = threading.Thread(target=lambda: (time.sleep(1.5), pg_ctl("start")))
+        thread = threading.Thread(target=start_once_a_read_failed)
         thread.start()
         restarter.append(thread)
 
-    policy = RetryPolicy(attempts=12, base=0.2, cap=1.0)  # ~7 s: enough for a restart
-    db = lt.connect(pg_uri, retry=policy)
     try:
         with warnings_of(caplog, "llmtrain.backends") as retried:
             got = list(epoch(db, lt.Table("docs"), after_rows=120, fault=restart))
@@ -136,6 +144,7 @@ def test_postgres_restart_mid_epoch_loses_and_repeats_no_row(
         ensure_postgres_running()
         db.close()
     assert got == expected
+    assert reconnects  # a read failed while the server was down, and was retried
     assert started_at() > before  # the server really went down and came back
     admin.dispose()
     assert any("retrying" in m for m in retried), "no read ever saw the server down"
