@@ -101,3 +101,24 @@ def test_refuses_bad_arguments_and_foreign_directories(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="refusing"):
         tiny_model(foreign)
     assert (foreign / "important.txt").read_text() == "keep me"
+
+
+def test_in_ci_every_skip_fails(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One session-level rule (tests/conftest.py): a test that would skip in CI (a server, a
+    package or a tool missing there) fails instead, whatever made it skip."""
+    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(
+        """
+        import pytest
+        def test_needs_a_server():
+            pytest.skip("server not reachable")
+        def test_runs():
+            pass
+        """
+    )
+    monkeypatch.delenv("CI", raising=False)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1, skipped=1)
+    monkeypatch.setenv("CI", "1")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*skipped in CI, which must run every test*"])

@@ -1,8 +1,8 @@
 """Fixtures for the fault-injection suite: a tiny model and fresh server databases.
 
-In CI (``CI`` set) an unreachable PostgreSQL or MariaDB fails the tests instead of skipping
-them (``_server_or_skip`` of the top-level conftest decides), and so does a PostgreSQL that
-cannot be restarted here. Whatever a test did to the server, the session ends with it up.
+An unreachable PostgreSQL or MariaDB, or one that cannot be restarted here, skips the tests
+that need it, and in CI (``CI`` set) every skip fails (the top-level conftest). Whatever a
+test did to the server, the session ends with it up.
 """
 
 from __future__ import annotations
