@@ -19,7 +19,7 @@ Memory: an epoch over ``rows // 10`` and over ``rows`` rows, each in a fresh sub
 the peaks cannot mix: ``ru_maxrss``, the epoch's own RSS peak and the tracemalloc peak.
 
 Data wait: the figure that matters. A real ``fit()`` of the demo's model and settings
-(``llmtrain.demo``: tiny LoRA model, batch 16), first on the demo's own table, then on the
+(``llmtrain.cli.demo``: tiny LoRA model, batch 16), first on the demo's own table, then on the
 ``rows``-row table; the time the loop spends getting its next batch (read, tokenize,
 collate, move) as a share of each step. Runs on CPU, where a step of the tiny model is far
 shorter than a real model's step on a GPU, so the share here is an upper bound. Beside it,
@@ -258,7 +258,7 @@ def fill_postgres(database: str, rows: int) -> None:
 def drop_postgres(database: str) -> None:
     import psycopg
 
-    from llmtrain.backends.engines import dispose_sql_engine
+    from llmtrain.db.engines import dispose_sql_engine
 
     dispose_sql_engine(f"{PG_ADMIN}/{database}")
     with psycopg.connect(pg_dsn("postgres"), autocommit=True) as admin:
@@ -415,7 +415,7 @@ def bench_wait(
     ``replay``: whole steps, the batches made beforehand)."""
     import llmtrain as lt
     from llmtrain.training import run as run_module
-    from llmtrain.training.data import TrainBatches
+    from llmtrain.training.batches import TrainBatches
 
     fit_run = run_module.FitRun
     next_group, train_step = fit_run._next_group, fit_run._train_step

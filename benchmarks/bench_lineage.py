@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 import llmtrain as lt
-from llmtrain.datasets.snapshot import RunSnapshot, take_snapshot
+from llmtrain.data.snapshot import RunSnapshot, take_snapshot
 
 
 def build(root: Path, rows: int, world_size: int) -> tuple[lt.Datalayer, int]:

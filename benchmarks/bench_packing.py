@@ -12,7 +12,7 @@ each batch size B:
 * **rows, BFD**: the same B rows packed best-fit-decreasing (``PackedCollator`` now);
 * **budget**: ``max_tokens_per_batch = B x max_length`` (the memory of B padded rows of
   max_length): each step's ``B x accumulation`` rows packed into as few micro-batches of at
-  most the budget as they need (``llmtrain.training.data.micro_batches``, what the training
+  most the budget as they need (``llmtrain.training.batches.micro_batches``, what the training
   collate runs). Goal: >= 0.97 at every B.
 
 The fraction is tokens / sum over micro-batches of rows x width (the longest row): what the
@@ -34,7 +34,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from llmtrain.formatting import Example, Formatter, pack_examples  # noqa: E402
 from llmtrain.testing import tiny_model  # noqa: E402
-from llmtrain.training.data import micro_batches  # noqa: E402
+from llmtrain.training.batches import micro_batches  # noqa: E402
 
 GOAL = 0.97
 Layout = list[list[list[Example]]]  # micro-batches of rows of examples

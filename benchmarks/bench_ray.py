@@ -6,7 +6,7 @@ For each size, in a fresh process (so the peaks cannot mix): a SQLite table
 ``docs(id INTEGER PRIMARY KEY, instruction TEXT, output TEXT)`` (made once with executemany,
 kept in ``$TMPDIR/llmtrain_bench/ray_docs_<rows>.db``), the run's key snapshot taken by the
 driver, then ``--workers`` Ray workers (a local Ray instance) each reading one full epoch of
-their rank's rows through the driver (:mod:`llmtrain.ray.bridge`, exactly what a Ray fit's
+their rank's rows through the driver (:mod:`llmtrain.running.ray.bridge`, exactly what a Ray fit's
 workers do, without the training). Reported: the driver's RSS before streaming and its peak
 while streaming (sampled every 10 ms), rows/s delivered to all workers together, and as the
 baseline, rows/s of the same epoch read by one local ``CachedQueryDataset`` in the driver.
@@ -102,8 +102,8 @@ class Peak:
 def read_share(broker: Any, snapshot: dict[str, Any], rank: int, world: int, cache: int) -> int:
     """A worker: one epoch of its rank's rows, through the driver."""
     import llmtrain as lt
-    from llmtrain.datasets import RunSnapshot
-    from llmtrain.ray.bridge import Channel, RemoteDB
+    from llmtrain.data import RunSnapshot
+    from llmtrain.running.ray.bridge import Channel, RemoteDB
 
     db = RemoteDB(Channel(broker))
     ds = lt.CachedQueryDataset(
@@ -124,8 +124,8 @@ def measure(rows: int, workers: int, cache: int) -> dict[str, Any]:
     import ray
 
     import llmtrain as lt
-    from llmtrain.datasets import take_snapshot
-    from llmtrain.ray.bridge import DriverService
+    from llmtrain.data import take_snapshot
+    from llmtrain.running.ray.bridge import DriverService
 
     path = make_table(rows)
     art = Path(tempfile.mkdtemp(prefix="llmtrain-bench-ray-"))

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_datasets import FIELDS, TABLE, prepare  # noqa: E402
 
 import llmtrain as lt  # noqa: E402
-from llmtrain.artifacts.local import LocalArtifactStore  # noqa: E402
-from llmtrain.datasets import RunSnapshot, take_snapshot  # noqa: E402
+from llmtrain.data import RunSnapshot, take_snapshot  # noqa: E402
+from llmtrain.stores.artifacts.local import LocalArtifactStore  # noqa: E402
 
 
 def dataset(db: Any, snapshot: RunSnapshot, store: Any) -> lt.CachedQueryDataset:

@@ -68,7 +68,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import llmtrain as lt  # noqa: E402
-from llmtrain.datasets.snapshot import key_repr  # noqa: E402
+from llmtrain.data.snapshot import key_repr  # noqa: E402
 from llmtrain.formatting import IGNORE_INDEX, Formatter, pad_collate  # noqa: E402
 from llmtrain.formatting.collate import padding_efficiency  # noqa: E402
 from llmtrain.testing import tiny_model  # noqa: E402
@@ -196,12 +196,17 @@ def make_trainer(args: argparse.Namespace, name: str, **extra: Any) -> lt.LLMTra
 
 
 def new_run(trainer: lt.LLMTrainer, db: Any) -> FitRun:
-    """A FitRun exactly as ``LLMTrainer.fit`` builds one (minus the data fingerprint)."""
-    trainer.config.fit = trainer._fit_spec(X, Y, db, lt.Table(TABLE), None)
-    trainer.db = db
-    trainer._store(db)
-    run_id = trainer._run_for(db, False)
-    return FitRun(trainer, db, run_id, make_strategy("single"))
+    """A FitRun exactly as ``LLMTrainer.fit`` builds one: registered, then set up by the
+    executor."""
+    from llmtrain.config.args import TrainerConfig, build
+    from llmtrain.running.register import register
+
+    spec = trainer._fit_spec(X, Y, db, lt.Table(TABLE), None)
+    config = build(TrainerConfig, {**trainer.config.model_dump(), "fit": spec.model_dump()})
+    plan = register(
+        db, config, None, resume=False, allow_changed_data=True, incremental=False, callbacks=()
+    )
+    return FitRun(plan, db, make_strategy("single"))
 
 
 def release() -> None:

@@ -142,7 +142,7 @@ def matmul_tflops(n: int = 8192, iters: int = 50) -> float:
 
 
 def command(name: str, gpus: int, workdir: Path, args: argparse.Namespace) -> list[str]:
-    from llmtrain.launchers import free_port
+    from llmtrain.running.launchers import free_port
 
     me = [
         str(Path(__file__).resolve()),

@@ -409,7 +409,7 @@ def run_llmtrain(args: argparse.Namespace, clock: _Clock) -> float:
     import torch
 
     import llmtrain as lt
-    from llmtrain.training.callbacks import Callback, registered
+    from llmtrain.training.callbacks import Callback
 
     cuda = torch.cuda.is_available()
 
@@ -441,8 +441,9 @@ def run_llmtrain(args: argparse.Namespace, clock: _Clock) -> float:
         seed=0,
     )
     db = lt.connect(f"sqlite:///{workdir / 'rows.db'}", artifacts=workdir / "artifacts")
-    with registered(Steps()):
-        model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+    model = trainer.fit(
+        X="instruction", Y="output", db=db, select=lt.Table("docs"), callbacks=[Steps()]
+    )
     return float(db.metadata.get_metrics(model.record.run_id)[-1].values["loss"])
 
 

@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 
 import llmtrain as lt
-from llmtrain import demo
-from llmtrain.backends.engines import mongo_database
+from llmtrain.cli import demo
 from llmtrain.console import quiet
+from llmtrain.db.engines import mongo_database
 from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 import llmtrain as lt
-from llmtrain import demo
+from llmtrain.cli import demo
 from llmtrain.console import quiet
 from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri

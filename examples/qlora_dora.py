@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 import llmtrain as lt
-from llmtrain import demo
+from llmtrain.cli import demo
 from llmtrain.console import quiet
 from llmtrain.testing import tiny_model
 

@@ -9,7 +9,7 @@ instead (``model="Qwen/Qwen2.5-0.5B"``). ``llmtrain demo`` makes these same call
 """
 
 import llmtrain as lt
-from llmtrain import demo
+from llmtrain.cli import demo
 from llmtrain.console import quiet
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmtrain.data import CachedQueryDataset, QueryDataLoader, QueryDataset
 from llmtrain.datalayer import Datalayer, connect
-from llmtrain.datasets import CachedQueryDataset, QueryDataLoader, QueryDataset
+from llmtrain.db.queries import Collection, Query, RawSQL, Table, sql
 from llmtrain.errors import (
     BadRowError,
     CheckpointError,
@@ -16,22 +17,21 @@ from llmtrain.errors import (
     QueryError,
     StoreError,
 )
-from llmtrain.queries import Collection, Query, RawSQL, Table, sql
 
 __version__ = "0.1.0"
 
 # The trainer pulls in transformers/peft: import it on first use, not with the package.
 _LAZY = {
-    "LLMTrainer": "llmtrain.training.trainer",
-    "ModelArguments": "llmtrain.training.args",
-    "LoraArguments": "llmtrain.training.args",
-    "TrainingArguments": "llmtrain.training.args",
-    "DataArguments": "llmtrain.training.args",
+    "LLMTrainer": "llmtrain.running.trainer",
+    "ModelArguments": "llmtrain.config.args",
+    "LoraArguments": "llmtrain.config.args",
+    "TrainingArguments": "llmtrain.config.args",
+    "DataArguments": "llmtrain.config.args",
     "TrainedModel": "llmtrain.training.model",
-    "DeepspeedConfig": "llmtrain.training.args",
-    "FSDPConfig": "llmtrain.training.args",
-    "Launcher": "llmtrain.training.args",
-    "RayConfig": "llmtrain.training.args",
+    "DeepspeedConfig": "llmtrain.config.args",
+    "FSDPConfig": "llmtrain.config.args",
+    "Launcher": "llmtrain.config.args",
+    "RayConfig": "llmtrain.config.args",
 }
 
 __all__ = [

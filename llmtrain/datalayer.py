@@ -10,18 +10,18 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from llmtrain.artifacts import check_artifacts_spec
-from llmtrain.artifacts.base import ArtifactStore
-from llmtrain.backends.base import DataBackend
-from llmtrain.backends.retry import RetryPolicy
-from llmtrain.components import Component, check_identifier, component_class
+from llmtrain.db.backend import DataBackend
+from llmtrain.db.retry import RetryPolicy
 from llmtrain.errors import ConfigError, StoreError
-from llmtrain.metadata.base import ComponentRecord, MetadataStore, RunRecord
+from llmtrain.stores.artifacts import check_artifacts_spec
+from llmtrain.stores.artifacts.base import ArtifactStore
+from llmtrain.stores.components import Component, check_identifier, component_class
+from llmtrain.stores.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
 
 def default_artifact_dir(uri: str) -> Path:
-    """Next to a SQLite file; otherwise ``~/.llmtrain/artifacts/<database>``."""
+    """Next to a SQLite file; otherwise ``~/.llmtrain/stores/artifacts/<database>``."""
     if scheme_of(uri) == "sqlite":
         db_path = uri.split(":///", 1)[1].split("?", 1)[0] if ":///" in uri else ""
         if db_path and db_path != ":memory:":
@@ -47,7 +47,7 @@ def check_uri(uri: object, where: str) -> None:
         return
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sqlalchemy_url
+    from llmtrain.db.engines import sqlalchemy_url
 
     try:
         sa.engine.make_url(sqlalchemy_url(uri)).get_dialect().import_dbapi()
@@ -144,7 +144,7 @@ class Datalayer:
     @property
     def backend(self) -> DataBackend:
         if self._backend is None:
-            from llmtrain.backends import open_backend
+            from llmtrain.db import open_backend
 
             self._backend = open_backend(self._uri, retry=self.retry)
         return self._backend
@@ -152,7 +152,7 @@ class Datalayer:
     @property
     def metadata(self) -> MetadataStore:
         if self._metadata is None:
-            from llmtrain.metadata import open_metadata
+            from llmtrain.stores.metadata import open_metadata
 
             # a separate metadata database may not exist yet: its first write creates it
             self._metadata = open_metadata(
@@ -163,7 +163,7 @@ class Datalayer:
     @property
     def artifacts(self) -> ArtifactStore:
         if self._artifacts is None:
-            from llmtrain.artifacts import open_artifacts
+            from llmtrain.stores.artifacts import open_artifacts
 
             spec = self._artifacts_spec  # an ArtifactStore was set in __init__
             folder = default_artifact_dir(self._uri) if spec is None else spec
@@ -292,9 +292,9 @@ class Datalayer:
     # -- lineage --------------------------------------------------------------------------------
     def lineage(self, type_id: str, identifier: str, version: int | None = None) -> Iterator[Any]:
         """The rows that trained model ``identifier`` (newest version unless given), across
-        the runs it continued from: :class:`llmtrain.lineage.Consumed` (key, epoch, step,
+        the runs it continued from: :class:`llmtrain.provenance.lineage.Consumed` (key, epoch, step,
         rank, run id), streamed in step order, derived from the runs' records."""
-        from llmtrain.lineage import model_lineage
+        from llmtrain.provenance.lineage import model_lineage
 
         if type_id != "model":
             raise ConfigError(f"lineage() is of a model, not a {type_id!r}: use 'model'")
@@ -302,16 +302,17 @@ class Datalayer:
 
     def trained_on(self, source: Any, key: Any) -> Any:
         """Every run, checkpoint and model version that consumed row ``key`` of ``source``
-        (a table or collection name, or a query): see :func:`llmtrain.lineage.trained_on`."""
-        from llmtrain.lineage import trained_on
+        (a table or collection name, or a query): see
+        :func:`llmtrain.provenance.lineage.trained_on`."""
+        from llmtrain.provenance.lineage import trained_on
 
         return trained_on(self, source, [key])
 
     def forget(self, source: Any, keys: Any, *, retrain: bool = False) -> Any:
         """Forget rows: later runs leave them out, the runs that trained on them are marked;
         returns the affected models and checkpoints, with ``retrain()`` (done now with
-        ``retrain=True``). See :mod:`llmtrain.forget`."""
-        from llmtrain.forget import forget
+        ``retrain=True``). See :mod:`llmtrain.provenance.forget`."""
+        from llmtrain.provenance.forget import forget
 
         return forget(self, source, keys, retrain=retrain)
 

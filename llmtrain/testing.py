@@ -144,12 +144,10 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
     return fast
 
 
-def _build(path: Path, args: dict[str, Any], corpus: list[str]) -> None:
+def _build(path: Path, args: dict[str, Any], corpus: list[str], style: str) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig, Qwen2Config
 
-    tokenizer = train_tokenizer(
-        [_CORPUS, *corpus], style=args["tokenizer"], vocab_size=args["vocab_size"]
-    )
+    tokenizer = train_tokenizer([_CORPUS, *corpus], style=style, vocab_size=args["vocab_size"])
     hidden = args["hidden_size"]
     config: dict[str, Any] = {  # sized to the tokenizer, agreeing with its special ids
         "vocab_size": len(tokenizer),
@@ -252,7 +250,7 @@ def tiny_model(
     # Build next to the target and rename, so a concurrent reader never sees a partial model.
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        _build(staging, {"tokenizer": tokenizer, **args}, list(corpus or []))
+        _build(staging, args, list(corpus or []), tokenizer)
         try:
             staging.rename(path)
         except OSError:  # another process finished first

@@ -62,7 +62,7 @@ def fresh_database(kind: str, tmp_path: Any) -> Iterator[str]:
     try:
         yield f"{admin}/{name}"
     finally:
-        from llmtrain.backends.engines import dispose_sql_engine
+        from llmtrain.db.engines import dispose_sql_engine
 
         dispose_sql_engine(f"{admin}/{name}")
         with engine.connect() as conn:
@@ -157,14 +157,14 @@ def fill(
     """Create table/collection ``name`` holding ``rows`` (each has ``key``; SQL: INTEGER key,
     other columns TEXT unless their values are ints). Mongo stores ``key`` as ``_id``."""
     if uri.startswith("mongo"):
-        from llmtrain.backends.engines import mongo_database
+        from llmtrain.db.engines import mongo_database
 
         coll = mongo_database(uri)[name]
         docs = [{("_id" if k == key else k): v for k, v in r.items()} for r in rows]
         for i in range(0, len(docs), 5000):
             coll.insert_many(docs[i : i + 5000])
         return
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     columns: dict[str, Any] = {}
     for r in rows:

@@ -1,6 +1,6 @@
-"""Callbacks the launched workers of tests/test_distributed.py register at start: the test
-names them in ``LLMTRAIN_CALLBACKS`` (``hooks:key_trace,hooks:RankReport``) with this folder
-on ``PYTHONPATH``, and where they write in the variables below."""
+"""Callbacks of the tests: the key trace, and what launched workers build from the import
+paths a test passes (``fit(callbacks=["hooks:key_trace", "hooks:RankReport"])``, with this
+folder on ``PYTHONPATH``), writing where the variables below say."""
 
 from __future__ import annotations
 
@@ -11,16 +11,39 @@ from typing import Any
 
 import torch
 
-from llmtrain.training.callbacks import Callback, KeyTrace
+from llmtrain.training.callbacks import Callback
 
 TRACE_ENV = "LLMTRAIN_TRACE_KEYS"  # a path: every step appends the keys it trained on
 REPORT_ENV = "LLMTRAIN_RANK_REPORT"  # a path prefix: each rank reports what it held
 
 
+class KeyTrace(Callback):
+    """The row keys of every step: in ``steps``, and in ``{path}.rank{r}`` when a path is
+    given (one JSON line per step, fsynced: a process killed right after still shows it)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = path
+        self.steps: list[dict[str, Any]] = []
+
+    def on_step(self, run: Any, keys: list[str]) -> None:
+        entry = {"step": run.step, "keys": keys}
+        self.steps.append(entry)
+        if self.path is not None:
+            with open(f"{self.path}.rank{run.strategy.rank}", "a") as fh:
+                fh.write(json.dumps(entry) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for entry in self.steps for k in entry["keys"]]
+
+
 def key_trace() -> KeyTrace:
-    # the worker installs its callbacks only once the database URIs are out of its
-    # environment: code it imports, and what that code starts, never sees the secrets
-    from llmtrain.launchers.command import DB_ENV, METADATA_ENV
+    """Built by each launched worker (``fit(callbacks=["hooks:key_trace"])``), which builds its
+    callbacks only once the database URIs are out of its environment: code it imports, and
+    what that code starts, never sees the secrets."""
+    from llmtrain.running.launchers.command import DB_ENV, METADATA_ENV
 
     leaked = [name for name in (DB_ENV, METADATA_ENV) if name in os.environ]
     if leaked:

@@ -21,12 +21,17 @@ from typing import Any
 import pytest
 from conftest import S3Server
 
-from llmtrain.artifacts import LocalArtifactStore, open_artifacts
-from llmtrain.artifacts.base import CHUNK, ArtifactStore, ContentAddressedStore, manifest_bytes
-from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
-from llmtrain.artifacts.gridfs import COLLECTION, GridFSArtifactStore
-from llmtrain.backends.engines import mongo_database
+from llmtrain.db.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
+from llmtrain.stores.artifacts import LocalArtifactStore, open_artifacts
+from llmtrain.stores.artifacts.base import (
+    CHUNK,
+    ArtifactStore,
+    ContentAddressedStore,
+    manifest_bytes,
+)
+from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
+from llmtrain.stores.artifacts.gridfs import COLLECTION, GridFSArtifactStore
 
 BAD_IDS = [
     "sha256:../../etc/passwd",
@@ -334,7 +339,7 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
     """Bigger than one S3 part: when the writer looks, and dies, bytes were already sent, so
     the write really is in flight (pymongo's GridIn batches up to 32 MiB of chunks before it
     sends them: bounded, but not seen at 7 MiB)."""
-    from llmtrain.artifacts import fsspec_store
+    from llmtrain.stores.artifacts import fsspec_store
 
     monkeypatch.setattr(fsspec_store, "WRITE_BLOCK", PART)  # S3's smallest part: less to send
     data = os.urandom(PART + 2 * CHUNK + 5)
@@ -421,7 +426,7 @@ def test_a_url_with_credentials_is_refused_without_repeating_them(url: str) -> N
 
 def test_a_url_store_travels_to_workers_as_its_url(tmp_path: Path) -> None:
     import llmtrain as lt
-    from llmtrain.launchers.command import artifacts_location
+    from llmtrain.running.launchers.command import artifacts_location
 
     db = lt.connect(f"sqlite:///{tmp_path / 'x.db'}", artifacts="memory://team/arts")
     assert artifacts_location(db) == "memory://team/arts"

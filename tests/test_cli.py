@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain import demo
-from llmtrain.cli import main
-from llmtrain.config_file import (
+import llmtrain as lt
+from llmtrain.cli import demo, main
+from llmtrain.config.file import (
     apply_overrides,
     build_job,
     build_query,
@@ -23,8 +23,8 @@ from llmtrain.config_file import (
     parse_overrides,
     parse_value,
 )
+from llmtrain.db.queries import Collection, RawSQL, Table
 from llmtrain.errors import ConfigError
-from llmtrain.queries import Collection, RawSQL, Table
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "config.yaml"
@@ -116,7 +116,8 @@ def test_selection_forms() -> None:
 
 def test_config_validation_names_the_field(tmp_path: Path) -> None:
     job = load_job(CONFIG, ["--db", "sqlite:///x.db", "--lora_args", "null"])
-    assert job.trainer().config.lora_args is None  # null: full fine-tuning
+    trainer = lt.LLMTrainer(job.config.name, **job.options)
+    assert trainer.config.lora_args is None  # null: full fine-tuning
     assert job.select == Table("docs").where("lang = :l", l="en")
     with pytest.raises(ConfigError, match="config.data.X"):
         build_job(
@@ -336,7 +337,7 @@ def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture
         assert code == 0 and "postgres:***@" in out
         assert "s3cret" not in out + err
     finally:
-        from llmtrain.backends.engines import dispose_sql_engine
+        from llmtrain.db.engines import dispose_sql_engine
 
         dispose_sql_engine(with_password)
         next(databases, None)

@@ -17,10 +17,10 @@ import pytest
 from conftest import fill
 
 import llmtrain as lt
-from llmtrain.config_file import FitFile, build_job, check_path
+from llmtrain.config.args import TrainerConfig, quantization_problems
+from llmtrain.config.file import FitFile, build_job, check_path
+from llmtrain.config.spec import FitSpec
 from llmtrain.errors import ConfigError, DataChangedError
-from llmtrain.training.args import TrainerConfig, quantization_problems
-from llmtrain.training.spec import FitSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "Q: {X}\nA: {Y}"
@@ -188,7 +188,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
 
 
 def test_an_override_changes_only_its_path_even_where_yaml_aliased_it(tmp_path: Path) -> None:
-    from llmtrain.config_file import apply_overrides, parse_overrides, read_config
+    from llmtrain.config.file import apply_overrides, parse_overrides, read_config
 
     path = tmp_path / "fit.yaml"
     path.write_text(
@@ -257,7 +257,7 @@ def test_a_stored_record_and_a_yaml_file_meet_the_same_rules() -> None:
     with pytest.raises(ConfigError, match="LLMTrainer: .*deepspeed_config stage 3"):
         build_job(job)
     job["deepspeed_config"]["stage"] = 2
-    assert build_job(job).trainer().config.deepspeed_config.stage == 2
+    assert build_job(job).options["deepspeed_config"]["stage"] == 2
     with pytest.raises(ConfigError, match="config.model_args: Field required"):
         build_job({k: v for k, v in job.items() if k != "model_args"})
 
@@ -278,7 +278,7 @@ def test_machine_rules_are_left_to_run_time_by_the_same_function() -> None:
 def test_fit_allow_changed_data_is_not_written_into_the_recipe(tiny: Path, tmp_path: Path) -> None:
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [{"id": i, "q": f"question {i}", "a": f"answer {i}"} for i in range(16)])

@@ -10,10 +10,10 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 import llmtrain as lt
-from llmtrain.artifacts import LocalArtifactStore, open_artifacts
-from llmtrain.components import register_component
 from llmtrain.datalayer import default_artifact_dir
 from llmtrain.errors import ComponentNotFoundError, ConfigError, StoreError
+from llmtrain.stores.artifacts import LocalArtifactStore, open_artifacts
+from llmtrain.stores.components import register_component
 from llmtrain.uri import redact_uri
 
 
@@ -83,7 +83,7 @@ def test_identifiers_are_validated(sqlite_uri: str, identifier: str) -> None:
 def test_tampered_record_loads_as_an_error(sqlite_uri: str) -> None:
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     db = lt.connect(sqlite_uri)
     db.add(Note("n", "t"))
@@ -222,17 +222,17 @@ def test_a_failing_import_surfaces_instead_of_unknown_type(monkeypatch: pytest.M
     ImportError, not "unknown component type 'model'"."""
     import sys
 
-    import llmtrain.components as components
+    import llmtrain.stores.components as components
 
     monkeypatch.setattr(components, "_registry", {})
     monkeypatch.delitem(sys.modules, "llmtrain.training.model", raising=False)
-    monkeypatch.setitem(sys.modules, "llmtrain.training.args", None)  # as if not installable
-    with pytest.raises(ImportError, match="llmtrain.training.args"):
+    monkeypatch.setitem(sys.modules, "llmtrain.config.args", None)  # as if not installable
+    with pytest.raises(ImportError, match="llmtrain.config.args"):
         components.component_class("model")
 
 
 def test_an_unknown_component_type_lists_the_known_ones() -> None:
-    from llmtrain.components import component_class
+    from llmtrain.stores.components import component_class
 
     with pytest.raises(StoreError, match=r"unknown component type 'nope'; known: .*'model'"):
         component_class("nope")

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import llmtrain as lt
-from llmtrain.datasets.plan import rows_per_rank
+from llmtrain.data.plan import rows_per_rank
 
 
 @pytest.fixture(scope="module")

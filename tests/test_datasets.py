@@ -188,7 +188,7 @@ def test_changed_rows_refuse_resume_unless_allowed(any_uri: str) -> None:
 def _insert_sql(uri: str, key: int) -> None:
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(uri).begin() as conn:
         conn.execute(
@@ -225,7 +225,7 @@ def test_bad_rows_raise_with_row_and_field_or_are_skipped(any_uri: str) -> None:
 
 def test_mongo_nested_fields_and_missing(tmp_path: Any) -> None:
     uri = "mongomock://localhost/nested"
-    from llmtrain.backends.engines import mongo_database
+    from llmtrain.db.engines import mongo_database
 
     coll = mongo_database(uri)["chats"]
     coll.insert_many(
@@ -259,7 +259,7 @@ def test_query_dataset_reads_all(any_uri: str) -> None:
 def test_table_without_unique_key_is_a_clear_error(sqlite_uri: str) -> None:
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(sqlite_uri, create=True).begin() as conn:
         conn.execute(sa.text("CREATE TABLE nokey (a TEXT, b TEXT)"))
@@ -317,7 +317,7 @@ def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
 def test_a_missing_column_fails_at_once_not_after_the_retry_budget(sqlite_uri: str) -> None:
     from unittest import mock
 
-    from llmtrain.backends.base import DataBackend
+    from llmtrain.db.backend import DataBackend
 
     fill(sqlite_uri, "docs", _rows(10))
     db = lt.connect(sqlite_uri)
@@ -345,8 +345,8 @@ def test_loader_can_hand_over_key_row_pairs(sqlite_uri: str) -> None:
 
 
 def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
-    from llmtrain.datasets import held_out, take_snapshot
-    from llmtrain.datasets.snapshot import MemoryStore
+    from llmtrain.data import held_out, take_snapshot
+    from llmtrain.data.snapshot import MemoryStore
 
     fill(any_uri, "docs", _rows(300))
     db = lt.connect(any_uri)
@@ -399,8 +399,8 @@ def test_held_out_split_is_a_view_of_the_keyed_order(any_uri: str) -> None:
 
 
 def test_a_given_snapshot_is_used_and_must_fit(sqlite_uri: str) -> None:
-    from llmtrain.datasets import take_snapshot
-    from llmtrain.datasets.snapshot import MemoryStore
+    from llmtrain.data import take_snapshot
+    from llmtrain.data.snapshot import MemoryStore
 
     fill(sqlite_uri, "docs", _rows(50))
     db = lt.connect(sqlite_uri)
@@ -437,7 +437,7 @@ def test_a_state_from_before_snapshots_resumes_only_on_as_many_rows(
     old = {k: v for k, v in state.items() if k != "deleted"}
     old.update(format=2, consumed=13, data="a fingerprint of the old key scan")
     resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
-    with caplog.at_level("WARNING", "llmtrain.datasets"):
+    with caplog.at_level("WARNING", "llmtrain.data"):
         resumed.load_state_dict(old)
     assert "predates key snapshots" in caplog.text
     assert _keys(list(resumed)) == full[13:]
@@ -457,7 +457,7 @@ def _batches(
     accumulation: int = 1,
 ) -> Any:
     """TrainBatches over the ``split`` view of ``docs`` (seed 3, one process)."""
-    from llmtrain.training.data import TrainBatches, view_dataset
+    from llmtrain.training.batches import TrainBatches, view_dataset
 
     dataset = view_dataset(
         db,
@@ -476,8 +476,8 @@ def _batches(
 
 
 def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) -> None:
-    from llmtrain.datasets import held_out, take_snapshot
-    from llmtrain.training.args import DataArguments
+    from llmtrain.config.args import DataArguments
+    from llmtrain.data import held_out, take_snapshot
 
     fill(sqlite_uri, "docs", _rows(203))
     db = lt.connect(sqlite_uri)
@@ -499,8 +499,8 @@ def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri
     import threading
     import time
 
-    from llmtrain.datasets import take_snapshot
-    from llmtrain.training.args import DataArguments
+    from llmtrain.config.args import DataArguments
+    from llmtrain.data import take_snapshot
 
     fill(sqlite_uri, "docs", _rows(40))
     db = lt.connect(sqlite_uri)
@@ -546,8 +546,8 @@ def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
     import sqlite3
     import time
 
-    from llmtrain.datasets import CachedQueryDataset, take_snapshot
-    from llmtrain.training.args import DataArguments
+    from llmtrain.config.args import DataArguments
+    from llmtrain.data import CachedQueryDataset, take_snapshot
 
     fill(sqlite_uri, "docs", _rows(40))
     db = lt.connect(sqlite_uri)

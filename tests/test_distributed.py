@@ -40,11 +40,10 @@ from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.errors import ConfigError, DistributedError
-from llmtrain.launchers import build_command
-from llmtrain.launchers.command import DB_ENV, METADATA_ENV
-from llmtrain.launchers.process import alive
+from llmtrain.running.launchers import build_command
+from llmtrain.running.launchers.command import DB_ENV, METADATA_ENV
+from llmtrain.running.launchers.process import alive
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import CALLBACKS_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -146,10 +145,9 @@ def environ(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _hooks(names: str, *, trace: Path, report: Path | None = None) -> dict[str, str]:
-    """The environment that has launched workers run ``names`` (tests/hooks.py)."""
+def _hooks(*, trace: Path, report: Path | None = None) -> dict[str, str]:
+    """The environment launched workers build the callbacks of tests/hooks.py in."""
     values = {
-        CALLBACKS_ENV: names,
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
         ),
@@ -205,14 +203,11 @@ def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -
         textwrap.dedent(f"""
         import json, os
         import llmtrain as lt
-        from llmtrain.training.callbacks import install_from_environment
-
-        install_from_environment()  # the test's key trace and rank report
-
         db = lt.connect(os.environ["DIST_TEST_URI"], artifacts=os.environ["DIST_TEST_ART"])
         trainer = lt.LLMTrainer({name!r}, model={str(env.tiny)!r}, prompt_template={TEMPLATE!r},
                                 **json.loads(os.environ["DIST_TEST_OPTIONS"]))
-        model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table({table!r}))
+        model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table({table!r}),
+                            callbacks=["hooks:key_trace", "hooks:RankReport"])
         print("rank", os.environ["RANK"], "returned", model)
     """)
     )
@@ -237,18 +232,10 @@ def _train(env: Env, strategy: str) -> Result:
     prefix = env.root / f"report-{strategy}"
     trace = env.root / f"trace-{strategy}"
     started = time.perf_counter()
-    callbacks = {  # the workers import tests/hooks.py
-        CALLBACKS_ENV: "hooks:key_trace,hooks:RankReport",
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
-        ),
-        REPORT_ENV: str(prefix),
-        TRACE_ENV: str(trace),
-    }
-    with environ(**callbacks), PsWatcher("llmtrain") as ps:
+    with environ(**_hooks(trace=trace, report=prefix)), PsWatcher("llmtrain") as ps:
         if strategy == "zero3":
             script = _deepspeed_script(env, name, kwargs, "docs")
-            from llmtrain.launchers import free_port
+            from llmtrain.running.launchers import free_port
 
             options = json.dumps({**OPTIONS, "deepspeed_config": {"stage": 3}})
             proc = subprocess.run(
@@ -278,7 +265,11 @@ def _train(env: Env, strategy: str) -> Result:
             model = env.db.load("model", name)
         else:
             model = _trainer(env, name, **kwargs).fit(
-                X="instruction", Y="output", db=env.db, select=lt.Table("docs")
+                X="instruction",
+                Y="output",
+                db=env.db,
+                select=lt.Table("docs"),
+                callbacks=["hooks:key_trace", "hooks:RankReport"],
             )
     seconds = time.perf_counter() - started
     (run,) = env.db.metadata.list_runs("trainer", name)
@@ -441,25 +432,19 @@ def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
             lt.Launcher(kind=kind, num_processes=2),
             db,
             tmp_path,
-            trainer_id="sft",
-            version=3,
             run_id="abc123",
-            resume=False,
+            resume_from="sha256:" + "0" * 64,
             merge=False,
         )
         assert not any("pa55-w0rd" in arg for arg in command.argv)
         assert command.env[DB_ENV] == db.secret_uri() and "pa55-w0rd" in command.env[DB_ENV]
         assert command.env[METADATA_ENV] == db.secret_metadata_uri()
         argv = command.argv
-        assert argv[argv.index("llmtrain.launchers.worker") + 1 :] == [
-            "--trainer",
-            "sft",
-            "--version",
-            "3",
+        assert argv[argv.index("llmtrain.running.launchers.worker") + 1 :] == [
             "--run-id",
             "abc123",
-            "--resume",
-            "false",
+            "--resume-from",
+            "sha256:" + "0" * 64,
         ]
         assert (
             argv[argv.index("--nproc_per_node" if kind == "torchrun" else "--num_gpus") + 1] == "2"
@@ -468,7 +453,7 @@ def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
 
 def test_no_process_command_line_or_stored_record_shows_the_secret(env: Env) -> None:
     result = _train(env, "ddp")
-    workers = [line for line in result.ps_lines if "llmtrain.launchers.worker" in line]
+    workers = [line for line in result.ps_lines if "llmtrain.running.launchers.worker" in line]
     assert len(workers) >= WORLD, result.ps_lines  # we did look while the workers ran
     assert result.run.run_id in workers[0]
     assert not any(SECRET in line for line in result.ps_lines)
@@ -509,7 +494,7 @@ def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> 
     """Workers in sessions of their own (as torchrun starts them) are found by their pid
     files and killed with the launcher, here while they ignore SIGTERM: gone long before
     their 600 s sleep, they were killed (SIGKILL), not waited for."""
-    from llmtrain.launchers.process import WorkerJob
+    from llmtrain.running.launchers.process import WorkerJob
 
     worker = (
         "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
@@ -555,17 +540,19 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
     select = lt.Table(table)
     first, resumed_trace = env.root / f"first-{strategy}", env.root / f"resumed-{strategy}"
     with (
-        environ(**_hooks("hooks:key_trace", trace=first)),
+        environ(**_hooks(trace=first)),
         pytest.raises(DistributedError, match="rank 1 failed"),
     ):
-        trainer.fit(X="instruction", Y="output", db=env.db, select=select)
+        trainer.fit(
+            X="instruction", Y="output", db=env.db, select=select, callbacks=["hooks:key_trace"]
+        )
     (failed,) = env.db.metadata.list_runs("trainer", name)
     assert failed.status == "failed"
     assert [c.step for c in env.db.metadata.list_checkpoints(failed.run_id)] == [2]
 
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(env.uri).begin() as conn:  # the row is fixed; the keys did not change
         conn.execute(
@@ -573,9 +560,15 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
             {"o": _row(BAD_ID)["output"], "i": BAD_ID},
         )
     report = env.root / f"resume-report-{strategy}"
-    hooks = _hooks("hooks:key_trace,hooks:ResumeReport", trace=resumed_trace, report=report)
-    with environ(**hooks):
-        resumed = trainer.fit(X="instruction", Y="output", db=env.db, select=select, resume=True)
+    with environ(**_hooks(trace=resumed_trace, report=report)):
+        resumed = trainer.fit(
+            X="instruction",
+            Y="output",
+            db=env.db,
+            select=select,
+            resume=True,
+            callbacks=["hooks:key_trace", "hooks:ResumeReport"],
+        )
     (run,) = env.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and resumed.record.run_id == failed.run_id
     # the resumed attempt, traced on its own: it starts after the checkpoint, on every rank,
@@ -617,7 +610,7 @@ def test_qlora_combinations_that_cannot_work_are_refused(
 
 
 def test_deepspeed_raw_config_is_used_as_given_with_auto_values_filled() -> None:
-    from llmtrain.training.args import DeepspeedConfig, TrainingArguments
+    from llmtrain.config.args import DeepspeedConfig, TrainingArguments
     from llmtrain.training.strategies.deepspeed import build_config
 
     raw = {
@@ -673,7 +666,7 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     fp16 (a CPU) the fit is refused naming the field instead of failing deep inside it."""
     from deepspeed.accelerator import get_accelerator
 
-    from llmtrain.training.callbacks import Callback, registered
+    from llmtrain.training.callbacks import Callback
 
     class Seen(Callback):
         def on_train_end(self, run: Any) -> None:
@@ -682,16 +675,14 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
             self.ds_fp16 = getattr(run.model, "fp16_enabled", lambda: None)()
 
     seen, options = Seen(), {"max_steps": 2, "save_steps": None, "mixed_precision": "fp16"}
-    with registered(seen):
-        _trainer(env, "dist-fp16-fsdp", fsdp_config={}, **options).fit(
-            X="instruction", Y="output", db=env.db, select=lt.Table("docs")
-        )
+    _trainer(env, "dist-fp16-fsdp", fsdp_config={}, **options).fit(
+        X="instruction", Y="output", db=env.db, select=lt.Table("docs"), callbacks=[seen]
+    )
     assert seen.scaler == "ShardedGradScaler" and all(math.isfinite(x) for x in seen.losses)
 
     zero = _trainer(env, "dist-fp16-zero2", deepspeed_config={"stage": 2}, **options)
     if get_accelerator().is_fp16_supported():
-        with registered(seen):
-            zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+        zero.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"), callbacks=[seen])
         assert seen.ds_fp16 is True and all(math.isfinite(x) for x in seen.losses)
     else:
         with pytest.raises(ConfigError, match="training_args.mixed_precision to 'bf16' or 'no'"):

@@ -50,7 +50,7 @@ def _api_calls(tree: ast.AST) -> set[str]:
 
 def test_quickstart_makes_the_demos_calls() -> None:
     quickstart = _api_calls(ast.parse((EXAMPLES / "quickstart.py").read_text()))
-    demo = _api_calls(ast.parse((REPO / "llmtrain" / "demo.py").read_text()))
+    demo = _api_calls(ast.parse((REPO / "llmtrain" / "cli" / "demo.py").read_text()))
     assert len(quickstart) >= 5 and quickstart <= demo, quickstart - demo
 
 
@@ -70,7 +70,7 @@ def test_quickstart_learns(tmp_path: Path) -> None:
 
 
 def test_config_yaml_fits_with_the_cli(tmp_path: Path) -> None:
-    from llmtrain import demo
+    from llmtrain.cli import demo
 
     demo.prepare(tmp_path / "llmtrain-demo")  # what `llmtrain demo` leaves behind
     command = [sys.executable, "-m", "llmtrain.cli"]

@@ -525,7 +525,7 @@ def test_padding_efficiency() -> None:
 def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> None:
     """Every example once, rows of at most max_length, at most the budget's rows, and under
     3% padding in every micro-batch (rows x its fullest row)."""
-    from llmtrain.training.data import FILL, micro_batches
+    from llmtrain.training.batches import FILL, micro_batches
 
     examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate(lengths)]
     batches = micro_batches(examples, 32, 32 * rows_per_batch + 7)
@@ -539,7 +539,7 @@ def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> 
 
 def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
     """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
-    from llmtrain.training.data import _empty_like
+    from llmtrain.training.batches import _empty_like
     from llmtrain.training.loss import LossFunction
 
     model = AutoModelForCausalLM.from_pretrained(llama_path)
@@ -558,9 +558,9 @@ def test_training_batches_carry_their_counts_as_plain_ints(
     thread making the next batches); the ints equal what the tensors hold."""
     from types import SimpleNamespace
 
-    from llmtrain.datasets.snapshot import key_repr
-    from llmtrain.training.args import DataArguments
-    from llmtrain.training.data import make_collate
+    from llmtrain.config.args import DataArguments
+    from llmtrain.data.snapshot import key_repr
+    from llmtrain.training.batches import make_collate
 
     args = DataArguments(max_length=32, packing=packing, max_tokens_per_batch=budget)
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
@@ -589,8 +589,8 @@ def test_packing_fills_micro_batches_by_default(tok: Any) -> None:
     on their own (the old default) fed 16% padding."""
     from types import SimpleNamespace
 
-    from llmtrain.training.args import DataArguments
-    from llmtrain.training.data import make_collate
+    from llmtrain.config.args import DataArguments
+    from llmtrain.training.batches import make_collate
 
     batch_size, max_length = 8, 256
     args = DataArguments(max_length=max_length, packing=True)
@@ -628,7 +628,7 @@ def test_a_trained_model_answers_as_trained_whatever_the_prompt_ends_with(
     garbage: the negative control."""
     import llmtrain as lt
     from llmtrain.formatting import Prompt
-    from llmtrain.training.metrics import generate_batch
+    from llmtrain.training.generation import generate_batch
     from tests.conftest import fill
 
     corpus = [f"Color: {c}\nFruit: {f}" for c, f in FRUITS]

@@ -15,8 +15,8 @@ from bson import ObjectId
 from conftest import fill, fresh_database
 
 import llmtrain as lt
-from llmtrain.backends.engines import mongo_database, sql_engine
-from llmtrain.datasets.snapshot import MemoryStore, key_repr, take_snapshot
+from llmtrain.data.snapshot import MemoryStore, key_repr, take_snapshot
+from llmtrain.db.engines import mongo_database, sql_engine
 
 N = 50
 

@@ -16,13 +16,13 @@ import pytest
 import sqlalchemy as sa
 import torch
 from conftest import fill
+from hooks import KeyTrace
 from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.cli import main
-from llmtrain.datasets.snapshot import key_repr
+from llmtrain.data.snapshot import key_repr
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import KeyTrace, registered
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -96,11 +96,10 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
 
     first = KeyTrace()
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_6)
-    with registered(first), pytest.raises(KeyboardInterrupt):
-        trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[first])
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
-    with registered(first):
-        parent = db.load("trainer", "lin").fit(resume=True)
+    parent = db.load("trainer", "lin").fit(resume=True, callbacks=[first])
     (run,) = db.metadata.list_runs("trainer", "lin")
     assert run.status == "completed" and run.info["steps"] == 9
     trained = _trace_rows(first)
@@ -118,8 +117,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
         conn.execute(sa.text("UPDATE docs SET a = 'purple', updated = 2 WHERE id = 5"))
     engine.dispose()
     second = KeyTrace()
-    with registered(second):
-        child = db.load("trainer", "lin").fit(incremental=True)
+    child = db.load("trainer", "lin").fit(incremental=True, callbacks=[second])
     assert child.version == parent.version + 1 and child.identifier == "lin"
     new_run = db.metadata.get_run(child.record.run_id)
     assert new_run.info["parent"]["run_id"] == run.run_id
@@ -132,10 +130,11 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert _lineage(db, "lin", parent.version) == {run.run_id: trained}
 
     # it started from the parent's weights: set up the same run again and look before step 1
+    from llmtrain.training.plan import RunPlan
     from llmtrain.training.run import FitRun
     from llmtrain.training.strategies import make_strategy
 
-    probe = FitRun(db.load("trainer", "lin"), db, new_run.run_id, make_strategy("single"))
+    probe = FitRun(RunPlan.from_record(new_run), db, make_strategy("single"))
     probe.setup()
     try:
         from peft import get_peft_model_state_dict
@@ -181,8 +180,7 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     assert main(["show", "model", "lin", *where]) == 0
     assert "FORGOTTEN ROWS" in capsys.readouterr().out.upper()
     third = KeyTrace()
-    with registered(third):
-        (retrained,) = forgotten.retrain()
+    (retrained,) = forgotten.retrain(callbacks=[third])
     retrain_run = db.metadata.get_run(retrained.record.run_id)
     assert retrain_run.info["excluded_keys"] == [key] and "parent" not in retrain_run.info
     assert key not in {k for k, _ in _trace_rows(third)}
@@ -209,9 +207,9 @@ def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_pat
     """No model: the real dataset and loader read 3 shuffled epochs while a whole block (two
     batches) and a single row are deleted after epoch 0; the batches it yields, grouped into
     steps as the loop does, are the lineage derived from the record of the skips."""
-    from llmtrain.datasets import CachedQueryDataset
-    from llmtrain.datasets.snapshot import take_snapshot
-    from llmtrain.lineage import Plan, SnapshotKeys, Steps, run_rows
+    from llmtrain.data import CachedQueryDataset
+    from llmtrain.data.snapshot import take_snapshot
+    from llmtrain.provenance.lineage import Plan, SnapshotKeys, Steps, run_rows
 
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [_row(i) for i in range(20)])

@@ -25,10 +25,10 @@ from faults.helpers import trainer
 from faults.test_kill_resume import finish, kill_when_held, launch, read_trace
 
 import llmtrain as lt
-from llmtrain.datasets import RunSnapshot
-from llmtrain.datasets.snapshot import key_repr
+from llmtrain.data import RunSnapshot
+from llmtrain.data.snapshot import key_repr
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import Callback, registered
+from llmtrain.training.callbacks import Callback
 
 #: the writer: inserts a row every few ms (and deletes it again a little later); once
 #: ``go`` exists it also deletes the rows named in ``doomed``, one every few ms; it notes
@@ -159,8 +159,7 @@ def test_a_fit_on_a_live_table_trains_its_snapshot_once_per_epoch(
     try:
         db = lt.connect(pg, artifacts=tmp_path / "artifacts")
         t = trainer(tiny, f"live{kind}", max_steps=-1, num_train_epochs=2, cache_size=8)
-        with registered(trace):
-            t.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+        t.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"), callbacks=[trace])
     finally:
         inserted = writer.stop()
     (run,) = db.metadata.list_runs("trainer", f"live{kind}")

@@ -154,7 +154,7 @@ def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_
 
     import llmtrain as lt
     from llmtrain.training import run as run_module
-    from llmtrain.training.callbacks import Callback, registered
+    from llmtrain.training.callbacks import Callback
     from llmtrain.training.loss import LossFunction as Loss
     from llmtrain.training.strategies.single import SingleProcess
 
@@ -214,8 +214,7 @@ def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_
         progress_bar=False,
     )
     Watched.reads = 0
-    with registered(Count()):
-        trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[Count()])
 
     assert len(per_step) == 3
     starts = [(0, 0, 0), *per_step[:-1]]

@@ -13,11 +13,11 @@ import pytest
 import sqlalchemy as sa
 from conftest import SQL_BACKENDS, fill, fresh_database
 
-from llmtrain.backends.engines import dispose_sql_engine
+from llmtrain.db.engines import dispose_sql_engine
 from llmtrain.errors import ComponentNotFoundError, StoreError
-from llmtrain.metadata import MetadataStore, open_metadata
-from llmtrain.metadata.mongo import MongoMetadataStore
-from llmtrain.metadata.sql import SQLMetadataStore
+from llmtrain.stores.metadata import MetadataStore, open_metadata
+from llmtrain.stores.metadata.mongo import MongoMetadataStore
+from llmtrain.stores.metadata.sql import SQLMetadataStore
 from llmtrain.uri import is_mongo_uri
 
 OUR_TABLES = {
@@ -37,10 +37,10 @@ def store(any_uri: str) -> Iterator[MetadataStore]:
 
 def table_names(uri: str) -> set[str]:
     if is_mongo_uri(uri):
-        from llmtrain.backends.engines import mongo_database
+        from llmtrain.db.engines import mongo_database
 
         return set(mongo_database(uri).list_collection_names())
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     return set(sa.inspect(sql_engine(uri)).get_table_names())
 
@@ -281,11 +281,11 @@ def test_schema_is_created_once_and_user_tables_are_untouched(any_uri: str) -> N
 
 def read_docs(uri: str) -> list[dict[str, Any]]:
     if is_mongo_uri(uri):
-        from llmtrain.backends.engines import mongo_database
+        from llmtrain.db.engines import mongo_database
 
         docs = mongo_database(uri)["docs"].find().sort("_id", 1)
         return [{"id": d["_id"], "text": d["text"]} for d in docs]
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(uri).connect() as conn:
         result = conn.execute(sa.text("SELECT id, text FROM docs ORDER BY id"))
@@ -376,7 +376,7 @@ def test_store_pickles_as_its_uri(store: MetadataStore) -> None:
 
 
 def test_a_run_that_completes_after_failing_has_no_error(any_uri: str) -> None:
-    from llmtrain.metadata import open_metadata
+    from llmtrain.stores.metadata import open_metadata
 
     store = open_metadata(any_uri)
     store.create_run("r1", "trainer", "t", 0, {})

@@ -26,11 +26,11 @@ from conftest import fill, fresh_database
 
 import llmtrain as lt
 from llmtrain.cli import main
-from llmtrain.config_file import load_job
+from llmtrain.config.file import load_job
+from llmtrain.config.spec import FitSpec
 from llmtrain.errors import ConfigError
+from llmtrain.integrations.trackers import check_trackers
 from llmtrain.testing import tiny_model
-from llmtrain.trackers import check_trackers
-from llmtrain.training.spec import FitSpec
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "observed"
@@ -110,8 +110,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                 "[]",
             ],
         )
-        db = job.connect()
-        earlier = job.trainer()
+        db = lt.connect(job.db_uri, artifacts=job.config.artifacts)
+        earlier = lt.LLMTrainer(job.config.name, **job.options)
         earlier.config.fit = FitSpec(
             X="instruction", Y="output", select=job.select.to_dict(), db=db.uri
         )
@@ -388,7 +388,7 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
 def test_show_run_lists_every_logged_step_and_a_ray_runs_details(tmp_path: Path) -> None:
     """An evaluation at a step that logged no train loss (eval_steps=3, logging_steps=2) has
     its own row; a Ray run shows its Ray run, status, workers, storage and checkpoints."""
-    from llmtrain.report import run_summary
+    from llmtrain.cli.report import run_summary
 
     db = lt.connect(f"sqlite:///{tmp_path / 'data.db'}")
     ray = {

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
+from llmtrain.config.args import ModelArguments
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.placement import Placement
-from llmtrain.training.args import ModelArguments
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies import make_strategy, strategy_for
 
@@ -83,14 +83,14 @@ def test_only_placement_reads_the_rank_variables() -> None:
 def test_the_launch_modules_import_alone_and_without_a_cycle() -> None:
     """training.launch never imports the launchers (they call into it)."""
     code = (
-        "import sys, llmtrain.training.launch; "
-        "print(any(m.startswith('llmtrain.launchers') for m in sys.modules))"
+        "import sys, llmtrain.running.local; "
+        "print(any(m.startswith('llmtrain.running.launchers') for m in sys.modules))"
     )
     for module in (
-        "llmtrain.launchers",
-        "llmtrain.launchers.worker",
+        "llmtrain.running.launchers",
+        "llmtrain.running.launchers.worker",
         "llmtrain.training.strategies.deepspeed",
-        "llmtrain.training.launch",
+        "llmtrain.running.local",
     ):
         subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
     out = subprocess.run(
@@ -147,7 +147,7 @@ def test_fp16_gradients_that_underflow_unscaled_still_train_with_the_scaler() ->
 def test_the_key_trace_writes_one_synced_line_per_step(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from llmtrain.training.callbacks import KeyTrace
+    from hooks import KeyTrace
 
     trace = KeyTrace(tmp_path / "keys")
     run = SimpleNamespace(step=1, strategy=make_strategy("single", Placement()))

@@ -19,7 +19,7 @@ from conftest import fill
 import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.errors import ConfigError, DataError, LlmtrainError, QueryError
-from llmtrain.metadata import MetadataStore, open_metadata
+from llmtrain.stores.metadata import MetadataStore, open_metadata
 from llmtrain.testing import tiny_model
 from llmtrain.training import run as run_module
 

@@ -11,8 +11,8 @@ import pytest
 from bson import ObjectId
 
 import llmtrain as lt
+from llmtrain.db.queries import Query
 from llmtrain.errors import QueryError
-from llmtrain.queries import Query
 
 QUERIES = [
     lt.Table("docs"),

@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import Callback, registered
+from llmtrain.training.callbacks import Callback
 
 pytestmark = pytest.mark.slow
 
@@ -175,8 +175,9 @@ def _fit(
     trainer = lt.LLMTrainer(
         name, model=env.tiny, prompt_template=TEMPLATE, ray_config=ray_config, **OPTIONS
     )
-    with registered(*callbacks):
-        return trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
+    return trainer.fit(
+        X="instruction", Y="output", db=env.db, select=lt.Table("docs"), callbacks=callbacks
+    )
 
 
 def _uninterrupted(env: Env) -> Any:
@@ -240,7 +241,7 @@ def test_fit_on_ray_trains_records_and_loads_in_peft(env: Env) -> None:
 
 
 def test_workers_never_reach_the_database(env: Env) -> None:
-    from llmtrain.ray.driver import RayRun
+    from llmtrain.running.ray.driver import RayRun
 
     _uninterrupted(env)
     for rank in range(WORLD):
@@ -248,13 +249,11 @@ def test_workers_never_reach_the_database(env: Env) -> None:
         assert seen["pid"] != os.getpid()
         assert seen == {**seen, "open": [], "engines": 0, "db": "RemoteDB"}
     # what is shipped to the workers names neither the database nor its secret
-    from llmtrain.datasets import RunSnapshot
+    from llmtrain.training.plan import RunPlan
 
-    trainer = env.db.load("trainer", "ray-plain")
     (run,) = env.db.metadata.list_runs("trainer", "ray-plain")
-    trainer.data_snapshot = RunSnapshot.from_record(run.info["snapshot"])
     shipped = ray.cloudpickle.dumps(
-        RayRun(trainer, env.db, run.run_id, resume=False).loop_config(broker=None)
+        RayRun(RunPlan.from_record(run), env.db, []).loop_config(broker=None)
     )
     for secret in (SECRET, str(env.root / "data.db"), "data.db", "sqlite"):
         assert secret.encode() not in shipped
@@ -264,7 +263,7 @@ def test_workers_never_reach_the_database(env: Env) -> None:
 def test_each_worker_trains_its_rank_rows_in_the_local_order(env: Env) -> None:
     _uninterrupted(env)
     (run,) = env.db.metadata.list_runs("trainer", "ray-plain")
-    from llmtrain.datasets import RunSnapshot
+    from llmtrain.data import RunSnapshot
 
     pinned = RunSnapshot.from_record(run.info["snapshot"])
     trained: list[str] = []
@@ -352,8 +351,7 @@ def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) ->
     assert run.info["ray"]["status"] == "failed"
     assert [c.step for c in env.db.metadata.list_checkpoints(run.run_id)] == [2]
     # the stored recipe, replayed: a new Ray job continues the run from its checkpoint
-    with registered(trace):
-        model = env.db.load("trainer", "ray-failing").fit(resume=True)
+    model = env.db.load("trainer", "ray-failing").fit(resume=True, callbacks=[trace])
     (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
     assert run.status == "completed" and run.info["steps"] == STEPS
     for rank in range(WORLD):  # the new Ray job began at the checkpoint, optimizer restored
@@ -401,5 +399,6 @@ def test_workers_the_cluster_cannot_place_are_refused_at_once(env: Env) -> None:
     )
     with pytest.raises(lt.ConfigError, match=r"\{'GPU': 2\.0\}.*'GPU': 0.*not enough GPU"):
         trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("docs"))
-    (run,) = env.db.metadata.list_runs("trainer", "ray-gpu")
-    assert run.status == "failed" and "not enough GPU" in run.error
+    # refused before anything was recorded
+    assert env.db.metadata.list_runs("trainer", "ray-gpu") == []
+    assert "ray-gpu" not in env.db.show("trainer")

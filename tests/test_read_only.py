@@ -20,12 +20,12 @@ from llmtrain.uri import is_mongo_uri
 def stored_names(uri: str) -> set[str]:
     """Every table or collection (with its indexes) in the database."""
     if is_mongo_uri(uri):
-        from llmtrain.backends.engines import mongo_database
+        from llmtrain.db.engines import mongo_database
 
         db = mongo_database(uri)
         names = set(db.list_collection_names())
         return names | {f"{c}.{i}" for c in names for i in db[c].index_information()}
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     return set(sa.inspect(sql_engine(uri)).get_table_names())
 

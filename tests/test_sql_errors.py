@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from conftest import MY_ADMIN, PG_ADMIN, fill, fresh_database
 
 import llmtrain as lt
-from llmtrain.backends import RetryPolicy
-from llmtrain.backends.base import DataBackend
+from llmtrain.db import RetryPolicy
+from llmtrain.db.backend import DataBackend
 from llmtrain.errors import DatabaseNotFoundError, DatabaseUnavailableError
 
 ROWS = [{"id": i, "text": f"row {i}", "lang": "en" if i % 2 else "fr"} for i in range(10)]
@@ -83,7 +83,7 @@ def test_postgres_permission_denied_is_a_query_error(pg_uri: str) -> None:
             lambda: _size(uri, lt.Table("docs")),
         )
     finally:
-        from llmtrain.backends.engines import dispose_sql_engine
+        from llmtrain.db.engines import dispose_sql_engine
 
         dispose_sql_engine(pg_uri.replace("postgres@", f"{role}@", 1))
         with admin.connect() as conn:
@@ -107,7 +107,7 @@ def test_mariadb_permission_denied_is_reported_at_once(maria_uri: str) -> None:
         _fails_fast(lt.QueryError, "sql query.*denied", lambda: _size(uri, raw))
         assert _size(uri, lt.Table("other")) == 10
     finally:
-        from llmtrain.backends.engines import dispose_sql_engine
+        from llmtrain.db.engines import dispose_sql_engine
 
         dispose_sql_engine(maria_uri.replace("root@", f"{user}@", 1))
         with admin.connect() as conn:
@@ -166,7 +166,7 @@ def test_what_heals_is_told_from_what_does_not() -> None:
     import psycopg.errors
     import pymysql.err
 
-    from llmtrain.backends.sql_errors import is_transient
+    from llmtrain.db.sql_errors import is_transient
 
     heals = [
         pymysql.err.OperationalError(1213, "Deadlock found when trying to get lock"),

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 from conftest import fill
+from hooks import KeyTrace
 from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.errors import ConfigError, DataChangedError
 from llmtrain.testing import tiny_model
-from llmtrain.training.callbacks import KeyTrace, registered
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -44,6 +44,13 @@ def db(tmp_path: Path) -> Any:
         ],
     )
     return lt.connect(uri, artifacts=tmp_path / "artifacts")
+
+
+def _plan(db: Any, model: Any) -> Any:
+    """The plan of the run that made ``model``, as a launched worker reads it."""
+    from llmtrain.training.plan import RunPlan
+
+    return RunPlan.from_record(db.metadata.get_run(model.record.run_id))
 
 
 def _trainer(tiny: Path, name: str = "sft", **kwargs: Any) -> lt.LLMTrainer:
@@ -98,7 +105,7 @@ def test_qlora_4bit_and_dora_use_real_bitsandbytes_and_peft_layers(tiny: Path, d
 
     trainer = _trainer(tiny, "qdora", bits=4, qlora=True, use_dora=True, max_steps=2)
     model = _fit(trainer, db)
-    run = FitRun(trainer, db, "probe", make_strategy("single"))
+    run = FitRun(_plan(db, model), db, make_strategy("single"))
     run.setup()
     try:
         layer = run.model.base_model.model.model.layers[0].self_attn.q_proj
@@ -183,7 +190,7 @@ def test_replay_loads_the_same_trainer_and_fits_the_same_adapter(tiny: Path, db:
 def test_config_values_serialise_the_same_however_they_were_given(tmp_path: Path) -> None:
     """lora_alpha=16 by default, 16 or 16.0 explicitly, read back from a record or a YAML
     file: the same stored recipe (a float field never keeps an int)."""
-    from llmtrain.config_file import load_job
+    from llmtrain.config.file import load_job
 
     given = [
         lt.LLMTrainer("same", model="m", prompt_template=TEMPLATE),
@@ -196,7 +203,8 @@ def test_config_values_serialise_the_same_however_they_were_given(tmp_path: Path
         "name: same\nmodel_args: {model_name_or_path: m}\nprompt_template: 'Q {X} A {Y}'\n"
         "lora_args: {lora_alpha: 16}\ndata: {X: x, Y: y, select: {table: t}}\ndb: sqlite:///x.db\n"
     )
-    from_yaml = load_job(tmp_path / "c.yaml").trainer().to_dict()
+    job = load_job(tmp_path / "c.yaml")
+    from_yaml = lt.LLMTrainer(job.config.name, **job.options).to_dict()
     texts = {json.dumps(t.to_dict(), sort_keys=True) for t in given}
     values = {json.dumps(t.config.model_dump(), sort_keys=True) for t in given}  # in memory
     assert len(texts) == 1 and len(values) == 1
@@ -208,7 +216,7 @@ def test_replay_refuses_changed_rows_unless_allowed(tiny: Path, db: Any) -> None
     _fit(_trainer(tiny, "drift", max_steps=1), db)
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(db.secret_uri()).begin() as conn:
         conn.execute(sa.text("DELETE FROM docs WHERE id = 5"))
@@ -290,14 +298,13 @@ def test_unknown_target_module_lists_the_model_layers(tiny: Path, db: Any) -> No
 
 def test_packing_and_held_out_eval(tiny: Path, db: Any) -> None:
 
-    from llmtrain.datasets import held_out
+    from llmtrain.data import held_out
 
     trace = KeyTrace()
     trainer = _trainer(
         tiny, "packed", packing=True, eval_fraction=0.25, eval_steps=2, max_steps=4, batch_size=8
     )
-    with registered(trace):
-        _fit(trainer, db)
+    _fit(trainer, db, callbacks=[trace])
     (run,) = db.metadata.list_runs("trainer", "packed")
     evals = [m for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
     assert [m.step for m in evals] == [2, 4]
@@ -334,7 +341,7 @@ def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: 
     trainer = _trainer(tiny, "skipall", max_steps=50, on_bad_row="skip")
     import sqlalchemy as sa
 
-    from llmtrain.backends.engines import sql_engine
+    from llmtrain.db.engines import sql_engine
 
     with sql_engine(db.secret_uri()).begin() as conn:
         conn.execute(sa.text("UPDATE docs SET output = NULL WHERE id = 1"))
@@ -354,7 +361,7 @@ def test_8bit_base_with_paged_8bit_adamw(tiny: Path, db: Any) -> None:
     trainer = _trainer(tiny, "eight", bits=8, qlora=True, optim="paged_adamw_8bit", max_steps=2)
     model = _fit(trainer, db)
     assert len(model.record.history) == 2
-    run = FitRun(trainer, db, "probe8", make_strategy("single"))
+    run = FitRun(_plan(db, model), db, make_strategy("single"))
     run.setup()
     try:
         layer = run.model.base_model.model.model.layers[0].mlp.up_proj
@@ -423,6 +430,7 @@ def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(
     """fp16 autocast (honoured on the CPU too) with the GradScaler: the adapter learns
     (LoRA's B starts at zero), and resuming restores the scaler's state from the checkpoint."""
     from llmtrain.training.callbacks import Callback
+    from llmtrain.training.plan import RunPlan
     from llmtrain.training.run import FitRun
     from llmtrain.training.strategies import make_strategy
 
@@ -433,15 +441,15 @@ def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(
 
     seen = ScalerAtEnd()
     trainer = _trainer(tiny, "fp16", mixed_precision="fp16", max_steps=4, save_steps=2)
-    with registered(seen):
-        model = _fit(trainer, db)
+    model = _fit(trainer, db, callbacks=[seen])
     assert seen.dtype == torch.float16 and seen.state["_growth_tracker"] > 0
     (run,) = db.metadata.list_runs("trainer", "fp16")
     assert run.status == "completed" and all(math.isfinite(h["loss"]) for h in model.record.history)
     weights = _adapter(db, model, tmp_path)
     assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in weights.items())
 
-    resumed = FitRun(trainer, db, run.run_id, make_strategy("single"), resume=True)
+    (latest, *_) = reversed(db.metadata.list_checkpoints(run.run_id))
+    resumed = FitRun(RunPlan.from_record(run, latest), db, make_strategy("single"))
     resumed.setup()
     try:
         assert resumed.step == 4 and resumed.strategy.scaler.state_dict() == seen.state
@@ -452,7 +460,7 @@ def test_fp16_trains_with_a_loss_scaler_whose_state_survives_a_resume(
 def test_gradient_checkpointing_is_switched_on_in_one_place_for_adapter_and_full(
     tiny: Path,
 ) -> None:
-    from llmtrain.training.args import LoraArguments, ModelArguments
+    from llmtrain.config.args import LoraArguments, ModelArguments
     from llmtrain.training.modeling import load_model, prepare_for_training
 
     args = ModelArguments(model_name_or_path=str(tiny))
@@ -482,7 +490,7 @@ def test_gradient_checkpointing_is_switched_on_in_one_place_for_adapter_and_full
 
 
 def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> None:
-    from llmtrain.datasets import held_out
+    from llmtrain.data import held_out
 
     trainer = _trainer(
         tiny,
@@ -506,10 +514,9 @@ def test_steps_and_schedule_count_training_rows_only(tiny: Path, db: Any) -> Non
 def test_a_fit_snapshots_its_selection_once_and_a_resume_not_at_all(
     tiny: Path, db: Any, eval_fraction: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import llmtrain.datasets.cached
-    import llmtrain.training.run
-    import llmtrain.training.trainer
-    from llmtrain.datasets import take_snapshot
+    import llmtrain.data.cached
+    import llmtrain.running.register
+    from llmtrain.data import take_snapshot
 
     snapshots: list[str] = []
 
@@ -517,7 +524,7 @@ def test_a_fit_snapshots_its_selection_once_and_a_resume_not_at_all(
         snapshots.append(query.source)
         return take_snapshot(db, query, **kwargs)
 
-    for module in (llmtrain.datasets.cached, llmtrain.training.run, llmtrain.training.trainer):
+    for module in (llmtrain.data.cached, llmtrain.running.register):
         monkeypatch.setattr(module, "take_snapshot", counting)
     options: dict[str, Any] = {"max_steps": 4, "save_steps": 2, "eval_fraction": eval_fraction}
     if eval_fraction:
@@ -580,7 +587,7 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
     train_step, save = run_module.FitRun._train_step, run_module.FitRun.save_checkpoint
 
     def traced(self: Any, group: list[dict[str, Any]], *args: Any) -> float:
-        seen.setdefault(self.trainer.identifier, []).append(
+        seen.setdefault(self.plan.identifier, []).append(
             (
                 self.step + 1,
                 [b["keys"] for b in group],

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import llmtrain as lt
+from llmtrain.config.args import ModelArguments
 from llmtrain.console import quieted
 from llmtrain.errors import ConfigError
 from llmtrain.testing import tiny_model
 from llmtrain.training import modeling
-from llmtrain.training.args import ModelArguments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,7 +151,7 @@ def test_hf_hub_offline_refuses_an_uncached_hub_id_at_once_and_uses_the_cache(
         """
         import time
         from llmtrain.errors import ConfigError
-        from llmtrain.training.args import ModelArguments
+        from llmtrain.config.args import ModelArguments
         from llmtrain.training.modeling import load_tokenizer
 
         start = time.monotonic()

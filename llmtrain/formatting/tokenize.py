@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
-from llmtrain.datasets.rows import check_row
+from llmtrain.data.rows import check_row
 from llmtrain.errors import ConfigError
 from llmtrain.formatting.template import PromptTemplate
 

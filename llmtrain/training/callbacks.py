@@ -1,23 +1,19 @@
 """Callbacks: what a run tells an observer (a test, a tracker) after each step and at the end.
 
-A callback is handed to ``FitRun(..., callbacks=[...])`` or registered for the whole process
-(``register``, or the ``registered`` context), so ``LLMTrainer.fit`` runs pick it up
-without new arguments. Launched workers are separate processes: they register the callbacks
-their environment names once, at start (``install_from_environment``), never per step.
+A callback is handed to ``fit(callbacks=[...])``: an object, or the import path
+``"module:Name"`` of a class or factory called with no arguments, which every process of
+the job builds for itself (a launcher's workers can take only these; the run records them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import json
-import os
-from collections.abc import Iterator
+import re
 from typing import Any
 
-#: comma-separated ``module:name`` of Callback classes or factories (called with no
-#: arguments) that each launched worker imports and registers
-CALLBACKS_ENV = "LLMTRAIN_CALLBACKS"
+from llmtrain.errors import ConfigError
+
+_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class Callback:
@@ -41,54 +37,18 @@ class Callback:
         callback holds."""
 
 
-_registered: list[Callback] = []
+def callback_path(spec: str) -> str:
+    """``spec`` if it is an import path ``module:Name``, else a ConfigError naming it."""
+    if not _PATH.match(spec):
+        raise ConfigError(f"fit(callbacks=): {spec!r} is not an import path 'module:Name'")
+    return spec
 
 
-def registered_callbacks() -> list[Callback]:
-    return list(_registered)
-
-
-def register(callback: Callback) -> None:
-    """Every later run of this process calls ``callback``."""
-    _registered.append(callback)
-
-
-@contextlib.contextmanager
-def registered(*callbacks: Callback) -> Iterator[None]:
-    """The runs started inside the block call ``callbacks``."""
-    _registered.extend(callbacks)
+def build_callback(spec: str) -> Callback:
+    """The callback an import path names, built with no arguments."""
+    module, _, name = callback_path(spec).partition(":")
     try:
-        yield
-    finally:
-        for callback in callbacks:
-            _registered.remove(callback)
-
-
-class KeyTrace(Callback):
-    """The row keys of every step: in ``steps``, and in ``{path}.rank{r}`` when a path is
-    given (one JSON line per step, fsynced: a process killed right after still shows it)."""
-
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
-        self.path = path
-        self.steps: list[dict[str, Any]] = []
-
-    def on_step(self, run: Any, keys: list[str]) -> None:
-        entry = {"step": run.step, "keys": keys}
-        self.steps.append(entry)
-        if self.path is not None:
-            with open(f"{self.path}.rank{run.strategy.rank}", "a") as fh:
-                fh.write(json.dumps(entry) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-
-    @property
-    def keys(self) -> list[str]:
-        return [k for entry in self.steps for k in entry["keys"]]
-
-
-def install_from_environment() -> None:
-    """Register the callbacks ``$LLMTRAIN_CALLBACKS`` names; called once when a worker starts,
-    so a launched fit's ranks run an observer (a test's key trace) with no new arguments."""
-    for spec in filter(None, os.environ.get(CALLBACKS_ENV, "").split(",")):
-        module, _, name = spec.strip().partition(":")
-        register(getattr(importlib.import_module(module), name)())
+        made: Callback = getattr(importlib.import_module(module), name)()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"fit(callbacks=): cannot build {spec!r}: {exc}") from None
+    return made

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmtrain.errors import CheckpointError, StoreError
-from llmtrain.metadata.base import CheckpointRecord
+from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.strategies.base import Strategy
 
 MANIFEST = "manifest.json"

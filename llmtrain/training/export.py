@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import torch
 
+from llmtrain.config.args import ModelArguments
 from llmtrain.errors import ConfigError
-from llmtrain.training.args import ModelArguments
 
 MergeInto = Literal["trained", "base"]
 

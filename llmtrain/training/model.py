@@ -13,16 +13,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from llmtrain.components import register_component
+from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
 from llmtrain.errors import CheckpointError, ConfigError
-from llmtrain.training.args import ModelArguments, build
+from llmtrain.stores.components import register_component
 
 if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
     from llmtrain.formatting import Formatter
+    from llmtrain.stores.handle import Components
     from llmtrain.training.export import MergeInto
-    from llmtrain.training.trainer import LLMTrainer
 
 
 class ModelRecord(BaseModel):
@@ -49,7 +48,7 @@ class TrainedModel:
     def __init__(self, record: ModelRecord) -> None:
         self.record = record
         self.version: int | None = None
-        self.db: Datalayer | None = None
+        self.db: Components | None = None
         self._loaded: tuple[Any, Any] | None = None
         self._formatters: dict[str, Formatter] = {}
         self.checkpoint: dict[str, Any] | None = None  # a checkpoint's weights instead
@@ -61,29 +60,6 @@ class TrainedModel:
     def identifier(self) -> str:
         return self.record.identifier
 
-    @classmethod
-    def from_run(
-        cls, trainer: LLMTrainer, run_id: str, artifact: str | None, history: list[dict[str, float]]
-    ) -> TrainedModel:
-        cfg = trainer.config
-        model = cls(
-            ModelRecord(
-                identifier=trainer.identifier,
-                base=cfg.model_args,
-                adapter=artifact,
-                full_model=cfg.lora_args is None,
-                prompt_template=cfg.prompt_template,
-                chat_template=cfg.data_args.chat_template,
-                max_length=cfg.data_args.max_length,
-                run_id=run_id,
-                trainer_version=trainer.version,
-                history=history[-200:],
-                artifacts=trainer.db.artifacts.location if trainer.db is not None else None,
-            )
-        )
-        model.db = trainer.db
-        return model
-
     def to_dict(self) -> dict[str, Any]:
         return self.record.model_dump(mode="json")
 
@@ -91,7 +67,7 @@ class TrainedModel:
     def from_dict(cls, data: dict[str, Any]) -> TrainedModel:
         return cls(build(ModelRecord, data))
 
-    def _attach(self, db: Datalayer) -> None:
+    def _attach(self, db: Components) -> None:
         self.db = db
 
     def __repr__(self) -> str:
@@ -125,7 +101,7 @@ class TrainedModel:
         self._loaded = None
 
     # -- loading -------------------------------------------------------------------------------
-    def _require_db(self) -> Datalayer:
+    def _require_db(self) -> Components:
         if self.db is None:
             raise ConfigError(
                 "this model is not attached to a database; use db.load('model', "
@@ -277,7 +253,7 @@ class TrainedModel:
     ) -> str | list[str]:
         """Responses to ``X`` rendered with the training prompt, one prompt at a time; greedy
         unless told otherwise."""
-        from llmtrain.training.metrics import generate_batch
+        from llmtrain.training.generation import generate_batch
 
         model, tokenizer = self.load()
         formatter = self.formatter()

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from llmtrain.config.args import LoraArguments, ModelArguments
 from llmtrain.errors import ConfigError
-from llmtrain.training.args import LoraArguments, ModelArguments
 from llmtrain.training.precision import DTYPES, Precision
 
 log = logging.getLogger("llmtrain.training")

@@ -19,29 +19,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain.datasets import RunSnapshot, take_snapshot
-from llmtrain.errors import CheckpointError, DataError, StoreError
+from llmtrain.config.args import TrainerConfig
+from llmtrain.config.metrics import logged_name, resolve
+from llmtrain.data import RunSnapshot
+from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
-from llmtrain.queries import Query
-from llmtrain.trackers import make_trackers
-from llmtrain.training.callbacks import Callback, registered_callbacks
-from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.data import (
+from llmtrain.stores.handle import Database
+from llmtrain.stores.metadata.base import CheckpointRecord
+from llmtrain.training.batches import (
     TrainBatches,
     make_collate,
     pad_group,
     to_device,
     view_dataset,
 )
+from llmtrain.training.callbacks import Callback
+from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.export import stable_adapter_config
 from llmtrain.training.loss import LossFunction
-from llmtrain.training.metrics import logged_name, resolve
 from llmtrain.training.modeling import (
     compile_layers,
     load_model,
     load_tokenizer,
     prepare_for_training,
 )
+from llmtrain.training.plan import RunPlan
 from llmtrain.training.precision import Precision
 from llmtrain.training.progress import Progress, make_progress
 from llmtrain.training.strategies.base import Strategy
@@ -65,25 +67,21 @@ class FitRun:
 
     def __init__(
         self,
-        trainer: Any,
-        db: Any,  # a Datalayer, or on a Ray worker the driver's (ray.bridge.RemoteDB)
-        run_id: str,
+        plan: RunPlan,
+        db: Database,
         strategy: Strategy,
         *,
-        resume: bool | str = False,
         callbacks: Sequence[Callback] = (),
         checkpointer: Callable[..., Checkpointer] = Checkpointer,
         progress_stream: Any = None,
     ) -> None:
-        self.trainer, self.db, self.run_id, self.strategy = trainer, db, run_id, strategy
+        self.plan, self.db, self.run_id, self.strategy = plan, db, plan.run_id, strategy
         self.make_checkpointer = checkpointer  # Ray's reports its checkpoints to Ray Train
         self.progress_stream = progress_stream  # None: stderr; a Ray worker's goes to the driver
-        self.config = trainer.config
-        self.resume = resume
+        self.config: TrainerConfig = plan.config
+        self.snapshot: RunSnapshot = plan.snapshot
         self.targs, self.dargs = self.config.training_args, self.config.data_args
-        # the trackers of report_to: rank 0 alone reports, as it alone records metrics
-        trackers = make_trackers(self.targs.report_to) if strategy.is_main else []
-        self.callbacks = [*registered_callbacks(), *callbacks, *trackers]
+        self.callbacks = list(callbacks)
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
         self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
         self.history: list[dict[str, float]] = []
@@ -114,7 +112,7 @@ class FitRun:
         self.base_model = model
         self.loss = LossFunction(model)
 
-        fit = cfg.fit
+        fit = self.plan.fit
         self.formatter = Formatter(
             self.tokenizer,
             None if self.dargs.chat_template else cfg.prompt_template,
@@ -125,7 +123,6 @@ class FitRun:
             y_field=fit.Y,
         )
         select = fit.query()
-        self.snapshot = self._selection_snapshot(select)
         collate = make_collate(
             self.formatter,
             self.tokenizer,
@@ -172,16 +169,13 @@ class FitRun:
             self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
         )
         self.metrics = {logged_name(e): resolve(e) for e in self.targs.eval_metrics}
-        if self.resume:
-            self._restore()
+        if self.plan.resume_from is not None:
+            self._restore(self.plan.resume_from)
 
     def _start_from_parent(self, model: Any) -> None:
-        """An incremental run starts from its parent model's adapter, which its record names
+        """An incremental run starts from its parent model's adapter, which its plan names
         (a checkpoint restored later overrides it)."""
-        try:
-            parent = self.db.metadata.get_run(self.run_id).info.get("parent")
-        except StoreError:  # a run set up without a record (a probe): no parent to start from
-            return
+        parent = self.plan.parent
         if not parent:
             return
         from peft import set_peft_model_state_dict
@@ -197,39 +191,9 @@ class FitRun:
                 f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
             )
 
-    def _selection_snapshot(self, select: Query) -> RunSnapshot:
-        """The run's snapshot of its rows' keys: the one fit() took or read, else the one in
-        the run record, else one rank 0 takes now and records. Only the manifest travels."""
-        d, s = self.dargs, self.strategy
-        snapshot = self.trainer.data_snapshot
-        if snapshot is not None and snapshot.fits(select, d.eval_fraction):
-            return snapshot
-        snapshot = None
-        try:
-            if s.is_main:
-                record = self.db.metadata.get_run(self.run_id).info.get("snapshot")
-                if record is not None:
-                    snapshot = RunSnapshot.from_record(record)
-                else:
-                    snapshot = take_snapshot(
-                        self.db,
-                        select,
-                        eval_fraction=d.eval_fraction,
-                        version_column=d.version_column,
-                        cache_size=d.cache_size,
-                    )
-                    self.db.metadata.update_run(
-                        self.run_id, info={"snapshot": snapshot.to_record()}
-                    )
-        finally:  # rank 0's manifest for every rank; None when it failed, which stops them too
-            snapshot = s.broadcast_object(snapshot)
-        if snapshot is None:
-            raise DataError(f"rank 0 could not snapshot {select.source}")
-        return snapshot
-
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
-        kwargs = {
+        kwargs: dict[str, Any] = {
             "lr": t.learning_rate,
             "betas": (t.adam_beta1, t.adam_beta2),
             "eps": t.adam_epsilon,
@@ -242,25 +206,15 @@ class FitRun:
         cls = bnb.optim.PagedAdamW8bit if t.optim == "paged_adamw_8bit" else bnb.optim.AdamW8bit
         return cls(params, **kwargs)
 
-    def _restore(self) -> None:
+    def _restore(self, record: CheckpointRecord) -> None:
         ck = self.checkpointer
-        record = ck.latest() if self.resume in (True, "latest") else ck.find(str(self.resume))
-        if record is None:
-            if self.resume not in (True, "latest"):
-                raise CheckpointError(f"run {self.run_id} has no checkpoint to resume from")
-            log.info("run %s has no checkpoint yet: starting from the first step", self.run_id)
-            return
         state = ck.restore(record, self.model, self.optimizer, self.scheduler)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.history = state.get("history", [])
         best = ck.best_record()
         if best is not None and best["step"] <= self.step:
             self.best = best["value"]
-        # fit(allow_changed_data=) is this run's, recorded on it, not the trainer's recipe
-        allow = self.db.metadata.get_run(self.run_id).info.get(
-            "allow_changed_data", self.dargs.allow_changed_data
-        )
-        self.batches.load_state_dict(state["dataset"], allow_changed_data=allow)
+        self.batches.load_state_dict(state["dataset"], allow_changed_data=False)
         self.start_epoch = self.batches.epoch
         if self.strategy.is_main:
             log.info(
@@ -279,7 +233,7 @@ class FitRun:
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
         if t.progress_bar and self.strategy.is_main:
-            desc = f"fit {self.trainer.identifier}"
+            desc = f"fit {self.config.identifier}"
             progress = make_progress(
                 desc, self.total_steps, self.step, t.logging_steps, self.progress_stream
             )
@@ -323,7 +277,7 @@ class FitRun:
         first = list({repr(k): None for k in stats.skipped_keys})  # in reading order, once
         keys = f" (keys {', '.join(first[:5])}{', ...' if len(first) > 5 else ''})" if first else ""
         raise DataError(
-            f"{self.config.fit.query().source}: no example was trained: "
+            f"{self.plan.fit.query().source}: no example was trained: "
             f"{len(stats.skipped_once)} row(s) skipped as bad{keys}; fix the rows or the "
             "X/Y fields (the warnings above name each row's problem)"
         )
@@ -397,7 +351,7 @@ class FitRun:
         progress.evaluated(self.step, metrics["eval_loss"])
         key = self.targs.best_key()
         value = metrics.get(key) if key else None
-        if value is None or value != value:  # nothing scored (nan)
+        if key is None or value is None or value != value:  # nothing scored (nan)
             return
         better = self.best is None or (
             value > self.best if self.targs.best_is_greater() else value < self.best
@@ -415,9 +369,9 @@ class FitRun:
         ds = self._eval_dataset() if self.metrics else None
         if ds is None:
             return {}
-        from llmtrain.training.metrics import generate_batch
+        from llmtrain.training.generation import generate_batch
 
-        s, fit, t = self.strategy, self.config.fit, self.targs
+        s, fit, t = self.strategy, self.plan.fit, self.targs
         loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
         model = s.unwrap(self.model)
@@ -475,14 +429,15 @@ class FitRun:
         selection (read directly, not found by streaming the training rows), built once (the
         eval selection is snapshotted once a run) and rewound to its first row; None when
         there is nothing to evaluate on."""
-        fit, s = self.config.fit, self.strategy
-        held = fit.eval_query() is None
+        fit, s = self.plan.fit, self.strategy
+        other = fit.eval_query()
+        held = other is None
         if held and self.dargs.eval_fraction <= 0:
             return None
         if self._eval_data is None:
             self._eval_data = view_dataset(
                 self.db,
-                fit.query() if held else fit.eval_query(),
+                fit.query() if other is None else other,
                 [fit.X, fit.Y],
                 self.dargs,
                 split="held_out" if held else "all",
@@ -500,7 +455,7 @@ class FitRun:
         """Collective. The state carries every rank's deleted keys, and so does the run; the
         run also keeps the epoch each skipped row (deleted or bad) was first skipped in, from
         every rank: the one per-key fact its lineage cannot derive."""
-        from llmtrain.lineage import SKIPPED
+        from llmtrain.provenance.lineage import SKIPPED
 
         s = self.strategy
         dataset = self.batches.state_dict()

@@ -1,7 +1,7 @@
 """Runs one fit in a fresh process, for the kill -9 tests: ``python driver.py '<json>'``.
 
 The JSON names the database, the trainer options, the ``trace`` path (the run's keys, step
-by step, through a KeyTrace callback registered once at start) and, optionally, a ``hold``
+by step, through a KeyTrace callback) and, optionally, a ``hold``
 point: when the fit reaches it the driver writes ``hold.marker`` and sleeps, so the parent
 can ``kill -9`` it exactly there. Hold points: ``after-step`` (step N's keys are traced),
 ``mid-step`` (the forward pass of step N is done, its backward not), ``checkpoint-write``
@@ -28,23 +28,24 @@ def hold(marker: Path, where: str) -> None:
     raise SystemExit(f"was not killed at {where}")
 
 
-def install_hold(spec: dict[str, Any]) -> None:
-    from llmtrain.artifacts import local
+def install_hold(spec: dict[str, Any]) -> Any:
+    """The callback that holds after a step (the others patch the code): None for those."""
+    from llmtrain.stores.artifacts import local
     from llmtrain.training import checkpoint
-    from llmtrain.training.callbacks import Callback, register
+    from llmtrain.training.callbacks import Callback
 
     kind, at, marker = spec["kind"], int(spec["step"]), Path(spec["marker"])
     traced = {"step": 0}
 
     class HoldAfterStep(Callback):
-        """Registered after the trace: step N's keys are on disk when it holds."""
+        """After the trace: step N's keys are on disk when it holds."""
 
         def on_step(self, fit: Any, keys: list[str]) -> None:
             traced["step"] = fit.step
             if kind == "after-step" and fit.step == at:
                 hold(marker, f"after step {at}")
 
-    register(HoldAfterStep())
+    holder = HoldAfterStep()
 
     if kind == "mid-step":
         from llmtrain.training.loss import LossFunction
@@ -91,6 +92,7 @@ def install_hold(spec: dict[str, Any]) -> None:
             store_save(self, artifact_id, source)
 
         local.LocalArtifactStore._save = slow_save  # type: ignore[method-assign]
+    return holder
 
 
 def main() -> None:
@@ -98,15 +100,16 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    import llmtrain as lt
-    from llmtrain.training.callbacks import KeyTrace, register
+    from hooks import KeyTrace
 
-    register(KeyTrace(cfg["trace"]))
+    import llmtrain as lt
+
+    callbacks = [KeyTrace(cfg["trace"])]  # the trace first: a hold after a step follows it
     if cfg.get("hold"):
-        install_hold(cfg["hold"])
+        callbacks.append(install_hold(cfg["hold"]))
     key_pages: list[int] = []
     if cfg.get("count_key_pages"):  # keyset pages of keys only: a snapshot being taken
-        from llmtrain.backends.sql import SQLBackend
+        from llmtrain.db.sql import SQLBackend
 
         fetch_rows = SQLBackend.fetch_rows
 
@@ -126,6 +129,7 @@ def main() -> None:
         db=db,
         select=lt.Table(cfg.get("table", "docs")),
         resume=cfg.get("resume", False),
+        callbacks=callbacks,
     )
     loaded: list[str] = []
     if cfg.get("load_model"):  # then load another process's model, as a user would

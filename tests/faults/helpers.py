@@ -49,7 +49,7 @@ def admin_engine(kind: str) -> sa.Engine:
 def fresh_server_database(kind: str) -> Iterator[str]:
     """The URI of a new, empty PostgreSQL or MariaDB database; dropped afterwards (and its
     sessions ended first), even if the server was restarted meanwhile."""
-    from llmtrain.backends.engines import dispose_sql_engine
+    from llmtrain.db.engines import dispose_sql_engine
 
     engine = admin_engine(kind)
     name = f"lt_{uuid.uuid4().hex[:12]}"

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from conftest import fill
 
 import llmtrain as lt
-from llmtrain.backends.engines import sql_engine
+from llmtrain.db.engines import sql_engine
 from llmtrain.errors import ConfigError, QueryError, StoreError
 
 from .helpers import TEMPLATE, count_reads, doc_rows, trainer

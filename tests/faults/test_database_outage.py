@@ -20,11 +20,11 @@ import pymongo.errors
 import pytest
 import sqlalchemy as sa
 from conftest import fill
+from hooks import KeyTrace
 
 import llmtrain as lt
-from llmtrain.backends.retry import RetryPolicy
+from llmtrain.db.retry import RetryPolicy
 from llmtrain.errors import DatabaseUnavailableError
-from llmtrain.training.callbacks import KeyTrace, registered
 
 from .helpers import (
     SessionKiller,
@@ -93,7 +93,7 @@ def test_sessions_killed_by_the_server_mid_epoch_lose_and_repeat_no_row(
     expected = uninterrupted(uri, lt.Table("docs"))
     db = lt.connect(uri, retry=FAST)
     with (
-        warnings_of(caplog, "llmtrain.backends") as retried,
+        warnings_of(caplog, "llmtrain.db") as retried,
         SessionKiller(kind, database_name(uri), every=3) as killer,
     ):
         got = list(epoch(db, lt.Table("docs")))
@@ -136,7 +136,7 @@ def test_postgres_restart_mid_epoch_loses_and_repeats_no_row(
         restarter.append(thread)
 
     try:
-        with warnings_of(caplog, "llmtrain.backends") as retried:
+        with warnings_of(caplog, "llmtrain.db") as retried:
             got = list(epoch(db, lt.Table("docs"), after_rows=120, fault=restart))
     finally:
         for thread in restarter:
@@ -171,7 +171,7 @@ def test_mongo_network_errors_are_retried_and_lose_no_document(
 
     monkeypatch.setattr(mongomock.collection.Collection, "find", flaky_find)
     db = lt.connect(uri, retry=FAST)
-    with warnings_of(caplog, "llmtrain.backends") as retried:
+    with warnings_of(caplog, "llmtrain.db") as retried:
         got = list(epoch(db, select))
     assert got == expected
     assert calls["raised"] >= 3 and len(retried) == calls["raised"]
@@ -263,10 +263,14 @@ def test_a_fit_whose_database_dies_fails_and_resumes_from_its_checkpoint_once_it
 
     def fit(name: str, trace: str, **kwargs: Any) -> Any:
         traces[trace] = KeyTrace()
-        with registered(traces[trace]):
-            return trainer(tiny, name, **options).fit(
-                X="instruction", Y="output", db=db, select=lt.Table("docs"), **kwargs
-            )
+        return trainer(tiny, name, **options).fit(
+            X="instruction",
+            Y="output",
+            db=db,
+            select=lt.Table("docs"),
+            callbacks=[traces[trace]],
+            **kwargs,
+        )
 
     reference = fit("straight", "straight")
 

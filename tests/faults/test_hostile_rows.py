@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hooks import KeyTrace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
@@ -24,7 +25,6 @@ from transformers import AutoTokenizer
 import llmtrain as lt
 from llmtrain.errors import BadRowError
 from llmtrain.formatting import Formatter
-from llmtrain.training.callbacks import KeyTrace, registered
 
 from .helpers import TEMPLATE, count_reconnects, doc_rows, trainer, warnings_of
 
@@ -165,7 +165,7 @@ def test_mongo_documents_of_any_shape_are_trained_or_named(
     db = lt.connect(uri)
     keyed = list(enumerate(docs))
     if docs:
-        from llmtrain.backends.engines import mongo_database
+        from llmtrain.db.engines import mongo_database
 
         mongo_database(uri)[name].insert_many([{"_id": k, **d} for k, d in keyed])
     _check_dataset(db, lt.Collection(name), keyed, formatter)
@@ -268,10 +268,10 @@ def test_a_fit_skips_hostile_rows_by_key_and_field_and_trains_all_the_others(
 ) -> None:
     db = hostile_db(tmp_path)
     trace = KeyTrace()
-    with registered(trace), warnings_of(caplog, "llmtrain.datasets") as warned:
+    with warnings_of(caplog, "llmtrain.data") as warned:
         trainer(
             tiny, "hostile", max_steps=-1, epochs=1, batch_size=4, on_bad_row="skip", max_length=128
-        ).fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+        ).fit(X="instruction", Y="output", db=db, select=lt.Table("docs"), callbacks=[trace])
     (run,) = db.metadata.list_runs("trainer", "hostile")
     assert run.status == "completed"
     assert sorted(trace.keys) == sorted(f"int:{k}" for k in [*range(28), 200, 201, 202])

@@ -88,6 +88,10 @@ def launch(cfg: dict[str, Any], trace: Path, log: Path) -> subprocess.Popen[byte
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        # tests/: the driver's key trace (hooks.py)
+        "PYTHONPATH": os.pathsep.join(
+            [str(DRIVER.parent.parent), os.environ.get("PYTHONPATH", "")]
+        ),
     }
     with log.open("wb") as out:
         return subprocess.Popen(

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from conftest import fill
 
 import llmtrain as lt
-from llmtrain.metadata import open_metadata
+from llmtrain.stores.metadata import open_metadata
 
 from . import workers
 from .helpers import admin_engine, database_name, doc_rows, fresh_any_database

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import fill
+from hooks import KeyTrace
 
 import llmtrain as lt
-from llmtrain.backends.engines import sql_engine
+from llmtrain.db.engines import sql_engine
 from llmtrain.errors import CheckpointError
 from llmtrain.training import run as run_module
-from llmtrain.training.callbacks import KeyTrace, registered
 from llmtrain.training.checkpoint import verify
 
 from .helpers import adapter, assert_same_weights, doc_rows, trainer
@@ -92,8 +92,8 @@ def test_a_resume_reads_the_runs_snapshot_whatever_changed_since(
     fill(world.db.secret_uri(), table, doc_rows(32))
     crash_after_checkpoint(monkeypatch, 4)
     first = KeyTrace()
-    with registered(first), pytest.raises(KeyboardInterrupt):
-        fit(world, tiny, name)
+    with pytest.raises(KeyboardInterrupt):
+        fit(world, tiny, name, callbacks=[first])
     monkeypatch.undo()
     (run,) = world.db.metadata.list_runs("trainer", name)
     checkpoints = [c.step for c in world.db.metadata.list_checkpoints(run.run_id)]
@@ -106,8 +106,7 @@ def test_a_resume_reads_the_runs_snapshot_whatever_changed_since(
         conn.execute(sa.text(CHANGES[change].format(t=table, k=key)))
 
     trace = KeyTrace()
-    with registered(trace):
-        model = fit(world, tiny, name, resume=True)  # no allow_changed_data needed
+    model = fit(world, tiny, name, resume=True, callbacks=[trace])  # no allow_changed_data
     (run,) = world.db.metadata.list_runs("trainer", name)
     assert run.status == "completed" and model.record.run_id == run.run_id
     assert [e["step"] for e in trace.steps] == list(range(5, OPTIONS["max_steps"] + 1))
@@ -167,7 +166,7 @@ FAULTS = {
 def test_a_checkpoint_the_store_cannot_take_fails_clearly_and_the_last_one_resumes(
     world: World, tiny: Path, fault: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmtrain.artifacts import local
+    from llmtrain.stores.artifacts import local
 
     name = "store" + str(list(FAULTS).index(fault))
     fill(world.db.secret_uri(), f"docs_{name}", doc_rows(32))

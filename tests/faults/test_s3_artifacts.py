@@ -24,7 +24,7 @@ import pytest
 from conftest import S3Server, fill
 
 import llmtrain as lt
-from llmtrain.artifacts.fsspec_store import FsspecArtifactStore
+from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
 
 from .helpers import adapter, assert_same_weights, doc_rows
 from .test_kill_resume import OPTIONS as KILL_OPTIONS

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from conftest import PG_ADMIN, fill
 
 import llmtrain as lt
-from llmtrain.backends.retry import RetryPolicy
+from llmtrain.db.retry import RetryPolicy
 from llmtrain.errors import DatabaseUnavailableError
 
 from .helpers import SessionKiller, admin_engine, doc_rows, trainer

@@ -23,7 +23,7 @@ import torch
 from conftest import fill
 
 import llmtrain as lt
-from llmtrain.backends.engines import mongo_database, sql_engine
+from llmtrain.db.engines import mongo_database, sql_engine
 from llmtrain.errors import CheckpointError, ConfigError, StoreError
 from llmtrain.training import run as run_module
 

@@ -8,7 +8,7 @@ from typing import Any
 
 def add_versions(uri: str, barrier: Any, queue: Any, count: int) -> None:
     """Wait for the others, then add ``count`` versions of one component; report them."""
-    from llmtrain.metadata import open_metadata
+    from llmtrain.stores.metadata import open_metadata
 
     store = open_metadata(uri)
     try:

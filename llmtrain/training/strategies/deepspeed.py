@@ -33,14 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmtrain.errors import CheckpointError, ConfigError
-from llmtrain.placement import Placement
-from llmtrain.training.args import (
+from llmtrain.config.args import (
     DeepspeedConfig,
     TrainingArguments,
     quantization_problems,
     quantized_bits,
 )
+from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.placement import Placement
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import (
     MakeOptimizer,

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from llmtrain.errors import ConfigError
-from llmtrain.placement import Placement
-from llmtrain.training.args import (
+from llmtrain.config.args import (
     FSDPConfig,
     dtype_name,
     quantization_problems,
     quantized_bits,
 )
+from llmtrain.errors import ConfigError
+from llmtrain.placement import Placement
 from llmtrain.training.precision import Precision
 from llmtrain.training.strategies.base import (
     MakeOptimizer,

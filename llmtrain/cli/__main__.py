@@ -1,0 +1,5 @@
+import sys
+
+from llmtrain.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,691 @@
+"""The argument models and :class:`TrainerConfig`: the one source of truth for what a trainer does.
+
+They are what is validated, stored in the metadata store, shown and replayed. Everything else
+is derived from them: ``LLMTrainer``'s flat keywords (every field of a ``flat`` section, plus
+the aliases its fields declare), the YAML file's sections, the CLI's ``--section.field``
+overrides, and the keyword reference in ``LLMTrainer``'s docstring. Each model rejects unknown
+keys and out-of-range values naming the field; ``TrainerConfig``'s validator refuses the
+combinations that cannot work, all problems in one ConfigError. Adding an argument group means
+adding its model here and one field to ``TrainerConfig``.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
+
+from llmtrain.config.spec import FitSpec
+from llmtrain.errors import ConfigError
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
+    from pydantic._internal._model_construction import ModelMetaclass as _ArgsMeta
+else:
+
+    class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
+        """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
+        as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
+        would make pydantic call it for nested models too and reword their errors.)"""
+
+        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().__call__(*args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(describe(cls.__name__, exc)) from None
+
+
+class _Args(BaseModel, metaclass=_ArgsMeta):
+    # the docstring under each field is its description (shown by help(LLMTrainer))
+    # defaults validated too: a float field never holds an int (``lora_alpha=16`` would reach
+    # PEFT as 16 in a first fit and as 16.0 read back from its record: another adapter id)
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        validate_default=True,
+        frozen=False,
+        use_attribute_docstrings=True,
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise ConfigError(describe(type(self).__name__, exc)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section as JSON values, as a recipe stores it."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """The section back from ``to_dict()``; every problem is one ConfigError."""
+        return build(cls, data)
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_new_fields(self, handler: Any) -> dict[str, Any]:
+        """A field added after 0.1.0 (marked ``since``) stays out of the record while it
+        holds its default: stored records round-trip unchanged."""
+        data = handler(self)
+        for name, info in type(self).model_fields.items():
+            if "since" in _extra(info) and getattr(self, name) == info.default:
+                data.pop(name, None)
+        return data
+
+
+def build(cls: type[BaseModel], data: dict[str, Any], where: str | None = None) -> Any:
+    """Validate ``data`` into ``cls``, turning every problem into one ConfigError."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe(where or cls.__name__, exc)) from None
+
+
+def describe(where: str, exc: ValidationError) -> str:
+    """Every problem, each naming its field: ``where.section.field: message``."""
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        message = "unknown option" if err["type"] == "extra_forbidden" else err["msg"]
+        # a cross-field rule names its fields in the message itself
+        message = message.removeprefix("Value error, ")
+        problems.append(f"{where}.{loc}: {message}" if loc else f"{where}: {message}")
+    return "invalid configuration: " + "; ".join(problems)
+
+
+class ModelArguments(_Args):
+    """Which base model, and how to load it (quantisation, dtype, attention)."""
+
+    model_name_or_path: str = Field(min_length=1, json_schema_extra={"flat": "model"})
+    """A hub id or a local model folder."""
+    bits: Literal[4, 8] | None = None
+    """Quantise the frozen base weights with bitsandbytes (QLoRA)."""
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    """The 4-bit data type (bits=4)."""
+    bnb_4bit_use_double_quant: bool = True
+    """Also quantise the quantisation constants (bits=4)."""
+    bnb_4bit_compute_dtype: Dtype = "auto"
+    """Dtype of the 4-bit matmuls; auto: bf16 where the GPU has it."""
+    bnb_4bit_quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
+    """Set to the compute dtype to shard 4-bit weights with FSDP."""
+    torch_dtype: Dtype = "auto"
+    """Dtype of the unquantised weights; auto: bf16 where the GPU has it."""
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
+    """Attention kernel; None lets transformers choose."""
+    trust_remote_code: bool = False
+    """Run the model repository's own code (only for sources you trust)."""
+    revision: str | None = None
+    """A hub branch, tag or commit."""
+
+
+class LoraArguments(_Args):
+    """The adapter: LoRA, or DoRA with ``use_dora``."""
+
+    r: int = Field(default=8, ge=1, le=4096, json_schema_extra={"flat": "lora_r"})
+    """Adapter rank."""
+    lora_alpha: float = Field(default=16, gt=0)
+    """Scale: the update is multiplied by alpha/r."""
+    lora_dropout: float = Field(default=0.05, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+    target_modules: list[str] | Literal["all-linear"] | None = None
+    """Default: the attention and MLP projections of the architecture."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train along with the adapter."""
+    use_dora: bool = False
+    """DoRA: also learn each weight's magnitude."""
+    use_rslora: bool = False
+    """Scale by alpha/sqrt(r) (rank-stabilised LoRA)."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and stored with the adapter (e.g. lm_head)."""
+
+
+class TrainingArguments(_Args):
+    """The optimisation loop."""
+
+    learning_rate: float = Field(default=2e-4, gt=0, le=1)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW beta2."""
+    adam_epsilon: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    optim: Literal["adamw_torch", "adamw_8bit", "paged_adamw_8bit"] = "adamw_torch"
+    """The optimizer; the 8-bit ones come from bitsandbytes."""
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule after the warmup."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Warmup length in optimizer steps."""
+    warmup_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Warmup as a share of all steps."""
+    num_train_epochs: int = Field(default=1, ge=1, json_schema_extra={"flat": "epochs"})
+    """Passes over the rows (when max_steps is -1)."""
+    max_steps: int = -1
+    """Optimizer steps; -1 runs num_train_epochs."""
+    per_device_train_batch_size: int = Field(
+        default=4, ge=1, json_schema_extra={"flat": "batch_size"}
+    )
+    """Rows per micro-batch on each process."""
+    per_device_eval_batch_size: int = Field(default=8, ge=1)
+    """Rows per evaluation batch."""
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    """Clip the gradient norm to this; None: no clipping."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, else full precision."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward: less memory, more time."""
+    seed: int = 0
+    """Seeds the adapter's initialisation, dropout and shuffle."""
+    logging_steps: int = Field(default=10, ge=1)
+    """Record the metrics every N steps."""
+    save_steps: int | None = Field(default=None, ge=1)
+    """Checkpoint every N steps."""
+    save_total_limit: int | None = Field(default=2, ge=1)
+    """Checkpoints kept per run (the newest); None keeps all."""
+    eval_steps: int | None = Field(default=None, ge=1)
+    """Evaluate on the held-out rows every N steps."""
+    progress_bar: bool = True
+    """Show progress on the main process: a tqdm bar on a terminal, else a line per log."""
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
+        default=[], json_schema_extra={"since": "0.2"}
+    )
+    """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
+    eval_metrics: list[str] = Field(default=[], json_schema_extra={"since": "0.2"})
+    """Score the eval rows by greedy generation: 'exact_match', 'contains', or a function
+    (prediction, reference) -> float named 'package.module:function'."""
+    eval_max_new_tokens: int = Field(default=32, ge=1, json_schema_extra={"since": "0.2"})
+    """Tokens generated per eval row for eval_metrics (greedy)."""
+    save_best_by: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Keep the checkpoint with the best 'eval_loss' or eval metric besides the newest ones
+    (db.load('model', name, checkpoint='best'))."""
+    greater_is_better: bool | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Direction of save_best_by; None: lower for a loss, higher for a metric."""
+    torch_compile: bool = Field(default=False, json_schema_extra={"since": "0.2"})
+    """torch.compile each decoder layer (single process and DDP; not with bits, FSDP or
+    DeepSpeed). The first steps pay the compilation."""
+
+    @model_validator(mode="after")
+    def _steps(self) -> TrainingArguments:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError("max_steps must be -1 (use num_train_epochs) or >= 1")
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"report_to names a tracker twice: {self.report_to}")
+        from llmtrain.config.metrics import metric_problems
+
+        problems = metric_problems(self.eval_metrics, self.save_best_by)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def best_key(self) -> str | None:
+        """The logged metric save_best_by names (``eval_loss``, ``eval_exact_match``, ...)."""
+        from llmtrain.config.metrics import logged_name
+
+        return None if self.save_best_by is None else logged_name(self.save_best_by)
+
+    def best_is_greater(self) -> bool:
+        """Whether a larger save_best_by value is better (a loss: no; a metric: yes)."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not (self.best_key() or "").endswith("loss")
+
+
+class DataArguments(_Args):
+    """From rows to token ids: template, truncation, packing, streaming, evaluation."""
+
+    max_length: int = Field(default=512, ge=8)
+    """Tokens per example; prompts cut from the left."""
+    train_on_inputs: bool = False
+    """Also train on prompt tokens."""
+    chat_template: bool = False
+    """Use the tokenizer's chat template."""
+    packing: bool = False
+    """Pack examples into rows; no cross-attention."""
+    max_tokens_per_batch: int | None = Field(default=None, ge=8)
+    """Token cap of a packed micro-batch (rows of max_length); a step packs into as few as
+    fit. None with packing: batch_size rows of max_length."""
+    cache_size: int = Field(default=1024, ge=1)
+    """Rows per database window."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch (seeded, resumable)."""
+    drop_remainder: bool = True
+    """Drop the rows that do not fill a last batch on every rank."""
+    on_bad_row: Literal["raise", "skip"] = "raise"
+    """A row with a missing or non-text field: fail, or skip it."""
+    num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes."""
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """Hold out rows by key hash (stable across runs)."""
+    max_eval_rows: int = Field(default=1000, ge=1)
+    """Held-out rows scored per evaluation."""
+    allow_changed_data: bool = False
+    """Replay a fit on changed rows (fit(allow_changed_data=) wins)."""
+    version_column: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
+
+    def token_budget(self, batch_size: int) -> int | None:
+        """The tokens a packed training micro-batch holds: ``max_tokens_per_batch``, else
+        ``batch_size`` rows of ``max_length`` (packing a step's rows together fills them:
+        0.998 real tokens against 0.84 packing each batch's rows alone, B=8, T=256);
+        None without packing."""
+        if not self.packing:
+            return None
+        return self.max_tokens_per_batch or batch_size * self.max_length
+
+
+class DeepspeedConfig(_Args):
+    """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
+
+    stage: Literal[1, 2, 3] = 2
+    """ZeRO stage: 1 optimizer state, 2 + gradients, 3 + parameters partitioned."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state on the CPU."""
+    offload_param: bool = False
+    """Keep the parameters on the CPU (stage 3)."""
+    raw: dict[str, Any] | str | None = None
+    """A DeepSpeed JSON config (dict or path) used as given."""
+
+    @model_validator(mode="after")
+    def _offload(self) -> DeepspeedConfig:
+        if self.offload_param and self.stage != 3:
+            raise ValueError("offload_param needs stage 3")
+        return self
+
+    @property
+    def zero_stage(self) -> int | None:
+        """The stage that will run; None for a raw config file (read when the run starts)."""
+        if isinstance(self.raw, str):
+            return None
+        if self.raw is not None:
+            return int(self.raw.get("zero_optimization", {}).get("stage", 0))
+        return self.stage
+
+
+class FSDPConfig(_Args):
+    """FSDP2 (``fully_shard``) per decoder layer, with mixed precision and offload options."""
+
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    """Dtype FSDP2 gathers parameters and reduces gradients in."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters on the CPU."""
+    reshard_after_forward: bool = True
+    """Free gathered layers after forward (less memory, one more gather)."""
+
+
+class Launcher(_Args):
+    """How fit() starts its worker processes (``kind="python"``: in this process)."""
+
+    kind: Literal["python", "torchrun", "deepspeed"] = "python"
+    """python (in process), torchrun or deepspeed."""
+    num_processes: int = Field(default=1, ge=1)
+    """Worker processes per node."""
+    num_nodes: int = Field(default=1, ge=1)
+    """Machines; each runs fit() with its node_rank."""
+    node_rank: int = Field(default=0, ge=0)
+    """This machine's index among num_nodes."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0, reachable by all."""
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port on node 0; None: a free one (one node only)."""
+    hostfile: str | None = None
+    """The deepspeed launcher's hostfile."""
+    timeout_s: float | None = Field(default=None, gt=0)
+    """Stop the whole job after this many seconds."""
+
+    @model_validator(mode="after")
+    def _nodes(self) -> Launcher:
+        several, kind = self.num_nodes > 1, self.kind
+        broken = [
+            (
+                several and self.master_port is None,
+                "launcher.master_port must be set for several nodes: every node has to reach it",
+            ),
+            (
+                self.node_rank >= self.num_nodes,
+                f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it",
+            ),
+            (
+                kind == "python" and (several or self.num_processes > 1),
+                "launcher.kind='python' "
+                "trains in this one process: use torchrun or deepspeed for several processes",
+            ),
+            (
+                self.hostfile is not None and kind != "deepspeed",
+                f"launcher.hostfile is read by the deepspeed launcher only, not kind={kind!r}",
+            ),
+        ]
+        if any(bad for bad, _ in broken):
+            raise ValueError("; ".join(message for bad, message in broken if bad))
+        return self
+
+
+class RayConfig(_Args):
+    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers).
+
+    The database stays with the driver (the process calling fit()): it streams each worker
+    its rank's rows, unless ``workers_read_database`` lets the workers connect themselves.
+    """
+
+    address: str | None = None
+    """Ray cluster address ('auto', 'ray://host:10001'); None: this process's or a new local one."""
+    num_workers: int = Field(default=2, ge=1)
+    """Training workers (the world size)."""
+    use_gpu: bool = False
+    """One GPU per worker."""
+    resources_per_worker: dict[str, float] | None = None
+    """Ray resources each worker needs (e.g. {'CPU': 2})."""
+    max_failures: int = Field(default=0, ge=-1)
+    """Restarts of the worker group from its last checkpoint after a failure; -1: no limit."""
+    storage: str | None = None
+    """Where Ray Train keeps checkpoints: a folder or a URL (s3://...) every node reaches."""
+    workers_read_database: bool = False
+    """Workers connect to the database and read their shards themselves (as torchrun does)."""
+
+    @model_validator(mode="after")
+    def _resources(self) -> RayConfig:
+        resources = self.resources_per_worker or {}
+        if self.use_gpu and resources.get("GPU", 1) <= 0:
+            raise ValueError(
+                "ray_config.use_gpu=True with ray_config.resources_per_worker GPU=0: "
+                "give the workers a GPU or drop use_gpu"
+            )
+        if any(value < 0 for value in resources.values()):
+            raise ValueError("ray_config.resources_per_worker: amounts must be >= 0")
+        parts = urlsplit(self.storage or "")
+        if "@" in parts.netloc or parts.query or parts.fragment:
+            raise ValueError(
+                "ray_config.storage: credentials and options do not belong in the URL (it is "
+                "stored); set them in the environment (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL...)"
+            )
+        return self
+
+
+class TrainerConfig(_Args):
+    """Everything a trainer is; stored as JSON, validated on the way back.
+
+    Sections marked ``flat`` lend their fields (and the aliases those declare) to
+    ``LLMTrainer``'s flat keywords; ``None`` for an optional section means "not used"
+    (``lora_args=None``: fine-tune every weight).
+    """
+
+    identifier: str
+    """The trainer's name in the metadata store."""
+    prompt_template: str | None = None
+    """The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."""
+    model_args: ModelArguments = Field(json_schema_extra={"flat": True})
+    """The base model."""
+    lora_args: LoraArguments | None = Field(
+        default_factory=LoraArguments, json_schema_extra={"flat": True}
+    )
+    """The adapter; None: full fine-tuning."""
+    training_args: TrainingArguments = Field(
+        default_factory=TrainingArguments, json_schema_extra={"flat": True}
+    )
+    """The optimisation loop."""
+    data_args: DataArguments = Field(
+        default_factory=DataArguments, json_schema_extra={"flat": True}
+    )
+    """Rows to token ids, and evaluation."""
+    deepspeed_config: DeepspeedConfig | None = None
+    """Train with DeepSpeed ZeRO ({} for the defaults)."""
+    fsdp_config: FSDPConfig | None = None
+    """Train with FSDP2 ({} for the defaults)."""
+    launcher: Launcher | None = None
+    """Start worker processes (torchrun, deepspeed) from fit()."""
+    ray_config: RayConfig | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    """Train on Ray (Ray Train's TorchTrainer); None: on this machine."""
+    fit: FitSpec | None = None
+    """The data of the last fit(), for replays."""
+
+    @classmethod
+    def sections(cls) -> dict[str, type[_Args]]:
+        """The argument groups by name: the file's sections, ``--section.field`` overrides."""
+        return {
+            name: model
+            for name, field in cls.model_fields.items()
+            if (model := _section_model(field.annotation)) is not None
+        }
+
+    @classmethod
+    def options(cls) -> list[str]:
+        """Every top-level option a user sets: not the name (positional; ``name:`` in a file),
+        nor ``fit`` (written by fit() from its X, Y and select arguments)."""
+        return [name for name in cls.model_fields if name not in ("identifier", "fit")]
+
+    @classmethod
+    def flat_keywords(cls) -> dict[str, tuple[str, str]]:
+        """``LLMTrainer``'s flat keyword -> (section, field), derived from the fields."""
+        out: dict[str, tuple[str, str]] = {}
+        for section, model in cls.sections().items():
+            if not _extra(cls.model_fields[section]).get("flat"):
+                continue
+            for name, field in model.model_fields.items():
+                for keyword in filter(None, (name, _extra(field).get("flat"))):
+                    if keyword in out:
+                        raise TypeError(
+                            f"flat keyword {keyword!r} names both "
+                            f"{out[keyword]} and {(section, name)}"
+                        )
+                    out[keyword] = (section, name)
+        return out
+
+    @model_validator(mode="after")
+    def _rules(self) -> TrainerConfig:
+        """The combinations that cannot work, refused when the trainer is built."""
+        problems = self._template_problems()
+        if self.deepspeed_config is not None and self.fsdp_config is not None:
+            problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
+        if self.ray_config is not None and self.launcher is not None:
+            problems.append(
+                "ray_config and launcher: Ray starts the workers; drop launcher= to train on Ray"
+            )
+        if self.ray_config is not None and self.deepspeed_config is not None:
+            problems.append(
+                "ray_config and deepspeed_config: Ray workers train with DDP or FSDP2, "
+                "not DeepSpeed"
+            )
+        d = self.data_args
+        if d.max_tokens_per_batch is not None and not d.packing:
+            problems.append("data_args.max_tokens_per_batch needs packing=True")
+        if d.max_tokens_per_batch is not None and d.max_tokens_per_batch < d.max_length:
+            problems.append(
+                f"data_args.max_tokens_per_batch={d.max_tokens_per_batch} is less than one "
+                f"row of max_length={d.max_length}"
+            )
+        problems += self._evaluation_problems()
+        m = self.model_args
+        if self.training_args.torch_compile:
+            # quantised linear layers: bitsandbytes' kernels break the graph at every layer;
+            # FSDP2, DeepSpeed: their parameter hooks are not compiled with the layers here
+            # (untested, so refused rather than silently slow or wrong)
+            problems += [
+                f"training_args.torch_compile=True with {name}: compile works in a single "
+                "process or under DDP on an unquantised model; drop one of them"
+                for name, on in (
+                    ("model_args.bits", m.bits),
+                    ("fsdp_config", self.fsdp_config is not None),
+                    ("deepspeed_config", self.deepspeed_config is not None),
+                )
+                if on
+            ]
+        if m.bits and self.lora_args is None:
+            problems.append(
+                f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
+                "frozen base model, which only an adapter can train; keep lora_args "
+                "(QLoRA) or drop bits"
+            )
+        problems += quantization_problems(
+            m.bits,
+            fsdp=self.fsdp_config is not None,
+            quant_storage=m.bnb_4bit_quant_storage,
+            deepspeed_stage=self.deepspeed_config.zero_stage if self.deepspeed_config else None,
+            compute_dtype=None if m.bnb_4bit_compute_dtype == "auto" else m.bnb_4bit_compute_dtype,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _evaluation_problems(self) -> list[str]:
+        """What eval_metrics and save_best_by need: rows to evaluate on (known once fit() has
+        named its selections), and the whole model on each process to generate with."""
+        t, fit, problems = self.training_args, self.fit, []
+        wanted = [f"training_args.{n}" for n in ("eval_metrics", "save_best_by") if getattr(t, n)]
+        if wanted and fit and fit.eval_select is None and self.data_args.eval_fraction <= 0:
+            problems.append(
+                f"{' and '.join(wanted)} need rows to evaluate on: pass fit(eval_select=) "
+                "or set data_args.eval_fraction > 0"
+            )
+        sharded = self.fsdp_config is not None or (
+            self.deepspeed_config is not None and self.deepspeed_config.zero_stage == 3
+        )
+        if t.eval_metrics and sharded:
+            problems.append(
+                "training_args.eval_metrics with fsdp_config or deepspeed_config stage 3: "
+                "generation needs the whole model on each process; use ddp or ZeRO stage 1/2"
+            )
+        return problems
+
+    def _template_problems(self) -> list[str]:
+        if self.prompt_template is None:
+            if self.data_args.chat_template:
+                return []
+            return [
+                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
+            ]
+        if self.data_args.chat_template:
+            return ["prompt_template and data_args.chat_template=True: give one, not both"]
+        from llmtrain.formatting.template import PromptTemplate
+
+        try:
+            PromptTemplate(self.prompt_template)
+        except ConfigError as exc:
+            return [f"prompt_template: {exc}"]
+        return []
+
+    def method(self) -> str:
+        """What trains, for people: ``LoRA r=16``, ``DoRA r=8, 4-bit``, ``full``."""
+        lora = self.lora_args
+        text = "full" if lora is None else f"{'DoRA' if lora.use_dora else 'LoRA'} r={lora.r}"
+        return text + (f", {self.model_args.bits}-bit" if self.model_args.bits else "")
+
+
+def quantization_problems(
+    bits: int | None,
+    *,
+    deepspeed_stage: int | None = None,
+    fsdp: bool = False,
+    quant_storage: str | None = None,
+    compute_dtype: str | None = None,
+    cuda: bool | None = None,
+) -> list[str]:
+    """What a quantised base (``bits``) cannot do under a sharding strategy.
+
+    The one home of these rules: ``TrainerConfig`` passes what the config knows when the
+    trainer is built; the strategies pass, at run time, what only the machine knows (``cuda``,
+    the compute dtype "auto" became, the stage of a raw DeepSpeed file). None: not known yet.
+    """
+    if not bits:
+        return []
+    problems = []
+    if deepspeed_stage == 3:
+        # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
+        # the same update applied in a single process; ZeRO-2 matches it exactly.
+        problems.append(
+            f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot "
+            "train with DeepSpeed ZeRO stage 3 (it partitions the packed quantised "
+            "weights and the results are wrong): use deepspeed_config stage 1 or 2, "
+            "or drop bits"
+        )
+    if fsdp and bits == 8:
+        problems.append(
+            "model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes "
+            "8-bit weights: use bits=4 on a GPU, deepspeed_config with stage 1 or "
+            "2, or drop bits"
+        )
+    elif fsdp:
+        if cuda is False:
+            # Measured: a sharded 4-bit model returns a different loss on every forward with
+            # no update in between (the re-gathered packed weights are not the loaded ones).
+            problems.append(
+                "model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 "
+                "does not work on the CPU: train it with deepspeed_config (stage 1 "
+                "or 2: the 4-bit base stays replicated, the adapter's gradients and "
+                "optimizer state are partitioned), or drop bits to shard an "
+                "unquantised base with FSDP2"
+            )
+        if quant_storage is not None and (
+            quant_storage not in ("float32", "bfloat16", "float16")
+            or (compute_dtype is not None and quant_storage != compute_dtype)
+        ):
+            problems.append(
+                f"model_args.bnb_4bit_quant_storage={quant_storage!r} with "
+                "fsdp_config: FSDP2 shards the packed 4-bit weights as tensors of "
+                "the compute dtype: set it to model_args.bnb_4bit_compute_dtype "
+                f"({compute_dtype or 'a float dtype, not auto'})"
+            )
+    return problems
+
+
+def quantized_bits(model: Any) -> int | None:
+    """8 or 4 when the loaded model holds bitsandbytes layers (also a pre-quantised checkpoint)."""
+    kinds = {type(m).__name__ for m in model.modules()}
+    return 8 if "Linear8bitLt" in kinds else 4 if "Linear4bit" in kinds else None
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling of the argument models."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _extra(field: Any) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def _section_model(annotation: Any) -> type[_Args] | None:
+    """``LoraArguments | None`` -> LoraArguments; None for a scalar field."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, _Args):
+            return candidate
+    return None
+
+
+def keyword_reference() -> str:
+    """``LLMTrainer``'s keywords, generated from the schema (appended to its docstring)."""
+    flat = TrainerConfig.flat_keywords()
+    aliases = {target: k for k, target in flat.items() if k != target[1]}
+    lines = ["Keywords (generated from the argument models):", ""]
+    for name in TrainerConfig.options():
+        field = TrainerConfig.model_fields[name]
+        lines.append(f"``{name}=``: {field.description}")
+        model = TrainerConfig.sections().get(name)
+        if model is None:
+            continue
+        for fname, f in model.model_fields.items():
+            alias = aliases.get((name, fname))
+            keyword = f"``{fname}=``" + (f" (or ``{alias}=``)" if alias else "")
+            if not _extra(field).get("flat"):
+                keyword = f"``{name}.{fname}``"
+            lines.append(f"    {keyword}: {f.description}")
+    lines.append(
+        "``qlora=``: True quantises the base to ``bits=4`` unless bits is given "
+        "(QLoRA: needs the adapter)."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,328 @@
+"""Config files for ``llmtrain fit``: YAML mirroring the argument models, plus overrides.
+
+A file has the trainer's options (the sections ``model_args``, ``lora_args``,
+``training_args``, ..., and ``prompt_template``) exactly as :class:`~llmtrain.LLMTrainer`
+takes them, and a ``data`` section saying which rows to train on. Which options exist is
+read off :class:`~llmtrain.config.args.TrainerConfig`, never listed here.
+``--training_args.learning_rate 1e-4`` style overrides are checked against the same schema,
+so a typo is an error naming the path, never a silent no-op. Every problem
+is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from llmtrain.config.args import TrainerConfig, build, describe
+from llmtrain.config.spec import DataSelection
+from llmtrain.db.queries import Collection, Query, RawSQL, Table
+from llmtrain.errors import ConfigError, QueryError
+from llmtrain.uri import scheme_of
+
+DB_ENV = "LLMTRAIN_DB_URI"
+
+
+class _FileHead(BaseModel):
+    """What a file has besides the trainer's options: its name, where, and which rows."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = Field(min_length=1)
+    """The trainer's identifier."""
+    db: str | None = None
+    """Database URI; default: $LLMTRAIN_DB_URI."""
+    artifacts: str | None = None
+    """Artifact folder, or 'gridfs'."""
+    data: DataSelection
+    """X, Y and the rows (select, eval_select)."""
+
+
+#: The top level of a file: its head plus every option of TrainerConfig, required where
+#: TrainerConfig requires it; the values are validated by LLMTrainer itself.
+_OPTIONS: dict[str, Any] = {
+    name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
+    for name in TrainerConfig.options()
+}
+FitFile = create_model("FitFile", __base__=_FileHead, **_OPTIONS)
+
+#: Sections that are one of the argument models: overrides may name their fields.
+SECTIONS = TrainerConfig.sections()
+SCALARS = (
+    *(k for k in _FileHead.model_fields if k != "data"),
+    *(k for k in TrainerConfig.options() if k not in SECTIONS),
+)
+DATA_KEYS = tuple(DataSelection.model_fields)
+#: Every key a selection may have, in the stored form or the friendlier one.
+SELECT_KEYS = (
+    "kind",
+    "table",
+    "collection",
+    "sql",
+    "name",
+    "schema",
+    "key",
+    "where",
+    "params",
+    "columns",
+    "text",
+    "filter",
+    "projection",
+    "allow_javascript",
+)
+#: The friendlier forms of a selection: the query built, and the keys each form takes.
+_FORMS: dict[str, tuple[Any, set[str]]] = {
+    "table": (Table, {"schema", "key", "where", "params", "columns"}),
+    "collection": (Collection, {"filter", "projection", "allow_javascript"}),
+    "sql": (RawSQL, {"key", "params"}),
+}
+#: Fields holding free-form mappings: any key below them is allowed.
+_FREE_FORM = {"params", "filter", "projection", "raw"}
+
+
+# -- YAML ------------------------------------------------------------------------------------
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_value(text: str) -> Any:
+    """An override value as YAML: ``1e-4`` -> float, ``true`` -> bool, ``null`` -> None,
+    ``[q_proj, v_proj]`` -> list; anything else stays a string."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return text
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file as a dict. Relative paths in it (a SQLite file, a model folder) are relative
+    to the working directory, as in SQLAlchemy and transformers; :func:`build_job` stores
+    them absolute."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path} must hold a mapping (name:, model_args:, data: ...), not {type(data).__name__}"
+        )
+    return data
+
+
+# -- overrides --------------------------------------------------------------------------------
+def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked;
+    ``flags``: the command's own options, suggested for a mistyped one (``--resum``)."""
+    out: list[tuple[str, Any]] = []
+    items = iter(args)
+    for arg in items:
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like "
+                "--training_args.learning_rate 1e-4"
+            )
+        path, eq, value = arg[2:].partition("=")
+        close = difflib.get_close_matches(path, flags, n=1)
+        if close and "." not in path:
+            raise ConfigError(f"unknown option --{path} (did you mean --{close[0]}?)")
+        check_path(path)
+        if not eq:
+            value = next(items, "--")  # none left reads as a missing value too
+            if value.startswith("--"):
+                raise ConfigError(f"override --{path} needs a value")
+        out.append((path, parse_value(value)))
+    return out
+
+
+def check_path(path: str) -> None:
+    """ConfigError naming ``path`` unless it addresses a known option of the schema."""
+    parts = path.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"unknown option --{path}: empty part in the dotted path")
+    head, *rest = parts
+    _check_key(path, head, [*SCALARS, *SECTIONS, "data"], "the config file")
+    if not rest:
+        return
+    if head in SCALARS:
+        raise ConfigError(f"unknown option --{path}: {head} is a single value")
+    if head in SECTIONS:
+        _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
+        named = rest[:1]  # the section's field
+    else:
+        _check_key(path, rest[0], list(DATA_KEYS), "data")
+        if rest[0] in ("X", "Y") and len(rest) > 1:
+            raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
+        if len(rest) > 1:
+            _check_key(path, rest[1], list(SELECT_KEYS), f"data.{rest[0]}")
+        named = rest[:2]  # data.select's key
+    if len(rest) > len(named) and named[-1] not in _FREE_FORM:
+        raise ConfigError(f"unknown option --{path}: {'.'.join([head, *named])} has no sub-options")
+
+
+def _check_key(path: str, key: str, known: list[str], where: str) -> None:
+    if key in known:
+        return
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+    raise ConfigError(f"unknown option --{path}: {where} has no {key!r}{hint}")
+
+
+def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """A copy of ``config`` with each dotted path set (missing sections are created)."""
+    out = _copy(config)
+    for path, value in overrides:
+        node = out
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    return out
+
+
+def _copy(value: Any) -> Any:
+    """Every dict and list anew: a YAML alias (``eval_select: *s``) becomes its own copy, so
+    an override of one path never changes another (``copy.deepcopy`` keeps them shared)."""
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+# -- the file's schema --------------------------------------------------------------------
+def build_query(spec: Any, where: str = "data.select") -> Query:
+    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one:
+    ``{table: docs, where: "lang = :l", params: {l: en}}``, ``{collection: docs, filter:
+    {...}}`` or ``{sql: "SELECT ...", key: id}``."""
+    if isinstance(spec, Query):
+        return spec
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"{where} must be a mapping like {{table: docs}}, got {spec!r}")
+    spec = dict(spec)
+    unknown = sorted(set(spec) - set(SELECT_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; a selection has one of "
+            "kind:, table:, collection: or sql:"
+        )
+    forms = [k for k in ("kind", *_FORMS) if k in spec]
+    if len(forms) != 1:
+        raise ConfigError(
+            f"{where} needs exactly one of kind:, table:, collection: or sql:"
+            + (f" (got {forms})" if forms else "")
+        )
+    form = forms[0]
+    try:
+        if form == "kind":
+            return Query.from_dict(spec)
+        query_class, allowed = _FORMS[form]
+        extra = sorted(set(spec) - allowed - {form})
+        if extra:
+            raise ConfigError(f"{where}: {form}: does not take {extra}")
+        if form == "sql" and "key" not in spec:
+            raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
+        if "allow_javascript" in spec:
+            spec["allow_javascript"] = bool(spec["allow_javascript"])
+        return query_class(spec.pop(form), **spec)
+    except (QueryError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+@dataclass
+class FitJob:
+    """A validated config file: what to build, where to connect, which rows to train on."""
+
+    config: Any  # a FitFile
+    db_uri: str
+    select: Query
+    eval_select: Query | None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """``LLMTrainer``'s keywords: only the options the file sets (a missing lora_args is
+        the default adapter, ``lora_args: null`` full fine-tuning)."""
+        return dict(
+            self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
+        )
+
+
+def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> FitJob:
+    """Validate a (possibly overridden) config dict; the database comes from ``db:`` or,
+    when that is missing, the ``LLMTRAIN_DB_URI`` environment variable."""
+    env = os.environ if env is None else env
+    config = dict(config)
+    if isinstance(config.get("model_args"), dict):
+        config["model_args"] = _absolute_model_path(config["model_args"])
+    try:
+        parsed = FitFile.model_validate(config)
+    except ValidationError as exc:
+        raise ConfigError(describe("config", exc)) from None
+    db_uri = parsed.db or env.get(DB_ENV)
+    if not db_uri:
+        raise ConfigError(
+            f"config: no database; set db: (e.g. sqlite:///data.db) or the "
+            f"{DB_ENV} environment variable"
+        )
+    select = build_query(parsed.data.select, "data.select")
+    eval_select = (
+        build_query(parsed.data.eval_select, "data.eval_select")
+        if parsed.data.eval_select is not None
+        else None
+    )
+    job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
+    # every section validated now, before any connection is opened
+    build(TrainerConfig, {"identifier": parsed.name, **job.options}, "LLMTrainer")
+    return job
+
+
+def _absolute_model_path(model_args: dict[str, Any]) -> dict[str, Any]:
+    """A local model folder named relative to the working directory, made absolute: the
+    trainer is stored, and must replay from any directory."""
+    name = model_args.get("model_name_or_path")
+    if isinstance(name, str) and not Path(name).is_absolute() and Path(name).exists():
+        return {**model_args, "model_name_or_path": str(Path(name).resolve())}
+    return model_args
+
+
+def _absolute_sqlite(uri: str) -> str:
+    """``sqlite:///data.db`` -> ``sqlite:////abs/data.db``, for the same reason."""
+    head, sep, rest = uri.partition(":///")
+    if not sep or scheme_of(uri) != "sqlite":
+        return uri
+    file, qsep, query = rest.partition("?")
+    if not file or file == ":memory:" or file.startswith("file:") or Path(file).is_absolute():
+        return uri
+    return f"{head}:///{Path(file).resolve()}{qsep}{query}"
+
+
+def load_job(
+    path: str | os.PathLike[str],
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    flags: Sequence[str] = (),
+) -> FitJob:
+    """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
+    config = apply_overrides(read_config(path), parse_overrides(overrides, flags))
+    return build_job(config, env)

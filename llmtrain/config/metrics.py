@@ -1,0 +1,74 @@
+"""Evaluation beyond loss, as configured: the metrics that score eval rows' answers.
+
+A metric is a built-in name (``exact_match``, ``contains``) or a user function
+``(prediction, reference) -> float`` named by its import path ``package.module:function``:
+the path is what the trainer's record stores (never a pickle), and it is imported when the
+config is built, so a typo fails there, naming the field. Each metric is logged per eval step
+as ``eval_<name>`` (``eval_exact_match``, ``eval_<function>``), the mean over the rows scored.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+
+Metric = Callable[[str, str], float]
+
+_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+def exact_match(prediction: str, reference: str) -> float:
+    """1.0 when the answer is the reference, surrounding whitespace aside."""
+    return float(prediction.strip() == reference.strip())
+
+
+def contains(prediction: str, reference: str) -> float:
+    """1.0 when the reference (stripped) appears in the answer."""
+    return float(reference.strip() in prediction)
+
+
+BUILTIN: dict[str, Metric] = {"exact_match": exact_match, "contains": contains}
+
+
+def logged_name(entry: str) -> str:
+    """The metric's key in the run's metrics: ``exact_match`` -> ``eval_exact_match``,
+    ``pkg.mod:f1`` -> ``eval_f1``; ``eval_loss`` (and any ``eval_`` name) stays."""
+    name = entry.rsplit(":", 1)[-1]
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def resolve(entry: str) -> Metric:
+    """The function an eval_metrics entry names (ValueError saying why it cannot be had)."""
+    if entry in BUILTIN:
+        return BUILTIN[entry]
+    if not _PATH.match(entry):
+        raise ValueError(
+            f"{entry!r} is neither {' nor '.join(repr(b) for b in BUILTIN)} nor an import "
+            "path 'package.module:function'"
+        )
+    module, name = entry.split(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{entry!r} cannot be imported ({type(exc).__name__}: {exc})") from None
+    if not callable(fn):
+        raise ValueError(f"{entry!r} is not callable")
+    return fn
+
+
+def metric_problems(entries: Sequence[str], save_best_by: str | None) -> list[str]:
+    """Every bad eval_metrics entry and an unknown save_best_by, each naming its field."""
+    problems = []
+    for i, entry in enumerate(entries):
+        try:
+            resolve(entry)
+        except ValueError as exc:
+            problems.append(f"eval_metrics[{i}]: {exc}")
+    names = [logged_name(e) for e in entries]
+    if len(set(names)) < len(names):
+        problems.append(f"eval_metrics: two entries log as the same name {names}")
+    if save_best_by is not None and logged_name(save_best_by) not in {"eval_loss", *names}:
+        choices = ", ".join(["eval_loss", *entries])
+        problems.append(f"save_best_by={save_best_by!r} is not scored: choose one of {choices}")
+    return problems

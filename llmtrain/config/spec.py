@@ -1,0 +1,43 @@
+"""The data a trainer fits on: which fields and rows, and (once fitted) where they came from.
+
+Kept apart from the argument models (``args.py``) because it is written by ``fit()`` from
+its call arguments, never set as an option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmtrain.db.queries import Query
+
+
+class DataSelection(BaseModel):
+    """Which rows: ``X`` and ``Y`` name fields, ``select`` (and ``eval_select``) the rows."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    X: str = Field(min_length=1)
+    """The field rendered as the prompt ({X})."""
+    Y: str = Field(min_length=1)
+    """The field trained on as the response ({Y})."""
+    select: dict[str, Any]
+    """The training rows: a stored query."""
+    eval_select: dict[str, Any] | None = None
+    """Evaluation rows; default: held-out rows (eval_fraction)."""
+
+
+class FitSpec(DataSelection):
+    """The data a fit() trained on: enough to replay it on the same (or another) database."""
+
+    db: str
+    """The database URI, password redacted."""
+    data_fingerprint: str | None = None
+    """A hash of the selected keys, to notice changed rows on replay."""
+
+    def query(self) -> Query:
+        return Query.from_dict(self.select)
+
+    def eval_query(self) -> Query | None:
+        return Query.from_dict(self.eval_select) if self.eval_select else None

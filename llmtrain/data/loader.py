@@ -1,0 +1,109 @@
+"""A DataLoader whose resume state counts rows delivered to the caller, not prefetched ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from llmtrain.data.position import Positioned
+from llmtrain.data.snapshot import key_repr
+from llmtrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from llmtrain.data.cached import CachedQueryDataset
+
+_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
+
+
+class _WorkerShare(IterableDataset):
+    """What each worker runs: its share of one pass, with positions attached."""
+
+    def __init__(self, dataset: CachedQueryDataset, epoch: int, start: int, chunk: int) -> None:
+        self.dataset, self.epoch, self.start, self.chunk = dataset, epoch, start, chunk
+
+    def __iter__(self) -> Iterator[Positioned]:
+        return self.dataset.positioned(self.epoch, self.start, chunk=self.chunk)
+
+
+class QueryDataLoader:
+    """Batches of rows (a list of dicts, or ``collate_fn(rows)``); with ``with_keys`` the
+    rows come as ``(key, row)`` pairs, the shape the formatter takes, without copying them.
+
+    Workers take turns batch by batch, so the rows arrive in the dataset's order for any
+    ``num_workers`` and resuming with another worker count continues at the same row. A
+    batch holds ``batch_size`` rows except an epoch's last (and fewer when bad rows are
+    skipped); a batch whose rows were all skipped is not yielded.
+    """
+
+    def __init__(
+        self,
+        dataset: CachedQueryDataset,
+        batch_size: int,
+        *,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        with_keys: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        for banned in _OWNED:
+            if banned in kwargs:
+                raise ConfigError(
+                    f"QueryDataLoader does not take {banned}=: the dataset owns "
+                    "order and epochs (persistent workers would miss set_epoch)"
+                )
+        self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
+        self.collate_fn, self.with_keys = collate_fn, with_keys
+        self.kwargs = kwargs
+
+    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any, list[str], list[str]]:
+        """(last position, any rows?, the batch, keys found deleted, keys skipped): skipped
+        bad rows and deleted rows arrive as None; a worker's keys ride back with its batch."""
+        deleted = self.dataset.stats.deleted
+        skipped = [key_repr(k) for _, k, row in items if row is None]
+        gone = [r for r in skipped if r in deleted]
+        rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
+        if not self.with_keys:
+            rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
+        batch = self.collate_fn(rows) if self.collate_fn and rows else rows
+        return max(pos for pos, _, _ in items), bool(rows), batch, gone, skipped
+
+    def __len__(self) -> int:
+        return -(-len(self.dataset) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        ds, position = self.dataset, self.dataset.position
+        epoch, start = position.begin()
+        length = len(ds)  # scans once here, so workers inherit it instead of each scanning
+        share = _WorkerShare(ds, epoch, start, self.batch_size)
+        # a private generator: starting an iterator must not draw from the global RNG, or a
+        # resumed run (which starts one mid-training) would see different dropout masks
+        kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
+        loader = DataLoader(
+            share,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            collate_fn=self._collate,
+            **kwargs,
+        )
+        for last, any_rows, batch, gone, skipped in loader:
+            position.consumed = last + 1
+            ds.stats.deleted.update(gone)
+            for key in skipped:  # lineage needs the epoch a row was first skipped in
+                ds.stats.skipped_in.setdefault(key, epoch)
+            if any_rows:
+                yield batch
+        position.finish(length)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.position.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.dataset.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], **kwargs: Any) -> None:
+        self.dataset.load_state_dict(state, **kwargs)

@@ -1,0 +1,420 @@
+"""A run's pinned snapshot of its selection's keys, stored as content-addressed chunks.
+
+Rank 0 reads the selection's keys once when a run starts (keys only, in keyset pages) and
+writes them to the artifact store, ``chunk_size`` keys a chunk; the run record keeps the
+small manifest. Every epoch, rank and resume reads its windows' keys from the chunks, never
+from the table: rows inserted later are not trained by the run, rows deleted later are
+skipped, and a resume costs no scan however large the table.
+
+A chunk is one tag byte and zlib data: ``i`` int64 deltas, ``u`` 16-byte UUIDs, ``s`` a JSON
+list of strings, ``t`` a JSON list of typed values (ObjectId, datetime, Decimal, ...). Never
+pickle: a chunk is data, read back into exactly the key types the database handed out.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import operator
+import threading
+import uuid
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from bson import ObjectId
+
+from llmtrain.db.backend import DataBackend, Key, KeyedRows
+from llmtrain.db.queries import Query
+from llmtrain.errors import ConfigError, QueryError
+
+if TYPE_CHECKING:
+    from llmtrain.stores.handle import Database
+
+Split = Literal["all", "train", "held_out"]
+CODEC = "keys-v1"
+CHUNK_SIZE = 16_384  # keys a chunk: a window of cache_size rows reads one chunk or two
+_KEY_PAGE = 50_000  # keys a statement while taking the snapshot
+_CACHED_CHUNKS = 4  # decoded chunks kept per process (a window spans at most two)
+
+
+def key_repr(key: Key) -> str:
+    return key if isinstance(key, str) else f"{type(key).__name__}:{key}"
+
+
+def held_out(key: Key, fraction: float) -> bool:
+    """Whether a row belongs to the held-out split: a hash of its key, stable across runs."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(key_repr(key).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def same_key(a: Key, b: Key) -> bool:
+    """Equal keys of one type (MongoDB keeps ``1`` and ``True`` apart, Python does not)."""
+    return type(a) is type(b) and a == b
+
+
+# -- the chunk codec ----------------------------------------------------------------------
+def _same(value: Any) -> Any:
+    return value
+
+
+# each type a typed chunk keeps, with its tag and how it becomes JSON and back
+_CODECS: dict[type, tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    type(None): ("n", _same, _same),
+    bool: ("?", _same, _same),
+    int: ("i", _same, _same),
+    str: ("s", _same, _same),
+    float: ("f", float.hex, float.fromhex),
+    uuid.UUID: ("u", operator.attrgetter("hex"), uuid.UUID),
+    bytes: ("x", bytes.hex, bytes.fromhex),
+    dt.datetime: ("dt", dt.datetime.isoformat, dt.datetime.fromisoformat),
+    dt.date: ("d", dt.date.isoformat, dt.date.fromisoformat),
+    Decimal: ("D", str, Decimal),
+    ObjectId: ("o", str, ObjectId),
+}
+_DECODERS = {tag: decode for tag, _, decode in _CODECS.values()}
+
+
+def _typed(value: Any) -> list[Any]:
+    """One value as ``[tag, json value]``: its type survives the round trip."""
+    t = type(value)
+    if t is dict:  # a MongoDB _id may be a document
+        return ["m", [[k, _typed(v)] for k, v in value.items()]]
+    if t not in _CODECS:
+        raise QueryError(
+            f"a key or version of type {t.__module__}.{t.__name__} ({value!r:.60}) cannot "
+            "be kept in a run's snapshot; use a column of a plain type (int, str, uuid, "
+            "datetime, ...)"
+        )
+    tag, encode, _ = _CODECS[t]
+    return [tag, encode(value)]
+
+
+def _untyped(item: list[Any]) -> Any:
+    tag, value = item
+    if tag == "m":
+        return {k: _untyped(v) for k, v in value}
+    return _DECODERS[tag](value)
+
+
+def encode_chunk(values: Sequence[Any]) -> bytes:
+    """The most compact of the chunk forms that holds exactly these values."""
+    types = {type(v) for v in values}
+    if types == {int} and all(-(2**63) <= v < 2**63 for v in values):
+        arr = np.asarray(values, dtype=np.int64)
+        tag, payload = b"i", np.diff(arr, prepend=np.int64(0)).astype("<i8").tobytes()
+    elif types == {uuid.UUID}:
+        tag, payload = b"u", b"".join(v.bytes for v in values)
+    elif types == {str}:
+        tag, payload = b"s", json.dumps(list(values), ensure_ascii=False).encode()
+    else:
+        tag, payload = b"t", json.dumps([_typed(v) for v in values]).encode()
+    return tag + zlib.compress(payload, 6)
+
+
+def decode_chunk(data: bytes) -> list[Any]:
+    tag, payload = data[:1], zlib.decompress(data[1:])
+    if tag == b"i":
+        with np.errstate(over="ignore"):  # deltas wrap like the values did
+            return np.cumsum(np.frombuffer(payload, dtype="<i8")).tolist()
+    if tag == b"u":
+        return [uuid.UUID(bytes=payload[i : i + 16]) for i in range(0, len(payload), 16)]
+    if tag == b"s":
+        return list(json.loads(payload))
+    if tag == b"t":
+        return [_untyped(item) for item in json.loads(payload)]
+    raise ConfigError(f"not a {CODEC} key chunk (tag {tag!r})")
+
+
+class MemoryStore:
+    """Chunks kept in this process: a dataset's own snapshot when no run gave it one."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+
+    def put_bytes(self, data: bytes) -> str:
+        artifact_id = f"sha256:{hashlib.sha256(data).hexdigest()}"
+        self.blobs[artifact_id] = data
+        return artifact_id
+
+    def get_bytes(self, artifact_id: str) -> bytes:
+        return self.blobs[artifact_id]
+
+
+_decoded: OrderedDict[str, list[Any]] = OrderedDict()
+_decoded_lock = threading.Lock()
+
+
+def _chunk(store: Any, chunk_id: str) -> list[Any]:
+    """A decoded chunk; the last few are cached (ids are content hashes, so always valid)."""
+    with _decoded_lock:
+        if chunk_id in _decoded:
+            _decoded.move_to_end(chunk_id)
+            return _decoded[chunk_id]
+    values = decode_chunk(store.get_bytes(chunk_id))
+    with _decoded_lock:
+        _decoded[chunk_id] = values
+        while len(_decoded) > _CACHED_CHUNKS:
+            _decoded.popitem(last=False)
+    return values
+
+
+# -- snapshots ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeySnapshot:
+    """One view's keys in key order: ``count`` keys in chunks of ``chunk_size``, and with
+    a version column, each key's version in chunks alongside."""
+
+    count: int
+    chunk_size: int
+    chunks: tuple[str, ...]
+    codec: str = CODEC
+    fingerprint: str = ""
+    versions: tuple[str, ...] | None = None
+
+    @staticmethod
+    def digest(count: int, chunks: Sequence[str], versions: Sequence[str] | None) -> str:
+        """Changes when any key (or version) is added, removed or changed."""
+        payload = json.dumps([count, list(chunks), list(versions or [])])
+        return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    def to_record(self) -> dict[str, Any]:
+        versions = None if self.versions is None else list(self.versions)
+        return {**asdict(self), "chunks": list(self.chunks), "versions": versions}
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> KeySnapshot:
+        if not isinstance(data, dict) or data.get("codec") != CODEC:
+            raise ConfigError(f"not a {CODEC} key snapshot: {str(data)[:200]}")
+        versions = data.get("versions")
+        snap = cls(
+            int(data["count"]),
+            int(data["chunk_size"]),
+            tuple(data["chunks"]),
+            CODEC,
+            str(data["fingerprint"]),
+            None if versions is None else tuple(versions),
+        )
+        if snap.fingerprint != cls.digest(snap.count, snap.chunks, snap.versions):
+            raise ConfigError(f"key snapshot {snap.fingerprint}: its chunks do not match it")
+        return snap
+
+    def keys(self, store: Any, start: int, stop: int) -> list[Key]:
+        """Keys at positions ``start:stop``, reading only the chunks that cover them."""
+        return self._slice(store, self.chunks, start, stop)
+
+    def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
+        """The versions of the keys at ``start:stop`` (needs a version column)."""
+        if self.versions is None:
+            raise ConfigError("this snapshot was taken without a version column")
+        return self._slice(store, self.versions, start, stop)
+
+    def iter_keys(self, store: Any) -> Iterator[Key]:
+        """Every key in order, one chunk in memory at a time."""
+        for chunk_id in self.chunks:
+            yield from decode_chunk(store.get_bytes(chunk_id))
+
+    def _slice(self, store: Any, chunks: Sequence[str], start: int, stop: int) -> list[Any]:
+        start, stop = max(start, 0), min(stop, self.count)
+        out: list[Any] = []
+        for index in range(start // self.chunk_size, -(-stop // self.chunk_size)):
+            base = index * self.chunk_size
+            out += _chunk(store, chunks[index])[max(start - base, 0) : stop - base]
+        return out
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """A run's snapshot: the training view and, with ``eval_fraction``, the held-out view
+    (split by :func:`held_out` on each key). Without a split the training view is all rows."""
+
+    query: str  # the query's fingerprint: a snapshot serves only the query it describes
+    train: KeySnapshot
+    held: KeySnapshot | None = None
+    eval_fraction: float = 0.0
+    #: the data fingerprint runs and models record (see :func:`data_fingerprint`)
+    fingerprint: str = ""
+    statements: int = field(default=0, compare=False)  # taking it (not recorded)
+
+    @property
+    def count(self) -> int:
+        return self.train.count + (self.held.count if self.held else 0)
+
+    def view(self, split: Split) -> KeySnapshot:
+        """The keys a ``split`` reads: all rows, the training rows or the held-out rows."""
+        if split == "held_out":
+            return self.held or KeySnapshot(0, self.train.chunk_size, (), CODEC, "")
+        if split == "all" and self.held is not None:
+            raise ConfigError("this snapshot keeps training and held-out rows apart: no 'all'")
+        return self.train
+
+    def fits(self, query: Query, eval_fraction: float) -> bool:
+        return self.query == query.fingerprint() and self.eval_fraction == max(eval_fraction, 0)
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "query": self.query,
+            "eval_fraction": self.eval_fraction,
+            "fingerprint": self.fingerprint,
+            "train": self.train.to_record(),
+            "held": None if self.held is None else self.held.to_record(),
+        }
+
+    @classmethod
+    def from_record(cls, data: dict[str, Any]) -> RunSnapshot:
+        if not isinstance(data, dict) or data.get("format") != 1:
+            raise ConfigError(f"not a run snapshot record: {str(data)[:200]}")
+        held = data.get("held")
+        return cls(
+            str(data["query"]),
+            KeySnapshot.from_record(data["train"]),
+            None if held is None else KeySnapshot.from_record(held),
+            float(data["eval_fraction"]),
+            str(data["fingerprint"]),
+        )
+
+
+class _Writer:
+    """Collects one view's keys (and versions) and stores every full chunk as it fills."""
+
+    def __init__(self, store: Any, chunk_size: int, with_versions: bool) -> None:
+        self.store, self.chunk_size, self.with_versions = store, chunk_size, with_versions
+        self.keys: list[Key] = []
+        self.versions: list[Any] = []  # stays empty without a version column
+        self.chunks: list[str] = []
+        self.version_chunks: list[str] = []
+        self.count = 0
+
+    def extend(self, keys: list[Key], versions: list[Any]) -> None:
+        self.keys += keys
+        self.versions += versions
+        self.count += len(keys)
+        while len(self.keys) >= self.chunk_size:
+            self._flush(self.chunk_size)
+
+    def _flush(self, n: int) -> None:
+        if self.keys:
+            self.chunks.append(self.store.put_bytes(encode_chunk(self.keys[:n])))
+            if self.with_versions:
+                self.version_chunks.append(self.store.put_bytes(encode_chunk(self.versions[:n])))
+            del self.keys[:n], self.versions[:n]
+
+    def done(self) -> KeySnapshot:
+        self._flush(len(self.keys))
+        versions = tuple(self.version_chunks) if self.with_versions else None
+        chunks = tuple(self.chunks)
+        fingerprint = KeySnapshot.digest(self.count, chunks, versions)
+        return KeySnapshot(self.count, self.chunk_size, chunks, CODEC, fingerprint, versions)
+
+
+_NONE = object()  # no key before this page
+
+
+def _check_unique(keys: list[Key], before: Any, key_name: str, source: str) -> None:
+    """Refuse a NULL or NaN key, or a key equal to the one before it (keys come sorted). A
+    NaN equals itself to PostgreSQL but not to Python, so a page starting at one would read
+    it again."""
+    if None in keys:
+        raise _not_unique(key_name, source, None)
+    if any(map(operator.ne, keys, keys)):  # only NaN differs from itself; in C
+        raise _not_unique(key_name, source, next(k for k in keys if k != k))
+    prev = [before, *keys[:-1]]
+    if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
+        for a, b in zip(prev, keys):
+            if same_key(a, b):
+                raise _not_unique(key_name, source, b)
+
+
+def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
+    what = "NULL" if key is None else "NaN" if key != key else f"the key {key!r} more than once"
+    return QueryError(
+        f"{source}: key column {key_name!r} holds {what}, so rows would "
+        "be read twice or skipped; pass key= naming a unique, non-null column, or use "
+        "llmtrain.sql(select, key=...) with a unique expression"
+    )
+
+
+def keyset_pages(
+    backend: DataBackend, query: Query, fields: Sequence[str], page_size: int
+) -> Iterator[KeyedRows]:
+    """The selection's rows in key order, ``page_size`` a statement. A key that is NULL or
+    repeated is refused: paging on it would read rows twice or skip them.
+
+    Each page after the first starts *at* the last key seen (one row more), so a key
+    repeated across the page boundary shows up as a repeat too; that overlapping row is
+    dropped."""
+    lower: Any = _NONE
+    while True:
+        limit = page_size if lower is _NONE else page_size + 1
+        page = backend.fetch_rows(query, fields, None if lower is _NONE else lower, limit)
+        rows = page[1:] if page and same_key(page[0][0], lower) else page
+        _check_unique([k for k, _ in rows], lower, backend.key_name(query), query.source)
+        yield rows
+        if len(page) < limit:
+            return
+        lower = page[-1][0]
+
+
+def take_snapshot(
+    db: Database,
+    query: Query,
+    *,
+    eval_fraction: float = 0.0,
+    chunk_size: int = CHUNK_SIZE,
+    version_column: str | None = None,
+    store: Any = None,
+    cache_size: int = 1024,
+) -> RunSnapshot:
+    """Read the selection's keys once (keys only, keyset pages) into chunks in ``store``
+    (default: ``db.artifacts``). A key that is NULL or repeated is refused: paging on it
+    would read rows twice or skip them. With ``version_column`` each key's value of that
+    column is kept too, read in the same pass. ``cache_size``: the window size the data
+    fingerprint notes keys at (see :func:`data_fingerprint`)."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    store = db.artifacts if store is None else store
+    fields = (version_column,) if version_column else ()
+    split = eval_fraction > 0
+    train = _Writer(store, chunk_size, bool(version_column))
+    held = _Writer(store, chunk_size, bool(version_column)) if split else None
+    last: Any = None
+    statements = seen = 0
+    boundaries: list[str] = []
+    for rows in keyset_pages(db.backend, query, fields, _KEY_PAGE):
+        statements += 1
+        keys = [k for k, _ in rows]
+        versions = [r.get(version_column) for _, r in rows] if version_column else []
+        boundaries += [key_repr(k) for k in keys[-seen % cache_size :: cache_size]]
+        if held is None:
+            train.extend(keys, versions)
+        else:  # one key at a time: the split hashes each
+            for i, key in enumerate(keys):
+                view = held if held_out(key, eval_fraction) else train
+                view.extend([key], versions[i : i + 1])
+        if keys:
+            seen, last = seen + len(keys), keys[-1]
+    return RunSnapshot(
+        query.fingerprint(),
+        train.done(),
+        held.done() if held is not None else None,
+        float(eval_fraction) if split else 0.0,
+        data_fingerprint(seen, cache_size, boundaries, key_repr(last)),
+        statements,
+    )
+
+
+def data_fingerprint(count: int, block_size: int, boundaries: list[str], last: str) -> str:
+    """Changes when rows are added, removed or re-keyed at a window's edge: the whole
+    selection's count and every ``block_size``-th key, as llmtrain has always recorded it
+    (so a replay of a fit recorded by 0.1.0 compares). The snapshot's manifest fingerprints
+    every key exactly."""
+    payload = json.dumps([count, block_size, boundaries, last])
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]

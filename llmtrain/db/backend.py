@@ -1,0 +1,89 @@
+"""The data backend: the few keyset operations every dataset is built from.
+
+Every read is one short statement: ``key >= lower ORDER BY key LIMIT n`` (or the Mongo
+equivalent). No cursor or transaction stays open between calls, so a slow consumer
+never pins the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from llmtrain.db.queries import Query
+from llmtrain.db.retry import RetryPolicy
+from llmtrain.errors import DatabaseUnavailableError
+from llmtrain.uri import redact_uri
+
+Key = Any
+Row = dict[str, Any]
+KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
+T = TypeVar("T")
+log = logging.getLogger("llmtrain.db")
+
+
+class DataBackend(ABC):
+    """Reads rows of a query in key order. Implementations must be safe to pickle."""
+
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
+        self._uri = uri
+        self.uri = redact_uri(uri)  # safe to show and store
+        self.retry = retry or RetryPolicy()
+
+    @abstractmethod
+    def key_name(self, query: Query) -> str:
+        """The column/field the query is paged on; QueryError if there is no usable one."""
+
+    @abstractmethod
+    def fetch_rows(
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
+    ) -> KeyedRows:
+        """Up to ``limit`` rows with key >= lower, in key order.
+
+        Each row is ``(key, {field: value})``; a field absent from the row is absent from the
+        dict (the caller decides whether that is an error). Dotted Mongo paths are resolved.
+        """
+
+    @abstractmethod
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
+        """The rows with exactly these keys (any order; missing keys are simply absent)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
+        """Drop connections; they reopen on the next call."""
+
+    def reconnect(self) -> None:
+        """Forget pooled connections after a fault so the next call opens fresh ones."""
+        self.close()
+
+    def _with_retry(
+        self,
+        what: str,
+        call: Callable[[], T],
+        transient: tuple[type[BaseException], ...],
+        permanent: Callable[[BaseException], bool] = lambda exc: False,
+    ) -> T:
+        """Run ``call`` (one idempotent statement); on a transient fault reconnect, back off
+        as ``self.retry`` says and try again. ``permanent`` picks out errors of a transient
+        type that no retry can cure (a missing table, say), so they surface at once instead
+        of after the whole budget."""
+        for delay in [*self.retry.delays(), None]:  # None: the last attempt
+            try:
+                return call()
+            except transient as exc:
+                if permanent(exc):
+                    raise
+                problem = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+                if delay is None:
+                    raise DatabaseUnavailableError(
+                        f"{what} on {self.uri} failed after {self.retry.attempts} attempts: "
+                        f"{problem}"
+                    ) from exc
+                log.warning(
+                    "%s on %s failed (%s); retrying in %.1fs", what, self.uri, problem, delay
+                )
+                self.reconnect()
+                time.sleep(delay)
+        raise AssertionError("unreachable")

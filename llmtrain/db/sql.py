@@ -1,0 +1,239 @@
+"""SQL backend (SQLAlchemy Core): keyset pages on a unique, ordered key.
+
+Names reach SQL only as quoted identifiers built by SQLAlchemy; values only as bound
+parameters. Each call checks out a connection, runs one SELECT and returns it.
+
+The row-reading SELECTs (``fetch_rows``) are built once per shape and cached,
+values bound per call, and run through SQLAlchemy like every other statement. On PostgreSQL
+reads run in autocommit: one SELECT sees one snapshot either way, and it saves the BEGIN and
+ROLLBACK round trips around every page.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from llmtrain.db.backend import DataBackend, Key, KeyedRows
+from llmtrain.db.engines import dispose_sql_engine, sql_engine
+from llmtrain.db.queries import Query, RawSQL, Table
+from llmtrain.db.retry import RetryPolicy
+from llmtrain.db.sql_errors import database_message, is_transient, refusal
+from llmtrain.errors import QueryError
+
+_IN_CHUNK = 1000
+_LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
+_MAX_PAGES = 256
+
+
+def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
+    """``(key, {field: value})`` from rows laid out as (key, *fields)."""
+    return [(r[0], dict(zip(names, r[1:]))) for r in rows]
+
+
+def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
+    """``stmt`` again with invalid UTF-8 kept as surrogate escapes: the rows' text checks then
+    reject (or skip) the row by key and field. Only on this error path: a Python
+    ``text_factory`` would slow every read."""
+    raw: Any = conn.connection.dbapi_connection
+    raw.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
+    try:
+        return list(conn.execute(stmt, params).all())
+    finally:
+        raw.text_factory = str
+
+
+def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
+    try:
+        return sa.text(sql).bindparams(**params)
+    except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
+        raise QueryError(f"{source}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """A query turned into SQLAlchemy objects: the key column, field columns and filter."""
+
+    key: sa.ColumnElement[Any]
+    columns: Mapping[str, sa.ColumnElement[Any]]
+    where: sa.TextClause | None
+    source: str
+
+    def column(self, field: str) -> sa.ColumnElement[Any]:
+        try:
+            return self.columns[field]
+        except KeyError:
+            raise QueryError(
+                f"{self.source} has no column {field!r}; columns: {sorted(self.columns)}"
+            ) from None
+
+    def select(self, *cols: sa.ColumnElement[Any]) -> sa.Select[Any]:
+        stmt = sa.select(*cols)
+        return stmt.where(self.where) if self.where is not None else stmt
+
+
+class SQLBackend(DataBackend):
+    def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
+        super().__init__(uri, retry=retry)
+        self._sources: dict[str, _Source] = {}
+        self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
+
+    # -- plumbing -------------------------------------------------------------------------
+    @property
+    def engine(self) -> sa.Engine:
+        return sql_engine(self._uri)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sources": {}, "_pages": {}}
+
+    def close(self) -> None:
+        dispose_sql_engine(self._uri)
+        self._sources.clear()
+        self._pages.clear()
+
+    def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
+        """``call`` with retries for faults that heal; any other database error becomes one
+        line with the database's own message: the database or credentials are wrong
+        (ConfigError), or the statement is (QueryError)."""
+        try:
+            transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
+            return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
+        except sa.exc.StatementError as exc:
+            refused = refusal(exc, self.uri)
+            if refused is not None:
+                raise refused from None
+            raise QueryError(f"{source} failed on {self.uri}: {database_message(exc)}") from None
+
+    def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
+        def call() -> list[Any]:
+            with self.engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                try:
+                    return list(conn.execute(stmt, params).all())
+                except sa.exc.OperationalError as exc:
+                    # SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost
+                    # connection (retrying would only end in DatabaseUnavailableError, no row)
+                    undecodable = "Could not decode to UTF-8" in str(exc.orig)
+                    if conn.dialect.name != "sqlite" or not undecodable:
+                        raise
+                    return _lenient_rows(conn, stmt, params)
+
+        return list(self._retrying("reading rows", call, source))
+
+    def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
+        fingerprint = fingerprint or query.fingerprint()
+        if fingerprint not in self._sources:
+            if isinstance(query, Table):
+                self._sources[fingerprint] = self._build_table(query)
+            elif isinstance(query, RawSQL):
+                self._sources[fingerprint] = self._build_raw(query)
+            else:
+                raise QueryError(
+                    f"{query.source} is a MongoDB query and cannot run on SQL database "
+                    f"{self.uri}; use llmtrain.Table(name) or llmtrain.sql(select, key=...)"
+                )
+        return self._sources[fingerprint]
+
+    def _build_table(self, query: Table) -> _Source:
+        try:
+            table = self._retrying(
+                "reading the table schema",
+                lambda: sa.Table(
+                    query.name, sa.MetaData(), schema=query.schema, autoload_with=self.engine
+                ),
+                query.source,
+            )
+        except sa.exc.NoSuchTableError:
+            raise QueryError(f"{query.source} does not exist in {self.uri}") from None
+        if query.key is not None:
+            if query.key not in table.c:
+                raise QueryError(f"{query.source} has no key column {query.key!r}")
+            key = table.c[query.key]
+        else:
+            pk = list(table.primary_key.columns)
+            if len(pk) != 1:
+                what = f"a composite primary key {[c.name for c in pk]}" if pk else "no primary key"
+                raise QueryError(
+                    f"{query.source} has {what}, so rows cannot be paged in a stable order; "
+                    "pass Table(..., key='column') naming a unique, non-null column, or use "
+                    "llmtrain.sql(select, key=...) with a unique expression"
+                )
+            key = pk[0]
+        names = query.columns or tuple(c.name for c in table.c)
+        columns = {}
+        for name in names:
+            if name not in table.c:
+                raise QueryError(
+                    f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
+                )
+            columns[name] = table.c[name]
+        where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
+        return _Source(key, columns, where, query.source)
+
+    def _build_raw(self, query: RawSQL) -> _Source:
+        text = _text(query.text, query.params, query.source)
+        probe = self._retrying(
+            "reading the query's columns", lambda: self._probe_columns(text), query.source
+        )
+        # SQLite renames a repeated name to "name:1" where the others keep both or refuse
+        renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
+        repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
+        if repeated:
+            raise QueryError(
+                f"{query.source}: result column(s) {repeated} appear more than once, so "
+                f"{query.key!r} would be ambiguous; give each a distinct name with AS"
+            )
+        if query.key not in probe:
+            raise QueryError(
+                f"{query.source}: key column {query.key!r} is not in its result columns {probe}"
+            )
+        sub = text.columns(*[sa.column(c) for c in probe]).subquery("llmtrain_q")
+        return _Source(sub.c[query.key], {c: sub.c[c] for c in probe}, None, query.source)
+
+    def _probe_columns(self, text: sa.TextClause) -> list[str]:
+        sub = text.columns().subquery("llmtrain_probe")
+        with self.engine.connect() as conn:
+            return list(
+                conn.execute(sa.select(sa.literal_column("*")).select_from(sub).limit(0)).keys()
+            )
+
+    # -- DataBackend ------------------------------------------------------------------------
+    def key_name(self, query: Query) -> str:
+        return self._source(query).key.name
+
+    def fetch_rows(
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
+    ) -> KeyedRows:
+        fingerprint, names = query.fingerprint(), tuple(fields)
+        src = self._source(query, fingerprint)
+        # the bound's type as SQLAlchemy gives it to ``lower``
+        lower_type = None if lower is None else (src.key >= lower).right.type
+        # each shape's statement is built once; bound types are keyed by identity (SQLAlchemy
+        # reuses them), so the cache is capped in case a key type makes a new one each call
+        shape = (fingerprint, names, lower_type)
+        stmt = self._pages.get(shape)
+        if stmt is None:
+            if len(self._pages) >= _MAX_PAGES:
+                self._pages.clear()
+            stmt = src.select(src.key, *[src.column(f) for f in names])
+            if lower_type is not None:
+                stmt = stmt.where(src.key >= sa.bindparam(_LOWER, type_=lower_type))
+            stmt = stmt.order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
+            self._pages[shape] = stmt
+        values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
+        return _pairs(self._rows(stmt, values, query.source), names)
+
+    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
+        src = self._source(query)
+        cols = [src.column(f) for f in fields]
+        out: KeyedRows = []
+        for i in range(0, len(keys), _IN_CHUNK):
+            stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
+            out += _pairs(self._rows(stmt, {}, query.source), fields)
+        return out

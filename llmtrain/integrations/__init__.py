@@ -1,0 +1,1 @@
+"""The tools users already watch runs in (trackers)."""

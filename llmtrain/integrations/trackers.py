@@ -1,0 +1,330 @@
+"""Trackers: the run's metrics, recipe, data fingerprint and library versions sent to the tools
+users already watch (``training_args.report_to``), through each tool's own library.
+
+Each tracker is a :class:`~llmtrain.training.callbacks.Callback` that rank 0 alone holds; the
+metadata store stays the record (a tracker is a copy for viewing). Where each one writes is
+that library's own setting, never part of the recipe: ``LLMTRAIN_TENSORBOARD_DIR`` (default
+``./runs``), ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT`` /
+``WANDB_MODE`` / ``WANDB_DIR``, ``TRACKIO_PROJECT`` / ``TRACKIO_DIR``.
+
+Nothing secret reaches a tracker: every URI in what is sent is redacted, and W&B is told
+not to collect the command line, the console output, git state or code (a ``--db`` URI
+with a password on the command line would otherwise be uploaded with the run).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from llmtrain.console import QUIET_ENV
+from llmtrain.errors import ConfigError
+from llmtrain.training.callbacks import Callback
+from llmtrain.uri import redact_uri
+from llmtrain.versions import library_versions
+
+if TYPE_CHECKING:
+    from llmtrain.training.run import FitRun
+
+log = logging.getLogger("llmtrain.trackers")
+
+TENSORBOARD_DIR_ENV = "LLMTRAIN_TENSORBOARD_DIR"
+
+
+def check_trackers(report_to: Sequence[str]) -> None:
+    """ConfigError naming ``report_to`` and the extra to install, for a tracker whose library
+    is missing (checked before anything is recorded or trained). Each tracker's package and
+    llmtrain extra bear its name. Checked without importing (mlflow alone takes seconds); a
+    module set to ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
+    for name in report_to:
+        if name in sys.modules:
+            installed = sys.modules[name] is not None
+        else:
+            installed = importlib.util.find_spec(name) is not None
+        if not installed:
+            raise ConfigError(
+                f"training_args.report_to: {name!r} needs the {name} package: "
+                f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
+            )
+    if "mlflow" in report_to:
+        check_mlflow_store()
+
+
+def check_mlflow_store() -> None:
+    """MLflow 3 refuses its file store (``MLFLOW_TRACKING_URI=file:./mlruns`` or a folder)
+    unless ``MLFLOW_ALLOW_FILE_STORE`` is set: say so now, not after the model loaded."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    file_store = bool(uri) and urlsplit(uri).scheme.lower() in ("", "file")  # a folder
+    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes")
+    if not file_store or allowed:
+        return
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # noqa: F401
+    except ImportError:  # an MLflow that still takes the file store
+        return
+    raise ConfigError(
+        f"training_args.report_to: 'mlflow' with MLFLOW_TRACKING_URI={uri!r}: this MLflow "
+        "refuses its file store; set MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or a tracking "
+        "server's URL), or MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
+    )
+
+
+def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
+    check_trackers(report_to)
+    return [_TRACKERS[name]() for name in report_to]
+
+
+def metric_name(key: str) -> str:
+    """``loss`` -> ``train/loss``, ``eval_loss`` -> ``eval/loss``: one name in every tracker."""
+    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+
+
+def scrub(value: Any) -> Any:
+    """``value`` with every URI in it redacted (a recipe's database, a model path)."""
+    if isinstance(value, dict):
+        return {k: scrub(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(v) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return redact_uri(value)
+    return value
+
+
+def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections as dotted keys (``training_args.learning_rate``); lists and ``None``
+    as JSON text, for trackers that take scalar parameters only."""
+    flat: dict[str, Any] = {}
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        if isinstance(item, dict) and item:
+            flat.update(flatten(item, f"{name}."))
+        elif isinstance(item, (bool, int, float, str)):
+            flat[name] = item
+        else:
+            flat[name] = json.dumps(item)
+    return flat
+
+
+class RunFacts:
+    """What every tracker receives about a run, secrets already removed."""
+
+    def __init__(self, run: FitRun) -> None:
+        plan = run.plan
+        self.identifier: str = plan.identifier
+        self.version: int = plan.version
+        self.run_id: str = plan.run_id
+        self.name = f"{self.identifier}-v{self.version}-{self.run_id[:8]}"
+        self.recipe: dict[str, Any] = scrub(plan.config.model_dump(mode="json"))
+        self.data_fingerprint: str | None = plan.fit.data_fingerprint
+        self.versions = library_versions()
+
+    def params(self) -> dict[str, Any]:
+        """The recipe, fingerprint, versions and ids as one nested dict."""
+        return {
+            **self.recipe,
+            "trainer_version": self.version,
+            "run_id": self.run_id,
+            "data_fingerprint": self.data_fingerprint,
+            "versions": self.versions,
+        }
+
+
+class Tracker(Callback, abc.ABC):
+    """Starts on the first step of an attempt, sends each logged metric, finishes with the
+    run's outcome; a tracker that fails to start or send stops the fit (a silent gap in a
+    dashboard is worse), except while finishing a run that already failed."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def on_train_begin(self, run: Any) -> None:
+        if not self.started:
+            self.start(RunFacts(run))
+            self.started = True
+
+    def on_log(self, run: Any, metrics: dict[str, float]) -> None:
+        if self.started:
+            self.log({metric_name(k): float(v) for k, v in metrics.items()}, run.step)
+
+    def on_cleanup(self, run: Any, failed: bool) -> None:
+        if not self.started:
+            return
+        self.started = False
+        try:
+            self.finish(failed)
+        except Exception:
+            if not failed:
+                raise
+            log.exception("could not finish the %s run", self.name)
+
+    # one of each per tracker library
+    @abc.abstractmethod
+    def start(self, facts: RunFacts) -> None: ...
+
+    @abc.abstractmethod
+    def log(self, metrics: dict[str, float], step: int) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self, failed: bool) -> None: ...
+
+
+class TensorBoardTracker(Tracker):
+    """Event files in ``$LLMTRAIN_TENSORBOARD_DIR/NAME`` (default ``runs/``): scalars, the
+    recipe as HPARAMS, and the recipe, fingerprint and versions as text."""
+
+    name = "tensorboard"
+
+    def start(self, facts: RunFacts) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+
+        root = Path(os.environ.get(TENSORBOARD_DIR_ENV) or "runs")
+        self.writer = SummaryWriter(log_dir=str(root / facts.name))
+        events = self.writer.file_writer
+        assert events is not None  # opened by SummaryWriter()
+        for summary in hparams(flatten(facts.params()), {}):  # the HPARAMS tab
+            events.add_summary(summary)
+        for tag in ("recipe", "data_fingerprint", "versions"):
+            text = json.dumps(getattr(facts, tag), indent=2)
+            self.writer.add_text(tag, f"```\n{text}\n```")
+        self.writer.flush()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def finish(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class MLflowTracker(Tracker):
+    """A run in ``$MLFLOW_TRACKING_URI`` (experiment ``$MLFLOW_EXPERIMENT_NAME``, default the
+    trainer's identifier): parameters, ``llmtrain/recipe.json``, metrics, FINISHED/FAILED."""
+
+    name = "mlflow"
+
+    def start(self, facts: RunFacts) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param, RunTag
+
+        self.client = MlflowClient()
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or facts.identifier
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        tags = {
+            "llmtrain.trainer": facts.identifier,
+            "llmtrain.trainer_version": str(facts.version),
+            "llmtrain.run_id": facts.run_id,
+            "llmtrain.data_fingerprint": str(facts.data_fingerprint),
+        }
+        self.run_id = self.client.create_run(
+            experiment_id, run_name=facts.name, tags=tags
+        ).info.run_id
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(facts.params()).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", facts.name)])
+        self.client.log_dict(self.run_id, facts.params(), "llmtrain/recipe.json")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()]
+        )
+
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+class WandbTracker(Tracker):
+    """A W&B run in ``$WANDB_PROJECT`` (default ``llmtrain``), online or offline as
+    ``WANDB_MODE`` says; config = recipe, fingerprint, versions. Not collected: the command
+    line, console output, git state, code and system metrics."""
+
+    name = "wandb"
+
+    def start(self, facts: RunFacts) -> None:
+        import wandb
+
+        settings = wandb.Settings(
+            x_disable_meta=True,  # the command line (a --db URI with its password), host, git
+            x_disable_stats=True,
+            disable_git=True,
+            save_code=False,
+            console="off",
+            silent=os.environ.get(QUIET_ENV) == "1",
+        )
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "llmtrain",
+            name=facts.name,
+            group=facts.identifier,
+            config=facts.params(),
+            settings=settings,
+            reinit="create_new",
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class TrackioTracker(Tracker):
+    """A trackio run (local SQLite under ``$TRACKIO_DIR``) in ``$TRACKIO_PROJECT`` (default
+    ``llmtrain``); config = the flattened recipe, fingerprint and versions."""
+
+    name = "trackio"
+
+    def start(self, facts: RunFacts) -> None:
+        import trackio
+
+        with _quiet_stdout():
+            self.run = trackio.init(
+                project=os.environ.get("TRACKIO_PROJECT") or "llmtrain",
+                name=facts.name,
+                group=facts.identifier,
+                config=flatten(facts.params()),
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def finish(self, failed: bool) -> None:
+        import trackio
+        from trackio import context_vars
+
+        with _quiet_stdout():
+            if context_vars.current_run.get() is self.run:
+                trackio.finish()  # also forgets it: no second finish, and banner, at exit
+            else:
+                self.run.finish()
+
+
+def _quiet_stdout() -> contextlib.AbstractContextManager[Any]:
+    """trackio prints banners on stdout; a quiet fit keeps stdout for its own results."""
+    if os.environ.get(QUIET_ENV) == "1":
+        return contextlib.redirect_stdout(io.StringIO())
+    return contextlib.nullcontext()
+
+
+_TRACKERS = {t.name: t for t in (TensorBoardTracker, MLflowTracker, WandbTracker, TrackioTracker)}

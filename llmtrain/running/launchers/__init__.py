@@ -1,0 +1,64 @@
+"""Launchers: ``fit()`` on several processes (``torchrun`` or ``deepspeed``) from one call.
+
+``LLMTrainer(..., launcher=Launcher(kind="torchrun", num_processes=2))`` then ``fit()``
+stores the trainer and opens the run here, starts the workers, streams their output and
+returns the trained model. Each worker reads the run's plan from its record in the metadata
+store and trains its shard of the rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmtrain.errors import DistributedError
+from llmtrain.running.launchers.command import build_command, free_port
+from llmtrain.running.launchers.process import WorkerJob
+from llmtrain.training.model import TrainedModel
+from llmtrain.training.plan import RunPlan
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
+__all__ = ["build_command", "free_port", "launch_workers"]
+
+
+def launch_workers(plan: RunPlan, db: Datalayer, *, merge: bool) -> TrainedModel:
+    """Train ``plan`` in worker processes; return its model.
+
+    On failure the run is marked failed with the first failing rank's error, every worker
+    is gone, and DistributedError carries that error.
+    """
+    launcher, run_id = plan.config.launcher, plan.run_id
+    assert launcher is not None
+    job_dir = Path(tempfile.mkdtemp(prefix="llmtrain-job-"))
+    try:
+        command = build_command(
+            launcher,
+            db,
+            job_dir,
+            run_id=run_id,
+            resume_from=plan.resume_from.artifact_id if plan.resume_from else None,
+            merge=merge,
+        )
+        job = WorkerJob(command.argv, command.env, job_dir, timeout_s=launcher.timeout_s)
+        try:
+            job.run()
+        except BaseException as exc:
+            from llmtrain.running.local import mark_failed
+
+            mark_failed(db, run_id, exc)
+            if isinstance(exc, DistributedError):
+                exc.pids = job.pids()  # type: ignore[attr-defined]
+            raise
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    model: TrainedModel = db.load("model", plan.identifier)
+    if model.record.run_id != run_id:
+        raise DistributedError(
+            f"the workers finished, but the newest model {plan.identifier!r} comes from "
+            f"run {model.record.run_id}, not {run_id}"
+        )
+    return model

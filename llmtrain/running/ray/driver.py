@@ -1,0 +1,225 @@
+"""The driver of a Ray fit: start Ray Train's TorchTrainer, serve its workers, record.
+
+The driver (the process that called fit()) keeps the database: it stored the trainer and
+opened the run before, it answers the workers' calls while they train, it copies every
+checkpoint they report from Ray's storage into the artifact store, and at the end it stores
+the model and marks the run, as a local rank 0 does (:func:`llmtrain.running.local.run_here`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from llmtrain.config.args import RayConfig
+from llmtrain.console import QUIET_ENV
+from llmtrain.errors import ConfigError, DistributedError
+from llmtrain.running.local import Outcome, mark_failed, store_model
+from llmtrain.running.ray.bridge import DriverService
+from llmtrain.running.ray.worker import checkpoint_name, train_loop
+from llmtrain.stores.artifacts.fsspec_store import check_url
+from llmtrain.stores.metadata.base import CheckpointRecord
+from llmtrain.training.callbacks import Callback
+from llmtrain.training.checkpoint import Checkpointer, verify
+from llmtrain.training.model import TrainedModel
+from llmtrain.training.plan import RunPlan
+from llmtrain.uri import redact_uri
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
+
+def storage_location(storage: str | None) -> tuple[str, Any]:
+    """(path for Ray, pyarrow filesystem or None): a folder (absolute), or any fsspec URL
+    (``s3://``, ``gs://``, ...) through fsspec, as the artifact store reaches it: the same
+    credentials from the environment, handed to Ray as a pyarrow filesystem."""
+    if storage is None or "://" not in storage or storage.startswith("file://"):
+        folder = (storage or "~/ray_results").removeprefix("file://")
+        return str(Path(folder).expanduser().absolute()), None
+    import pyarrow.fs  # type: ignore[import-untyped]
+    from fsspec.core import url_to_fs
+
+    check_url(storage, "ray_config.storage")
+    filesystem, path = url_to_fs(storage, use_listings_cache=False)
+    return path, pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(filesystem))
+
+
+class RayRun:
+    """One attempt at training a run on Ray (a resume is another attempt)."""
+
+    def __init__(self, plan: RunPlan, db: Datalayer, callbacks: Sequence[Callback]) -> None:
+        assert plan.config.ray_config is not None
+        self.plan, self.db, self.callbacks = plan, db, list(callbacks)
+        self.config: RayConfig = plan.config.ray_config
+        self.name = f"llmtrain-{plan.run_id[:12]}-{uuid.uuid4().hex[:8]}"
+        self.path, self.filesystem = storage_location(self.config.storage)
+        self.finished: Outcome | None = None
+        self.checkpoints: list[CheckpointRecord] = []
+        self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-ray-"))
+        keep = plan.config.training_args.save_total_limit
+        self.checkpointer = Checkpointer(db, plan.run_id, None, keep=keep, workdir=self.workdir)  # type: ignore[arg-type]
+
+    # -- what the workers get ----------------------------------------------------------------
+    def loop_config(self, broker: Any) -> dict[str, Any]:
+        """Everything a worker needs, and nothing that locates the database: the plan with
+        its recipe's database URI taken out, the callbacks, the channel."""
+        fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})  # not where rows are
+        plan = replace(self.plan, config=self.plan.config.model_copy(update={"fit": fit}))
+        return {
+            "broker": broker,
+            "plan": plan,
+            "callbacks": self.callbacks,
+            "quiet": os.environ.get(QUIET_ENV) == "1",  # as quiet as the fit on the driver
+        }
+
+    # -- what the driver answers ---------------------------------------------------------------
+    def database(self) -> str | None:
+        return self.db.secret_uri() if self.config.workers_read_database else None
+
+    def resume_point(self) -> CheckpointRecord | None:
+        """What the worker group resumes from: the plan's checkpoint the first time, the
+        newest checkpoint once this attempt recorded one (Ray restarted the group)."""
+        return self.checkpoints[-1] if self.checkpoints else self.plan.resume_from
+
+    def record_checkpoint(self, step: int, epoch: int, world_size: int) -> Any:
+        """Copy the checkpoint the workers reported from Ray's storage into the artifact
+        store and record it on the run, as a local run's is."""
+        name = checkpoint_name(step)
+        source = ray.train.Checkpoint(f"{self.path}/{self.name}/{name}", self.filesystem)
+        folder = self.workdir / name
+        try:
+            source.to_directory(str(folder))
+            verify(folder)
+            record = self.checkpointer.record(
+                folder, {"step": step, "epoch": epoch, "world_size": world_size}
+            )
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.checkpoints.append(record)
+        return record
+
+    def finish(self, outcome: Outcome) -> None:
+        self.finished = outcome
+
+    # -- the job -------------------------------------------------------------------------------
+    def trainer_for_ray(self, broker: Any) -> TorchTrainer:
+        c, keep = self.config, self.plan.config.training_args.save_total_limit
+        return TorchTrainer(
+            train_loop,
+            train_loop_config=self.loop_config(broker),
+            scaling_config=scaling(c),
+            run_config=ray.train.RunConfig(
+                name=self.name,
+                storage_path=self.path,
+                storage_filesystem=self.filesystem,
+                # a worker group that cannot start within Ray's start timeout (60 s; its
+                # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) fails the run, never waits on
+                failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]
+                    max_failures=c.max_failures, controller_failure_limit=0
+                ),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
+            ),
+        )
+
+    def ray_info(self, status: str, result: Any = None) -> dict[str, Any]:
+        """What the run record shows of Ray: its run, status, metrics and checkpoints."""
+        info: dict[str, Any] = {
+            "name": self.name,
+            "storage": redact_uri(self.config.storage or self.path),
+            "num_workers": self.config.num_workers,
+            "status": status,
+            "checkpoints": [checkpoint_name(c.step) for c in self.checkpoints],
+        }
+        if result is not None:
+            info["metrics"] = dict(result.metrics or {})
+            if result.checkpoint is not None:
+                info["checkpoint"] = Path(result.checkpoint.path).name
+        return info
+
+    def fit(self, *, merge: bool) -> TrainedModel:
+        db, run_id = self.db, self.plan.run_id
+        service = DriverService(
+            db,
+            {
+                "database": self.database,
+                "resume_point": self.resume_point,
+                "record_checkpoint": self.record_checkpoint,
+                "finished": self.finish,
+                "say": lambda text: print(text, file=sys.stderr, flush=True),
+            },
+            threads=self.config.num_workers,
+        )
+        try:
+            with service:
+                db.metadata.update_run(run_id, info={"ray": self.ray_info("starting")})
+                try:
+                    result = self.trainer_for_ray(service.broker).fit()
+                    if result.error is not None:
+                        raise result.error
+                    if self.finished is None:
+                        raise DistributedError("the Ray workers ended without finishing the run")
+                except BaseException as exc:
+                    db.metadata.update_run(run_id, info={"ray": self.ray_info("failed")})
+                    mark_failed(db, run_id, exc)
+                    raise
+            info = {"ray": self.ray_info("completed", result)}
+            return store_model(self.plan, db, self.finished, merge=merge, info=info)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def scaling(config: RayConfig) -> Any:
+    return ray.train.ScalingConfig(
+        num_workers=config.num_workers,
+        use_gpu=config.use_gpu,
+        resources_per_worker=config.resources_per_worker,
+    )
+
+
+def check_resources(config: RayConfig) -> None:
+    """ConfigError naming the request and what the cluster has, when the workers could never
+    be placed (``use_gpu`` on a cluster without GPUs): Ray itself would wait for them."""
+    wanted = scaling(config).total_resources
+    have = ray.cluster_resources()
+    short = sorted(name for name, amount in wanted.items() if amount > have.get(name, 0))
+    if short:
+        shown = {name: have.get(name, 0) for name in sorted({*wanted, "CPU", "GPU"})}
+        raise ConfigError(
+            f"ray_config asks for {config.num_workers} worker(s) needing {dict(wanted)} in "
+            f"all, but the Ray cluster has {shown}: not enough {', '.join(short)}; lower "
+            "ray_config.num_workers or resources_per_worker, or drop use_gpu"
+        )
+
+
+@contextlib.contextmanager
+def ray_session(config: RayConfig) -> Iterator[None]:
+    """This process's Ray instance (or ``ray_config.address``'s); one it starts itself is shut
+    down after the fit. The workers' resources are checked before anything is recorded."""
+    started = not ray.is_initialized()
+    if started:  # a quiet fit hears from its workers through the driver only (progress)
+        quiet = os.environ.get(QUIET_ENV) == "1"
+        ray.init(
+            address=config.address,
+            include_dashboard=False,
+            log_to_driver=not quiet,
+            logging_level=logging.ERROR if quiet else logging.INFO,
+        )
+    try:
+        check_resources(config)
+        yield
+    finally:
+        if started:
+            ray.shutdown()

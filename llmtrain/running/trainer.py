@@ -1,0 +1,270 @@
+"""LLMTrainer: the component users create, fit, store and replay."""
+
+from __future__ import annotations
+
+import logging
+import os
+import textwrap
+import typing
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from llmtrain.config.args import TrainerConfig, build, keyword_reference
+from llmtrain.config.spec import FitSpec
+from llmtrain.console import quiet_unless_verbose
+from llmtrain.db.queries import Query
+from llmtrain.errors import ConfigError
+from llmtrain.integrations.trackers import check_trackers
+from llmtrain.placement import Placement
+from llmtrain.stores.components import check_identifier, register_component
+from llmtrain.training.callbacks import Callback, callback_path
+from llmtrain.training.model import TrainedModel
+
+if TYPE_CHECKING:
+    from llmtrain.datalayer import Datalayer
+
+log = logging.getLogger("llmtrain.training")
+
+
+@register_component
+class LLMTrainer:
+    """Fine-tunes a causal LM with LoRA, QLoRA (``bits=4``) or DoRA on database rows.
+
+    ``LLMTrainer("sft-v1", model="...", bits=4, qlora=True, prompt_template="...{X}...{Y}")``
+    or the granular form with ``model_args=``, ``lora_args=``, ``training_args=`` and
+    ``data_args=`` (argument models or dicts). A flat keyword sets one field of those
+    sections; giving a field twice with different values is an error, and so is a keyword
+    that names no field. ``lora_args=None`` fine-tunes all weights. Bad values and
+    combinations that cannot work are refused here, before any data is read.
+    """
+
+    type_id: ClassVar[str] = "trainer"
+
+    def __init__(self, identifier: str, **options: Any) -> None:
+        self.config: TrainerConfig = _config(identifier, options)
+        check_trackers(self.config.training_args.report_to)
+        self.version: int | None = None
+        self.db: Datalayer | None = None
+
+    # -- component protocol ----------------------------------------------------------------
+    @property
+    def identifier(self) -> str:
+        return self.config.identifier
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.config.model_dump(mode="json")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LLMTrainer:
+        trainer = cls.__new__(cls)
+        trainer.config, trainer.version, trainer.db = build(TrainerConfig, data), None, None
+        return trainer
+
+    def _attach(self, db: Datalayer) -> None:
+        self.db = db
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LLMTrainer) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        model = self.config.model_args.model_name_or_path
+        return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
+
+    # -- training --------------------------------------------------------------------------
+    @quiet_unless_verbose
+    def fit(
+        self,
+        X: str | None = None,
+        Y: str | None = None,
+        db: Datalayer | None = None,  # noqa: N803
+        select: Query | None = None,
+        *,
+        eval_select: Query | None = None,
+        resume: bool | str = False,
+        merge: bool = False,
+        allow_changed_data: bool | None = None,
+        incremental: bool = False,
+        callbacks: Sequence[Callback | str] = (),
+        verbose: bool = False,
+    ) -> TrainedModel | None:
+        """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
+
+        With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
+        trained model component (``db.load("model", identifier)`` gives it back later; None
+        on the other ranks of a job every rank of which calls fit()).
+        ``resume=`` continues the newest run of this same recipe (trainer version) from a
+        checkpoint (``True``, or a step or a checkpoint's artifact id); another version's run
+        is refused, a completed run returns its model.
+        ``allow_changed_data=True`` replays a fit even though the rows changed since it: for
+        this call only, recorded on the run, never in the trainer's recipe (default:
+        ``data_args.allow_changed_data``).
+        ``incremental=True`` trains only the rows of the selection that no completed run of
+        this trainer trained on (new keys; with ``data_args.version_column`` also rows whose
+        version changed), starting from the newest model's adapter; the run records its
+        parent, and with nothing new the newest model is returned.
+        ``callbacks``: :class:`~llmtrain.training.callbacks.Callback` objects, or import paths
+        ``"module:Name"`` of classes or factories every process builds (the only kind a
+        launcher's workers can take; they are recorded on the run). Third-party banners,
+        warnings and loading bars stay out of the output unless ``verbose=True``.
+        """
+        from llmtrain.datalayer import require_datalayer
+        from llmtrain.running.executors import execute, execution
+        from llmtrain.running.local import once_per_job
+        from llmtrain.running.register import register
+        from llmtrain.training.plan import Done
+
+        db = db if db is not None else self.db
+        if db is None:
+            raise ConfigError("fit() needs db=: the database to read rows from and store into")
+        require_datalayer(db, "fit(db=)")
+        allow = (
+            self.config.data_args.allow_changed_data
+            if allow_changed_data is None
+            else allow_changed_data
+        )
+        for name, value in (("allow_changed_data", allow), ("incremental", incremental)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
+        spec = self._fit_spec(X, Y, db, select, eval_select)
+        data = {**self.config.model_dump(), "fit": spec.model_dump()}
+        config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
+        placement = Placement.from_environment()  # resolved once for the whole fit
+        launcher = config.launcher is not None and config.launcher.kind != "python"
+        specs, objects = split_callbacks(callbacks, launched=launcher and not placement.launched)
+        with execution(config, placement):
+            # under torchrun/deepspeed every rank runs fit(): rank 0 alone registers the run;
+            # the others get its plan from rank 0
+            plan = once_per_job(
+                placement,
+                register,
+                db,
+                config,
+                self.version,
+                resume=resume,
+                allow_changed_data=allow,
+                incremental=incremental,
+                callbacks=specs,
+            )
+            if isinstance(plan, Done):
+                return _model_of_run(db, self.identifier, plan.run_id)
+            self.config, self.version, self.db = plan.config, plan.version, db
+            return execute(plan, db, placement, callbacks=objects, merge=merge)
+
+    def _fit_spec(
+        self,
+        X: str | None,
+        Y: str | None,
+        db: Datalayer,
+        select: Query | None,  # noqa: N803
+        eval_select: Query | None,
+    ) -> FitSpec:
+        if X is None and Y is None and select is None:
+            if self.config.fit is None:
+                raise ConfigError(
+                    "fit() needs X=, Y= and select= (only a trainer that was "
+                    "fitted before can replay with no arguments)"
+                )
+            return self.config.fit.model_copy(update={"db": db.uri})
+        if X is None or Y is None or select is None:
+            raise ConfigError("fit() needs all of X=, Y= and select=")
+        if not isinstance(select, Query):
+            raise ConfigError(
+                f"select= must be a llmtrain query (Table, sql, Collection), "
+                f"got {type(select).__name__}"
+            )
+        if X == Y:
+            raise ConfigError(f"X and Y name the same field {X!r}")
+        if eval_select is not None and not isinstance(eval_select, Query):
+            raise ConfigError("eval_select= must be a llmtrain query")
+        return FitSpec(
+            X=X,
+            Y=Y,
+            select=select.to_dict(),
+            eval_select=eval_select.to_dict() if eval_select else None,
+            db=db.uri,
+        )
+
+
+def split_callbacks(
+    callbacks: Sequence[Callback | str], *, launched: bool
+) -> tuple[tuple[str, ...], list[Callback]]:
+    """(import paths, objects) of fit(callbacks=): a launcher's workers build theirs from
+    import paths, so objects are refused with a launcher."""
+    specs = tuple(callback_path(c) for c in callbacks if isinstance(c, str))
+    objects = [c for c in callbacks if not isinstance(c, str)]
+    if launched and objects:
+        raise ConfigError(
+            "fit(callbacks=) with a launcher takes import paths 'module:Name' (each worker "
+            f"builds its own), not objects: {objects!r}"
+        )
+    return specs, objects
+
+
+def _model_of_run(db: Datalayer, identifier: str, run_id: str) -> Any:
+    """The newest model version a run produced."""
+    for record in reversed(db.metadata.list_components("model", identifier)):
+        if record.payload.get("run_id") == run_id:
+            return db.load("model", identifier, record.version)
+    raise ConfigError(
+        f"run {run_id} of {identifier!r} is complete but its model is no longer stored; "
+        "drop resume= to train a fresh run"
+    )
+
+
+def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
+    """LLMTrainer's keywords -> TrainerConfig, all derived from the schema: an option given
+    whole (a section as a model or dict, a scalar), or a flat keyword into its section."""
+    qlora = options.pop("qlora", False)
+    flat = TrainerConfig.flat_keywords()
+    sections = TrainerConfig.sections()
+    data: dict[str, Any] = {"identifier": check_identifier(identifier)}
+    for name in TrainerConfig.options():
+        if name not in options:
+            continue
+        value = options.pop(name)
+        if name in sections and value is not None:
+            data[name] = _as_dict(value)
+        elif value is not None or _nullable(name):  # None for a required section: defaults
+            data[name] = value
+    for name, value in options.items():
+        if name not in flat:
+            raise ConfigError(
+                f"unknown option {name!r}: not a keyword of LLMTrainer (see "
+                "help(LLMTrainer) for the list)"
+            )
+        section, field = flat[name]
+        if section in data and data[section] is None:
+            raise ConfigError(
+                f"{name}= configures {section}, but {section}=None "
+                + ("asks for full fine-tuning" if section == "lora_args" else "turns it off")
+            )
+        group = data.setdefault(section, {})
+        value = os.fspath(value) if isinstance(value, os.PathLike) else value
+        if field in group and group[field] != value:
+            raise ConfigError(f"{name}= is given twice (also in {section})")
+        group[field] = value
+    if qlora:
+        if "lora_args" in data and data["lora_args"] is None:
+            raise ConfigError(
+                "qlora=True trains an adapter on a quantised model; it "
+                "cannot be combined with lora_args=None"
+            )
+        data.setdefault("model_args", {}).setdefault("bits", 4)
+    if "model_name_or_path" not in data.get("model_args", {}):
+        raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
+    return build(TrainerConfig, data, "LLMTrainer")
+
+
+def _nullable(name: str) -> bool:
+    return type(None) in typing.get_args(TrainerConfig.model_fields[name].annotation)
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    if isinstance(value, dict):
+        return dict(value)
+    raise ConfigError(f"expected an arguments model or a dict, got {type(value).__name__}")
+
+
+LLMTrainer.__doc__ = f"{LLMTrainer.__doc__}\n{textwrap.indent(keyword_reference(), '    ')}"

@@ -1,0 +1,1 @@
+"""Where things are recorded: the metadata store, the artifact store, component classes."""

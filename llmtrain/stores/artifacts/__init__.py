@@ -1,0 +1,56 @@
+"""Where checkpoints, adapters and models are kept: a folder, GridFS next to the metadata, or
+any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llmtrain.errors import ConfigError
+from llmtrain.stores.artifacts.base import URL_SCHEME, ArtifactStore
+from llmtrain.stores.artifacts.local import LocalArtifactStore
+from llmtrain.uri import is_mongo_uri, redact_uri
+
+__all__ = [
+    "ArtifactStore",
+    "LocalArtifactStore",
+    "check_artifacts_spec",
+    "is_url",
+    "open_artifacts",
+]
+
+
+def is_url(spec: str | Path) -> bool:
+    """An fsspec URL (``s3://...``); ``file://`` is the local folder, not one of these."""
+    match = URL_SCHEME.match(spec) if isinstance(spec, str) else None
+    return match is not None and match.group(1).lower() != "file"
+
+
+def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
+    """Checked before anything opens: ``"gridfs"`` needs a MongoDB metadata database, and a
+    URL's protocol must be one fsspec handles (never taken for a folder named ``s3:``), with
+    no credentials in it."""
+    if spec == "gridfs" and not is_mongo_uri(metadata_uri):
+        raise ConfigError(
+            f"artifacts='gridfs' needs a MongoDB metadata database, not {redact_uri(metadata_uri)}"
+        )
+    if is_url(spec):
+        from llmtrain.stores.artifacts.fsspec_store import check_url
+
+        check_url(str(spec))
+
+
+def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
+    """``"gridfs"``: GridFS in the (MongoDB) metadata database; an fsspec URL: that store;
+    anything else (``file://`` included): a folder."""
+    check_artifacts_spec(spec, metadata_uri)
+    if is_url(spec):
+        from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
+
+        return FsspecArtifactStore(str(spec))
+    if spec == "gridfs":
+        from llmtrain.stores.artifacts.gridfs import GridFSArtifactStore
+
+        return GridFSArtifactStore(metadata_uri)
+    if isinstance(spec, str) and spec.lower().startswith("file://"):
+        spec = spec[len("file://") :]
+    return LocalArtifactStore(spec)

@@ -1,0 +1,204 @@
+"""Content-addressed artifacts at any fsspec URL: ``s3://bucket/prefix``, ``gs://``, ``memory://``.
+
+The layout is the local folder's (``<url>/blobs/ab/cdef...``, ``<url>/trees/ab/cdef...``).
+Credentials and endpoints never travel in the URL: s3fs takes them from the usual AWS
+environment and configuration (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_PROFILE``,
+``~/.aws``, instance roles; ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` for an S3-compatible
+server) and fsspec from ``FSSPEC_<PROTOCOL>_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``),
+so the URL that is stored, shown and handed to workers carries no secret; one that tries to
+(``s3://key:secret@bucket``, ``?secret=``) is refused by :func:`check_url`.
+
+Atomic publication, two ways:
+
+- object stores (S3, GCS) write straight to the final key with ``autocommit=False``: the parts
+  are uploaded as they come (a multipart upload, ``WRITE_BLOCK`` bytes in memory at most) and
+  the object appears only when ``commit()`` completes the upload, after the content's sha256
+  was checked; a failed or killed write never completes it (S3 keeps the unfinished parts
+  invisible until an ``AbortIncompleteMultipartUpload`` lifecycle rule removes them);
+- every other filesystem writes a temporary ``<url>/tmp/<uuid>`` and moves it into place.
+
+There is no lock across machines: ``delete`` racing a ``put_dir`` of a folder that shares
+blobs with the one being deleted can drop a blob the new tree needs (``get_dir`` then fails
+naming it); delete while nothing trains into the same store.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import uuid
+from contextlib import suppress
+from typing import Any, BinaryIO, cast
+from urllib.parse import urlsplit
+
+from llmtrain.errors import ArtifactNotFoundError, ConfigError, LlmtrainError
+from llmtrain.stores.artifacts.base import (
+    BLOB,
+    CHUNK,
+    URL_SCHEME,
+    ContentAddressedStore,
+    HashingReader,
+    parse_id,
+    tree_ids,
+)
+
+#: filesystems whose writes with ``autocommit=False`` publish the object only on ``commit()``
+ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})
+#: write buffer: S3 wants parts of 5 MiB or more; 16 MiB parts allow objects up to 160 GB
+WRITE_BLOCK = 16 << 20
+READ_BLOCK = 4 * CHUNK
+#: protocols fsspec reads but cannot write (or that wrap another URL): no place for artifacts
+READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "reference"})
+STORAGE_PACKAGES = frozenset({"fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs", "google"})
+
+
+def shown_url(url: str) -> str:
+    """The URL without anything that could be a credential: for messages."""
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    hidden = "***@" if "@" in parts.netloc else ""
+    return f"{parts.scheme}://{hidden}{host}{parts.path}" + ("?***" if parts.query else "")
+
+
+def check_url(url: str, option: str = "artifacts") -> str:
+    """The protocol of an fsspec URL that is safe to store; ConfigError naming ``option``
+    otherwise."""
+    match = URL_SCHEME.match(url)
+    if match is None:
+        raise ConfigError(f"{option}={url!r} is not a URL")
+    protocol = match.group(1).lower()
+    parts = urlsplit(url)
+    if "@" in parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(
+            f"{option}={shown_url(url)!r}: credentials and options do not belong in the "
+            "URL (it is stored and shown); set them in the environment "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_ENDPOINT_URL, "
+            "FSSPEC_<PROTOCOL>_<OPTION>)"
+        )
+    if any(part in (".", "..") for part in parts.path.split("/")):
+        raise ConfigError(f"{option}={url!r}: '.' and '..' are not allowed in the path")
+    import fsspec
+
+    if protocol in READ_ONLY or protocol not in fsspec.available_protocols():
+        raise ConfigError(
+            f"{option}={url!r}: no artifact store handles {match.group(1)}:// URLs; use a "
+            "folder, 'gridfs', an fsspec URL (s3://, gs://, memory://) or an ArtifactStore"
+        )
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        hint = " (pip install 'llmtrain[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ConfigError(f"{option}={url!r} needs a package fsspec names: {exc}{hint}") from None
+    return protocol
+
+
+def _from_storage(exc: BaseException) -> bool:
+    """An error of the filesystem (which fsspec drivers raise as OSError, or their client
+    library's own), not of the source being copied."""
+    package = type(exc).__module__.split(".", 1)[0]
+    return isinstance(exc, OSError) or package in STORAGE_PACKAGES
+
+
+class FsspecArtifactStore(ContentAddressedStore):
+    """Artifacts under an fsspec URL; the filesystem is opened on first use (and again after
+    pickling: only the URL travels)."""
+
+    _storage_errors = (Exception,)  # whatever the driver raises
+
+    def __init__(self, url: str) -> None:
+        self.protocol = check_url(url)
+        self.url = url.rstrip("/")
+        self._label = f"artifacts at {self.url}"
+        self._fs: Any = None
+        self._root = ""
+
+    def __repr__(self) -> str:
+        return f"FsspecArtifactStore({self.url!r})"
+
+    @property
+    def location(self) -> str:
+        return self.url
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None:
+            from fsspec.core import url_to_fs
+
+            with self._errors("opening"):  # no listings cache: others' changes show at once
+                self._fs, root = url_to_fs(self.url, use_listings_cache=False)
+            self._root = root.rstrip("/")
+        return self._fs
+
+    def _join(self, *parts: str) -> str:
+        """A path below the root, as the filesystem names it (opens it if need be)."""
+        _ = self.fs
+        return posixpath.join(self._root, *parts)
+
+    def _path(self, artifact_id: str) -> str:
+        kind, hexdigest = parse_id(artifact_id)
+        return self._join("blobs" if kind == BLOB else "trees", hexdigest[:2], hexdigest[2:])
+
+    def _has(self, artifact_id: str) -> bool:
+        path = self._path(artifact_id)
+        with self._errors(f"looking up {artifact_id}"):
+            return bool(self.fs.isfile(path))
+
+    def _save(self, artifact_id: str, source: BinaryIO) -> None:
+        final = self._path(artifact_id)
+        direct = self.protocol in ATOMIC_COMMIT
+        target = final if direct else self._join("tmp", uuid.uuid4().hex)
+        reader = HashingReader(source)
+        with self._errors(f"storing {artifact_id}"):
+            out = self.fs.open(target, "wb", block_size=WRITE_BLOCK, autocommit=not direct)
+        try:
+            while chunk := reader.read(CHUNK):
+                out.write(chunk)
+            out.close()  # object stores: parts uploaded, object not yet visible
+            reader.check(artifact_id)
+            if direct:
+                out.commit()
+            else:
+                self.fs.mv(target, final)
+        except BaseException as exc:
+            self._abandon(out, target, direct)
+            if not isinstance(exc, Exception) or isinstance(exc, LlmtrainError):
+                raise  # an interrupt, or ours: as it is
+            if not _from_storage(exc):
+                raise  # the source's (a file that cannot be read): as it is
+            raise self._error(f"storing {artifact_id}", exc) from exc
+
+    def _abandon(self, out: Any, target: str, direct: bool) -> None:
+        """Throw a failed write away; a crash leaves the same (invisible) leftovers."""
+        with suppress(Exception):
+            if direct:
+                out.discard()  # aborts the multipart upload
+                out.closed = True  # nothing left to flush when the file is collected
+            else:
+                out.close()
+                self.fs.rm_file(target)
+
+    def _open(self, artifact_id: str) -> BinaryIO:
+        path = self._path(artifact_id)
+        try:
+            return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
+        except FileNotFoundError:
+            raise ArtifactNotFoundError(f"artifact {artifact_id} not found in {self.url}") from None
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(f"reading {artifact_id}", exc) from exc
+
+    def _remove(self, artifact_id: str) -> None:
+        path = self._path(artifact_id)
+        with self._errors(f"deleting {artifact_id}"), suppress(FileNotFoundError):
+            if self.fs.isfile(path):
+                self.fs.rm_file(path)
+
+    def _tree_ids(self) -> list[str]:
+        try:
+            paths = self.fs.find(self._join("trees"))
+        except FileNotFoundError:
+            return []
+        except Exception as exc:  # noqa: BLE001
+            raise self._error("listing folder artifacts", exc) from exc
+        return tree_ids(str(path).rstrip("/").split("/")[-2:] for path in paths)

@@ -1,0 +1,149 @@
+"""Content-addressed artifacts in GridFS, in the MongoDB metadata database.
+
+Each write gets its own GridFS ``_id`` and carries the artifact id as its ``filename``, which a
+unique index guards. GridFS inserts the file document only after the last chunk, so a reader
+never sees a partial artifact; a writer that loses a race removes only its own chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any, BinaryIO, cast
+
+from pymongo.errors import PyMongoError
+
+from llmtrain.db.engines import mongo_database
+from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, StoreError
+from llmtrain.stores.artifacts.base import CHUNK, TREE, ContentAddressedStore, HashingReader
+from llmtrain.stores.metadata.base import TABLE_PREFIX
+from llmtrain.uri import redact_uri, scheme_of
+
+COLLECTION = f"{TABLE_PREFIX}artifacts"  # GridFS adds .files and .chunks
+
+
+@functools.cache
+def _enable_mongomock_gridfs() -> None:
+    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that (once; two
+    threads racing here apply the same patch twice, which is harmless)."""
+    import mongomock.gridfs
+
+    mongomock.gridfs.enable_gridfs_integration()
+
+
+class GridFSArtifactStore(ContentAddressedStore):
+    """Artifacts in ``_llmtrain_artifacts.files`` / ``.chunks`` of the metadata database."""
+
+    _storage_errors = (PyMongoError,)
+
+    def __init__(self, metadata_uri: str) -> None:
+        self._uri = metadata_uri
+        self._where = redact_uri(metadata_uri)
+        self._label = f"GridFS artifacts in {self._where}"
+        self._index_ready = False
+
+    def __repr__(self) -> str:
+        return f"GridFSArtifactStore({self._where!r})"
+
+    @property
+    def location(self) -> str:
+        return "gridfs"
+
+    def _db(self, *, write: bool = False) -> Any:
+        """The database; for a write, after the unique index exists (reads create nothing)."""
+        if scheme_of(self._uri) == "mongomock":
+            _enable_mongomock_gridfs()
+        db = mongo_database(self._uri)
+        if write and not self._index_ready:
+            with self._errors("preparing"):
+                self._files(db).create_index("filename", unique=True, name="llmtrain_artifact_id")
+            self._index_ready = True
+        return db
+
+    def _files(self, db: Any = None) -> Any:
+        return (self._db() if db is None else db)[f"{COLLECTION}.files"]
+
+    def _fs(self, *, write: bool = False) -> Any:
+        import gridfs
+
+        return gridfs.GridFS(self._db(write=write), collection=COLLECTION)
+
+    def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
+        with self._errors(f"looking up {artifact_id}"):
+            doc: dict[str, Any] | None = self._files().find_one({"filename": artifact_id})
+            return doc
+
+    def _has(self, artifact_id: str) -> bool:
+        return self._file_doc(artifact_id) is not None
+
+    def _save(self, artifact_id: str, source: BinaryIO) -> None:
+        import gridfs
+
+        fs = self._fs(write=True)
+        grid_in = fs.new_file(filename=artifact_id)
+        try:
+            reader = HashingReader(source)
+            while chunk := reader.read(CHUNK):
+                grid_in.write(chunk)
+            reader.check(artifact_id)
+            grid_in.close()
+        except gridfs.errors.FileExists:
+            self._drop_chunks(grid_in._id)  # another writer stored the same content first
+        except BaseException as exc:
+            self._drop_chunks(grid_in._id)
+            if isinstance(exc, PyMongoError):
+                raise self._error(f"storing {artifact_id}", exc) from exc
+            raise
+
+    def _drop_chunks(self, file_id: Any) -> None:
+        with suppress(PyMongoError):  # orphaned chunks are invisible; a crash leaves the same
+            self._db()[f"{COLLECTION}.chunks"].delete_many({"files_id": file_id})
+
+    def _open(self, artifact_id: str) -> BinaryIO:
+        doc = self._file_doc(artifact_id)
+        if doc is None:
+            raise ArtifactNotFoundError(
+                f"artifact {artifact_id} not found in {self._where} (GridFS)"
+            )
+        with self._errors(f"reading {artifact_id}"):
+            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self._error))
+
+    def _remove(self, artifact_id: str) -> None:
+        doc = self._file_doc(artifact_id)
+        if doc is not None:
+            with self._errors(f"deleting {artifact_id}"):
+                self._fs().delete(doc["_id"])  # the file document first, then its chunks
+
+    def _tree_ids(self) -> list[str]:
+        with self._errors("listing folder artifacts"):
+            docs = self._files().find({"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
+            return sorted(d["filename"] for d in docs)
+
+
+class _GridReader(io.RawIOBase):
+    """A GridOut whose damaged chunks surface as ArtifactCorruptError, like a bad hash."""
+
+    def __init__(
+        self, grid_out: Any, artifact_id: str, error: Callable[[str, Exception], StoreError]
+    ) -> None:
+        super().__init__()
+        self._grid_out, self._id, self._error = grid_out, artifact_id, error
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        import gridfs
+
+        try:
+            return bytes(self._grid_out.read(-1 if size is None else size))
+        except gridfs.errors.CorruptGridFile as exc:
+            raise ArtifactCorruptError(f"artifact {self._id} is corrupt: {exc}") from exc
+        except PyMongoError as exc:
+            raise self._error(f"reading {self._id}", exc) from exc
+
+    def close(self) -> None:
+        self._grid_out.close()
+        super().close()

@@ -1,0 +1,131 @@
+"""Content-addressed artifacts in a local (or network-mounted) folder.
+
+:class:`LocalArtifactStore` keeps ``root/blobs/ab/cdef...`` and ``root/trees/ab/cdef...``,
+written to a temporary file in the same folder, fsynced and renamed into place, so a reader
+never sees a partial artifact; a lock file keeps ``put_dir`` and ``delete`` from racing.
+The shared logic (ids, manifests, verification) lives in :mod:`llmtrain.stores.artifacts.base`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import BinaryIO
+
+from llmtrain.errors import ArtifactNotFoundError
+from llmtrain.stores.artifacts.base import (
+    BLOB,
+    CHUNK,
+    TMP_PREFIX,
+    ContentAddressedStore,
+    HashingReader,
+    _os_error,
+    parse_id,
+    tree_ids,
+)
+
+try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best effort
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+
+class LocalArtifactStore(ContentAddressedStore):
+    """Artifacts under ``root``; the folder is created on the first write."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().absolute()
+
+    def __repr__(self) -> str:
+        return f"LocalArtifactStore({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def _path(self, artifact_id: str) -> Path:
+        kind, hexdigest = parse_id(artifact_id)
+        return self.root / ("blobs" if kind == BLOB else "trees") / hexdigest[:2] / hexdigest[2:]
+
+    def _has(self, artifact_id: str) -> bool:
+        return self._path(artifact_id).is_file()
+
+    def _mkdir(self, folder: Path) -> None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc
+
+    def _save(self, artifact_id: str, source: BinaryIO) -> None:
+        final = self._path(artifact_id)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=TMP_PREFIX)
+        except OSError as exc:
+            raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc
+        try:
+            with os.fdopen(fd, "wb") as out:
+                reader = HashingReader(source)
+                while chunk := reader.read(CHUNK):
+                    out.write(chunk)
+                os.fchmod(out.fileno(), 0o644)  # mkstemp's 0600 would hide it from a team
+                out.flush()
+                os.fsync(out.fileno())
+            reader.check(artifact_id)
+            os.replace(tmp, final)
+        except BaseException as exc:
+            with suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise _os_error(f"cannot write {artifact_id} under {self.root}", exc) from exc
+            raise
+        _fsync_dir(final.parent)
+
+    def _open(self, artifact_id: str) -> BinaryIO:
+        try:
+            return open(self._path(artifact_id), "rb")
+        except FileNotFoundError:
+            raise ArtifactNotFoundError(
+                f"artifact {artifact_id} not found in {self.root}"
+            ) from None
+        except OSError as exc:
+            raise _os_error(f"cannot read {artifact_id} from {self.root}", exc) from exc
+
+    def _remove(self, artifact_id: str) -> None:
+        try:
+            self._path(artifact_id).unlink(missing_ok=True)
+        except OSError as exc:
+            raise _os_error(f"cannot delete {artifact_id} from {self.root}", exc) from exc
+
+    def _tree_ids(self) -> list[str]:
+        return tree_ids((p.parent.name, p.name) for p in (self.root / "trees").glob("??/*"))
+
+    @contextmanager
+    def _tree_lock(self, exclusive: bool) -> Iterator[None]:
+        if fcntl is None or (not exclusive and not self.root.is_dir()):
+            yield  # a reader of a folder that is not there finds nothing: create nothing
+            return
+        self._mkdir(self.root)
+        try:
+            handle = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held across the yield
+        except OSError as exc:
+            raise _os_error(f"cannot lock {self.root}", exc) from exc
+        with handle:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable; some filesystems cannot, which is fine."""
+    with suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,36 @@
+"""Where components and runs are recorded: ``open_metadata(uri)`` picks SQL or MongoDB."""
+
+from __future__ import annotations
+
+from llmtrain.stores.metadata.base import (
+    CheckpointRecord,
+    ComponentRecord,
+    MetadataStore,
+    MetricRecord,
+    RunRecord,
+    RunStatus,
+)
+from llmtrain.uri import is_mongo_uri
+
+__all__ = [
+    "CheckpointRecord",
+    "ComponentRecord",
+    "MetadataStore",
+    "MetricRecord",
+    "RunRecord",
+    "RunStatus",
+    "open_metadata",
+]
+
+
+def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:
+    """A store on ``uri``; nothing connects until the first call. ``missing_ok``: a database
+    that is not there yet (a separate SQLite metadata file) reads as empty and is created by
+    the first write, instead of being a DatabaseNotFoundError."""
+    if is_mongo_uri(uri):
+        from llmtrain.stores.metadata.mongo import MongoMetadataStore
+
+        return MongoMetadataStore(uri, missing_ok=missing_ok)
+    from llmtrain.stores.metadata.sql import SQLMetadataStore
+
+    return SQLMetadataStore(uri, missing_ok=missing_ok)
