@@ -455,7 +455,7 @@ def bench_wait(
             lora_r=16,
             lora_dropout=0.0,
             progress_bar=False,
-            num_workers=num_workers,
+            dataloader_num_workers=num_workers,
         )
         trainer.fit(X="instruction", Y="output", db=db, select=select)
     finally:

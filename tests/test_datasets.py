@@ -414,38 +414,6 @@ def test_a_given_snapshot_is_used_and_must_fit(sqlite_uri: str) -> None:
         _dataset(db, sqlite_uri, split="eval")
 
 
-def test_format_1_states_still_load(sqlite_uri: str) -> None:
-    fill(sqlite_uri, "docs", _rows(40))
-    db = lt.connect(sqlite_uri)
-    full = _keys(list(_dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)))
-    state = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).state_dict()
-    old = {k: v for k, v in state.items() if k not in ("split", "eval_fraction")}
-    old.update(format=1, consumed=13)
-    resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
-    resumed.load_state_dict(old)
-    assert _keys(list(resumed)) == full[13:]
-    assert resumed.state_dict()["format"] == 3
-
-
-def test_a_state_from_before_snapshots_resumes_only_on_as_many_rows(
-    sqlite_uri: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    fill(sqlite_uri, "docs", _rows(40))
-    db = lt.connect(sqlite_uri)
-    full = _keys(list(_dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)))
-    state = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).state_dict()
-    old = {k: v for k, v in state.items() if k != "deleted"}
-    old.update(format=2, consumed=13, data="a fingerprint of the old key scan")
-    resumed = _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1)
-    with caplog.at_level("WARNING", "llmtrain.data"):
-        resumed.load_state_dict(old)
-    assert "predates key snapshots" in caplog.text
-    assert _keys(list(resumed)) == full[13:]
-    _insert_sql(sqlite_uri, 1000)
-    with pytest.raises(DataChangedError, match="row count 40 -> 41"):
-        _dataset(db, sqlite_uri, seed=9, rank=0, world_size=1).load_state_dict(old)
-
-
 def _batches(
     db: Any,
     snapshot: Any,
@@ -484,18 +452,22 @@ def test_train_batches_are_full_and_counted_from_training_rows(sqlite_uri: str) 
     args = DataArguments(eval_fraction=0.25, cache_size=16)
     scan = take_snapshot(db, lt.Table("docs"), eval_fraction=0.25, chunk_size=40)  # db.artifacts
     batches = _batches(db, scan, args, lambda rows: rows, split="train", batch_size=8)
-    got = [batch for _, batch in batches.epochs(0, 1)]
+    groups = list(batches._groups(0, len(batches)))
+    got = [b for g in groups for b in g.batches]
     n_train = sum(not held_out(k, 0.25) for k in range(203))
+    assert [g.step for g in groups] == list(range(1, len(batches) + 1))
     assert len(got) == len(batches) == -(-n_train // 8)
     assert [len(b) for b in got[:-1]] == [8] * (len(got) - 1) and 0 < len(got[-1]) <= 8
     assert not any(held_out(k, 0.25) for b in got for k, _ in b)
-    assert batches.epoch == 0 and batches.state_dict()["epoch"] == 1
+    # the next epoch starts where the rule says, in another order
+    (second,) = batches._groups(len(batches), len(batches) + 1)
+    assert second.epoch == 1 and second.step == len(batches) + 1
 
 
 def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri: str) -> None:
-    """The next groups are made in a thread while the loop trains: the position, epoch and
-    skips reported are those of the group last taken, a read error reaches the loop's
-    thread at the step it belongs to, and closing the stream stops the thread."""
+    """The next groups are made in a thread while the loop trains: the loop gets them in
+    step order, a read error reaches the loop's thread at the step it belongs to, and
+    closing the stream stops the thread."""
     import threading
     import time
 
@@ -511,18 +483,18 @@ def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri
         return _batches(db, snapshot, args, collate, accumulation=2)
 
     batches = make(lambda rows: rows)
-    stream = batches.steps(0, None)
+    stream = batches.steps(0, 10)
     taken = [next(stream), next(stream)]
     deadline = time.monotonic() + 30
-    while batches.dataset.state_dict()["consumed"] == 16 and time.monotonic() < deadline:
+    while batches.dataset.position.consumed <= 16:
+        assert time.monotonic() < deadline, "the thread never read ahead"
         time.sleep(0.01)
-    assert batches.dataset.state_dict()["consumed"] > 16  # read ahead ...
-    assert batches.state_dict()["consumed"] == 16  # ... but not counted
-    assert batches.epoch == 0 and sum(len(b) for g in taken for b in g) == 16
+    assert [g.step for g in taken] == [1, 2]
+    assert sum(len(b) for g in taken for b in g.batches) == 16
     stream.close()
     assert not [t for t in threading.enumerate() if t.name == "llmtrain-batches"]
 
-    order = [k for _, b in make(lambda rows: rows).epochs(0, 1) for k, _ in b]
+    order = [k for g in make(lambda rows: rows)._groups(0, 5) for b in g.batches for k, _ in b]
     fails_at = order.index(30) // 8  # the step whose rows hold key 30
 
     def failing(rows: list[Any]) -> list[Any]:
@@ -532,22 +504,20 @@ def test_train_batches_made_ahead_count_only_once_the_loop_takes_them(sqlite_uri
 
     trained = []
     with pytest.raises(ValueError, match="key 30"):
-        for group in make(failing).steps(0, 1):
+        for group in make(failing).steps(0, 5):
             trained.append(group)
     assert len(trained) == fails_at
 
 
-def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
-    sqlite_uri: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each group made ahead takes the position and counters only: the state (which lists
-    every key found deleted, sorted) is built when asked, and the rows first skipped in each
-    epoch are those of the groups taken, exactly as a reader that never ran ahead has."""
+def test_each_group_carries_the_skips_of_its_own_rows(sqlite_uri: str) -> None:
+    """Rows deleted since the snapshot leave holes: a step keeps its number, and each group
+    hands the loop exactly the keys its own positions found deleted (no shared counters the
+    thread making groups ahead would have to update)."""
     import sqlite3
-    import time
 
     from llmtrain.config.args import DataArguments
-    from llmtrain.data import CachedQueryDataset, take_snapshot
+    from llmtrain.data import take_snapshot
+    from llmtrain.data.snapshot import key_repr
 
     fill(sqlite_uri, "docs", _rows(40))
     db = lt.connect(sqlite_uri)
@@ -555,32 +525,15 @@ def test_made_ahead_groups_cost_no_work_that_grows_with_deleted_rows(
     snapshot = take_snapshot(db, lt.Table("docs"))
     with sqlite3.connect(sqlite_uri.removeprefix("sqlite:///")) as conn:
         conn.execute("DELETE FROM docs WHERE id % 5 = 0")  # gone since the snapshot
-
-    def make() -> Any:
-        return _batches(db, snapshot, args, lambda rows: rows)
-
-    reference = make()  # no thread: read exactly two groups' rows
-    groups = reference._groups(0, 1)
-    next(groups), next(groups)
-    expected = reference.dataset.state_dict()
-    assert reference.dataset.stats.skipped_in  # some deleted rows were met ...
-
-    states = []
-    state_dict = CachedQueryDataset.state_dict
-    monkeypatch.setattr(
-        CachedQueryDataset,
-        "state_dict",
-        lambda self, at=None: states.append(at) or state_dict(self, at),
-    )
-    batches = make()
-    stream = batches.steps(0, 1)
-    next(stream), next(stream)
-    deadline = time.monotonic() + 30
-    while batches.dataset.stats.skipped_in == reference.dataset.stats.skipped_in:
-        assert time.monotonic() < deadline, "the thread never read ahead"
-        time.sleep(0.01)
-    assert states == []  # ... and no group made built a state
-    assert batches.stats.skipped_in == reference.dataset.stats.skipped_in  # ... nor counts ahead
-    assert batches.state_dict()["consumed"] == expected["consumed"]
-    assert len(states) == 1
-    stream.close()
+    batches = _batches(db, snapshot, args, lambda rows: rows)
+    rule = batches.rule
+    indexes = rule.order.indexes(0, 0)
+    groups = list(batches._groups(0, rule.per_epoch))
+    assert [g.step for g in groups] == list(range(1, rule.per_epoch + 1))
+    for group in groups:
+        mine = indexes[(group.step - 1) * rule.rows : group.step * rule.rows].tolist()
+        keys = snapshot.train.keys(db.artifacts, 0, 40)
+        gone = sorted(key_repr(keys[i]) for i in mine if keys[i] % 5 == 0)
+        assert sorted(group.deleted) == sorted(group.skipped) == gone
+        trained = sorted(key_repr(k) for b in group.batches for k, _ in b)
+        assert trained == sorted(key_repr(keys[i]) for i in mine if keys[i] % 5)

@@ -539,11 +539,11 @@ def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> 
 
 def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
     """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
-    from llmtrain.training.batches import _empty_like
+    from llmtrain.training.batches import empty_batch
     from llmtrain.training.loss import LossFunction
 
     model = AutoModelForCausalLM.from_pretrained(llama_path)
-    empty = _empty_like({"input_ids": torch.tensor([[5, 6, 7]])})
+    empty = empty_batch(pad_id=5)
     loss = LossFunction(model)(model, empty)
     loss.backward()
     assert loss.item() == 0.0 and empty["num_target_tokens"] == 0

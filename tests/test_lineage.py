@@ -26,13 +26,14 @@ from llmtrain.testing import tiny_model
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
-# 18 rows, batches of 2, 2 batches a step: 9 batches an epoch, so step 5 takes the last batch
-# of epoch 0 and the first of epoch 1; blocks of 4 rows shuffled; 2 epochs = 9 steps
+# 18 rows, batches of 2, 2 batches a step: 5 steps an epoch, its last of 2 rows; blocks of 4
+# rows shuffled; 2 epochs = 10 steps
 OPTIONS: dict[str, Any] = {
     "num_train_epochs": 2,
     "batch_size": 2,
     "gradient_accumulation_steps": 2,
-    "cache_size": 4,
+    "cache_size": 3,
+    "shuffle_block": 4,
     "shuffle": True,
     "seed": 3,
     "save_steps": 3,
@@ -101,9 +102,9 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
     parent = db.load("trainer", "lin").fit(resume=True, callbacks=[first])
     (run,) = db.metadata.list_runs("trainer", "lin")
-    assert run.status == "completed" and run.info["steps"] == 9
+    assert run.status == "completed" and run.info["steps"] == 10
     trained = _trace_rows(first)
-    assert len(trained) == 36 and {s for _, s in trained} == set(range(1, 10))
+    assert len(trained) == 36 and {s for _, s in trained} == set(range(1, 11))
     assert _lineage(db, "lin") == {run.run_id: trained}
 
     # rows arrive and one changes in place (new text, new version): an incremental fit
@@ -204,12 +205,14 @@ def _keys_only(rows: list[Any]) -> list[Any]:
 
 
 def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_path: Path) -> None:
-    """No model: the real dataset and loader read 3 shuffled epochs while a whole block (two
-    batches) and a single row are deleted after epoch 0; the batches it yields, grouped into
-    steps as the loop does, are the lineage derived from the record of the skips."""
+    """No model: the real dataset and loader read 3 shuffled epochs while a whole block and a
+    single row are deleted after epoch 0; the batches it yields, numbered by the step rule,
+    are the lineage derived from the record of the skips."""
     from llmtrain.data import CachedQueryDataset
+    from llmtrain.data.plan import StepRule
+    from llmtrain.data.skips import Skips
     from llmtrain.data.snapshot import take_snapshot
-    from llmtrain.provenance.lineage import Plan, SnapshotKeys, Steps, run_rows
+    from llmtrain.provenance.lineage import RunLineage, _find
 
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [_row(i) for i in range(20)])
@@ -219,33 +222,37 @@ def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_pat
         db,
         lt.Table("docs"),
         ["q"],
-        cache_size=4,
+        cache_size=3,
+        shuffle_block=4,
         seed=5,
         rank=0,
         world_size=1,
         snapshot=snapshot,
     )
+    rule = StepRule(data.order, rows=6, micro=2)
     # one worker process reads the rows: the skips it sees reach the record all the same
     loader = data.loader(2, num_workers=1, with_keys=True, collate_fn=_keys_only)
-    batches, accum = [], 3
+    expected, skips = [], Skips()
     for epoch in range(3):
         loader.set_epoch(epoch)
-        batches += [(epoch, keys) for keys in loader]
+        for made in loader.batches():
+            step = int(rule.steps(epoch, made.first))
+            expected += [(key_repr(k), epoch, step) for k in made.batch or []]
+            skips.add(made.skipped, epoch, made.deleted)
         if epoch == 0:
             engine = sa.create_engine(uri)
             with engine.begin() as conn:
                 conn.execute(sa.text("DELETE FROM docs WHERE id IN (8, 9, 10, 11, 17)"))
             engine.dispose()
-    assert sum(len(k) for _, k in batches) == 20 + 2 * 15  # 10, then 8 batches an epoch
-    expected = sorted(
-        (key_repr(k), epoch, n // accum + 1)
-        for n, (epoch, keys) in enumerate(batches)
-        for k in keys
+    assert len(expected) == 20 + 2 * 15
+    assert (
+        skips.first
+        == {f"int:{i}": 1 for i in (8, 9, 10, 11, 17)}
+        == dict.fromkeys(skips.deleted, 1)
     )
-    steps = -(-len(batches) // accum)
-    plan = Plan("r", 20, 4, 5, True, True, 1, 2, accum, 3, steps)
-    derived = Steps(plan, data.stats.skipped_in, SnapshotKeys(snapshot.train, db.artifacts))
-    assert data.stats.skipped_in == {f"int:{i}": 1 for i in (8, 9, 10, 11, 17)}
-    rows = sorted((key_repr(r.key), r.epoch, r.step) for r in run_rows(derived))
-    assert rows == expected
+    view = snapshot.train
+    skipped = {i: skips.first[r] for r, i in _find(view, db.artifacts, skips.first)}
+    derived = RunLineage("r", view, db.artifacts, rule, 3 * rule.per_epoch, skipped)
+    rows = sorted((key_repr(r.key), r.epoch, r.step) for r in derived.rows())
+    assert rows == sorted(expected)
     db.close()

@@ -295,7 +295,8 @@ def test_a_fit_whose_every_row_is_skipped_fails_and_logs_each_row_once(
     db = lt.connect(uri, artifacts=tmp_path / "artifacts")
     caplog.set_level(logging.WARNING, logger="llmtrain")
     with pytest.raises(
-        DataError, match=r"no example was trained: 12 row\(s\) skipped as bad \(keys \d+, \d+"
+        DataError,
+        match=r"no example was trained: 12 row\(s\) skipped as bad \(keys int:\d+, int:\d+",
     ):
         _fit(_trainer(tiny, on_bad_row="skip"), db)
     (run,) = db.metadata.list_runs("trainer", "prov")

@@ -348,7 +348,7 @@ def test_max_steps_beyond_usable_rows_stops_instead_of_spinning(tiny: Path, db: 
     with pytest.raises(lt.DataError, match=r"no example was trained: 1 row\(s\) skipped"):
         trainer.fit(X="instruction", Y="output", db=db, select=rows)
     (run,) = db.metadata.list_runs("trainer", "skipall")  # it stopped, and stored no model
-    assert run.status == "failed" and run.info["steps"] == 0
+    assert run.status == "failed" and run.info["steps"] == 1  # after its first epoch's one step
     assert "skipall" not in db.show("model")
 
 
@@ -374,7 +374,7 @@ def test_8bit_base_with_paged_8bit_adamw(tiny: Path, db: Any) -> None:
 def test_dataloader_workers_do_not_change_what_is_trained(tiny: Path, db: Any) -> None:
     options = {"max_steps": 5, "batch_size": 4, "lora_dropout": 0.0}
     alone = _fit(_trainer(tiny, "workers0", **options), db)
-    workers = _fit(_trainer(tiny, "workers2", num_workers=2, **options), db)
+    workers = _fit(_trainer(tiny, "workers2", dataloader_num_workers=2, **options), db)
     assert [h["loss"] for h in alone.record.history] == [h["loss"] for h in workers.record.history]
 
 
@@ -619,10 +619,12 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
 
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_3)
     with pytest.raises(KeyboardInterrupt):  # two DataLoader workers this time
-        _fit(_trainer(tiny, "budget-crash", num_workers=2, **options), db)
+        _fit(_trainer(tiny, "budget-crash", dataloader_num_workers=2, **options), db)
     monkeypatch.setattr(run_module.FitRun, "save_checkpoint", save)
     assert seen.pop("budget-crash") == ref[:3]
-    resumed = _fit(_trainer(tiny, "budget-crash", num_workers=2, **options), db, resume=True)
+    resumed = _fit(
+        _trainer(tiny, "budget-crash", dataloader_num_workers=2, **options), db, resume=True
+    )
     assert seen["budget-crash"] == ref[3:]
     a, b = _adapter(db, reference, tmp_path), _adapter(db, resumed, tmp_path)
     for key in a:

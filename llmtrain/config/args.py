@@ -20,7 +20,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    model_serializer,
     model_validator,
 )
 
@@ -72,16 +71,6 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
     def from_dict(cls, data: dict[str, Any]) -> Any:
         """The section back from ``to_dict()``; every problem is one ConfigError."""
         return build(cls, data)
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_new_fields(self, handler: Any) -> dict[str, Any]:
-        """A field added after 0.1.0 (marked ``since``) stays out of the record while it
-        holds its default: stored records round-trip unchanged."""
-        data = handler(self)
-        for name, info in type(self).model_fields.items():
-            if "since" in _extra(info) and getattr(self, name) == info.default:
-                data.pop(name, None)
-        return data
 
 
 def build(cls: type[BaseModel], data: dict[str, Any], where: str | None = None) -> Any:
@@ -201,21 +190,19 @@ class TrainingArguments(_Args):
     """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
     """Show progress on the main process: a tqdm bar on a terminal, else a line per log."""
-    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = Field(
-        default=[], json_schema_extra={"since": "0.2"}
-    )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = []
     """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
-    eval_metrics: list[str] = Field(default=[], json_schema_extra={"since": "0.2"})
+    eval_metrics: list[str] = []
     """Score the eval rows by greedy generation: 'exact_match', 'contains', or a function
     (prediction, reference) -> float named 'package.module:function'."""
-    eval_max_new_tokens: int = Field(default=32, ge=1, json_schema_extra={"since": "0.2"})
+    eval_max_new_tokens: int = Field(default=32, ge=1)
     """Tokens generated per eval row for eval_metrics (greedy)."""
-    save_best_by: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    save_best_by: str | None = None
     """Keep the checkpoint with the best 'eval_loss' or eval metric besides the newest ones
     (db.load('model', name, checkpoint='best'))."""
-    greater_is_better: bool | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    greater_is_better: bool | None = None
     """Direction of save_best_by; None: lower for a loss, higher for a metric."""
-    torch_compile: bool = Field(default=False, json_schema_extra={"since": "0.2"})
+    torch_compile: bool = False
     """torch.compile each decoder layer (single process and DDP; not with bits, FSDP or
     DeepSpeed). The first steps pay the compilation."""
 
@@ -262,22 +249,24 @@ class DataArguments(_Args):
     """Token cap of a packed micro-batch (rows of max_length); a step packs into as few as
     fit. None with packing: batch_size rows of max_length."""
     cache_size: int = Field(default=1024, ge=1)
-    """Rows per database window."""
+    """Rows per database read (a window's statement); changes no order."""
+    shuffle_block: int = Field(default=1024, ge=1)
+    """Keys per block of the epoch order: blocks are permuted, rows shuffled within."""
     shuffle: bool = True
     """Shuffle the rows each epoch (seeded, resumable)."""
     drop_remainder: bool = True
     """Drop the rows that do not fill a last batch on every rank."""
     on_bad_row: Literal["raise", "skip"] = "raise"
     """A row with a missing or non-text field: fail, or skip it."""
-    num_workers: int = Field(default=0, ge=0)
-    """DataLoader worker processes."""
+    dataloader_num_workers: int = Field(default=0, ge=0)
+    """DataLoader worker processes that read and tokenize a rank's rows."""
     eval_fraction: float = Field(default=0.0, ge=0, lt=1)
     """Hold out rows by key hash (stable across runs)."""
     max_eval_rows: int = Field(default=1000, ge=1)
     """Held-out rows scored per evaluation."""
     allow_changed_data: bool = False
     """Replay a fit on changed rows (fit(allow_changed_data=) wins)."""
-    version_column: str | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    version_column: str | None = None
     """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
 
     def token_budget(self, batch_size: int) -> int | None:
@@ -449,7 +438,7 @@ class TrainerConfig(_Args):
     """Train with FSDP2 ({} for the defaults)."""
     launcher: Launcher | None = None
     """Start worker processes (torchrun, deepspeed) from fit()."""
-    ray_config: RayConfig | None = Field(default=None, json_schema_extra={"since": "0.2"})
+    ray_config: RayConfig | None = None
     """Train on Ray (Ray Train's TorchTrainer); None: on this machine."""
     fit: FitSpec | None = None
     """The data of the last fit(), for replays."""

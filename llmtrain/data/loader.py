@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +15,20 @@ from llmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from llmtrain.data.cached import CachedQueryDataset
+
+
+@dataclass(frozen=True)
+class LoaderBatch:
+    """One loader batch: its first and last positions in the rank's epoch sequence, the
+    collated rows (None when every row was skipped), and the keys found deleted and skipped
+    (deleted or bad) among its positions."""
+
+    first: int
+    last: int
+    batch: Any
+    deleted: list[str]
+    skipped: list[str]
+
 
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
 
@@ -60,9 +75,9 @@ class QueryDataLoader:
         self.collate_fn, self.with_keys = collate_fn, with_keys
         self.kwargs = kwargs
 
-    def _collate(self, items: list[Positioned]) -> tuple[int, bool, Any, list[str], list[str]]:
-        """(last position, any rows?, the batch, keys found deleted, keys skipped): skipped
-        bad rows and deleted rows arrive as None; a worker's keys ride back with its batch."""
+    def _collate(self, items: list[Positioned]) -> LoaderBatch:
+        """Skipped bad rows and deleted rows arrive as None; a worker's keys ride back with
+        its batch."""
         deleted = self.dataset.stats.deleted
         skipped = [key_repr(k) for _, k, row in items if row is None]
         gone = [r for r in skipped if r in deleted]
@@ -70,12 +85,20 @@ class QueryDataLoader:
         if not self.with_keys:
             rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
         batch = self.collate_fn(rows) if self.collate_fn and rows else rows
-        return max(pos for pos, _, _ in items), bool(rows), batch, gone, skipped
+        positions = [pos for pos, _, _ in items]
+        return LoaderBatch(min(positions), max(positions), batch if rows else None, gone, skipped)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
+        for made in self.batches():
+            if made.batch is not None:
+                yield made.batch
+
+    def batches(self) -> Iterator[LoaderBatch]:
+        """Every batch of the pass, with its positions and skipped keys: one with every row
+        skipped too (its ``batch`` None)."""
         ds, position = self.dataset, self.dataset.position
         epoch, start = position.begin()
         length = len(ds)  # scans once here, so workers inherit it instead of each scanning
@@ -90,13 +113,10 @@ class QueryDataLoader:
             collate_fn=self._collate,
             **kwargs,
         )
-        for last, any_rows, batch, gone, skipped in loader:
-            position.consumed = last + 1
-            ds.stats.deleted.update(gone)
-            for key in skipped:  # lineage needs the epoch a row was first skipped in
-                ds.stats.skipped_in.setdefault(key, epoch)
-            if any_rows:
-                yield batch
+        for made in loader:
+            position.consumed = made.last + 1
+            ds.stats.deleted.update(made.deleted)
+            yield made
         position.finish(length)
 
     def set_epoch(self, epoch: int) -> None:

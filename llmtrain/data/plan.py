@@ -1,48 +1,24 @@
-"""The epoch plan: which rows a (rank, worker) reads, and in what order.
+"""The epoch order and the one rule from rows to optimizer steps.
 
 The order is a pure function of (seed, epoch, row count, block size, world size): blocks of
-``block_size`` consecutive keys are permuted, each rank takes a contiguous run of that
-sequence, and rows are shuffled inside each piece of a block. No state is carried between
-epochs, so resuming needs only {epoch, rows consumed} and skips in O(1).
+``block`` consecutive keys are permuted, each rank takes a contiguous run of that sequence,
+and rows are shuffled inside each piece of a block. The steps follow from it
+(:class:`StepRule`): ``rows`` consecutive positions of a rank's epoch order make a step. No
+state is carried between epochs, so a resume needs only the step it reached, and lineage is
+the same arithmetic over a run's record. Everything is NumPy over the blocks: a 10M-row
+epoch's plan is a few arrays of 10k entries.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 _SALT_BLOCKS = 0x6C74_0001
 _SALT_PIECE = 0x6C74_0002
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``start:stop`` (key order) of block ``block``, visited in ``order()``.
-
-    The visit order is computed when the piece is fetched, not kept: an epoch's plan stays a
-    few numbers per window however many rows it covers.
-    """
-
-    block: int
-    start: int
-    stop: int
-    seed: int
-    epoch: int
-    shuffle: bool
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def order(self) -> list[int]:
-        """A permutation of ``range(len(self))``: the in-piece positions in visit order."""
-        n = self.stop - self.start
-        if not self.shuffle:
-            return list(range(n))
-        rng = np.random.default_rng([self.seed, self.epoch, self.block, self.start, _SALT_PIECE])
-        return rng.permutation(n).tolist()
 
 
 def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
@@ -55,89 +31,134 @@ def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
     return count // world_size if drop_remainder else math.ceil(count / world_size)
 
 
-def rank_pieces(
-    count: int,
-    block_size: int,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    world_size: int,
-    rank: int,
-    drop_remainder: bool = True,
-) -> list[Piece]:
-    """The pieces making up ``rank``'s rows this epoch, in visit order."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
-    per_rank = rows_per_rank(count, world_size, drop_remainder)
-    if per_rank == 0:
-        return []
-    n_blocks = math.ceil(count / block_size)
-    if shuffle:
-        order = np.random.default_rng([seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
-    else:
-        order = np.arange(n_blocks)
-    sizes = np.minimum(block_size, count - order * block_size)
-    starts = np.concatenate([[0], np.cumsum(sizes)])  # global start of each visited block
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``start:stop`` (key order) of block ``block``, the rank's rows ``offset`` on,
+    visited in ``order()`` (computed when needed: the plan stays a few numbers a block)."""
 
-    # per_rank <= count: padding wraps around to the start of the epoch's order at most once
-    lo = rank * per_rank % count
-    spans = [(lo, min(lo + per_rank, count)), (0, max(lo + per_rank - count, 0))]
-    pieces: list[Piece] = []
-    for span_lo, span_hi in spans:
-        first = int(np.searchsorted(starts, span_lo, side="right")) - 1
-        for i in range(first, n_blocks):
-            b_lo, b_hi = int(starts[i]), int(starts[i + 1])
-            if b_lo >= span_hi:
-                break
-            s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
-            if e > s:
-                pieces.append(Piece(int(order[i]), s, e, seed, epoch, shuffle))
-    return pieces
+    block: int
+    start: int
+    stop: int
+    offset: int  # the position of the piece's first row in the rank's epoch sequence
+    seed: int
+    epoch: int
+    shuffle: bool
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def order(self) -> np.ndarray:
+        """A permutation of ``range(len(self))``: the in-piece positions in visit order."""
+        n = self.stop - self.start
+        if not self.shuffle:
+            return np.arange(n)
+        rng = np.random.default_rng([self.seed, self.epoch, self.block, self.start, _SALT_PIECE])
+        return rng.permutation(n)
 
 
 @dataclass(frozen=True)
-class WorkerSlice:
-    """What one worker reads of a piece: visit-order indices ``picks`` (into the piece's
-    order) from ``first`` on, each at ``offset + index`` in the rank's sequence."""
+class Order:
+    """One epoch's order of a view's ``count`` rows, split between ``world_size`` ranks: what
+    the reader, the loop and lineage all follow."""
 
-    piece: Piece
-    offset: int  # index of the piece's first row in the rank's sequence
-    first: int  # the first visit-order index this pass reads (resume may start mid-piece)
-    start: int  # the rank-sequence index the pass starts at
-    worker: int
-    num_workers: int
-    chunk: int
+    count: int
+    block: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_remainder: bool = True
+    world_size: int = 1
 
     @property
-    def picks(self) -> Sequence[int]:
-        n = len(self.piece)
-        if self.num_workers == 1:
-            return range(self.first, n)
-        return [
-            i
-            for i in range(self.first, n)
-            if ((self.offset + i - self.start) // self.chunk) % self.num_workers == self.worker
-        ]
+    def per_rank(self) -> int:
+        return rows_per_rank(self.count, self.world_size, self.drop_remainder)
+
+    def _blocks(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block ids in visit order, each visited block's start in the epoch sequence)."""
+        n_blocks = math.ceil(self.count / self.block)
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
+        else:
+            order = np.arange(n_blocks)
+        sizes = np.minimum(self.block, self.count - order * self.block)
+        return order, np.concatenate([[0], np.cumsum(sizes)])
+
+    def pieces(self, epoch: int, rank: int, start: int = 0) -> Iterator[Piece]:
+        """The pieces of ``rank``'s rows this epoch in visit order, from the one holding
+        position ``start`` on (found by bisection: a resume costs no walk of the epoch)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        per_rank = self.per_rank
+        if per_rank == 0 or start >= per_rank:
+            return
+        order, starts = self._blocks(epoch)
+        # per_rank <= count: the order wraps around to its start at most once
+        lo = rank * per_rank % self.count
+        spans = [(lo, min(lo + per_rank, self.count)), (0, max(lo + per_rank - self.count, 0))]
+        offset = 0
+        for span_lo, span_hi in spans:
+            if span_hi <= span_lo:
+                continue
+            if offset + span_hi - span_lo <= start:
+                offset += span_hi - span_lo
+                continue
+            at = span_lo + max(start - offset, 0)
+            i = int(np.searchsorted(starts, at, side="right")) - 1
+            while i < len(order) and starts[i] < span_hi:
+                b_lo, b_hi = int(starts[i]), int(starts[i + 1])
+                s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
+                if e > s:
+                    first = offset + b_lo + s - span_lo
+                    yield Piece(int(order[i]), s, e, first, self.seed, epoch, self.shuffle)
+                i += 1
+            offset += span_hi - span_lo
+
+    def indexes(self, epoch: int, rank: int) -> np.ndarray:
+        """The view's key indexes of ``rank``'s rows this epoch, in visit order."""
+        parts = [p.block * self.block + p.start + p.order() for p in self.pieces(epoch, rank)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
+        """Every (rank, position) the row at ``index`` is read at in ``epoch`` (none when
+        dropped as remainder; two when the order wraps)."""
+        block, offset = divmod(index, self.block)
+        found = []
+        for rank in range(self.world_size):
+            for piece in self.pieces(epoch, rank):
+                if piece.block == block and piece.start <= offset < piece.stop:
+                    at = int(np.flatnonzero(piece.order() == offset - piece.start)[0])
+                    found.append((rank, piece.offset + at))
+        return found
 
 
-def worker_slices(
-    pieces: list[Piece], *, start: int, worker: int, num_workers: int, chunk: int
-) -> list[WorkerSlice]:
-    """Split the rank's sequence from ``start`` on between workers.
+@dataclass(frozen=True)
+class StepRule:
+    """How a rank's rows become optimizer steps, the one rule the loop and lineage follow.
 
-    Worker ``k`` takes chunks ``k, k + n, k + 2n, ...`` of ``chunk`` rows (chunk = the
-    loader's batch size), so a DataLoader that takes one batch from each worker in turn
-    yields exactly the rank's sequence, whatever the number of workers.
+    ``rows`` consecutive positions of the rank's epoch order make a step (an epoch's last is
+    shorter when they do not divide its rows), ``micro`` of them a micro-batch (or all of a
+    step's rows, packed under a token budget); steps are numbered from 1 across epochs. A row
+    skipped (a bad row, a row deleted since the snapshot) leaves a hole: the step keeps its
+    number and trains the others, so no step depends on which rows were skipped.
     """
-    out: list[WorkerSlice] = []
-    offset = 0
-    for piece in pieces:
-        n = len(piece)
-        lo = max(start, offset)
-        if lo < offset + n:
-            ws = WorkerSlice(piece, offset, lo - offset, start, worker, num_workers, chunk)
-            if num_workers == 1 or ws.picks:
-                out.append(ws)
-        offset += n
-    return out
+
+    order: Order
+    rows: int
+    micro: int
+
+    @property
+    def per_epoch(self) -> int:
+        """Optimizer steps per epoch (the same on every rank)."""
+        return -(-self.order.per_rank // self.rows)
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch step ``step`` (>= 1) trains in."""
+        return (step - 1) // max(self.per_epoch, 1)
+
+    def after(self, step: int) -> tuple[int, int]:
+        """(epoch, first position) where a run that reached ``step`` continues."""
+        epoch, index = divmod(step, max(self.per_epoch, 1))
+        return epoch, index * self.rows
+
+    def steps(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The step that trains each position of ``epoch``."""
+        return epoch * self.per_epoch + positions // self.rows + 1

@@ -48,7 +48,7 @@ class QueryDataset(Dataset):
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)
-        snapshot = take_snapshot(db, select, store=MemoryStore(), cache_size=page_size)
+        snapshot = take_snapshot(db, select, store=MemoryStore())
         self.data_fingerprint = snapshot.fingerprint
 
     def __len__(self) -> int:

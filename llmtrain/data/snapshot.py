@@ -216,6 +216,17 @@ class KeySnapshot:
             raise ConfigError("this snapshot was taken without a version column")
         return self._slice(store, self.versions, start, stop)
 
+    def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
+        """The keys at ``indexes`` (any order), reading each chunk they fall in once."""
+        if not len(indexes):
+            return []
+        chunk_of = indexes // self.chunk_size
+        if chunk_of[0] == chunk_of[-1] and (chunk_of == chunk_of[0]).all():
+            values = _chunk(store, self.chunks[int(chunk_of[0])])
+            base = int(chunk_of[0]) * self.chunk_size
+            return [values[i] for i in (indexes - base).tolist()]
+        return [self.keys(store, i, i + 1)[0] for i in indexes.tolist()]
+
     def iter_keys(self, store: Any) -> Iterator[Key]:
         """Every key in order, one chunk in memory at a time."""
         for chunk_id in self.chunks:
@@ -239,7 +250,7 @@ class RunSnapshot:
     train: KeySnapshot
     held: KeySnapshot | None = None
     eval_fraction: float = 0.0
-    #: the data fingerprint runs and models record (see :func:`data_fingerprint`)
+    #: the data fingerprint runs and models record: changes when any key changes
     fingerprint: str = ""
     statements: int = field(default=0, compare=False)  # taking it (not recorded)
 
@@ -282,7 +293,7 @@ class RunSnapshot:
         )
 
 
-class _Writer:
+class ViewWriter:
     """Collects one view's keys (and versions) and stores every full chunk as it fills."""
 
     def __init__(self, store: Any, chunk_size: int, with_versions: bool) -> None:
@@ -371,50 +382,31 @@ def take_snapshot(
     chunk_size: int = CHUNK_SIZE,
     version_column: str | None = None,
     store: Any = None,
-    cache_size: int = 1024,
 ) -> RunSnapshot:
     """Read the selection's keys once (keys only, keyset pages) into chunks in ``store``
     (default: ``db.artifacts``). A key that is NULL or repeated is refused: paging on it
     would read rows twice or skip them. With ``version_column`` each key's value of that
-    column is kept too, read in the same pass. ``cache_size``: the window size the data
-    fingerprint notes keys at (see :func:`data_fingerprint`)."""
+    column is kept too, read in the same pass."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     store = db.artifacts if store is None else store
     fields = (version_column,) if version_column else ()
     split = eval_fraction > 0
-    train = _Writer(store, chunk_size, bool(version_column))
-    held = _Writer(store, chunk_size, bool(version_column)) if split else None
-    last: Any = None
-    statements = seen = 0
-    boundaries: list[str] = []
+    train = ViewWriter(store, chunk_size, bool(version_column))
+    held = ViewWriter(store, chunk_size, bool(version_column)) if split else None
+    statements = 0
     for rows in keyset_pages(db.backend, query, fields, _KEY_PAGE):
         statements += 1
         keys = [k for k, _ in rows]
         versions = [r.get(version_column) for _, r in rows] if version_column else []
-        boundaries += [key_repr(k) for k in keys[-seen % cache_size :: cache_size]]
         if held is None:
             train.extend(keys, versions)
         else:  # one key at a time: the split hashes each
             for i, key in enumerate(keys):
                 view = held if held_out(key, eval_fraction) else train
                 view.extend([key], versions[i : i + 1])
-        if keys:
-            seen, last = seen + len(keys), keys[-1]
-    return RunSnapshot(
-        query.fingerprint(),
-        train.done(),
-        held.done() if held is not None else None,
-        float(eval_fraction) if split else 0.0,
-        data_fingerprint(seen, cache_size, boundaries, key_repr(last)),
-        statements,
-    )
-
-
-def data_fingerprint(count: int, block_size: int, boundaries: list[str], last: str) -> str:
-    """Changes when rows are added, removed or re-keyed at a window's edge: the whole
-    selection's count and every ``block_size``-th key, as llmtrain has always recorded it
-    (so a replay of a fit recorded by 0.1.0 compares). The snapshot's manifest fingerprints
-    every key exactly."""
-    payload = json.dumps([count, block_size, boundaries, last])
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+    views = (train.done(), held.done() if held is not None else None)
+    fraction = float(eval_fraction) if split else 0.0
+    digest = json.dumps([fraction, *(v.fingerprint if v else None for v in views)])
+    fingerprint = hashlib.sha256(digest.encode()).hexdigest()[:32]
+    return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)

@@ -1,65 +1,35 @@
 """Row lineage, derived not logged: which rows trained which run, checkpoint and model.
 
-A run's order is a pure function of its record: the keys it pinned (its snapshot), the seed
-and the plan parameters (``datasets/plan.py``), the world size, the batch size and gradient
-accumulation, and the step it reached. Replaying that function gives every (key, epoch,
-step, rank) the loop trained on without the loop ever logging a key; the rows it skipped
-(bad rows, rows deleted during the run) are the only per-key facts a run records.
-
-Memory stays a few windows of keys whatever the run's size: the walk reads the key list a
-block at a time, in the epoch's block order.
+A run's rows and steps are a pure function of its record: the keys it pinned (its snapshot),
+its order (seed, ``shuffle_block``, ``shuffle``, ``drop_remainder``, the world size) and the
+one rule from rows to steps (:class:`~llmtrain.data.plan.StepRule`, which the loop follows
+too), up to the step it reached. Lineage runs that function over NumPy arrays of key
+indexes; the rows a run skipped (bad, or deleted since its snapshot) are the only per-key
+facts it records (:mod:`llmtrain.data.skips`).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from llmtrain.data.plan import rank_pieces, rows_per_rank
-from llmtrain.data.snapshot import key_repr
+from llmtrain.config.args import TrainerConfig, build
+from llmtrain.data.plan import Order, StepRule
+from llmtrain.data.skips import read_skips
+from llmtrain.data.snapshot import KeySnapshot, RunSnapshot, key_repr
 from llmtrain.db.backend import Key
 from llmtrain.errors import StoreError
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
 
-#: record field: {key_repr: first epoch it was skipped in} (bad rows, rows deleted mid-run)
-SKIPPED = "skipped_keys"
 #: record field: the run this one continued from (an incremental fit): {run_id, steps, model}
 PARENT = "parent"
 FORGOTTEN = "forgotten"  # the metadata record type of a source's forgotten keys
-
-
-class SnapshotKeys:
-    """A run's training keys, read from its stored snapshot a chunk at a time."""
-
-    def __init__(self, view: Any, store: Any) -> None:
-        self.view, self.store = view, store
-
-    @property
-    def count(self) -> int:
-        return int(self.view.count)
-
-    def slice(self, start: int, stop: int) -> Sequence[Key]:
-        return self.view.keys(self.store, start, stop)
-
-    def chunks(self) -> Iterator[Sequence[Key]]:
-        size = self.view.chunk_size
-        return (self.view.keys(self.store, i, i + size) for i in range(0, self.count, size))
-
-    def versions(self) -> Iterator[Sequence[Any]] | None:
-        """The versions of the keys, chunk by chunk alongside :meth:`chunks`; None without."""
-        if self.view.versions is None:
-            return None
-        size = self.view.chunk_size
-        return (self.view.versions_of(self.store, i, i + size) for i in range(0, self.count, size))
 
 
 class Consumed(NamedTuple):
@@ -72,253 +42,94 @@ class Consumed(NamedTuple):
     run_id: str
 
 
-@dataclass(frozen=True)
-class Plan:
-    """What decided a run's order and steps; every field comes from the run's record."""
+@dataclass
+class RunLineage:
+    """A run's derived lineage: its training keys, order, steps and skips."""
 
     run_id: str
-    count: int  # rows in the run's training view
-    block_size: int
-    seed: int
-    shuffle: bool
-    drop_remainder: bool
-    world_size: int
-    batch_size: int
-    accum: int
-    epochs: int | None  # None: max_steps bounds the run, the stream of epochs is endless
-    steps: int  # the last step the run trained
+    view: KeySnapshot
+    store: Any
+    rule: StepRule
+    limit: int  # the last step the run trained
+    skipped: dict[int, int]  # key index -> the first epoch it was skipped in
 
     @classmethod
-    def of_run(cls, run: Any, count: int, steps: int | None = None) -> Plan:
+    def of(cls, db: Database, run: Any, steps: int | None = None) -> RunLineage:
+        """From the run's record (``steps``: where a successor continued from it)."""
         info = run.info
-        config = info.get("config") or {}
-        t, d = config.get("training_args") or {}, config.get("data_args") or {}
-        reached = info.get("steps")
-        return cls(
-            run_id=run.run_id,
-            count=count,
-            block_size=int(d.get("cache_size", 1024)),
-            seed=int(t.get("seed", 0)),
-            shuffle=bool(d.get("shuffle", True)),
-            drop_remainder=bool(d.get("drop_remainder", True)),
-            world_size=int(info.get("world_size") or 1),
-            batch_size=int(t.get("per_device_train_batch_size", 4)),
-            accum=int(t.get("gradient_accumulation_steps", 1)),
-            epochs=None if int(t.get("max_steps", -1)) > 0 else int(t.get("num_train_epochs", 1)),
-            steps=int(steps if steps is not None else (reached or 0)),
-        )
-
-    @property
-    def per_rank(self) -> int:
-        return rows_per_rank(self.count, self.world_size, self.drop_remainder)
-
-    def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
-        """Every (rank, position) the row at ``index`` is read at in ``epoch`` (none when
-        dropped as remainder; two when the order wraps)."""
-        block, offset = divmod(index, self.block_size)
-        found = []
-        for rank in range(self.world_size):
-            pos = 0
-            for piece in self._pieces(epoch, rank):
-                if piece.block == block and piece.start <= offset < piece.stop:
-                    found.append((rank, pos + piece.order().index(offset - piece.start)))
-                pos += len(piece)
-        return found
-
-    def _pieces(self, epoch: int, rank: int) -> list[Any]:
-        return rank_pieces(
-            self.count,
-            self.block_size,
-            seed=self.seed,
-            epoch=epoch,
-            shuffle=self.shuffle,
-            world_size=self.world_size,
-            rank=rank,
-            drop_remainder=self.drop_remainder,
-        )
-
-
-@dataclass
-class Steps:
-    """How a rank's rows became optimizer steps, as the loop does it: the one place that
-    knows. The rank's epoch sequence is cut into ``batch_size`` batches (an epoch's last may
-    be shorter); a batch whose rows were all skipped is not yielded; ``accum`` yielded
-    batches, counted across epochs, make a step; every rank takes the same number of batches
-    per step (the loop cuts a group to the shortest rank's), up to the run's last step."""
-
-    plan: Plan
-    skipped: Mapping[str, int]  # key_repr -> first epoch skipped
-    keys: SnapshotKeys
-    #: (rank, epoch) -> sorted batch numbers with every row skipped
-    empty: dict[tuple[int, int], list[int]] = field(default_factory=dict)
-    #: key index -> first epoch skipped
-    skipped_at: dict[int, int] = field(default_factory=dict)
-    limit: float = 0.0  # batches each rank trained: steps * accum, or fewer at the end
-
-    def __post_init__(self) -> None:
-        p = self.plan
-        if self.skipped:
-            self.skipped_at = self._skipped_indexes()
-            self.empty = self._empty_batches()
-        self.limit = p.steps * p.accum
-        if p.epochs is not None:  # a finite stream: the last group may be short on a rank
-            per_epoch = math.ceil(p.per_rank / p.batch_size)
-            totals = [
-                p.epochs * per_epoch - sum(len(v) for (r, _), v in self.empty.items() if r == rank)
-                for rank in range(p.world_size)
-            ]
-            self.limit = sum(
-                min(min(max(t - s * p.accum, 0), p.accum) for t in totals) for s in range(p.steps)
+        if not isinstance(info.get("snapshot"), dict) or not isinstance(info.get("config"), dict):
+            raise StoreError(
+                f"run {run.run_id} of {run.identifier!r} recorded no key snapshot or config: "
+                "the rows it trained cannot be derived"
             )
+        view = RunSnapshot.from_record(info["snapshot"]).view("train")
+        if view.chunks:
+            db.artifacts.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
+        config = build(TrainerConfig, info["config"], f"run {run.run_id}")
+        d, t = config.data_args, config.training_args
+        world = int(info.get("world_size") or 1)
+        order = Order(view.count, d.shuffle_block, t.seed, d.shuffle, d.drop_remainder, world)
+        rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
+        rule = StepRule(order, rows, rows)
+        limit = reached_step(db, run) if steps is None else int(steps)
+        if t.max_steps <= 0:  # an epoch-bounded run never goes past its epochs
+            limit = min(limit, rule.per_epoch * t.num_train_epochs)
+        skips = read_skips(db.artifacts, info)
+        found = _find(view, db.artifacts, skips.first) if skips.first else ()
+        skipped = {index: skips.first[r] for r, index in found}
+        return cls(run.run_id, view, db.artifacts, rule, limit, skipped)
 
-    def steps_of(self, rank: int, epoch: int, batches: np.ndarray) -> np.ndarray:
-        """The step that trained each batch number of ``rank``'s ``epoch``; 0 where none did
-        (every row skipped, or after the run's last step)."""
-        p = self.plan
-        per_epoch = math.ceil(p.per_rank / p.batch_size)
-        empty = np.asarray(self.empty.get((rank, epoch), ()), dtype=np.int64)
-        earlier = sum(len(v) for (r, e), v in self.empty.items() if r == rank and e < epoch)
-        counter = epoch * per_epoch - earlier + batches - np.searchsorted(empty, batches)
-        steps = counter // p.accum + 1
-        steps[counter >= self.limit] = 0
-        if len(empty):
-            steps[np.isin(batches, empty)] = 0
-        return steps
+    def epochs(self) -> range:
+        return range(self.rule.epoch_of(self.limit) + 1 if self.limit else 0)
 
-    def last_epoch(self) -> int:
-        """An upper bound of the epochs the run read (exclusive)."""
-        p = self.plan
-        if p.epochs is not None:
-            return p.epochs
-        per_epoch = max(math.ceil(p.per_rank / p.batch_size), 1)
-        skipped_batches = max((len(v) for v in self.empty.values()), default=0)
-        return int(self.limit // per_epoch) + 2 + skipped_batches
+    def _trained(self, epoch: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(key indexes, steps) of what ``rank`` trained in ``epoch``, in visit order."""
+        indexes = self.rule.order.indexes(epoch, rank)
+        steps = self.rule.steps(epoch, np.arange(len(indexes)))
+        keep = steps <= self.limit
+        if self.skipped:
+            gone = [i for i, first in self.skipped.items() if first <= epoch]
+            keep &= ~np.isin(indexes, np.asarray(gone, dtype=np.int64))
+        return indexes[keep], steps[keep]
 
-    def _empty_batches(self) -> dict[tuple[int, int], list[int]]:
-        p = self.plan
-        most = int(p.steps * p.accum / max(math.ceil(p.per_rank / p.batch_size), 1) + 1)
-        positions = Counter(
-            (rank, epoch, pos // p.batch_size)
-            for index, first in self.skipped_at.items()
-            for epoch in range(first, p.epochs if p.epochs is not None else first + 1 + most)
-            for rank, pos in p.locate(index, epoch)
-        )
-        empty: dict[tuple[int, int], list[int]] = {}
-        for (rank, epoch, batch), n in sorted(positions.items()):
-            if n >= min(p.batch_size, p.per_rank - batch * p.batch_size):
-                empty.setdefault((rank, epoch), []).append(batch)
-        return empty
+    def steps(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """(step, rank, epoch, key indexes) of each step each rank trained, in step order
+        (ranks in turn within a step)."""
+        for epoch in self.epochs():
+            parts = [self._trained(epoch, rank) for rank in range(self.rule.order.world_size)]
+            ranks = np.concatenate([np.full(len(i), r) for r, (i, _) in enumerate(parts)])
+            indexes = np.concatenate([i for i, _ in parts])
+            steps = np.concatenate([s for _, s in parts])
+            order = np.lexsort((ranks, steps))  # stable: visit order kept within a rank
+            indexes, steps, ranks = indexes[order], steps[order], ranks[order]
+            cut = np.flatnonzero((np.diff(steps) != 0) | (np.diff(ranks) != 0)) + 1
+            for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), len(steps)]):
+                if hi > lo:
+                    yield int(steps[lo]), int(ranks[lo]), epoch, indexes[lo:hi]
 
-    def _skipped_indexes(self) -> dict[int, int]:
-        keys = itertools.chain.from_iterable(self.keys.chunks())
-        reprs = (key_repr(key) for key in keys)
-        return {i: int(self.skipped[r]) for i, r in enumerate(reprs) if r in self.skipped}
-
-    # -- the walk --------------------------------------------------------------------------
-    def batches(self, rank: int, span: int = 65_536) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        """(step, rank, epoch, key indexes) of each step ``rank`` trained, in order: the epoch's
-        positions are taken ``span`` at a time (a few whole pieces) and stepped with arrays."""
-        p = self.plan
-        skipped = np.fromiter(self.skipped_at, dtype=np.int64, count=len(self.skipped_at))
-        firsts = np.fromiter(self.skipped_at.values(), dtype=np.int64, count=len(skipped))
-        for epoch in range(self.last_epoch()):
-            gone = skipped[firsts <= epoch]
-            pieces: list[np.ndarray] = []
-            held = start = 0
-            for piece in [*p._pieces(epoch, rank), None]:
-                if piece is not None:
-                    base = piece.block * p.block_size + piece.start
-                    pieces.append(base + np.asarray(piece.order(), dtype=np.int64))
-                    held += len(piece)
-                    if held < span:
-                        continue
-                if not pieces:
-                    break
-                indexes = np.concatenate(pieces)
-                steps = self.steps_of(rank, epoch, (start + np.arange(held)) // p.batch_size)
-                if len(gone):
-                    steps[np.isin(indexes, gone)] = 0
-                cut = np.flatnonzero(np.diff(steps)) + 1
-                for first, stop in zip([0, *cut.tolist()], [*cut.tolist(), held]):
-                    if steps[first]:
-                        yield int(steps[first]), rank, epoch, indexes[first:stop]
-                if steps[-1] == 0 and not len(gone) and start + held < p.per_rank:
-                    return  # past the run's last step
-                start += held
-                pieces, held = [], 0
+    def rows(self) -> Iterator[Consumed]:
+        """Every row the run trained, in step order (ranks interleaved within a step)."""
+        for step, rank, epoch, indexes in self.steps():
+            for key in self.view.keys_at(self.store, indexes):
+                yield Consumed(key, epoch, step, rank, self.run_id)
 
     def trained(self) -> np.ndarray:
         """A mask over the run's keys: which rows it trained at least once."""
-        mask = np.zeros(self.plan.count, dtype=bool)
-        for rank in range(self.plan.world_size):
-            for *_, indexes in self.batches(rank):
-                mask[indexes] = True
+        mask = np.zeros(self.view.count, dtype=bool)
+        for epoch in self.epochs():
+            for rank in range(self.rule.order.world_size):
+                mask[self._trained(epoch, rank)[0]] = True
         return mask
 
-
-class _Blocks:
-    """Keys by index, a block read at a time (a walk visits a block's keys together)."""
-
-    def __init__(self, keys: SnapshotKeys, block_size: int) -> None:
-        self.keys, self.size = keys, block_size
-        self.block, self.values = -1, cast(Sequence[Key], ())
-
-    def __getitem__(self, index: int) -> Key:
-        block = index // self.size
-        if block != self.block:
-            start = block * self.size
-            self.block, self.values = block, self.keys.slice(start, start + self.size)
-        return self.values[index - block * self.size]
-
-    def take(self, indexes: np.ndarray) -> list[Key]:
-        first = int(indexes[0]) // self.size
-        if first == int(indexes[-1]) // self.size and (indexes // self.size == first).all():
-            self[first * self.size]  # noqa: B018 - reads the block
-            values = self.values
-            return [values[i] for i in (indexes - first * self.size).tolist()]
-        return [self[i] for i in indexes.tolist()]
-
-
-def run_rows(steps: Steps) -> Iterator[Consumed]:
-    """Every row the run trained, in step order (ranks interleaved within a step)."""
-    plan = steps.plan
-    streams = [steps.batches(rank) for rank in range(plan.world_size)]
-    keys = [_Blocks(steps.keys, plan.block_size) for _ in range(plan.world_size)]
-    run_id = plan.run_id
-    for step, rank, epoch, indexes in heapq.merge(*streams, key=lambda b: (b[0], b[1])):
-        for key in keys[rank].take(indexes):
-            yield Consumed(key, epoch, step, rank, run_id)
-
-
-def key_steps(steps: Steps, index: int) -> Iterator[tuple[int, int, int]]:
-    """(epoch, step, rank) of every time the row at ``index`` was trained: O(epochs x ranks x
-    blocks), no key read beyond the row's own."""
-    plan = steps.plan
-    last = min(steps.last_epoch(), steps.skipped_at.get(index, math.inf))  # skipped from then on
-    for epoch in range(int(last)):
-        for rank, pos in plan.locate(index, epoch):
-            batch = np.array([pos // plan.batch_size], dtype=np.int64)
-            if step := int(steps.steps_of(rank, epoch, batch)[0]):
-                yield epoch, step, rank
-
-
-# -- the stored runs ----------------------------------------------------------------------------
-def run_keys(db: Database, run: Any) -> SnapshotKeys:
-    """The training keys a run pinned; a run recorded before snapshots has none to give."""
-    from llmtrain.data.snapshot import RunSnapshot
-
-    record = run.info.get("snapshot")
-    if not isinstance(record, dict):
-        raise StoreError(
-            f"run {run.run_id} of {run.identifier!r} recorded no key snapshot (it predates "
-            "them): the rows it trained cannot be derived"
-        )
-    if not isinstance(run.info.get("config"), dict):
-        raise StoreError(f"run {run.run_id} records no trainer config: no lineage to derive")
-    view = RunSnapshot.from_record(record).view("train")
-    if view.chunks:
-        db.artifacts.require(view.chunks[0], run.info.get("artifacts"), f"run {run.run_id}")
-    return SnapshotKeys(view, db.artifacts)
+    def uses(self, index: int) -> Iterator[tuple[int, int, int]]:
+        """(epoch, step, rank) of every time the row at ``index`` was trained."""
+        for epoch in self.epochs():
+            if self.skipped.get(index, math.inf) <= epoch:
+                return
+            for rank, position in self.rule.order.locate(index, epoch):
+                step = int(self.rule.steps(epoch, np.int64(position)))
+                if step <= self.limit:
+                    yield epoch, step, rank
 
 
 def reached_step(db: Database, run: Any) -> int:
@@ -326,14 +137,6 @@ def reached_step(db: Database, run: Any) -> int:
     checkpoint's while it is still running."""
     checkpoints = db.metadata.list_checkpoints(run.run_id)
     return max([int(run.info.get("steps") or 0), *(c.step for c in checkpoints)])
-
-
-def run_steps(
-    db: Database, run: Any, steps: int | None = None, keys: SnapshotKeys | None = None
-) -> Steps:
-    keys = run_keys(db, run) if keys is None else keys
-    plan = Plan.of_run(run, keys.count, reached_step(db, run) if steps is None else steps)
-    return Steps(plan, run.info.get(SKIPPED) or {}, keys)
 
 
 def chain(db: Database, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
@@ -357,7 +160,7 @@ def model_lineage(db: Database, name: str, version: int | None = None) -> Iterat
     streamed, a few blocks of keys in memory at a time."""
     record = db.metadata.get_component("model", name, version)
     for run, steps in chain(db, record.payload["run_id"]):
-        yield from run_rows(run_steps(db, run, steps))
+        yield from RunLineage.of(db, run, steps).rows()
 
 
 def forgotten_keys(db: Database, source: Any) -> list[str]:
@@ -446,18 +249,15 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if not matches(run.info.get("query") or {}, source):
             continue
         try:
-            snapshot = run_keys(db, run)
+            lineage = RunLineage.of(db, run)
         except StoreError:
             result.underivable.append(run.run_id)
             continue
-        found = _find(snapshot, keys)
-        if not found:
-            continue
-        steps = run_steps(db, run, keys=snapshot)
+        wanted = {key_repr(k): k for k in keys}
         uses = [
-            Use(key, run.run_id, run.identifier, run.version, epoch, step, rank)
-            for index, key in found
-            for epoch, step, rank in key_steps(steps, index)
+            Use(wanted[r], run.run_id, run.identifier, run.version, epoch, step, rank)
+            for r, index in _find(lineage.view, db.artifacts, wanted)
+            for epoch, step, rank in lineage.uses(index)
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
@@ -481,16 +281,14 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     return result
 
 
-def _find(keys: SnapshotKeys, wanted: Sequence[Key]) -> list[tuple[int, Key]]:
-    """(index, key) of every key of ``keys`` in ``wanted``, of the same type (``1`` is not
-    ``True``): a set lookup per key, about 50 ms per million."""
-    from llmtrain.data.snapshot import same_key
-
-    lookup = {k: k for k in wanted}
-    found, base = [], 0
-    for chunk in keys.chunks():
-        found += [
-            (base + i, k) for i, k in enumerate(chunk) if k in lookup and same_key(k, lookup[k])
-        ]
+def _find(view: KeySnapshot, store: Any, wanted: Any) -> Iterator[tuple[str, int]]:
+    """(key_repr, index) of every key of ``view`` whose key_repr is in ``wanted`` (of the
+    same type: ``1`` is not ``True``), reading the view chunk by chunk."""
+    base = 0
+    for start in range(0, view.count, view.chunk_size):
+        chunk = view.keys(store, start, start + view.chunk_size)
+        for i, key in enumerate(chunk):
+            r = key_repr(key)
+            if r in wanted:
+                yield r, base + i
         base += len(chunk)
-    return found

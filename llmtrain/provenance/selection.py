@@ -19,7 +19,7 @@ from llmtrain.data.snapshot import key_repr
 from llmtrain.db.backend import Key
 from llmtrain.db.queries import Query
 from llmtrain.errors import ConfigError
-from llmtrain.provenance.lineage import PARENT, forgotten_keys, matches, run_steps
+from llmtrain.provenance.lineage import PARENT, RunLineage, forgotten_keys, matches
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
@@ -77,18 +77,18 @@ def trained_by(db: Database, identifier: str, query: dict[str, Any]) -> tuple[Tr
         if r.status == "completed" and matches(r.info.get("query") or {}, Query.from_dict(query))
     }
     for run in finished.values():
-        steps = run_steps(db, run)
-        mask, versions, base = steps.trained(), steps.keys.versions(), 0
-        for chunk in steps.keys.chunks():
-            kept = mask[base : base + len(chunk)]
-            chunk_keys = [k for k, t in zip(chunk, kept) if t]
-            if versions is None:
+        lineage = RunLineage.of(db, run)
+        view, mask = lineage.view, lineage.trained()
+        for start in range(0, view.count, view.chunk_size):
+            stop = start + view.chunk_size
+            kept = mask[start:stop]
+            chunk_keys = [k for k, t in zip(view.keys(db.artifacts, start, stop), kept) if t]
+            if view.versions is None:
                 keys.append(digests(chunk_keys))
             else:
-                chunk_versions = [v for v, t in zip(next(versions), kept) if t]
-                pairs.append(pair_digests(chunk_keys, chunk_versions))
+                versions = view.versions_of(db.artifacts, start, stop)
+                pairs.append(pair_digests(chunk_keys, [v for v, t in zip(versions, kept) if t]))
                 pair_keys.append(digests(chunk_keys))
-            base += len(chunk)
     models = reversed(db.metadata.list_components("model", identifier))
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
     k, p, pk = (np.unique(np.concatenate(parts)) for parts in (keys, pairs, pair_keys))
@@ -97,36 +97,17 @@ def trained_by(db: Database, identifier: str, query: dict[str, Any]) -> tuple[Tr
 
 def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
     """A new KeySnapshot of the keys of ``view`` that ``keep(keys, versions)`` marks, chunk by
-    chunk (the chunks written to ``store`` like any snapshot's)."""
-    from llmtrain.data.snapshot import CODEC, KeySnapshot, encode_chunk
+    chunk, written by the snapshot's own writer."""
+    from llmtrain.data.snapshot import ViewWriter
 
-    size, has_versions = view.chunk_size, view.versions is not None
-    chunks: list[str] = []
-    version_chunks: list[str] = []
-    held_keys: list[Key] = []
-    held_versions: list[Any] = []
-    count = 0
-
-    def write(keys: list[Key], versions: list[Any]) -> None:
-        chunks.append(store.put_bytes(encode_chunk(keys)))
-        if has_versions:
-            version_chunks.append(store.put_bytes(encode_chunk(versions)))
-
-    for start in range(0, view.count, size):
-        keys = view.keys(store, start, start + size)
-        versions = view.versions_of(store, start, start + size) if has_versions else None
-        kept = np.flatnonzero(np.asarray(keep(keys, versions), dtype=bool))
-        held_keys += [keys[i] for i in kept]
-        held_versions += [versions[i] for i in kept] if versions is not None else []
-        count += len(kept)
-        if len(held_keys) >= size:  # a view's chunk holds at most size keys: one to write
-            write(held_keys[:size], held_versions[:size])
-            held_keys, held_versions = held_keys[size:], held_versions[size:]
-    if held_keys:
-        write(held_keys, held_versions)
-    vchunks = tuple(version_chunks) if has_versions else None
-    fingerprint = KeySnapshot.digest(count, chunks, vchunks)
-    return KeySnapshot(count, size, tuple(chunks), CODEC, fingerprint, vchunks)
+    has_versions = view.versions is not None
+    writer = ViewWriter(store, view.chunk_size, has_versions)
+    for start in range(0, view.count, view.chunk_size):
+        keys = view.keys(store, start, start + view.chunk_size)
+        versions = view.versions_of(store, start, start + view.chunk_size) if has_versions else None
+        kept = np.flatnonzero(np.asarray(keep(keys, versions), dtype=bool)).tolist()
+        writer.extend([keys[i] for i in kept], [versions[i] for i in kept] if versions else [])
+    return writer.done()
 
 
 def select_rows(

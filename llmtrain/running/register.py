@@ -104,7 +104,6 @@ def new_snapshot(
         fit.query(),
         eval_fraction=data.eval_fraction,
         version_column=data.version_column,
-        cache_size=data.cache_size,
     )
     if snapshot.count == 0:
         raise DataError(f"{fit.query().source} selects 0 rows: nothing to train on")

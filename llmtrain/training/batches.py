@@ -18,18 +18,18 @@ shorter ones add an empty micro-batch: collectives stay paired).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import queue
 import threading
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from llmtrain.config.args import DataArguments
-from llmtrain.data import CachedQueryDataset, QueryDataLoader, ReadStats, RunSnapshot
+from llmtrain.data import CachedQueryDataset, QueryDataLoader, RunSnapshot
+from llmtrain.data.plan import StepRule
 from llmtrain.data.snapshot import Split, key_repr
 from llmtrain.db.queries import Query
 from llmtrain.formatting import (
@@ -146,6 +146,7 @@ def view_dataset(
         select,
         fields,
         cache_size=args.cache_size,
+        shuffle_block=args.shuffle_block,
         shuffle=args.shuffle if shuffle is None else shuffle,
         seed=seed,
         rank=rank,
@@ -159,19 +160,25 @@ def view_dataset(
 
 
 @dataclass(frozen=True)
-class _Taken:
-    """Taken with each group as it is made: the dataset's epoch, resume point and counters,
-    and how many first-skip epochs lineage had then."""
+class StepGroup:
+    """One optimizer step's micro-batches on this rank, and what reading its rows found: the
+    keys skipped (bad, or deleted since the snapshot) and which of those were deleted. The
+    thread making groups ahead hands these over: the loop keeps only what it trained."""
 
+    step: int
     epoch: int
-    resume: tuple[int, int]
-    stats: ReadStats
-    skipped_in: int
+    batches: list[dict[str, Any]]
+    skipped: list[str]
+    deleted: list[str]
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for b in self.batches for k in b["keys"]]
 
 
 class TrainBatches:
-    """The one data object the training loop knows: each optimizer step's micro-batches
-    across epochs, the steps per epoch, and the dataset position as resume state."""
+    """The one data object the training loop knows: each optimizer step's micro-batches, by
+    the one rule from rows to steps (:class:`~llmtrain.data.plan.StepRule`)."""
 
     def __init__(
         self,
@@ -184,51 +191,27 @@ class TrainBatches:
     ) -> None:
         self.dataset = dataset
         # with a token budget one loader batch is one step's rows (collate packs them)
-        self.per_step = args.token_budget(batch_size) is not None
-        self.accumulation = 1 if self.per_step else accumulation
+        self.packed = args.token_budget(batch_size) is not None
+        rows = batch_size * accumulation
+        self.rule = StepRule(dataset.order, rows, rows if self.packed else batch_size)
         self.loader: QueryDataLoader = dataset.loader(
-            batch_size * accumulation if self.per_step else batch_size,
-            num_workers=args.num_workers,
+            self.rule.micro,
+            num_workers=args.dataloader_num_workers,
             collate_fn=collate,
             with_keys=True,
         )
-        # taken with the group the loop last took; None before any
-        self._at: _Taken | None = None
+        self.epoch = 0  # of the group the loop last took
 
     def __len__(self) -> int:
         """Optimizer steps per epoch on this rank (the same on every rank)."""
-        return -(-len(self.loader) // self.accumulation)
+        return self.rule.per_epoch
 
-    @property
-    def epoch(self) -> int:
-        return self.dataset.epoch if self._at is None else self._at.epoch
-
-    @property
-    def stats(self) -> ReadStats:
-        """What this process read and skipped up to the group the loop last took: the rows
-        first skipped in each epoch (lineage) exactly; the keys found deleted or bad as of
-        the windows read, which may run ahead of the rows trained, as they always have."""
-        if self._at is None:
-            return self.dataset.stats
-        live = self.dataset.stats
-        skipped_in = list(live.skipped_in.items())  # one C call: the thread cannot cut in
-        return dataclasses.replace(
-            self._at.stats,
-            skipped_once=set(live.skipped_once),
-            deleted=set(live.deleted),
-            skipped_in=dict(skipped_in[: self._at.skipped_in]),
-        )
-
-    def steps(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
-        """Each optimizer step's micro-batches from ``start_epoch`` on (a group of batches may
-        run into the next epoch, as without a budget it always has).
+    def steps(self, after: int, total: int) -> Generator[StepGroup]:
+        """Each step's group from step ``after + 1`` to ``total``.
 
         A thread makes the next group while the loop trains on this one, so reading and
         formatting (the tokenizer releases the GIL) overlap the step instead of stalling it.
-        Each group comes with the position, epoch and skip counts taken right after it was
-        made; ``state_dict``, ``epoch`` and ``stats`` report those of the group the loop last
-        took, so a group made ahead but not trained is never counted. Close the generator
-        when done: that stops the thread."""
+        Close the generator when done: that stops the thread."""
         made: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
         stop = threading.Event()
 
@@ -240,12 +223,12 @@ class TrainBatches:
             return False
 
         def produce() -> None:
-            groups = self._groups(start_epoch, num_epochs)
+            groups = self._groups(after, total)
             try:
                 for group in groups:
-                    if not hand_over(("group", (group, self._taken()))):
+                    if not hand_over(("group", group)):
                         return
-                hand_over(("done", self._taken()))
+                hand_over(("done", None))
             except BaseException as exc:  # raised in the loop's thread, at the same step
                 hand_over(("error", exc))
             finally:
@@ -259,80 +242,50 @@ class TrainBatches:
                 if kind == "error":
                     raise item
                 if kind == "done":
-                    self._at = item
                     return
-                group, self._at = item
-                yield group
+                self.epoch = item.epoch
+                yield item
         finally:
             stop.set()
             thread.join(timeout=30)  # a read stuck in the database must not hold up a failure
 
-    def _groups(self, start_epoch: int, num_epochs: int | None) -> Generator[list[Any]]:
-        batches = (batch for _, batch in self.epochs(start_epoch, num_epochs))
-        if self.per_step:  # a loader batch is the step's packed micro-batches
-            yield from batches
-        else:
-            while group := list(itertools.islice(batches, self.accumulation)):
-                yield group
-
-    def _taken(self) -> _Taken:
-        """Where the data stands now, in work that does not grow with the keys found deleted
-        or skipped (a live table may lose 100k rows: sorting and copying those every step
-        took the making thread 50 ms); state and stats are built from it when asked."""
-        stats = self.dataset.stats
-        return _Taken(
-            self.dataset.epoch,
-            self.dataset.position.resume_point(),
-            dataclasses.replace(
-                stats,
-                skipped_keys=list(stats.skipped_keys),  # at most 100
-                skipped_once=set(),
-                deleted=set(),
-                skipped_in={},
-            ),
-            len(stats.skipped_in),  # insertion-ordered and only added to
-        )
-
-    def epochs(self, start_epoch: int, num_epochs: int | None) -> Iterator[tuple[int, Any]]:
-        """(epoch, batch) from ``start_epoch`` on; endless when ``num_epochs`` is None."""
-        epoch, idle_epochs = start_epoch, 0
-        while num_epochs is None or epoch < num_epochs:
-            self.loader.set_epoch(epoch)
-            produced = False
-            for batch in self.loader:
-                produced = True
-                yield epoch, batch
-            # an epoch resumed at its end yields nothing; two in a row means no usable rows
-            idle_epochs = 0 if produced else idle_epochs + 1
-            if idle_epochs == 2:
-                return
-            epoch += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        at = None if self._at is None else self._at.resume
-        return self.dataset.state_dict(at)
-
-    def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool) -> None:
-        self._at = None
-        self.loader.load_state_dict(state, allow_changed_data=allow_changed_data)
+    def _groups(self, after: int, total: int) -> Generator[StepGroup]:
+        """Each group as soon as its last position is read (an error in a later row reaches
+        the loop at the step that holds it)."""
+        rule, per_rank = self.rule, self.rule.order.per_rank
+        step, (epoch, start) = after, rule.after(after)
+        while step < total and per_rank:
+            self.dataset.position.restore(epoch, start)
+            group: StepGroup | None = None
+            for made in self.loader.batches():
+                if group is None:
+                    number = int(rule.steps(epoch, np.int64(made.first)))
+                    group = StepGroup(number, epoch, [], [], [])
+                if made.batch is not None:
+                    group.batches.extend(made.batch if self.packed else [made.batch])
+                group.skipped.extend(made.skipped)
+                group.deleted.extend(made.deleted)
+                if made.last + 1 >= min(
+                    (group.step - epoch * rule.per_epoch) * rule.rows, per_rank
+                ):
+                    yield group
+                    step, group = group.step, None
+                    if step >= total:
+                        return
+            epoch, start = epoch + 1, 0
 
 
-def _empty_like(batch: dict[str, Any]) -> dict[str, Any]:
+def empty_batch(pad_id: int) -> dict[str, Any]:
     """A one-token micro-batch with no target: it adds nothing to the loss or gradients, but
     runs the forward and backward (and their collectives) that the other processes run."""
     return {
-        "input_ids": batch["input_ids"][:1, :1],
+        "input_ids": torch.full((1, 1), pad_id),
         "labels": torch.full((1, 1), IGNORE_INDEX),
         "position_ids": torch.zeros((1, 1), dtype=torch.long),
         "num_target_tokens": 0,
         "num_tokens": 0,
         "keys": [],
     }
-
-
-def pad_group(group: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:
-    """``group`` with empty micro-batches added up to ``size`` (another rank's count)."""
-    return group + [_empty_like(group[0])] * (size - len(group))
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -7,11 +7,12 @@ checkpointer and the stores are collaborators handed in, never base classes.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,16 @@ import torch
 from llmtrain.config.args import TrainerConfig
 from llmtrain.config.metrics import logged_name, resolve
 from llmtrain.data import RunSnapshot
+from llmtrain.data.skips import SKIPS, Skips
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.batches import (
+    StepGroup,
     TrainBatches,
+    empty_batch,
     make_collate,
-    pad_group,
     to_device,
     view_dataset,
 )
@@ -57,11 +60,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _targets(group: list[dict[str, Any]]) -> int:
-    """The target tokens of a group of host-side batches (plain ints, no torch call)."""
-    return sum(b["num_target_tokens"] for b in group)
-
-
 class FitRun:
     """Everything one process needs to train one run of a trainer."""
 
@@ -83,7 +81,9 @@ class FitRun:
         self.targs, self.dargs = self.config.training_args, self.config.data_args
         self.callbacks = list(callbacks)
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
-        self.step, self.tokens_seen, self.start_epoch = 0, 0, 0
+        self.step, self.tokens_seen, self.examples = 0, 0, 0
+        self.skips = Skips()  # what the steps trained since the last checkpoint skipped
+        self.skipped: dict[str, None] = {}  # every key this attempt skipped, in reading order
         self.history: list[dict[str, float]] = []
         self.last_grad_norm = 0.0
         self.best: float | None = None  # the best save_best_by value so far
@@ -214,19 +214,14 @@ class FitRun:
         best = ck.best_record()
         if best is not None and best["step"] <= self.step:
             self.best = best["value"]
-        self.batches.load_state_dict(state["dataset"], allow_changed_data=False)
-        self.start_epoch = self.batches.epoch
         if self.strategy.is_main:
-            log.info(
-                "resumed run %s at step %d (epoch %d)", self.run_id, self.step, self.start_epoch
-            )
+            epoch = self.batches.rule.after(self.step)[0]
+            log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step, epoch)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
-        t = self.targs
-        stream = self.batches.steps(
-            self.start_epoch, None if t.max_steps > 0 else t.num_train_epochs
-        )
+        t, first, epoch_examples = self.targs, self.step, 0
+        stream = self.batches.steps(self.step, self.total_steps)
         self.model.train()
         for callback in self.callbacks:
             callback.on_train_begin(self)
@@ -238,11 +233,21 @@ class FitRun:
                 desc, self.total_steps, self.step, t.logging_steps, self.progress_stream
             )
         try:
-            while self.step < self.total_steps:
-                group, targets = self._next_group(stream)
-                if not group:
-                    break
-                loss = self._train_step(group, targets)
+            for group in stream:
+                batches, targets = self._pair(group)
+                loss = self._train_step(batches, targets) if targets else self._empty_step()
+                self.examples += len(group.keys)
+                epoch_examples += len(group.keys)
+                self.skips.add(group.skipped, group.epoch, group.deleted)
+                self.skipped.update(dict.fromkeys(group.skipped))
+                per_epoch = self.batches.rule.per_epoch
+                if group.step % per_epoch == 0:  # an epoch ended: whole in this attempt?
+                    whole = group.step - per_epoch >= first
+                    if whole and not self._everywhere(epoch_examples):
+                        self._nothing_trained()  # every row of it skipped: all will be
+                    epoch_examples = 0
+                for callback in self.callbacks:
+                    callback.on_step(self, group.keys)
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
                 metrics = {
                     "loss": loss,
@@ -259,7 +264,7 @@ class FitRun:
                     self._eval_step(progress)
                 if t.save_steps and self.step % t.save_steps == 0 and self._saved_step != self.step:
                     self.save_checkpoint()
-            if self.step == 0:
+            if self.step > first and not self._everywhere(self.examples):
                 self._nothing_trained()
             evaluated_now = t.eval_steps and self.step % t.eval_steps == 0
             if not evaluated_now and self._eval_dataset() is not None:
@@ -273,34 +278,38 @@ class FitRun:
     def _nothing_trained(self) -> None:
         """A fit that trained no example fails: storing the untouched model as trained would
         hide that every row was skipped."""
-        stats = self.batches.stats
-        first = list({repr(k): None for k in stats.skipped_keys})  # in reading order, once
+        first = list(self.skipped)
         keys = f" (keys {', '.join(first[:5])}{', ...' if len(first) > 5 else ''})" if first else ""
         raise DataError(
             f"{self.plan.fit.query().source}: no example was trained: "
-            f"{len(stats.skipped_once)} row(s) skipped as bad{keys}; fix the rows or the "
+            f"{len(first)} row(s) skipped as bad{keys}; fix the rows or the "
             "X/Y fields (the warnings above name each row's problem)"
         )
 
-    def _next_group(self, stream: Iterator[list[dict[str, Any]]]) -> tuple[list[Any], int]:
-        """The next accumulation group (still on the host), the same length on every rank, and
-        the target tokens of the whole step on all ranks, in one collective. With a token
-        budget the shorter groups get empty micro-batches (collectives stay paired); without
-        one, a group the data cut short is cut to the shortest; a rank with none stops all."""
-        group = next(stream, [])
-        s, targets = self.strategy, _targets(group)
+    def _everywhere(self, count: int) -> int:
+        """``count`` summed over the ranks (no collective for one process)."""
+        s = self.strategy
+        return count if s.world_size == 1 else int(s.all_reduce(torch.tensor(count)))
+
+    def _pair(self, group: StepGroup) -> tuple[list[dict[str, Any]], int]:
+        """The step's micro-batches (still on the host), as many on every rank (a rank with
+        fewer adds empty ones: collectives stay paired), and the target tokens of the whole
+        step on all ranks, in one collective."""
+        batches, s = group.batches, self.strategy
+        targets = sum(b["num_target_tokens"] for b in batches)  # plain ints: no torch call
         if s.world_size == 1:
-            return group, targets
-        counts = s.all_gather(torch.tensor([len(group), targets]))
-        sizes, total = counts[:, 0].tolist(), int(counts[:, 1].sum())
-        if min(sizes) == 0:
-            return [], 0
-        if self.batches.per_step:
-            return pad_group(group, max(sizes)), total
-        if min(sizes) == max(sizes):
-            return group, total
-        group = group[: min(sizes)]  # the data ran out unevenly (the last step): recount
-        return group, int(s.all_reduce(torch.tensor(_targets(group))))
+            return batches, targets
+        counts = s.all_gather(torch.tensor([len(batches), targets]))
+        empty = [empty_batch(self.tokenizer.pad_token_id)]
+        return batches + empty * (int(counts[:, 0].max()) - len(batches)), int(counts[:, 1].sum())
+
+    def _empty_step(self) -> float:
+        """A step whose rows were all skipped on every rank: nothing to learn, so no update
+        (a zero gradient would still move AdamW's weights); it keeps its number and its place
+        in the schedule."""
+        self.scheduler.step()
+        self.step += 1
+        return math.nan
 
     def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
         """Forward/backward over the group, then one optimizer step; returns the mean loss.
@@ -329,9 +338,6 @@ class FitRun:
         read = torch.cat([summed.float(), norm_t])
         loss_sum, all_tokens, self.last_grad_norm = read.tolist()  # the step's one host sync
         self.tokens_seen += int(all_tokens)
-        keys = [k for b in group for k in b["keys"]]
-        for callback in self.callbacks:
-            callback.on_step(self, keys)
         return loss_sum / max(targets, 1)
 
     def _log(self, metrics: dict[str, float]) -> None:
@@ -452,33 +458,26 @@ class FitRun:
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Collective. The state carries every rank's deleted keys, and so does the run; the
-        run also keeps the epoch each skipped row (deleted or bad) was first skipped in, from
-        every rank: the one per-key fact its lineage cannot derive."""
-        from llmtrain.provenance.lineage import SKIPPED
-
+        """Collective. Rank 0 records what every rank's steps skipped since the last
+        checkpoint (one small blob appended to the run: :mod:`llmtrain.data.skips`)."""
         s = self.strategy
-        dataset = self.batches.state_dict()
-        gone = sorted(set().union(*s.gather_object(dataset["deleted"])))
+        found = Skips()
+        for theirs in s.gather_object(self.skips):
+            found.merge(theirs)
+        if s.is_main and found:
+            info = self.db.metadata.get_run(self.run_id).info
+            blob = self.db.artifacts.put_bytes(found.to_bytes())
+            deleted = int(info.get("deleted_rows") or 0) + len(found.deleted)
+            skips = [*(info.get(SKIPS) or []), blob]
+            self.db.metadata.update_run(self.run_id, info={SKIPS: skips, "deleted_rows": deleted})
+        self.skips = Skips()
         state = {
             "step": self.step,
-            "epoch": self.batches.epoch,
+            "epoch": self.batches.rule.epoch_of(self.step) if self.step else 0,
             "tokens_seen": self.tokens_seen,
-            "dataset": {**dataset, "deleted": gone},
             "run_id": self.run_id,
             "history": self.history[-1000:],
         }
-        if s.is_main and gone:
-            self.db.metadata.update_run(
-                self.run_id, info={"deleted_rows": len(gone), "deleted_keys": gone}
-            )
-        ranks = s.gather_object(self.batches.stats.skipped_in)
-        if s.is_main and any(ranks):
-            merged = dict(self.db.metadata.get_run(self.run_id).info.get(SKIPPED) or {})
-            for found in ranks:
-                for key, epoch in found.items():
-                    merged[key] = min(merged.get(key, epoch), epoch)
-            self.db.metadata.update_run(self.run_id, info={SKIPPED: merged})
         self._saved_step = self.step
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 

@@ -24,6 +24,7 @@ from conftest import fill
 from hooks import KeyTrace
 
 import llmtrain as lt
+from llmtrain.data.skips import read_skips
 from llmtrain.db.engines import sql_engine
 from llmtrain.errors import CheckpointError
 from llmtrain.training import run as run_module
@@ -114,7 +115,7 @@ def test_a_resume_reads_the_runs_snapshot_whatever_changed_since(
     # which the resume would have trained, is skipped and recorded on the run exactly
     gone = [f"int:{key}"] if change != "row added" else []
     assert sorted(trace.keys) == sorted(set(unread) - set(gone))
-    assert run.info.get("deleted_keys", []) == gone
+    assert sorted(read_skips(world.db.artifacts, run.info).deleted) == gone
 
 
 # -- a checkpoint the artifact store cannot take ----------------------------------------------
