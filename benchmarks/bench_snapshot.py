@@ -1,8 +1,15 @@
-"""What a run's key snapshot costs, and what it saves a resume.
+"""What a run's key snapshot costs against reading the keys raw, and what it saves a resume.
 
-    python benchmarks/bench_snapshot.py [--rows 100000,1000000] [--backends sqlite,postgresql]
+    python benchmarks/bench_snapshot.py [--keys 1000000] [--rows 100000,1000000]
+                                        [--backends sqlite,postgresql]
 
-For each backend and row count (the tables of ``bench_datasets.py``, reused when present):
+Part 1, ratios (``--keys`` rows per table; 0 skips it): for int, uuid and text keys, the time
+to take a run's snapshot (``take_snapshot``, chunks in memory), without and with a held-out
+split (``eval_fraction=0.1``), divided by the time the raw driver takes to read the same keys
+in key order (SQLite: the sqlite3 module; PostgreSQL: psycopg's fetchall, and ``COPY (SELECT
+k ...) TO STDOUT``, the faster of the two), measured side by side, best of 3.
+
+Part 2, for each backend and row count (the tables of ``bench_datasets.py``, reused when present):
 
 - snapshot: seconds to take it (keys only, keyset pages) and its size in the artifact store;
 - start: time to the first row of a new run (take the snapshot, then read the first window);
@@ -16,9 +23,13 @@ resume's ratio stays near 1 (it reads no key of the table); the start's grows wi
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +39,92 @@ from bench_datasets import FIELDS, TABLE, prepare  # noqa: E402
 
 import llmtrain as lt  # noqa: E402
 from llmtrain.data import RunSnapshot, take_snapshot  # noqa: E402
+from llmtrain.data.snapshot import MemoryStore  # noqa: E402
 from llmtrain.stores.artifacts.local import LocalArtifactStore  # noqa: E402
+
+KEY_KINDS = {  # key kind -> (SQLite column, PostgreSQL column, key of row i)
+    "int": ("INTEGER", "BIGINT", lambda i: i * 7 + 3),
+    "uuid": ("TEXT", "UUID", lambda i: str(uuid.UUID(int=(i * 0x9E3779B97F4A7C15) % 2**128))),
+    "text": ("TEXT", "TEXT", lambda i: f"doc-{i * 7919 % 10**9:09d}-{i}"),
+}
+
+
+def key_table(backend: str, kind: str, rows: int) -> tuple[str, list[Callable[[], int]]]:
+    """A table ``keys_<kind>`` of ``rows`` rows (built once), and the raw reads of its keys
+    (each returns the number of keys it read)."""
+    lite, pg, make = KEY_KINDS[kind]
+    name = f"keys_{kind}"
+    if backend == "sqlite":
+        path = Path(tempfile.gettempdir()) / f"llmtrain-bench-keys-{rows}.db"
+        with sqlite3.connect(path) as conn:
+            if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone():
+                conn.execute(f"CREATE TABLE {name} (k {lite} PRIMARY KEY, v TEXT)")
+                conn.executemany(
+                    f"INSERT INTO {name} VALUES (?, 'x')", ((make(i),) for i in range(rows))
+                )
+
+        def raw() -> int:
+            with sqlite3.connect(path) as conn:
+                return len(conn.execute(f"SELECT k FROM {name} ORDER BY k").fetchall())
+
+        return f"sqlite:///{path}", [raw]
+    import psycopg
+
+    database = f"llmtrain_bench_keys_{rows}"
+    with psycopg.connect("host=127.0.0.1 user=postgres dbname=postgres", autocommit=True) as c:
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (database,)).fetchone():
+            c.execute(f"CREATE DATABASE {database}")
+    dsn = f"host=127.0.0.1 user=postgres dbname={database}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()
+        if found is None or found[0] is None:
+            conn.execute(f"CREATE TABLE {name} (k {pg} PRIMARY KEY, v TEXT)")
+            with conn.cursor().copy(f"COPY {name} (k, v) FROM STDIN") as copy:
+                for i in range(rows):
+                    copy.write_row((make(i), "x"))
+            conn.execute(f"ANALYZE {name}")
+
+    def fetchall() -> int:
+        with psycopg.connect(dsn) as conn:
+            return len(conn.execute(f"SELECT k FROM {name} ORDER BY k").fetchall())
+
+    def copy() -> int:
+        statement = f"COPY (SELECT k FROM {name} ORDER BY k) TO STDOUT"
+        with psycopg.connect(dsn) as conn, conn.cursor().copy(statement) as cp:
+            return sum(bytes(data).count(b"\n") for data in cp)
+
+    return f"postgresql+psycopg://postgres@127.0.0.1/{database}", [fetchall, copy]
+
+
+def best(call: Callable[[], Any], repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def ratios(backends: list[str], rows: int) -> None:
+    print(
+        f"{'backend':<12}{'keys':>6}{'raw':>9}{'snapshot':>10}{'ratio':>7}{'split':>9}{'ratio':>7}"
+    )
+    for backend in backends:
+        for kind in KEY_KINDS:
+            uri, raws = key_table(backend, kind, rows)
+            db = lt.connect(uri)
+            if any(raw() != rows for raw in raws):
+                raise SystemExit(f"{uri}: keys_{kind} does not hold {rows} rows")
+            raw_s = min(best(raw) for raw in raws)
+            table = lt.Table(f"keys_{kind}")
+            plain = best(partial(take_snapshot, db, table, store=MemoryStore()))
+            split = best(partial(take_snapshot, db, table, eval_fraction=0.1, store=MemoryStore()))
+            print(
+                f"{backend:<12}{kind:>6}{raw_s:>8.2f}s{plain:>9.2f}s{plain / raw_s:>6.2f}x"
+                f"{split:>8.2f}s{split / raw_s:>6.2f}x",
+                flush=True,
+            )
+            db.close()
 
 
 def dataset(db: Any, snapshot: RunSnapshot, store: Any) -> lt.CachedQueryDataset:
@@ -63,9 +159,14 @@ def measure(uri: str, rows: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--rows", default="100000,1000000")
     parser.add_argument("--backends", default="sqlite,postgresql")
     args = parser.parse_args(argv)
+    if args.keys:
+        ratios(args.backends.split(","), args.keys)
+    if not args.rows:
+        return 0
     sizes = sorted(int(r) for r in args.rows.split(","))
     print(f"{'backend':<12}{'rows':>12}{'snapshot':>10}{'size':>12}{'start':>10}{'resume':>10}")
     for backend in args.backends.split(","):

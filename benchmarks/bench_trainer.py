@@ -68,7 +68,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import llmtrain as lt  # noqa: E402
-from llmtrain.data.snapshot import key_repr  # noqa: E402
+from llmtrain.db.keys import key_repr  # noqa: E402
 from llmtrain.formatting import IGNORE_INDEX, Formatter, pad_collate  # noqa: E402
 from llmtrain.formatting.collate import padding_efficiency  # noqa: E402
 from llmtrain.testing import tiny_model  # noqa: E402

@@ -282,11 +282,13 @@ def train_one(name: str, args: argparse.Namespace) -> None:
         {
             "qlora": qlora,
             "zero2": {"deepspeed_config": {"stage": 2}},
-            "fsdp": {"fsdp_config": {"mixed_precision": "bf16"}},
+            # FSDP2 gathers bf16 shards; "auto" autocasts to bf16 on the GPU as well
+            "fsdp": {"fsdp_config": {"mixed_precision": "bf16"}, "mixed_precision": "auto"},
             "fsdp_qlora": {
                 **qlora,
                 "bnb_4bit_quant_storage": "bfloat16",
                 "fsdp_config": {"mixed_precision": "bf16"},
+                "mixed_precision": "auto",
             },
         }[name]
     )

@@ -177,7 +177,19 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         {"launcher": {"kind": "torchrun", "num_nodes": 2, "node_rank": 2, "master_port": 29500}},
         "launcher.node_rank=2 needs num_nodes=2 above it",
     ),
-    ({"launcher": {"num_processes": 2}}, "launcher.kind='python' trains in this one process"),
+    ({"launcher": {"num_processes": 2}}, "launcher.kind: Field required"),
+    (
+        {"bnb_4bit_quant_type": "fp4"},
+        "model_args.bnb_4bit_quant_type='fp4' without model_args.bits=4",
+    ),
+    (
+        {"bits": 8, "bnb_4bit_use_double_quant": False},
+        "bnb_4bit_use_double_quant=False without model_args.bits=4",
+    ),
+    (
+        {"fsdp_config": {"mixed_precision": "bf16"}, "mixed_precision": "fp16"},
+        "two precision settings for one run",
+    ),
     ({"launcher": {"kind": "torchrun", "hostfile": "hosts"}}, "launcher.hostfile"),
     ({"max_tokens_per_batch": 4096}, "max_tokens_per_batch needs packing=True"),
     (
@@ -237,8 +249,8 @@ def test_every_problem_is_reported_at_once_naming_its_fields() -> None:
     ):
         assert part in message, part
     with pytest.raises(ConfigError) as info:
-        lt.Launcher(kind="python", num_processes=2, num_nodes=2)
-    assert "master_port" in str(info.value) and "kind='python'" in str(info.value)
+        lt.Launcher(kind="torchrun", num_processes=2, num_nodes=2, node_rank=3)
+    assert "master_port" in str(info.value) and "node_rank=3" in str(info.value)
 
 
 def test_a_stored_record_and_a_yaml_file_meet_the_same_rules() -> None:

@@ -208,7 +208,9 @@ def _deepspeed_script(env: Env, name: str, kwargs: dict[str, Any], table: str) -
                                 **json.loads(os.environ["DIST_TEST_OPTIONS"]))
         model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table({table!r}),
                             callbacks=["hooks:key_trace", "hooks:RankReport"])
-        print("rank", os.environ["RANK"], "returned", model)
+        # one write per line: under PYTHONUNBUFFERED each of print's pieces is its own
+        # write, and the two ranks' pieces interleave on the launcher's shared pipe
+        os.write(1, ("rank " + os.environ["RANK"] + " returned " + str(model) + "\\n").encode())
     """)
     )
     return script

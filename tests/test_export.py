@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.cli import main
-from llmtrain.data.snapshot import held_out
+from llmtrain.db.keys import held_out
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.testing import tiny_model
 

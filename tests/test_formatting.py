@@ -559,7 +559,7 @@ def test_training_batches_carry_their_counts_as_plain_ints(
     from types import SimpleNamespace
 
     from llmtrain.config.args import DataArguments
-    from llmtrain.data.snapshot import key_repr
+    from llmtrain.db.keys import key_repr
     from llmtrain.training.batches import make_collate
 
     args = DataArguments(max_length=32, packing=packing, max_tokens_per_batch=budget)

@@ -15,8 +15,9 @@ from bson import ObjectId
 from conftest import fill, fresh_database
 
 import llmtrain as lt
-from llmtrain.data.snapshot import MemoryStore, key_repr, take_snapshot
+from llmtrain.data.snapshot import MemoryStore, take_snapshot
 from llmtrain.db.engines import mongo_database, sql_engine
+from llmtrain.db.keys import key_repr
 
 N = 50
 

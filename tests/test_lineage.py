@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 import llmtrain as lt
 from llmtrain.cli import main
-from llmtrain.data.snapshot import key_repr
+from llmtrain.db.keys import key_repr
 from llmtrain.testing import tiny_model
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
@@ -175,7 +175,11 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     forgotten = db.forget("docs", [int(key.split(":")[1])])
     assert sorted(forgotten.models) == sorted(found.models)
     assert forgotten.trainers == [("lin", run.version)]
-    assert key in db.metadata.get_run(run.run_id).info["forgotten_keys"]
+    from llmtrain.provenance.lineage import forgotten_by_run
+
+    carried = forgotten_by_run(db)  # one record of the forget: runs are not rewritten
+    assert carried[run.run_id] == [key] and carried[new_run.run_id] == [key]
+    assert "forgotten_keys" not in db.metadata.get_run(run.run_id).info
     assert db.trained_on("docs", int(key.split(":")[1])).forgotten == [int(key.split(":")[1])]
     assert db.load("model", "lin", parent.version).record.adapter == parent.record.adapter
     assert main(["show", "model", "lin", *where]) == 0
@@ -212,7 +216,7 @@ def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_pat
     from llmtrain.data.plan import StepRule
     from llmtrain.data.skips import Skips
     from llmtrain.data.snapshot import take_snapshot
-    from llmtrain.provenance.lineage import RunLineage, _find
+    from llmtrain.provenance.lineage import RunLineage, find
 
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [_row(i) for i in range(20)])
@@ -245,13 +249,11 @@ def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_pat
                 conn.execute(sa.text("DELETE FROM docs WHERE id IN (8, 9, 10, 11, 17)"))
             engine.dispose()
     assert len(expected) == 20 + 2 * 15
-    assert (
-        skips.first
-        == {f"int:{i}": 1 for i in (8, 9, 10, 11, 17)}
-        == dict.fromkeys(skips.deleted, 1)
-    )
+    assert dict(skips.first.values()) == dict.fromkeys((8, 9, 10, 11, 17), 1)
+    assert sorted(skips.deleted.values()) == [8, 9, 10, 11, 17]
     view = snapshot.train
-    skipped = {i: skips.first[r] for r, i in _find(view, db.artifacts, skips.first)}
+    first = {k: e for k, e in skips.first.values()}
+    skipped = {i: first[k] for k, i in find(view, db.artifacts, list(first))}
     derived = RunLineage("r", view, db.artifacts, rule, 3 * rule.per_epoch, skipped)
     rows = sorted((key_repr(r.key), r.epoch, r.step) for r in derived.rows())
     assert rows == sorted(expected)

@@ -27,7 +27,7 @@ from faults.test_kill_resume import finish, kill_when_held, launch, read_trace
 import llmtrain as lt
 from llmtrain.data import RunSnapshot
 from llmtrain.data.skips import read_skips
-from llmtrain.data.snapshot import key_repr
+from llmtrain.db.keys import key_repr
 from llmtrain.testing import tiny_model
 from llmtrain.training.callbacks import Callback
 
@@ -166,7 +166,7 @@ def test_a_fit_on_a_live_table_trains_its_snapshot_once_per_epoch(
     (run,) = db.metadata.list_runs("trainer", f"live{kind}")
     assert run.status == "completed"
     snapshot = snapshot_keys(db, run)
-    recorded = read_skips(db.artifacts, run.info).deleted
+    recorded = set(read_skips(db.artifacts, run.info).deleted)  # as key_repr
     deleted = {k for k in snapshot if plain(k) in writer.deleted()}
     # the doomed rows deleted during epoch 0 were in the snapshot, and the second epoch would
     # have read them: each was skipped and recorded (not only the writer's own rows)
@@ -214,7 +214,7 @@ def test_a_resume_after_kill_9_reads_the_snapshot_and_continues_batch_for_batch(
     (run,) = db.metadata.list_runs("trainer", "livekill")
     assert run.status == "completed" and run.run_id == result["run_id"]
     snapshot = set(snapshot_keys(db, run))
-    recorded = read_skips(db.artifacts, run.info).deleted
+    recorded = set(read_skips(db.artifacts, run.info).deleted)  # as key_repr
     assert recorded and {plain(k) for k in recorded} <= writer.deleted()
     before, after = dict(read_trace(tmp_path / "first")), dict(read_trace(tmp_path / "resumed"))
     # every doomed row the first attempt had not trained by its checkpoint (step 3) comes in

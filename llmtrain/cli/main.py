@@ -33,7 +33,7 @@ from llmtrain.errors import (
     LlmtrainError,
     QueryError,
 )
-from llmtrain.provenance.lineage import trained_on
+from llmtrain.provenance.lineage import chain, forgotten_by_run, trained_on
 from llmtrain.uri import redact_uri
 
 USAGE_EXAMPLES = """\
@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "trained-on", help="the runs, checkpoints and models that trained on a row"
     )
     trained_on.add_argument("table", help="the table or collection")
-    trained_on.add_argument("key", help="the row's key (matched as text and as an integer)")
+    trained_on.add_argument("key", help="the row's key (typed as the key column holds it)")
 
     forget = _with_db(
         sub,
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="forget rows: later runs leave them out; list (and retrain) what trained on them",
     )
     forget.add_argument("table", help="the table or collection")
-    forget.add_argument("keys", nargs="+", help="row keys (matched as text and as integers)")
+    forget.add_argument("keys", nargs="+", help="row keys (typed as the key column holds them)")
     forget.add_argument(
         "--retrain", action="store_true", help="fit the affected trainers again without them"
     )
@@ -428,9 +428,7 @@ def _show_model(db: Datalayer, name: str) -> None:
     records = db.metadata.list_components("model", name)
     if not records:
         raise _not_found(db, "model", name)
-    forgotten = {  # rows forgotten since (db.forget): the model still carries them
-        r.run_id: len(r.info.get("forgotten_keys") or ()) for r in db.metadata.list_runs()
-    }
+    carried = forgotten_by_run(db)  # rows forgotten since (db.forget): the model carries them
     rows = []
     for r in records:
         p = r.payload
@@ -444,7 +442,8 @@ def _show_model(db: Datalayer, name: str) -> None:
                 history[-1]["loss"] if history else None,
                 p.get("adapter"),
                 p.get("merged"),
-                forgotten.get(p["run_id"]) or None,
+                len({k for run, _ in chain(db, p["run_id"]) for k in carried.get(run.run_id, ())})
+                or None,
             )
         )
     headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
@@ -494,13 +493,6 @@ def _not_found(db: Datalayer, type_id: str, name: str) -> LlmtrainError:
 
 
 # -- lineage ------------------------------------------------------------------------------------
-def _keys(texts: Sequence[str]) -> list[Any]:
-    """A key typed on the command line: the text, and the integer when it reads as one."""
-    return [
-        k for text in texts for k in ([text, int(text)] if text.lstrip("-").isdigit() else [text])
-    ]
-
-
 def cmd_lineage(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         if not db.metadata.list_components("model", args.name):
@@ -531,13 +523,13 @@ def _report_usage(found: Any) -> None:
 
 def cmd_trained_on(args: argparse.Namespace) -> None:
     with _connect(args) as db:
-        _report_usage(trained_on(db, args.table, _keys([args.key])))
+        _report_usage(trained_on(db, args.table, [args.key]))
 
 
 def cmd_forget(args: argparse.Namespace) -> None:
     with _connect(args) as db:
-        result = db.forget(args.table, _keys(args.keys))
-        say(f"forgot {len(args.keys)} key(s) of {args.table}: later runs leave them out")
+        result = db.forget(args.table, args.keys)
+        say(f"forgot {len(args.keys)} key(s) of {result.source}: later runs leave them out")
         _report_usage(result.found)
         if args.retrain:
             for model in result.retrain():

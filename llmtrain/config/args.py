@@ -319,10 +319,10 @@ class FSDPConfig(_Args):
 
 
 class Launcher(_Args):
-    """How fit() starts its worker processes (``kind="python"``: in this process)."""
+    """How fit() starts its worker processes (no launcher: fit() trains in its own process)."""
 
-    kind: Literal["python", "torchrun", "deepspeed"] = "python"
-    """python (in process), torchrun or deepspeed."""
+    kind: Literal["torchrun", "deepspeed"]
+    """torchrun or deepspeed."""
     num_processes: int = Field(default=1, ge=1)
     """Worker processes per node."""
     num_nodes: int = Field(default=1, ge=1)
@@ -349,11 +349,6 @@ class Launcher(_Args):
             (
                 self.node_rank >= self.num_nodes,
                 f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it",
-            ),
-            (
-                kind == "python" and (several or self.num_processes > 1),
-                "launcher.kind='python' "
-                "trains in this one process: use torchrun or deepspeed for several processes",
             ),
             (
                 self.hostfile is not None and kind != "deepspeed",
@@ -514,6 +509,23 @@ class TrainerConfig(_Args):
                 )
                 if on
             ]
+        changed = [
+            f"model_args.{name}={getattr(m, name)!r}"
+            for name, field in ModelArguments.model_fields.items()
+            if name.startswith("bnb_4bit_") and getattr(m, name) != field.default
+        ]
+        if changed and m.bits != 4:
+            problems.append(
+                f"{', '.join(changed)} without model_args.bits=4: they set up the 4-bit "
+                "quantisation only; set bits=4 or leave them out"
+            )
+        fsdp = self.fsdp_config
+        if fsdp and fsdp.mixed_precision != "no" and self.training_args.mixed_precision != "auto":
+            problems.append(
+                f"fsdp_config.mixed_precision={fsdp.mixed_precision!r} with "
+                f"training_args.mixed_precision={self.training_args.mixed_precision!r}: "
+                "two precision settings for one run; under FSDP2 set one of them"
+            )
         if m.bits and self.lora_args is None:
             problems.append(
                 f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
@@ -535,7 +547,11 @@ class TrainerConfig(_Args):
         """What eval_metrics and save_best_by need: rows to evaluate on (known once fit() has
         named its selections), and the whole model on each process to generate with."""
         t, fit, problems = self.training_args, self.fit, []
-        wanted = [f"training_args.{n}" for n in ("eval_metrics", "save_best_by") if getattr(t, n)]
+        wanted = [
+            f"training_args.{n}"
+            for n in ("eval_metrics", "save_best_by", "eval_steps")
+            if getattr(t, n)
+        ]
         if wanted and fit and fit.eval_select is None and self.data_args.eval_fraction <= 0:
             problems.append(
                 f"{' and '.join(wanted)} need rows to evaluate on: pass fit(eval_select=) "

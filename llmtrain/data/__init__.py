@@ -4,7 +4,8 @@ from llmtrain.data.cached import CachedQueryDataset, ReadStats
 from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import rows_per_rank
 from llmtrain.data.query import QueryDataset
-from llmtrain.data.snapshot import KeySnapshot, RunSnapshot, held_out, take_snapshot
+from llmtrain.data.snapshot import KeySnapshot, RunSnapshot, take_snapshot
+from llmtrain.db.keys import held_out
 
 __all__ = [
     "CachedQueryDataset",

@@ -29,10 +29,10 @@ from llmtrain.data.snapshot import (
     MemoryStore,
     RunSnapshot,
     Split,
-    key_repr,
     take_snapshot,
 )
 from llmtrain.db.backend import Key, Row
+from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import Query
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
@@ -70,7 +70,7 @@ class ReadStats:
     deleted: set[str] = field(default_factory=set)
 
 
-class CachedQueryDataset(IterableDataset):
+class CachedQueryDataset(IterableDataset[Row]):
     """Iterable rows of ``select``, in a seeded order, each rank reading only its share.
 
     ``cache_size`` rows make a window (one statement); ``shuffle_block`` consecutive keys a
@@ -85,6 +85,9 @@ class CachedQueryDataset(IterableDataset):
     hash falls outside the held-out fraction (``"train"``) or inside it (``"held_out"``).
     ``snapshot``: the run's :class:`RunSnapshot` of this selection, its chunks in ``store``
     (default ``db.artifacts``); without one the dataset takes its own, kept in memory.
+    ``version_column`` (with a snapshot taken with it): each row's version is read with it,
+    and a row whose version differs from the snapshot's arrives with the version read under
+    ``"_version"`` (what the run records as trained).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class CachedQueryDataset(IterableDataset):
         eval_fraction: float = 0.0,
         snapshot: RunSnapshot | None = None,
         store: Any = None,
+        version_column: str | None = None,
     ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
@@ -124,6 +128,7 @@ class CachedQueryDataset(IterableDataset):
             )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
+        self.version_column = version_column if snapshot is not None else None
         self.cache_size, self.shuffle_block = cache_size, shuffle_block
         self.shuffle, self.seed = shuffle, int(seed)
         self.drop_remainder, self.return_keys, self.prefetch = drop_remainder, return_keys, prefetch
@@ -286,9 +291,9 @@ class CachedQueryDataset(IterableDataset):
 
     def _windows(
         self, epoch: int, start: int, chunk: int, worker: int, workers: int
-    ) -> Iterator[tuple[np.ndarray, list[Key]]]:
-        """(positions, keys) of this worker's rows in windows of at most ``cache_size``,
-        each piece's keys read from the snapshot."""
+    ) -> Iterator[tuple[np.ndarray, list[Key], list[Any] | None]]:
+        """(positions, keys, snapshot versions) of this worker's rows in windows of at most
+        ``cache_size``, each piece's keys read from the snapshot."""
         view, block = self.view, self.shuffle_block
         for piece in self.order.pieces(epoch, self.placement.rank, start):
             positions = piece.offset + np.arange(len(piece))
@@ -300,13 +305,20 @@ class CachedQueryDataset(IterableDataset):
                 continue
             first = piece.block * block + piece.start
             keys = view.keys(self.store, first, first + len(piece))
+            versions = None
+            if self.version_column:
+                versions = view.versions_of(self.store, first, first + len(piece))
             visit = piece.order()[picks]
             for i in range(0, len(picks), self.cache_size):
-                at = visit[i : i + self.cache_size]
-                yield positions[picks[i : i + self.cache_size]], [keys[j] for j in at.tolist()]
+                at = visit[i : i + self.cache_size].tolist()
+                yield (
+                    positions[picks[i : i + self.cache_size]],
+                    [keys[j] for j in at],
+                    None if versions is None else [versions[j] for j in at],
+                )
 
     def _prefetched(
-        self, windows: Iterator[tuple[np.ndarray, list[Key]]]
+        self, windows: Iterator[tuple[np.ndarray, list[Key], list[Any] | None]]
     ) -> Generator[Window, None, None]:
         """Fetch window i+1 on a thread while window i is consumed. The thread hands over
         each window, then None at the end, or the error that stopped it."""
@@ -339,13 +351,21 @@ class CachedQueryDataset(IterableDataset):
                     thread.join(timeout=0.05)
 
     # -- reading the view ------------------------------------------------------------------
-    def _fetch(self, window: tuple[np.ndarray, list[Key]]) -> Window:
+    def _fetch(self, window: tuple[np.ndarray, list[Key], list[Any] | None]) -> Window:
         """One window's rows by key (one statement). A row deleted since the snapshot comes
-        as None, counted and noted."""
-        positions, wanted = window
+        as None, counted and noted; a row updated since, with the version read."""
+        positions, wanted, versions = window
+        fields, column = self.fields, self.version_column
+        if column:
+            fields = (*fields, column)
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
-        pairs = self.db.backend.fetch_by_keys(self.query, self.fields, wanted)
+        pairs = self.db.backend.fetch_by_keys(self.query, fields, wanted)
         found = {key_repr(k): row for k, row in pairs}
+        if column and versions is not None:
+            for key, version in zip(wanted, versions):
+                row = found.get(key_repr(key))
+                if row is not None and (read := row.pop(column, None)) != version:
+                    row["_version"] = read
         self.stats.statements += 1
         self.stats.rows_fetched += len(found)
         reprs = [key_repr(k) for k in wanted]

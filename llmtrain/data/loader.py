@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from llmtrain.data.position import Positioned
-from llmtrain.data.snapshot import key_repr
+from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -26,14 +26,15 @@ class LoaderBatch:
     first: int
     last: int
     batch: Any
-    deleted: list[str]
-    skipped: list[str]
+    deleted: list[Any]
+    skipped: list[Any]
+    changed: list[tuple[Any, Any]]  # (key, version read) of rows updated since the snapshot
 
 
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "persistent_workers")
 
 
-class _WorkerShare(IterableDataset):
+class _WorkerShare(IterableDataset[Positioned]):
     """What each worker runs: its share of one pass, with positions attached."""
 
     def __init__(self, dataset: CachedQueryDataset, epoch: int, start: int, chunk: int) -> None:
@@ -79,14 +80,16 @@ class QueryDataLoader:
         """Skipped bad rows and deleted rows arrive as None; a worker's keys ride back with
         its batch."""
         deleted = self.dataset.stats.deleted
-        skipped = [key_repr(k) for _, k, row in items if row is None]
-        gone = [r for r in skipped if r in deleted]
+        skipped = [k for _, k, row in items if row is None]
+        gone = [k for k in skipped if key_repr(k) in deleted]
         rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
+        changed = [(key, row.pop("_version")) for key, row in rows if "_version" in row]
         if not self.with_keys:
             rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
         batch = self.collate_fn(rows) if self.collate_fn and rows else rows
         positions = [pos for pos, _, _ in items]
-        return LoaderBatch(min(positions), max(positions), batch if rows else None, gone, skipped)
+        made = batch if rows else None
+        return LoaderBatch(min(positions), max(positions), made, gone, skipped, changed)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)
@@ -115,7 +118,7 @@ class QueryDataLoader:
         )
         for made in loader:
             position.consumed = made.last + 1
-            ds.stats.deleted.update(made.deleted)
+            ds.stats.deleted.update(map(key_repr, made.deleted))
             yield made
         position.finish(length)
 

@@ -9,7 +9,7 @@ from torch.utils.data import Dataset
 
 from llmtrain.data.cached import ReadStats
 from llmtrain.data.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.data.snapshot import MemoryStore, keyset_pages, take_snapshot
+from llmtrain.data.snapshot import CHUNK_SIZE, MemoryStore, ViewWriter, data_fingerprint
 from llmtrain.db.backend import Row
 from llmtrain.db.queries import Query
 from llmtrain.errors import ConfigError
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
 
 
-class QueryDataset(Dataset):
+class QueryDataset(Dataset[Row]):
     """Map-style: ``len()`` and indexing over rows read in key order with keyset pages."""
 
     def __init__(
@@ -38,7 +38,9 @@ class QueryDataset(Dataset):
         self.stats = ReadStats()
         self.keys: list[Any] = []
         self.rows: list[Row] = []
-        for page in keyset_pages(db.backend, select, self.fields, page_size):
+        keys = ViewWriter(MemoryStore(), CHUNK_SIZE, with_versions=False)
+        for page in db.backend.pages(select, self.fields, page_size):
+            keys.extend([k for k, _ in page])
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
@@ -48,8 +50,8 @@ class QueryDataset(Dataset):
                 else:
                     self.stats.skipped += 1
                     self.stats.skipped_keys.append(key)
-        snapshot = take_snapshot(db, select, store=MemoryStore())
-        self.data_fingerprint = snapshot.fingerprint
+        # the fingerprint of the same keys a snapshot would take: read once, not twice
+        self.data_fingerprint = data_fingerprint(0.0, keys.done(), None)
 
     def __len__(self) -> int:
         return len(self.rows)

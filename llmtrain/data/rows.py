@@ -7,8 +7,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from llmtrain.data.snapshot import key_repr
 from llmtrain.db.backend import Key
+from llmtrain.db.keys import key_repr
 from llmtrain.errors import BadRowError, ConfigError
 
 log = logging.getLogger("llmtrain.data")

@@ -10,19 +10,21 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from llmtrain.db.keys import Key, KeyPage, check_keys, same_key
 from llmtrain.db.queries import Query
 from llmtrain.db.retry import RetryPolicy
+from llmtrain.db.sources import Source
 from llmtrain.errors import DatabaseUnavailableError
 from llmtrain.uri import redact_uri
 
-Key = Any
 Row = dict[str, Any]
 KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
 T = TypeVar("T")
 log = logging.getLogger("llmtrain.db")
+_NONE = object()  # no key before the first page
 
 
 class DataBackend(ABC):
@@ -50,6 +52,37 @@ class DataBackend(ABC):
     @abstractmethod
     def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
+
+    @abstractmethod
+    def resolve(self, source: Query | str) -> Source:
+        """The table or collection (a name as the user spells it, or what a query's keys come
+        from) as the database names it (:mod:`llmtrain.db.sources`); QueryError if there is
+        none."""
+
+    def pages(self, query: Query, fields: Sequence[str], page_size: int) -> Iterator[KeyedRows]:
+        """The selection's rows in key order, ``page_size`` a statement, each page's keys
+        checked (:func:`check_keys`). Each page after the first starts *at* the last key
+        seen (one row more), so a key repeated across the boundary shows up as a repeat
+        too; that overlapping row is dropped."""
+        lower: Any = _NONE
+        while True:
+            limit = page_size if lower is _NONE else page_size + 1
+            page = self.fetch_rows(query, fields, None if lower is _NONE else lower, limit)
+            rows = page[1:] if page and same_key(page[0][0], lower) else page
+            check_keys([k for k, _ in rows], lower, self.key_name(query), query.source)
+            yield rows
+            if len(page) < limit:
+                return
+            lower = page[-1][0]
+
+    def key_pages(
+        self, query: Query, version_column: str | None, page_size: int
+    ) -> Iterator[KeyPage]:
+        """The selection's keys (and each one's version) in key order, as :meth:`pages`."""
+        fields = (version_column,) if version_column else ()
+        for rows in self.pages(query, fields, page_size):
+            versions = [r.get(version_column) for _, r in rows] if version_column else None
+            yield KeyPage([k for k, _ in rows], versions)
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
         """Drop connections; they reopen on the next call."""

@@ -13,6 +13,7 @@ from pymongo.errors import ConnectionFailure
 from llmtrain.db.backend import DataBackend, Key, KeyedRows
 from llmtrain.db.engines import drop_mongo_client, mongo_database
 from llmtrain.db.queries import Collection, Query
+from llmtrain.db.sources import Source, match_name
 from llmtrain.errors import QueryError
 
 _IN_CHUNK = 1000
@@ -62,6 +63,22 @@ class MongoBackend(DataBackend):
     def key_name(self, query: Query) -> str:
         self._query(query)
         return "_id"
+
+    def resolve(self, source: Query | str) -> Source:
+        db = mongo_database(self._uri)
+        if isinstance(source, str):
+            name = source.strip().removeprefix(f"{db.name}.")
+        else:
+            name = self._query(source).name
+
+        def found() -> Source:
+            names = db.list_collection_names()
+            name_found = match_name(name, names, "collection", self.uri, fold=False)
+            first = db[name_found].find_one({}, {"_id": 1}, sort=[("_id", 1)])
+            key_type = type(first["_id"]) if first else None
+            return Source(f"{db.name}.{name_found}", "_id", key_type)
+
+        return self._with_retry("reading the collections", found, (ConnectionFailure,))
 
     def _query(self, query: Query) -> Collection:
         if not isinstance(query, Collection):

@@ -138,7 +138,14 @@ class RawSQL(Query):
 
     kind = "sql_raw"
 
-    def __init__(self, text: str, *, key: str, params: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        text: str,
+        *,
+        key: str,
+        params: dict[str, Any] | None = None,
+        source: str | None = None,
+    ) -> None:
         if not isinstance(text, str) or not text.strip():
             raise QueryError("sql() needs a SELECT statement")
         if ";" in text.strip().rstrip(";"):
@@ -148,6 +155,7 @@ class RawSQL(Query):
         self.text = text.strip().rstrip(";")
         self.key = _check_name("key column", key)
         self.params = dict(params or {})
+        self.table = source  # the table the key column comes from (None: parsed from text)
         _check_params(self.params)
 
     @property
@@ -155,12 +163,15 @@ class RawSQL(Query):
         return "sql query " + (self.text[:60] + "..." if len(self.text) > 60 else self.text)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
+        data = {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
+        return {**data, "source": self.table}
 
 
-def sql(text: str, *, key: str, **params: Any) -> RawSQL:
-    """A raw SELECT with bound ``:name`` parameters, paged on the unique column ``key``."""
-    return RawSQL(text, key=key, params=params)
+def sql(text: str, *, key: str, source: str | None = None, **params: Any) -> RawSQL:
+    """A raw SELECT with bound ``:name`` parameters, paged on the unique column ``key``;
+    ``source``: the table that column comes from, when the statement reads several and its
+    key's does not show (forget and lineage name a row by its table)."""
+    return RawSQL(text, key=key, params=params, source=source)
 
 
 class Collection(Query):

@@ -12,22 +12,36 @@ ROLLBACK round trips around every page.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
+import numpy as np
 import sqlalchemy as sa
 
-from llmtrain.db.backend import DataBackend, Key, KeyedRows
+from llmtrain.db.backend import DataBackend, KeyedRows
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
+from llmtrain.db.keys import Key, KeyPage, check_keys, same_key
 from llmtrain.db.queries import Query, RawSQL, Table
 from llmtrain.db.retry import RetryPolicy
+from llmtrain.db.sources import Source, key_table, match_name, split_name
 from llmtrain.db.sql_errors import database_message, is_transient, refusal
 from llmtrain.errors import QueryError
 
 _IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
+_NONE = object()  # no key before the first page
+
+
+def _converts(column_type: Any, dialect: Any) -> bool:
+    """Whether SQLAlchemy turns this column's driver values into others (a SQLite DATE's
+    text into a date; a NUMERIC's Decimal into a float): then keys come through it."""
+    try:
+        return bool(column_type.dialect_impl(dialect).result_processor(dialect, None))
+    except Exception:  # noqa: BLE001 - a processor that needs the driver's type code
+        return True
 
 
 def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
@@ -228,6 +242,98 @@ class SQLBackend(DataBackend):
             self._pages[shape] = stmt
         values = {_LIMIT: limit} if lower is None else {_LIMIT: limit, _LOWER: lower}
         return _pairs(self._rows(stmt, values, query.source), names)
+
+    def resolve(self, source: Query | str) -> Source:
+        schema: str | None
+        column: str | None
+        if isinstance(source, RawSQL):
+            if source.table is not None:
+                (schema, table), column = split_name(source.table), source.key
+            else:
+                found, table, column = key_table(source.text, source.key)
+                schema = found or None
+        elif isinstance(source, Table):
+            schema, table, column = source.schema, source.name, source.key
+        elif isinstance(source, str):
+            (schema, table), column = split_name(source), None
+        else:
+            self._source(source)  # the QueryError that says it is no SQL query
+            raise AssertionError("unreachable")
+        what = source.source if isinstance(source, Query) else f"table {source!r}"
+        return self._retrying(
+            "reading the catalog", lambda: self._catalog(schema, table, column), what
+        )
+
+    def _catalog(self, schema: str | None, table: str, column: str | None) -> Source:
+        inspector = sa.inspect(self.engine)
+        if schema is None:
+            schema = inspector.default_schema_name or "main"
+        else:
+            schema = match_name(schema, inspector.get_schema_names(), "schema", self.uri, True)
+        names = [*inspector.get_table_names(schema), *inspector.get_view_names(schema)]
+        table = match_name(table, names, "table", f"{schema} of {self.uri}", fold=True)
+        columns = {c["name"]: c for c in inspector.get_columns(table, schema)}
+        if column is None:
+            pk = inspector.get_pk_constraint(table, schema).get("constrained_columns") or []
+            column = pk[0] if len(pk) == 1 else None
+        if column not in columns:
+            raise QueryError(f"{schema}.{table} has no key column {column!r}")
+        try:
+            python_type = columns[column]["type"].python_type
+        except NotImplementedError:
+            python_type = None
+        return Source(f"{schema}.{table}", column, python_type)
+
+    def key_pages(
+        self, query: Query, version_column: str | None, page_size: int
+    ) -> Iterator[KeyPage]:
+        """As the base class's, but the rows come straight from the driver's cursor (no
+        SQLAlchemy row per key: 3x faster) and integer keys as one int64 array. Only where
+        SQLAlchemy would hand out the driver's values unchanged (no result processor), so
+        the keys equal those the windows read by."""
+        src = self._source(query)
+        cols = [src.key, *([src.column(version_column)] if version_column else [])]
+        dialect = self.engine.dialect
+        if any(_converts(c.type, dialect) for c in cols):
+            yield from super().key_pages(query, version_column, page_size)
+            return
+        try:
+            ints = src.key.type.python_type is int
+        except NotImplementedError:
+            ints = False
+        first = src.select(*cols).order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
+        later = first.where(src.key >= sa.bindparam(_LOWER, type_=src.key.type))
+        lower: Any = _NONE
+        while True:
+            stmt, values = (first, {}) if lower is _NONE else (later, {_LOWER: lower})
+            limit = page_size if lower is _NONE else page_size + 1
+            rows = self._raw_rows(stmt, {**values, _LIMIT: limit}, query.source)
+            found = list(map(itemgetter(0), rows))
+            skip = 1 if found and same_key(found[0], lower) else 0
+            keys: Any = found[skip:]
+            if ints and None not in keys:
+                keys = np.array(keys, dtype=np.int64)
+            check_keys(keys, lower, src.key.name, query.source)
+            versions = [r[1] for r in rows[skip:]] if version_column else None
+            yield KeyPage(keys, versions)
+            if len(rows) < limit:
+                return
+            lower = found[-1]
+
+    def _raw_rows(self, stmt: sa.Executable, values: dict[str, Any], source: str) -> list[Any]:
+        """The driver's own rows of one statement (tuples), with the usual retries."""
+
+        def call() -> list[Any]:
+            with self.engine.connect() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execution_options(isolation_level="AUTOCOMMIT")
+                result = conn.execute(stmt, values)
+                try:
+                    return list(result.cursor.fetchall())
+                finally:
+                    result.close()
+
+        return list(self._retrying("reading keys", call, source))
 
     def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         src = self._source(query)

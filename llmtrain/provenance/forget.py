@@ -1,10 +1,13 @@
 """``db.forget(source, keys)``: a right-to-be-forgotten request, from the record alone.
 
-It stores the keys in the source's ``forgotten`` record (every later run of any trainer on
-that source leaves them out of its snapshot, and records that it did), marks each run that
-trained on them (``forgotten_keys`` in its info: its checkpoints and model carry the rows),
-and reports the models and checkpoints affected. Nothing is deleted: ``db.remove`` does that
-when asked. ``retrain()`` fits each affected trainer again from its recipe, without them.
+The source is resolved through the database and the keys typed as its key column holds them
+before anything is written (a table that does not exist, or a key of another type, is an
+error naming it). Then one write: a new version of the source's ``forgotten`` record holding
+the keys (their text and digests) and, for each run that trained on them, which ones. Every
+later run of any trainer that reads the table (``lt.Table`` or ``lt.sql``) leaves them out
+and records that it did; an incremental fit refuses a parent that trained on them. Nothing is
+deleted: ``db.remove`` does that when asked. ``retrain()`` fits each affected trainer again
+from its recipe, without them.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from llmtrain.data.snapshot import key_repr
-from llmtrain.db.backend import Key
+from llmtrain.db.keys import DIGEST, Key, key_digests, key_repr
 from llmtrain.errors import ConfigError
-from llmtrain.provenance.lineage import FORGOTTEN, TrainedOn, trained_on
+from llmtrain.provenance.lineage import FORGOTTEN, TrainedOn, forgotten, trained_on
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Components
@@ -34,6 +36,10 @@ class Forgotten:
     found: TrainedOn
     trainers: list[tuple[str, int]] = field(default_factory=list)
     retrained: list[Any] = field(default_factory=list)  # the models retrain() made
+
+    @property
+    def source(self) -> str:
+        return str(self.found.source)
 
     @property
     def models(self) -> list[tuple[str, int]]:
@@ -59,36 +65,40 @@ class Forgotten:
 
 
 def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = False) -> Forgotten:
-    """Forget the rows ``keys`` of ``source`` (a table or collection name, or a query)."""
-    from llmtrain.db.queries import Query
-
+    """Forget the rows ``keys`` of ``source`` (a table or collection name as the database
+    would accept it, or a query: the table its keys come from)."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not keys:
         raise ConfigError(f"forget() needs a non-empty list of keys, got {keys!r}")
-    if not isinstance(source, (str, Query)) or not source:
-        raise ConfigError(f"forget() needs a table or collection name or a query, got {source!r}")
-    stored_source = source.to_dict() if isinstance(source, Query) else source
-    identifier = source.fingerprint() if isinstance(source, Query) else source
-    reprs = sorted({key_repr(k) for k in keys})
-    try:
-        earlier = db.metadata.get_component(FORGOTTEN, identifier).payload.get("keys") or []
-    except LookupError:
-        earlier = []
-    db.metadata.add_component(
-        FORGOTTEN,
-        identifier,
-        {"source": stored_source, "keys": sorted(set(earlier) | set(reprs))},
-        unless_unchanged=True,
-    )
-    found = trained_on(db, source, keys)
+    resolved = db.backend.resolve(source)
+    typed = resolved.typed(keys, "forget()")
+    found = trained_on(db, resolved, typed)
+    known, earlier_runs = forgotten(db, resolved.name)
     by_run: dict[str, set[str]] = {}
     for use in found.uses:
         by_run.setdefault(use.run_id, set()).add(key_repr(use.key))
     consumed = set().union(*by_run.values())
+    runs = {  # a run continued from an affected model carries all of them
+        run_id: sorted(set(by_run.get(run_id, consumed)) - set(earlier_runs.get(run_id, ())))
+        for run_id in found.runs
+    }
+    digests = key_digests(typed)
+    fresh = {key_repr(k): int(d) for k, d in zip(typed, digests) if d not in set(known.tolist())}
+    if fresh or any(runs.values()):
+        db.metadata.add_component(
+            FORGOTTEN,
+            resolved.name,
+            {
+                "source": resolved.name,
+                "key": resolved.key,
+                "digest": DIGEST,
+                "keys": sorted(fresh),
+                "digests": sorted(fresh.values()),
+                "runs": {run_id: keys for run_id, keys in runs.items() if keys},
+            },
+        )
     trainers: dict[str, int] = {}
     for run_id in found.runs:
         run = db.metadata.get_run(run_id)
-        mine = sorted(set(run.info.get("forgotten_keys") or []) | by_run.get(run_id, consumed))
-        db.metadata.update_run(run_id, info={"forgotten_keys": mine})
         trainers[run.identifier] = max(trainers.get(run.identifier, run.version), run.version)
     for run_id in found.underivable:
         log.warning("run %s predates key snapshots: whether it trained on them is unknown", run_id)

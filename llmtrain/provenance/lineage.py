@@ -20,9 +20,11 @@ import numpy as np
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.data.plan import Order, StepRule
 from llmtrain.data.skips import read_skips
-from llmtrain.data.snapshot import KeySnapshot, RunSnapshot, key_repr
+from llmtrain.data.snapshot import KeySnapshot, RunSnapshot
 from llmtrain.db.backend import Key
-from llmtrain.errors import StoreError
+from llmtrain.db.keys import key_digests, key_repr, same_key
+from llmtrain.db.sources import Source
+from llmtrain.errors import ConfigError, QueryError, StoreError
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -52,6 +54,7 @@ class RunLineage:
     rule: StepRule
     limit: int  # the last step the run trained
     skipped: dict[int, int]  # key index -> the first epoch it was skipped in
+    changed: dict[int, Any] = field(default_factory=dict)  # key index -> version as trained
 
     @classmethod
     def of(cls, db: Database, run: Any, steps: int | None = None) -> RunLineage:
@@ -75,9 +78,13 @@ class RunLineage:
         if t.max_steps <= 0:  # an epoch-bounded run never goes past its epochs
             limit = min(limit, rule.per_epoch * t.num_train_epochs)
         skips = read_skips(db.artifacts, info)
-        found = _find(view, db.artifacts, skips.first) if skips.first else ()
-        skipped = {index: skips.first[r] for r, index in found}
-        return cls(run.run_id, view, db.artifacts, rule, limit, skipped)
+        first = {key_repr(k): e for k, e in skips.first.values()}
+        found = find(view, db.artifacts, [k for k, _ in skips.first.values()])
+        skipped = {index: first[key_repr(key)] for key, index in found}
+        read = {key_repr(k): v for k, v in skips.changed.values()}
+        found = find(view, db.artifacts, [k for k, _ in skips.changed.values()])
+        changed = {index: read[key_repr(key)] for key, index in found}
+        return cls(run.run_id, view, db.artifacts, rule, limit, skipped, changed)
 
     def epochs(self) -> range:
         return range(self.rule.epoch_of(self.limit) + 1 if self.limit else 0)
@@ -121,6 +128,16 @@ class RunLineage:
                 mask[self._trained(epoch, rank)[0]] = True
         return mask
 
+    def version_of(self, index: int) -> Any:
+        """The version of the row at ``index`` as the run read it for training: the one its
+        reader found when it differed from the snapshot's (a row updated mid-run), else the
+        snapshot's; None without a version column."""
+        if index in self.changed:
+            return self.changed[index]
+        if self.view.versions is None:
+            return None
+        return self.view.versions_of(self.store, index, index + 1)[0]
+
     def uses(self, index: int) -> Iterator[tuple[int, int, int]]:
         """(epoch, step, rank) of every time the row at ``index`` was trained."""
         for epoch in self.epochs():
@@ -163,40 +180,46 @@ def model_lineage(db: Database, name: str, version: int | None = None) -> Iterat
         yield from RunLineage.of(db, run, steps).rows()
 
 
-def forgotten_keys(db: Database, source: Any) -> list[str]:
-    """The keys (as key_repr) forgotten in ``source``: a stored query, a table or collection
-    name, or a query."""
+def run_source(db: Database, run: Any, resolved: dict[str, str | None]) -> str | None:
+    """The resolved name of the table or collection a run read (recorded at registration;
+    resolved from its query for a run recorded before that, once per query in
+    ``resolved``); None where it cannot be (the table is gone)."""
     from llmtrain.db.queries import Query
 
-    # ordered by version: the newest record of each source wins
-    newest = {r.identifier: r for r in db.metadata.list_components(FORGOTTEN)}
-    out: set[str] = set()
-    for record in newest.values():
-        theirs = record.payload.get("source")
-        theirs = Query.from_dict(theirs) if isinstance(theirs, dict) else theirs
-        mine = source.to_dict() if isinstance(source, Query) else source
-        if (
-            matches(mine, theirs)
-            if isinstance(mine, dict)
-            else mine == theirs or (isinstance(theirs, Query) and matches(theirs.to_dict(), mine))
-        ):
-            out.update(record.payload.get("keys") or [])
-    return sorted(out)
+    if isinstance(run.info.get("source"), str):
+        return run.info["source"]
+    query = run.info.get("query")
+    if not isinstance(query, dict):
+        return None
+    name = Query.from_dict(query).fingerprint()
+    if name not in resolved:
+        try:
+            resolved[name] = db.backend.resolve(Query.from_dict(query)).name
+        except (QueryError, ConfigError):
+            resolved[name] = None
+    return resolved[name]
 
 
-def matches(query: dict[str, Any], source: Any) -> bool:
-    """Whether a stored query reads ``source``: a table or collection name (``schema.name``
-    for a table in a schema), or a query (the same table, collection or SQL text)."""
-    from llmtrain.db.queries import Query
+def forgotten(db: Database, source: str) -> tuple[np.ndarray, dict[str, list[str]]]:
+    """What ``db.forget`` recorded for the resolved ``source``: the sorted digests of its
+    forgotten keys, and for each run that had trained on some, their keys (as key_repr)."""
+    digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
+    runs: dict[str, list[str]] = {}
+    for record in db.metadata.list_components(FORGOTTEN, source):
+        payload = record.payload
+        digests.append(np.asarray(payload.get("digests") or [], dtype=np.uint64))
+        for run_id, keys in (payload.get("runs") or {}).items():
+            runs[run_id] = sorted({*runs.get(run_id, ()), *keys})
+    return np.unique(np.concatenate(digests)), runs
 
-    if isinstance(source, Query):
-        theirs = source.to_dict()
-        fields = ("kind", "text") if "text" in theirs else ("kind", "name", "schema")
-        return all(query.get(f) == theirs.get(f) for f in fields)
-    if "name" not in query:  # raw SQL: only the query itself names it
-        return False
-    name = query.get("name")
-    return source in (name, f"{query.get('schema')}.{name}")
+
+def forgotten_by_run(db: Database) -> dict[str, list[str]]:
+    """For every run that trained rows forgotten since, those rows' keys (as key_repr)."""
+    out: dict[str, list[str]] = {}
+    for record in db.metadata.list_components(FORGOTTEN):
+        for run_id, keys in (record.payload.get("runs") or {}).items():
+            out[run_id] = sorted({*out.get(run_id, ()), *keys})
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,6 +233,7 @@ class Use:
     epoch: int
     step: int
     rank: int
+    row_version: Any = None  # the row's version as trained (with a version column)
 
 
 @dataclass
@@ -233,30 +257,36 @@ class TrainedOn:
 
 
 def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
-    """Who consumed the rows ``keys`` of ``source``.
+    """Who consumed the rows ``keys`` of ``source`` (a table or collection name as the user
+    spells it, a query, or a resolved :class:`~llmtrain.db.sources.Source`): the source is
+    resolved through the database and the keys typed as its key column holds them
+    (:meth:`Source.typed`), so every spelling of one table finds the same runs.
 
-    Cost: one listing of runs and of models; for each run that read ``source``, one pass over
-    its snapshot, chunk by chunk (never the table), comparing 8-byte key digests, then
+    Cost: one listing of runs and of models; for each run that read the source, one pass
+    over its snapshot, chunk by chunk (never the table), comparing 8-byte key digests, then
     O(epochs x ranks x blocks) plan arithmetic per key found; checkpoints are listed for the
     affected runs only.
     """
-    result = TrainedOn(source, list(keys))
-    forgotten = set(forgotten_keys(db, source))
-    result.forgotten = [k for k in keys if key_repr(k) in forgotten]
+    found_source = source if isinstance(source, Source) else db.backend.resolve(source)
+    keys = found_source.typed(keys, "trained_on()")
+    result = TrainedOn(found_source.name, keys)
+    gone, _ = forgotten(db, found_source.name)
+    result.forgotten = [k for k, d in zip(keys, key_digests(keys)) if d in set(gone.tolist())]
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
+    resolved: dict[str, str | None] = {}
     for run in runs:
-        if not matches(run.info.get("query") or {}, source):
+        if run_source(db, run, resolved) != found_source.name:
             continue
         try:
             lineage = RunLineage.of(db, run)
         except StoreError:
             result.underivable.append(run.run_id)
             continue
-        wanted = {key_repr(k): k for k in keys}
         uses = [
-            Use(wanted[r], run.run_id, run.identifier, run.version, epoch, step, rank)
-            for r, index in _find(lineage.view, db.artifacts, wanted)
+            Use(key, run.run_id, run.identifier, run.version, epoch, step, rank, version)
+            for key, index in find(lineage.view, db.artifacts, keys)
+            for version in [lineage.version_of(index)]
             for epoch, step, rank in lineage.uses(index)
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
@@ -281,14 +311,20 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     return result
 
 
-def _find(view: KeySnapshot, store: Any, wanted: Any) -> Iterator[tuple[str, int]]:
-    """(key_repr, index) of every key of ``view`` whose key_repr is in ``wanted`` (of the
-    same type: ``1`` is not ``True``), reading the view chunk by chunk."""
-    base = 0
-    for start in range(0, view.count, view.chunk_size):
-        chunk = view.keys(store, start, start + view.chunk_size)
-        for i, key in enumerate(chunk):
-            r = key_repr(key)
-            if r in wanted:
-                yield r, base + i
-        base += len(chunk)
+def find(view: KeySnapshot, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:
+    """(key, index) of each of ``keys`` in ``view`` (of the same type: ``1`` is not
+    ``True``), by their digests over each chunk in turn: 10M int keys in well under a
+    second (``benchmarks/bench_lineage.py``); a digest match is confirmed on the key."""
+    if not len(keys):
+        return []
+    wanted = key_digests(list(keys))
+    by_digest = dict(zip(wanted.tolist(), keys))
+    wanted.sort()
+    found, base = [], 0
+    for digests in view.digests(store):
+        for i in np.flatnonzero(np.isin(digests, wanted)).tolist():
+            (key,) = view.keys(store, base + i, base + i + 1)
+            if same_key(key, by_digest[int(digests[i])]):
+                found.append((key, base + i))
+        base += len(digests)
+    return found

@@ -1,13 +1,12 @@
 """Which rows a new run trains on: the snapshot, less forgotten rows, and for an incremental
-fit less the rows earlier runs of the trainer trained on.
+fit less the rows earlier runs of the trainer trained on (in the version they trained).
 
-Sets of keys are sorted arrays of 8-byte digests (:func:`digests`) tested
-with ``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB.
+Sets of keys are sorted arrays of 8-byte digests (:func:`~llmtrain.db.keys.key_digests`)
+tested with ``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -15,11 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmtrain.data.snapshot import key_repr
-from llmtrain.db.backend import Key
-from llmtrain.db.queries import Query
-from llmtrain.errors import ConfigError
-from llmtrain.provenance.lineage import PARENT, RunLineage, forgotten_keys, matches
+from llmtrain.config.args import build
+from llmtrain.db.keys import Key, key_digests, key_repr
+from llmtrain.errors import ConfigError, DataError
+from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten, run_source
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
@@ -29,22 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmtrain.training")
 
 
-def digests(keys: Sequence[Key]) -> np.ndarray:
-    """uint64 digests of the keys' ``key_repr`` (blake2b); collisions are about n^2 / 2^65:
-    1e-5 at 10M keys, in which case one changed row may be counted as trained already."""
-    return np.fromiter(
-        (
-            int.from_bytes(hashlib.blake2b(key_repr(k).encode(), digest_size=8).digest(), "big")
-            for k in keys
-        ),
-        dtype=np.uint64,
-        count=len(keys),
-    )
-
-
-def pair_digests(keys: Sequence[Key], versions: Sequence[Any]) -> np.ndarray:
+def pair_digests(keys: Sequence[Key] | np.ndarray, versions: Sequence[Any]) -> np.ndarray:
     """Digests of (key, version): a row changed in place gets a new one."""
-    return digests([f"{k!r}\x00{v!r}" for k, v in zip(keys, versions)])
+    return key_digests([f"{key_repr(k)}\x00{key_repr(v)}" for k, v in zip(keys, versions)])
 
 
 @dataclass
@@ -59,36 +44,39 @@ class Trained:
 
     def new(self, keys: Sequence[Key], versions: Sequence[Any] | None) -> np.ndarray:
         """A mask of the rows none of those runs trained on (in the same version)."""
-        mine = digests(keys)
+        mine = key_digests(keys)
         fresh = ~np.isin(mine, self.keys)
         if versions is None:  # no version column: only unseen keys are new
             return fresh & ~np.isin(mine, self.pair_keys)
         return fresh & ~np.isin(pair_digests(keys, versions), self.pairs)
 
 
-def trained_by(db: Database, identifier: str, query: dict[str, Any]) -> tuple[Trained, Any]:
-    """What the completed runs of trainer ``identifier`` on the same source trained on, and
-    the newest model they made (the parent of an incremental fit; None when there is none)."""
+def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any]:
+    """What the completed runs of trainer ``identifier`` on the resolved ``source`` trained
+    on (each row in the version it was read for training), and the newest model they made
+    (the parent of an incremental fit; None when there is none)."""
     empty = np.zeros(0, dtype=np.uint64)
     keys, pairs, pair_keys = [empty], [empty], [empty]
+    resolved: dict[str, str | None] = {}
     finished = {
         r.run_id: r
         for r in db.metadata.list_runs("trainer", identifier)
-        if r.status == "completed" and matches(r.info.get("query") or {}, Query.from_dict(query))
+        if r.status == "completed" and run_source(db, r, resolved) == source
     }
     for run in finished.values():
         lineage = RunLineage.of(db, run)
         view, mask = lineage.view, lineage.trained()
         for start in range(0, view.count, view.chunk_size):
-            stop = start + view.chunk_size
-            kept = mask[start:stop]
-            chunk_keys = [k for k, t in zip(view.keys(db.artifacts, start, stop), kept) if t]
+            stop = min(start + view.chunk_size, view.count)
+            kept = np.flatnonzero(mask[start:stop])
+            chunk_keys = view.keys_at(db.artifacts, start + kept)
             if view.versions is None:
-                keys.append(digests(chunk_keys))
+                keys.append(key_digests(chunk_keys))
             else:
-                versions = view.versions_of(db.artifacts, start, stop)
-                pairs.append(pair_digests(chunk_keys, [v for v, t in zip(versions, kept) if t]))
-                pair_keys.append(digests(chunk_keys))
+                read = view.versions_of(db.artifacts, start, stop)
+                versions = [lineage.changed.get(start + i, read[i]) for i in kept.tolist()]
+                pairs.append(pair_digests(chunk_keys, versions))
+                pair_keys.append(key_digests(chunk_keys))
     models = reversed(db.metadata.list_components("model", identifier))
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
     k, p, pk = (np.unique(np.concatenate(parts)) for parts in (keys, pairs, pair_keys))
@@ -110,16 +98,64 @@ def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None
     return writer.done()
 
 
+#: a parent's adapter must have these as the continuing fit has them
+_SAME_ADAPTER = ("r", "target_modules", "use_dora", "modules_to_save")
+
+
+def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgotten: bool) -> None:
+    """Refuse, before anything is recorded, a parent model an incremental fit cannot continue
+    from: trained on another base model or with an adapter of other shapes, or one whose
+    lineage holds rows forgotten since (unless ``allow_forgotten``: recorded on the run)."""
+    run = db.metadata.get_run(parent.payload["run_id"])
+    theirs = build(type(config), run.info["config"], f"run {run.run_id}")
+    name = f"{parent.identifier} v{parent.version}"
+    mine_model, their_model = config.model_args, theirs.model_args
+    for field_name in ("model_name_or_path", "revision"):
+        a, b = getattr(their_model, field_name), getattr(mine_model, field_name)
+        if a != b:
+            raise ConfigError(
+                f"fit(incremental=True): the parent model {name} was trained on "
+                f"{field_name}={a!r}, this trainer has {b!r}; its adapter belongs to that base"
+            )
+    assert config.lora_args is not None
+    for field_name in _SAME_ADAPTER:
+        a = getattr(theirs.lora_args, field_name, None)
+        b = getattr(config.lora_args, field_name)
+        if a != b:
+            raise ConfigError(
+                f"fit(incremental=True): the parent model {name} has an adapter with "
+                f"{field_name}={a!r}, this trainer asks for {b!r}; an adapter continues only "
+                "in its own shape (fit without incremental=True to train a new one)"
+            )
+    runs = {r.run_id for r, _ in chain(db, run.run_id)}
+    source = run_source(db, run, {})
+    carried = {r: k for r, k in forgotten(db, source)[1].items() if r in runs} if source else {}
+    if carried and not allow_forgotten:
+        shown = sorted({k for keys in carried.values() for k in keys})
+        raise ConfigError(
+            f"fit(incremental=True): the parent model {name} trained on rows forgotten since "
+            f"({', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''} of {source}): "
+            "retrain it without them (db.forget(..., retrain=True)), or pass "
+            "allow_forgotten_parent=True to continue from it anyway (recorded on the run)"
+        )
+
+
 def select_rows(
-    db: Database, config: TrainerConfig, snapshot: RunSnapshot, *, incremental: bool
+    db: Database,
+    config: TrainerConfig,
+    snapshot: RunSnapshot,
+    *,
+    incremental: bool,
+    allow_forgotten_parent: bool = False,
 ) -> tuple[RunSnapshot, dict[str, Any]]:
     """The run's snapshot less forgotten rows (and, incrementally, trained ones), and what
-    to record on the run about it: the parent, the excluded keys, the rows it leaves."""
+    to record on the run about it: its resolved source, the parent, the excluded keys, the
+    rows it leaves. Every refusal comes before anything is recorded."""
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
-    forgotten = forgotten_keys(db, fit.select)
-    info: dict[str, Any] = {}
-    gone = np.unique(digests(forgotten))  # key_repr strings digest as their keys do
+    source = db.backend.resolve(fit.query()).name
+    gone, _ = forgotten(db, source)
+    info: dict[str, Any] = {"source": source}
     trained = parent = None
     if incremental:
         if config.lora_args is None:
@@ -127,23 +163,33 @@ def select_rows(
                 "fit(incremental=True) continues from the newest model's adapter; a fully "
                 "fine-tuned trainer (lora_args=None) has none"
             )
-        trained, parent = trained_by(db, config.identifier, fit.select)
+        trained, parent = trained_by(db, config.identifier, source)
+        if parent is not None:
+            check_parent(db, config, parent, allow_forgotten_parent)
+    excluded: list[str] = []
 
-    def keep(keys: list[Key], versions: list[Any] | None) -> np.ndarray:
+    def keep(keys: Any, versions: list[Any] | None) -> np.ndarray:
         mask = np.ones(len(keys), dtype=bool)
         if len(gone):
-            mask &= ~np.isin(digests(keys), gone)
+            out = np.isin(key_digests(keys), gone)
+            excluded.extend(key_repr(keys[i]) for i in np.flatnonzero(out).tolist())
+            mask &= ~out
         if trained is not None:
             mask &= trained.new(keys, versions)
         return mask
 
-    if forgotten or trained is not None:
+    selected = snapshot.train.count
+    if len(gone) or trained is not None:
         view = keep_rows(snapshot.train, db.artifacts, keep)
-        dropped = snapshot.train.count - view.count
         snapshot = replace(snapshot, train=view)
-        if forgotten:
-            info["excluded_keys"] = forgotten
-        log.info("%s: %d of the selection's rows left out", fit.query().source, dropped)
+        log.info("%s: %d of the selection's rows left out", source, selected - view.count)
+    if excluded:
+        info["excluded_keys"] = sorted(excluded)
+    if len(excluded) == selected:
+        raise DataError(
+            f"{fit.query().source} selects {selected} row(s), every one forgotten "
+            f"(db.forget on {source}): nothing to train on"
+        )
     if parent is not None:
         info[PARENT] = {
             "run_id": parent.payload["run_id"],
@@ -151,6 +197,8 @@ def select_rows(
             "adapter": parent.payload.get("adapter"),
             "steps": db.metadata.get_run(parent.payload["run_id"]).info.get("steps"),
         }
+        if allow_forgotten_parent:
+            info["allow_forgotten_parent"] = True
     if trained is not None:
         info["incremental"] = {
             "trained_runs": trained.runs,

@@ -30,7 +30,7 @@ def _on_ray(config: TrainerConfig, placement: Placement) -> bool:
 
 def _launches(config: TrainerConfig, placement: Placement) -> bool:
     launcher = config.launcher
-    return launcher is not None and launcher.kind != "python" and not placement.launched
+    return launcher is not None and not placement.launched
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.args import TrainerConfig, build
+from llmtrain.console import say
 from llmtrain.data.snapshot import RunSnapshot, take_snapshot
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
 from llmtrain.running.preflight import check_before_recording
@@ -38,6 +39,7 @@ def register(
     resume: bool | str,
     allow_changed_data: bool,
     incremental: bool,
+    allow_forgotten_parent: bool = False,
     callbacks: tuple[str, ...],
 ) -> RunPlan | Done:
     """Check, then record: the trainer version (unless stored already) and the run. A fit
@@ -58,11 +60,20 @@ def register(
 
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
-    snapshot = new_snapshot(db, config, loaded_version, allow_changed_data or incremental)
-    snapshot, rows = select_rows(db, config, snapshot, incremental=incremental)
-    if incremental and snapshot.train.count == 0 and "parent" in rows:
-        log.info("%s: no new rows since run %s", config.identifier, rows["parent"]["run_id"])
-        return Done(rows["parent"]["run_id"])
+    snapshot = new_snapshot(db, config, loaded_version, allow_changed_data, incremental)
+    snapshot, rows = select_rows(
+        db, config, snapshot, incremental=incremental, allow_forgotten_parent=allow_forgotten_parent
+    )
+    if incremental and snapshot.train.count == 0:
+        parent = rows.get("parent")
+        if parent is None:  # every row trained, but by runs that made no model
+            raise DataError(f"{fit.query().source}: no new rows and no model to continue from")
+        say(
+            f"{config.identifier}: nothing new in {fit.query().source} since run "
+            f"{parent['run_id']}: returning its model v{parent['model_version']}, recording "
+            "nothing"
+        )
+        return Done(parent["run_id"])
     config = config.model_copy(
         update={"fit": fit.model_copy(update={"data_fingerprint": snapshot.fingerprint})}
     )
@@ -94,9 +105,14 @@ def register(
 
 
 def new_snapshot(
-    db: Datalayer, config: TrainerConfig, loaded_version: int | None, allow: bool
+    db: Datalayer,
+    config: TrainerConfig,
+    loaded_version: int | None,
+    allow: bool,
+    incremental: bool = False,
 ) -> RunSnapshot:
-    """A new run's snapshot of its rows; a replay first compares it with the fit it replays."""
+    """A new run's snapshot of its rows; a replay first compares it with the fit it replays
+    (not an incremental fit, which is meant for rows that changed)."""
     fit, data = config.fit, config.data_args
     assert fit is not None
     snapshot = take_snapshot(
@@ -107,7 +123,8 @@ def new_snapshot(
     )
     if snapshot.count == 0:
         raise DataError(f"{fit.query().source} selects 0 rows: nothing to train on")
-    if fit.data_fingerprint and fit.db == db.uri and fit.data_fingerprint != snapshot.fingerprint:
+    replay = fit.data_fingerprint and fit.db == db.uri and not incremental
+    if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (
             f"the rows of {fit.query().source} changed since trainer {config.identifier!r} "
             f"v{loaded_version} was fitted (data fingerprint {fit.data_fingerprint} -> "

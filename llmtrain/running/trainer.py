@@ -84,6 +84,7 @@ class LLMTrainer:
         merge: bool = False,
         allow_changed_data: bool | None = None,
         incremental: bool = False,
+        allow_forgotten_parent: bool = False,
         callbacks: Sequence[Callback | str] = (),
         verbose: bool = False,
     ) -> TrainedModel | None:
@@ -101,7 +102,9 @@ class LLMTrainer:
         ``incremental=True`` trains only the rows of the selection that no completed run of
         this trainer trained on (new keys; with ``data_args.version_column`` also rows whose
         version changed), starting from the newest model's adapter; the run records its
-        parent, and with nothing new the newest model is returned.
+        parent, and with nothing new the newest model is returned. The parent must have the
+        same base model and adapter shape, and no rows forgotten since in its lineage
+        (``allow_forgotten_parent=True`` continues from it anyway, recorded on the run).
         ``callbacks``: :class:`~llmtrain.training.callbacks.Callback` objects, or import paths
         ``"module:Name"`` of classes or factories every process builds (the only kind a
         launcher's workers can take; they are recorded on the run). Third-party banners,
@@ -122,14 +125,19 @@ class LLMTrainer:
             if allow_changed_data is None
             else allow_changed_data
         )
-        for name, value in (("allow_changed_data", allow), ("incremental", incremental)):
+        flags = {
+            "allow_changed_data": allow,
+            "incremental": incremental,
+            "allow_forgotten_parent": allow_forgotten_parent,
+        }
+        for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
         spec = self._fit_spec(X, Y, db, select, eval_select)
         data = {**self.config.model_dump(), "fit": spec.model_dump()}
         config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
         placement = Placement.from_environment()  # resolved once for the whole fit
-        launcher = config.launcher is not None and config.launcher.kind != "python"
+        launcher = config.launcher is not None
         specs, objects = split_callbacks(callbacks, launched=launcher and not placement.launched)
         with execution(config, placement):
             # under torchrun/deepspeed every rank runs fit(): rank 0 alone registers the run;
@@ -143,6 +151,7 @@ class LLMTrainer:
                 resume=resume,
                 allow_changed_data=allow,
                 incremental=incremental,
+                allow_forgotten_parent=allow_forgotten_parent,
                 callbacks=specs,
             )
             if isinstance(plan, Done):

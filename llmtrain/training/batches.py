@@ -30,7 +30,8 @@ import torch
 from llmtrain.config.args import DataArguments
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, RunSnapshot
 from llmtrain.data.plan import StepRule
-from llmtrain.data.snapshot import Split, key_repr
+from llmtrain.data.snapshot import Split
+from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import Query
 from llmtrain.formatting import (
     IGNORE_INDEX,
@@ -156,6 +157,7 @@ def view_dataset(
         split=split,
         eval_fraction=args.eval_fraction if split != "all" else 0.0,
         snapshot=snapshot,
+        version_column=args.version_column,
     )
 
 
@@ -168,8 +170,9 @@ class StepGroup:
     step: int
     epoch: int
     batches: list[dict[str, Any]]
-    skipped: list[str]
-    deleted: list[str]
+    skipped: list[Any]  # keys
+    deleted: list[Any]
+    changed: list[tuple[Any, Any]]  # (key, version read): rows updated since the snapshot
 
     @property
     def keys(self) -> list[str]:
@@ -260,11 +263,12 @@ class TrainBatches:
             for made in self.loader.batches():
                 if group is None:
                     number = int(rule.steps(epoch, np.int64(made.first)))
-                    group = StepGroup(number, epoch, [], [], [])
+                    group = StepGroup(number, epoch, [], [], [], [])
                 if made.batch is not None:
                     group.batches.extend(made.batch if self.packed else [made.batch])
                 group.skipped.extend(made.skipped)
                 group.deleted.extend(made.deleted)
+                group.changed.extend(made.changed)
                 if made.last + 1 >= min(
                     (group.step - epoch * rule.per_epoch) * rule.rows, per_rank
                 ):

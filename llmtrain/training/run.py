@@ -24,6 +24,7 @@ from llmtrain.config.args import TrainerConfig
 from llmtrain.config.metrics import logged_name, resolve
 from llmtrain.data import RunSnapshot
 from llmtrain.data.skips import SKIPS, Skips
+from llmtrain.db.keys import key_repr
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
 from llmtrain.stores.handle import Database
@@ -238,8 +239,8 @@ class FitRun:
                 loss = self._train_step(batches, targets) if targets else self._empty_step()
                 self.examples += len(group.keys)
                 epoch_examples += len(group.keys)
-                self.skips.add(group.skipped, group.epoch, group.deleted)
-                self.skipped.update(dict.fromkeys(group.skipped))
+                self.skips.add(group.skipped, group.epoch, group.deleted, group.changed)
+                self.skipped.update(dict.fromkeys(map(key_repr, group.skipped)))
                 per_epoch = self.batches.rule.per_epoch
                 if group.step % per_epoch == 0:  # an epoch ended: whole in this attempt?
                     whole = group.step - per_epoch >= first

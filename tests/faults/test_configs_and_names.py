@@ -75,6 +75,7 @@ FIT_REFUSES: list[tuple[dict[str, Any], str]] = [
     ({"model": "./no-model-here"}, "model_args.model_name_or_path: no model folder"),
     ({"save_best_by": "eval_loss"}, "save_best_by need rows to evaluate on"),
     ({"eval_metrics": ["exact_match"]}, "eval_metrics need rows to evaluate on"),
+    ({"eval_steps": 2}, "eval_steps need rows to evaluate on"),
 ]
 
 

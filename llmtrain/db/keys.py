@@ -1,0 +1,127 @@
+"""Row keys: how they are named, compared, digested and paged, in one place.
+
+The digest (:func:`key_digests`) is the one every set of keys is compared by (the held-out
+split, lineage, forget, incremental fits): a uint64 that is a pure function of the key's value
+and type, computed over NumPy arrays: splitmix64 of the value for int keys, XXH3 of the
+bytes for strings, UUIDs and bytes, XXH3 of :func:`key_repr` for any other type (ObjectId,
+datetime, ...), each type with its own seed, so ``5`` and ``"5"`` differ. Its rule is named
+by :data:`DIGEST` in every snapshot that split by it.
+"""
+
+from __future__ import annotations
+
+import operator
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from llmtrain.errors import QueryError
+
+Key = Any
+#: the digest's rule, recorded with every split it decided
+DIGEST = "splitmix64-xxh3-1"
+_SEEDS = {str: 2, uuid.UUID: 3, bytes: 4}
+_INT64 = (-(2**63), 2**63)
+
+
+def key_repr(key: Key) -> str:
+    """A key as text that keeps its type (``int:5``; a string stays itself)."""
+    return key if isinstance(key, str) else f"{type(key).__name__}:{key}"
+
+
+def same_key(a: Key, b: Key) -> bool:
+    """Equal keys of one type (MongoDB keeps ``1`` and ``True`` apart, Python does not)."""
+    return type(a) is type(b) and a == b
+
+
+def _splitmix(values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        z = values.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _bytes(key: Key) -> tuple[bytes, int]:
+    kind = type(key)
+    if kind is str:
+        return key.encode("utf-8", "surrogatepass"), 2
+    if kind is uuid.UUID:
+        return key.bytes, 3
+    if kind is bytes:
+        return key, 4
+    return key_repr(key).encode("utf-8", "surrogatepass"), 1
+
+
+def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
+    """The uint64 digest of each key (module docstring)."""
+    if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
+        return _splitmix(keys)
+    out = np.empty(len(keys), dtype=np.uint64)
+    ints = [i for i, k in enumerate(keys) if type(k) is int and _INT64[0] <= k < _INT64[1]]
+    if len(ints) == len(keys):
+        return _splitmix(np.array(keys, dtype=np.int64))
+    if ints:
+        out[ints] = _splitmix(np.array([keys[i] for i in ints], dtype=np.int64))
+    digest = xxhash.xxh3_64_intdigest
+    rest = sorted(set(range(len(keys))) - set(ints))
+    out[rest] = np.fromiter(
+        (digest(*_bytes(keys[i])) for i in rest), dtype=np.uint64, count=len(rest)
+    )
+    return out
+
+
+def held_mask(digests: np.ndarray, fraction: float) -> np.ndarray:
+    """Which keys the held-out split takes: a digest below ``fraction`` of the range."""
+    if fraction <= 0:
+        return np.zeros(len(digests), dtype=bool)
+    return digests < np.uint64(min(int(fraction * 2**64), 2**64 - 1))
+
+
+def held_out(key: Key, fraction: float) -> bool:
+    """Whether one row belongs to the held-out split (the split's rule for one key)."""
+    return bool(held_mask(key_digests([key]), fraction)[0])
+
+
+@dataclass(frozen=True)
+class KeyPage:
+    """One statement's keys, in key order (an int64 array for integer keys, else a list),
+    and each key's version (a version column's value) when asked for."""
+
+    keys: Any
+    versions: list[Any] | None
+
+
+def check_keys(keys: Any, before: Any, key_name: str, source: str) -> None:
+    """Refuse a NULL or NaN key, or a key equal to the one before it (keys come sorted): paging
+    on it would read rows twice or skip them. A NaN equals itself to PostgreSQL but not to
+    Python, so a page starting at one would read it again. ``before``: the previous page's
+    last key (or anything else for none)."""
+    if isinstance(keys, np.ndarray):  # integers, sorted by value: one C pass
+        bad = np.flatnonzero(np.diff(keys) <= 0)
+        if len(bad) or (len(keys) and type(before) is int and keys[0] <= before):
+            dup = int(keys[bad[0] + 1]) if len(bad) else int(keys[0])
+            raise _not_unique(key_name, source, dup)
+        return
+    if None in keys:
+        raise _not_unique(key_name, source, None)
+    if any(map(operator.ne, keys, keys)):  # only NaN differs from itself; in C
+        raise _not_unique(key_name, source, next(k for k in keys if k != k))
+    prev = [before, *keys[:-1]]
+    if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
+        for a, b in zip(prev, keys):
+            if same_key(a, b):
+                raise _not_unique(key_name, source, b)
+
+
+def _not_unique(key_name: str, source: str, key: Key) -> QueryError:
+    what = "NULL" if key is None else "NaN" if key != key else f"the key {key!r} more than once"
+    return QueryError(
+        f"{source}: key column {key_name!r} holds {what}, so rows would "
+        "be read twice or skipped; pass key= naming a unique, non-null column, or use "
+        "llmtrain.sql(select, key=...) with a unique expression"
+    )

@@ -1,0 +1,135 @@
+"""A source is resolved, not spelled: the table or collection a query's keys come from, named
+as the database names it, and keys typed as its key column holds them.
+
+``forget``, ``trained_on``, lineage and every run record name a source by :class:`Source`:
+``schema.table`` as the catalog spells them (``docs``, ``Docs`` and ``public.docs`` are one
+table on PostgreSQL; SQLite's names are case-insensitive), ``database.collection`` for
+MongoDB. A table that does not exist is an error. An ``lt.sql`` selection's source is the
+table its key column comes from: named by ``lt.sql(..., source="docs")``, or found by parsing
+the statement (sqlglot) when that is unambiguous, never guessed.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bson import ObjectId
+
+from llmtrain.db.keys import Key
+from llmtrain.errors import ConfigError, QueryError
+
+_INTEGER = re.compile(r"^-?\d+$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a selection's keys come from: its canonical ``name``, its key column and the
+    Python type that column holds (None where the database keeps no schema: a collection's
+    ``_id``, whose first document's type is taken instead when there is one)."""
+
+    name: str
+    key: str
+    key_type: type | None
+
+    def typed(self, keys: Sequence[Any], where: str = "forget()") -> list[Key]:
+        """``keys`` as the key column holds them, checked before anything is written: a
+        string of digits for an integer key is the integer it spells (keys typed on a
+        command line are text); an integral float is its integer; a 24-hex string is the
+        ObjectId of a collection keyed by ObjectIds; anything else is a ConfigError naming
+        the key, its type and the column's."""
+        return [self._typed(k, where) for k in keys]
+
+    def _typed(self, key: Any, where: str) -> Key:
+        want = self.key_type
+        if want is not None and type(key) is want:
+            return key
+        if isinstance(key, (dict, list, tuple, set)) or key is None or isinstance(key, bool):
+            return self._refuse(key, where)
+        if want is None:
+            return key
+        if want is int:
+            if isinstance(key, int):
+                return key
+            if isinstance(key, float) and key.is_integer():
+                return int(key)
+            if isinstance(key, str) and _INTEGER.match(key.strip()):
+                return int(key)
+        elif want is ObjectId and isinstance(key, str) and ObjectId.is_valid(key):
+            return ObjectId(key)
+        elif want is uuid.UUID and isinstance(key, str):
+            try:
+                return uuid.UUID(key)
+            except ValueError:
+                pass
+        if isinstance(key, want):
+            return key
+        return self._refuse(key, where)
+
+    def _refuse(self, key: Any, where: str) -> Key:
+        holds = self.key_type.__name__ if self.key_type else "document ids"
+        raise ConfigError(
+            f"{where}: key {key!r} ({type(key).__name__}) is not a key of {self.name}, whose "
+            f"{self.key!r} column holds {holds}"
+        )
+
+
+def sql_tables(text: str) -> list[tuple[str, str, str]]:
+    """(schema, table, alias) of every table a SELECT reads."""
+    import sqlglot
+    from sqlglot import exp
+
+    try:
+        tree = sqlglot.parse_one(text)
+    except sqlglot.errors.ParseError as exc:
+        raise QueryError(f"cannot tell which tables {text[:60]!r} reads: {exc}") from None
+    return [(t.db, t.name, t.alias_or_name) for t in tree.find_all(exp.Table)]
+
+
+def key_table(text: str, key: str) -> tuple[str, str, str]:
+    """(schema, table, column) the column ``key`` of a SELECT's result comes from: its only
+    table, or the one its projection names (``d.doc_id AS id``); else a QueryError asking
+    for ``source=``."""
+    import sqlglot
+    from sqlglot import exp
+
+    tables = sql_tables(text)
+    projected = {e.alias_or_name: e.find(exp.Column) for e in sqlglot.parse_one(text).expressions}
+    found = projected.get(key)
+    column = found.name if found is not None else key
+    if len({(s, t) for s, t, _ in tables}) == 1:
+        return tables[0][0], tables[0][1], column
+    if found is not None and found.table:
+        for schema, table, alias in tables:
+            if found.table in (alias, table):
+                return schema, table, column
+    names = sorted({t for _, t, _ in tables})
+    raise QueryError(
+        f"sql(): key {key!r} cannot be traced to one of the tables it reads {names}: name it "
+        "with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
+    )
+
+
+def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: bool) -> str:
+    """The catalog's spelling of ``wanted``: exact, or (``fold``: the database's own rule)
+    the one name equal to it case-insensitively; else a QueryError listing the names (not
+    llmtrain's own tables)."""
+    if wanted in names:
+        return wanted
+    if fold:
+        found = [n for n in names if n.lower() == wanted.lower()]
+        if len(found) == 1:
+            return found[0]
+    shown = ", ".join(sorted(n for n in names if not n.startswith("_llmtrain"))[:20]) or "none"
+    raise QueryError(f"no {what} {wanted!r} in {where}, which has: {shown}")
+
+
+def split_name(name: Any) -> tuple[str | None, str]:
+    """``"schema.table"`` -> (schema, table); ``"table"`` -> (None, table)."""
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"a source is a table or collection name or a query, got {name!r}")
+    schema, _, table = name.strip().rpartition(".")
+    return schema or None, table

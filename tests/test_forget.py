@@ -1,0 +1,343 @@
+"""Forget, trained_on and incremental fits cannot be fooled by how a source or a key is
+spelled: sources resolve through the database's catalog, keys are typed by the key column,
+a forget is validated before its one write, the version recorded for a row is the one read
+for training, and an incremental fit checks its parent before recording anything."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from conftest import fill
+from hooks import KeyTrace
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import llmtrain as lt
+from llmtrain.cli import main
+from llmtrain.db.engines import mongo_database, sql_engine
+from llmtrain.errors import ConfigError, DataError, QueryError
+from llmtrain.provenance.lineage import FORGOTTEN, RunLineage
+from llmtrain.testing import tiny_model
+
+TEMPLATE = "Q: {X}\nA: {Y}"
+OPTIONS: dict[str, Any] = {
+    "num_train_epochs": 1,
+    "batch_size": 4,
+    "learning_rate": 1e-2,
+    "lora_r": 4,
+    "progress_bar": False,
+}
+
+
+def _row(i: int, version: int = 1) -> dict[str, Any]:
+    return {"id": i, "q": f"question {i}", "a": f"answer {i % 5}", "v": version}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+def _trainer(tiny: Path, name: str, **options: Any) -> lt.LLMTrainer:
+    return lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **{**OPTIONS, **options})
+
+
+def _keys_trained(db: Any, name: str, version: int | None = None) -> set[Any]:
+    return {row.key for row in db.lineage("model", name, version)}
+
+
+def _records(db: Any) -> tuple[int, int, int]:
+    """How much the stores hold: components, runs, forgotten records."""
+    meta = db.metadata
+    return len(meta.list_components()), len(meta.list_runs()), len(meta.list_components(FORGOTTEN))
+
+
+def _spellings(uri: str) -> list[str]:
+    """Names of the table ``docs`` the database itself accepts."""
+    name = uri.rsplit("/", 1)[-1]
+    if uri.startswith("sqlite"):
+        return ["docs", "Docs", "main.docs", "MAIN.DOCS"]
+    if uri.startswith("postgresql"):
+        return ["docs", "DOCS", "public.docs", "Public.Docs"]
+    if uri.startswith("mongo"):
+        return ["docs", f"{name}.docs"]
+    return ["docs", f"{name}.docs"]  # MariaDB: table names are case-sensitive on Linux
+
+
+def test_every_spelling_of_a_source_and_key_finds_and_forgets_the_same_rows(
+    any_uri: str, tiny: Path, tmp_path: Path
+) -> None:
+    fill(any_uri, "docs", [_row(i) for i in range(12)])
+    db = lt.connect(any_uri, artifacts=tmp_path / "artifacts")
+    mongo = any_uri.startswith("mongo")
+    select = lt.Collection("docs") if mongo else lt.Table("docs")
+    first = _trainer(tiny, "t").fit(X="q", Y="a", db=db, select=select)
+    assert first is not None and 5 in _keys_trained(db, "t")
+    (run,) = db.metadata.list_runs("trainer", "t")
+    spellings = _spellings(any_uri)
+    assert run.info["source"].endswith(".docs")
+    for spelling in spellings:
+        for key in (5, "5", 5.0):
+            found = db.trained_on(spelling, key)
+            assert found.runs == [run.run_id] and found.keys == [5], (spelling, key)
+            assert found.source == run.info["source"]
+    assert not db.trained_on(spellings[0], 100)
+
+    # refused before anything is written: an unknown table, keys of another type
+    before = _records(db)
+    with pytest.raises(QueryError, match="no (table|collection) 'nope'"):
+        db.forget("nope", [5])
+    for bad in (None, True, {"id": 8}, "x5", 6.5):
+        with pytest.raises(ConfigError, match="is not a key of"):
+            db.forget(spellings[1], [1, bad])
+    with pytest.raises(ConfigError, match="non-empty list"):
+        db.forget("docs", [])
+    assert _records(db) == before
+
+    # one spelling forgets, every other finds it forgotten; a later fit, through a Table, a
+    # collection or raw SQL reading that table, leaves the row out and records so
+    result = db.forget(spellings[-1], ["5"])
+    assert result.runs == [run.run_id] and result.models == [("t", first.version)]
+    assert _records(db) == (before[0] + 1, before[1], before[2] + 1)
+    for spelling in spellings:
+        assert db.trained_on(spelling, 5).forgotten == [5]
+    again = lt.sql("SELECT id, q, a FROM docs", key="id") if not mongo else select
+    model = _trainer(tiny, "u").fit(X="q", Y="a", db=db, select=again)
+    assert model is not None
+    assert 5 not in _keys_trained(db, "u") and len(_keys_trained(db, "u")) == 11
+    (later,) = db.metadata.list_runs("trainer", "u")
+    assert later.info["excluded_keys"] == ["int:5"]
+    # forgetting it again writes nothing new
+    assert db.forget(spellings[0], [5]).runs == [run.run_id]
+    assert len(db.metadata.list_components(FORGOTTEN)) == before[2] + 1
+    db.close()
+
+
+def test_raw_sql_names_the_table_its_key_comes_from(sqlite_uri: str, tmp_path: Path) -> None:
+    fill(sqlite_uri, "docs", [_row(i) for i in range(4)])
+    fill(sqlite_uri, "tags", [{"id": i, "doc": i, "tag": "t"} for i in range(4)])
+    db = lt.connect(sqlite_uri, artifacts=tmp_path / "artifacts")
+    joined = "SELECT d.id AS id, d.q, t.tag FROM docs d JOIN tags t ON t.doc = d.id"
+    assert db.backend.resolve(lt.sql(joined, key="id")).name == "main.docs"
+    assert db.backend.resolve(lt.sql("SELECT id, q FROM Docs", key="id")).name == "main.docs"
+    ambiguous = "SELECT id, q FROM docs UNION SELECT id, tag FROM tags"
+    with pytest.raises(QueryError, match="source="):
+        db.backend.resolve(lt.sql(ambiguous, key="id"))
+    assert db.backend.resolve(lt.sql(ambiguous, key="id", source="docs")).name == "main.docs"
+    db.close()
+
+
+def test_mongo_keys_are_typed_by_the_collection(tmp_path: Path) -> None:
+    from bson import ObjectId
+
+    uri = f"mongomock://localhost/lt_{uuid.uuid4().hex[:8]}"
+    ids = [ObjectId() for _ in range(3)]
+    mongo_database(uri)["docs"].insert_many([{"_id": i, "q": "x"} for i in ids])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    source = db.backend.resolve("docs")
+    assert source.typed([str(ids[0]), ids[1]]) == [ids[0], ids[1]]
+    with pytest.raises(ConfigError, match="ObjectId"):
+        source.typed([5])
+    with pytest.raises(QueryError, match="no collection 'Docs'"):  # MongoDB names fold nothing
+        db.backend.resolve("Docs")
+
+
+def test_incremental_checks_its_parent_and_refusals_record_nothing(
+    tiny: Path, tmp_path: Path, capsys: Any
+) -> None:
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [_row(i) for i in range(8)])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    parent = _trainer(tiny, "inc").fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    assert parent is not None
+
+    # nothing new: one line, the parent model back, nothing recorded (also through a replay)
+    before = _records(db)
+    capsys.readouterr()
+    for fit in (
+        lambda: _trainer(tiny, "inc").fit(
+            X="q", Y="a", db=db, select=lt.Table("docs"), incremental=True
+        ),
+        lambda: db.load("trainer", "inc").fit(incremental=True),
+    ):
+        same = fit()
+        assert same is not None and same.version == parent.version
+        out = capsys.readouterr()
+        assert "nothing new" in out.out and "anyway" not in out.out + out.err
+    assert _records(db) == before
+
+    # a parent of another adapter shape or base model: refused, naming both, nothing recorded
+    with sql_engine(uri).begin() as conn:
+        conn.execute(sa.text("INSERT INTO docs (id, q, a, v) VALUES (8, 'question 8', 'x', 1)"))
+    with pytest.raises(ConfigError, match="r=4.*8"):
+        _trainer(tiny, "inc", lora_r=8).fit(
+            X="q", Y="a", db=db, select=lt.Table("docs"), incremental=True
+        )
+    other = tiny_model(tmp_path / "other-base")
+    with pytest.raises(ConfigError, match="model_name_or_path"):
+        lt.LLMTrainer("inc", model=other, prompt_template=TEMPLATE, **OPTIONS).fit(
+            X="q", Y="a", db=db, select=lt.Table("docs"), incremental=True
+        )
+    assert _records(db) == before
+
+    # a forgotten row in the parent's lineage: refused unless the override, which is recorded
+    db.forget("docs", [3])
+    before = _records(db)
+    with pytest.raises(ConfigError, match="forgotten since.*int:3"):
+        db.load("trainer", "inc").fit(incremental=True)
+    assert _records(db) == before
+    child = db.load("trainer", "inc").fit(incremental=True, allow_forgotten_parent=True)
+    assert child is not None and child.version == parent.version + 1
+    run = db.metadata.get_run(child.record.run_id)
+    assert run.info["allow_forgotten_parent"] is True and run.info["incremental"]["new_rows"] == 1
+    assert 3 in _keys_trained(db, "inc", child.version)  # its parent's rows are its lineage
+    assert (
+        main(["show", "model", "inc", "--db", uri, "--artifacts", str(tmp_path / "artifacts")]) == 0
+    )
+    out = capsys.readouterr().out
+    shown = [ln.split() for ln in out.splitlines()]
+    assert [ln[-1] for ln in shown if ln and ln[0] in ("0", "1")] == ["1", "1"]
+
+    # every selected row forgotten: one DataError, nothing recorded
+    db.forget("docs", list(range(9)))
+    before = _records(db)
+    with pytest.raises(DataError, match="every one forgotten"):
+        _trainer(tiny, "fresh").fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    assert _records(db) == before
+    db.close()
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_the_version_recorded_is_the_one_read_for_training(
+    sql_uri: str, tiny: Path, tmp_path: Path, versioned: bool
+) -> None:
+    """Rows updated mid-fit: lineage names the version each row trained in, and the next
+    incremental fit retrains exactly the rows whose trained version is no longer current
+    (without a version column it sees new keys only, as the run records)."""
+    fill(sql_uri, "docs", [_row(i) for i in range(16)])
+    db = lt.connect(sql_uri, artifacts=tmp_path / "artifacts")
+    options = {"version_column": "v"} if versioned else {}
+
+    class UpdateAll(KeyTrace):
+        def on_step(self, run: Any, keys: list[str]) -> None:
+            super().on_step(run, keys)
+            if run.step == 1:
+                with sql_engine(sql_uri).begin() as conn:
+                    conn.execute(sa.text("UPDATE docs SET a = 'new', v = 2"))
+
+    trace = UpdateAll()
+    _trainer(tiny, "ver", batch_size=2, cache_size=2, **options).fit(
+        X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[trace]
+    )
+    (run,) = db.metadata.list_runs("trainer", "ver")
+    versions = {}
+    for key in range(16):
+        (use,) = db.trained_on("docs", key).uses
+        versions[key] = use.row_version
+    if not versioned:
+        assert set(versions.values()) == {None}
+        old: set[int] = set()
+    else:
+        first_step = {int(k.split(":")[1]) for k in trace.steps[0]["keys"]}
+        assert all(versions[k] == 1 for k in first_step)
+        old = {k for k, v in versions.items() if v == 1}
+        assert 0 < len(old) < 16 and versions.keys() - old == {
+            k for k, v in versions.items() if v == 2
+        }
+    with sql_engine(sql_uri).begin() as conn:
+        conn.execute(sa.text("INSERT INTO docs (id, q, a, v) VALUES (16, 'question 16', 'x', 2)"))
+    child = db.load("trainer", "ver").fit(incremental=True)
+    assert child is not None
+    run = db.metadata.get_run(child.record.run_id)
+    own = {c.key for c in RunLineage.of(db, run).rows()}  # the child's own run
+    if versioned:
+        assert run.info["incremental"]["detects"] == "changed rows"
+        assert own == old | {16}  # rows trained in version 2 are current: not again
+    else:
+        assert run.info["incremental"]["detects"] == "new keys only"
+        assert own == {16}
+    db.close()
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["fit", "incremental", "forget", "insert", "update", "delete"]),
+        st.integers(0, 15),
+        st.sampled_from(["docs", "DOCS", "main.docs", "Main.Docs"]),
+    ),
+    min_size=3,
+    max_size=6,
+)
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=_OPS)
+def test_no_model_fitted_after_a_forget_holds_the_row(tiny: Path, ops: list[Any]) -> None:
+    """Random fits (plain, incremental), forgets under any spelling, inserts, updates and
+    deletes: a model fitted after forget(key) never has the key in its lineage, and
+    trained_on agrees with lineage."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        uri = f"sqlite:///{folder}/data.db"
+        fill(uri, "docs", [_row(i) for i in range(8)])
+        db = lt.connect(uri, artifacts=f"{folder}/artifacts")
+        engine = sql_engine(uri)
+        forgotten: set[int] = set()
+        size, version = 8, 1
+        for op, key, spelling in ops:
+            if op == "forget":
+                db.forget(spelling, [str(key)])
+                forgotten.add(key)
+            elif op == "insert":
+                with engine.begin() as conn:
+                    conn.execute(
+                        sa.text("INSERT INTO docs (id, q, a, v) VALUES (:id, :q, :a, :v)"),
+                        _row(size),
+                    )
+                size += 1
+            elif op in ("update", "delete"):
+                version += 1
+                statement = (
+                    "UPDATE docs SET a = 'changed', v = :v WHERE id = :k"
+                    if op == "update"
+                    else "DELETE FROM docs WHERE id = :k AND :v > 0"
+                )
+                with engine.begin() as conn:
+                    conn.execute(sa.text(statement), {"k": key, "v": version})
+            else:
+                trainer = _trainer(tiny, "prop", version_column="v")
+                runs = len(db.metadata.list_runs())
+                try:
+                    model = trainer.fit(
+                        X="q",
+                        Y="a",
+                        db=db,
+                        select=lt.Table("docs"),
+                        incremental=op == "incremental",
+                    )
+                except ConfigError as exc:  # a parent that trained a forgotten row
+                    assert "forgotten since" in str(exc) and op == "incremental"
+                    continue
+                except DataError as exc:  # every row forgotten or deleted
+                    assert "nothing to train on" in str(exc) or "0 rows" in str(exc)
+                    continue
+                if len(db.metadata.list_runs()) == runs:
+                    continue  # nothing new: the parent model came back
+                assert model is not None
+                lineage = list(db.lineage("model", "prop", model.version))
+                assert not {row.key for row in lineage} & forgotten
+                run_id = model.record.run_id
+                own = {row.key for row in lineage if row.run_id == run_id}
+                for k in range(size):  # its own uses; runs also lists inherited ones
+                    found = db.trained_on(spelling, k)
+                    assert (run_id in {u.run_id for u in found.uses}) == (k in own), k
+                    assert (k in {row.key for row in lineage}) <= (run_id in found.runs)
+        engine.dispose()
+        db.close()
