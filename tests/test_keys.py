@@ -18,6 +18,7 @@ import llmtrain as lt
 from llmtrain.data.snapshot import MemoryStore, take_snapshot
 from llmtrain.db.engines import mongo_database, sql_engine
 from llmtrain.db.keys import key_repr
+from llmtrain.errors import ConfigError
 
 N = 50
 
@@ -195,3 +196,26 @@ def test_a_nan_key_is_refused_not_read_twice(tmp_path: Any) -> None:
         db.close()
     finally:
         databases.close()
+
+
+def test_the_split_is_a_recorded_pure_function_of_the_key(tmp_path: Any) -> None:
+    """Each key's side of the held-out split is held_out(key, fraction), whatever the page it
+    was read in; a record split by another rule is refused rather than read differently."""
+    from llmtrain.data.snapshot import MemoryStore, RunSnapshot
+    from llmtrain.db.keys import DIGEST, held_out
+
+    uri = f"sqlite:///{tmp_path / 'split.db'}"
+    _make_table(uri, "text")
+    db = lt.connect(uri)
+    store = MemoryStore()
+    snapshot = take_snapshot(db, lt.Table("docs"), eval_fraction=0.3, chunk_size=7, store=store)
+    assert snapshot.held is not None
+    held = set(snapshot.held.keys(store, 0, snapshot.held.count))
+    train = set(snapshot.train.keys(store, 0, snapshot.train.count))
+    assert held and train and not held & train
+    assert all(held_out(k, 0.3) for k in held) and not any(held_out(k, 0.3) for k in train)
+    record = snapshot.to_record()
+    assert record["split"] == DIGEST and RunSnapshot.from_record(record) == snapshot
+    with pytest.raises(ConfigError, match="rule 'sha256-prefix-0'"):
+        RunSnapshot.from_record({**record, "split": "sha256-prefix-0"})
+    db.close()

@@ -14,6 +14,7 @@ import operator
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,11 @@ Key = Any
 DIGEST = "splitmix64-xxh3-1"
 _SEEDS = {str: 2, uuid.UUID: 3, bytes: 4}
 _INT64 = (-(2**63), 2**63)
+_XXH3 = xxhash.xxh3_64_intdigest
+_UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
+_UUID_BYTES = operator.attrgetter("bytes")
+_NEVER_NAN = {int, str, bytes, uuid.UUID}
+_UUID_INT = operator.attrgetter("int")
 
 
 def key_repr(key: Key) -> str:
@@ -61,6 +67,13 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
     """The uint64 digest of each key (module docstring)."""
     if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
         return _splitmix(keys)
+    kinds = set(map(type, keys))
+    if kinds == {str}:  # one C-level pass per step: the common text and uuid-as-text keys
+        data: Any = map(_UTF8, keys)
+        return np.fromiter(map(_XXH3, data, repeat(2)), dtype=np.uint64, count=len(keys))
+    if kinds == {uuid.UUID}:
+        data = map(_UUID_BYTES, keys)
+        return np.fromiter(map(_XXH3, data, repeat(3)), dtype=np.uint64, count=len(keys))
     out = np.empty(len(keys), dtype=np.uint64)
     ints = [i for i, k in enumerate(keys) if type(k) is int and _INT64[0] <= k < _INT64[1]]
     if len(ints) == len(keys):
@@ -107,15 +120,19 @@ def check_keys(keys: Any, before: Any, key_name: str, source: str) -> None:
             dup = int(keys[bad[0] + 1]) if len(bad) else int(keys[0])
             raise _not_unique(key_name, source, dup)
         return
-    if None in keys:
+    kinds = set(map(type, keys))
+    if type(None) in kinds:
         raise _not_unique(key_name, source, None)
-    if any(map(operator.ne, keys, keys)):  # only NaN differs from itself; in C
+    if kinds - _NEVER_NAN and any(map(operator.ne, keys, keys)):  # only NaN differs from itself
         raise _not_unique(key_name, source, next(k for k in keys if k != k))
     prev = [before, *keys[:-1]]
+    if kinds == {uuid.UUID}:  # compared by their ints: UUID.__eq__ is Python code
+        ints = list(map(_UUID_INT, keys))
+        prev, keys = [getattr(before, "int", None), *ints[:-1]], ints
     if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
         for a, b in zip(prev, keys):
             if same_key(a, b):
-                raise _not_unique(key_name, source, b)
+                raise _not_unique(key_name, source, uuid.UUID(int=b) if kinds == {uuid.UUID} else b)
 
 
 def _not_unique(key_name: str, source: str, key: Key) -> QueryError:

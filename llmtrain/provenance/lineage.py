@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 #: record field: the run this one continued from (an incremental fit): {run_id, steps, model}
 PARENT = "parent"
 FORGOTTEN = "forgotten"  # the metadata record type of a source's forgotten keys
+_ROWS_AT_ONCE = 65_536  # rows() looks their keys up together
 
 
 class Consumed(NamedTuple):
@@ -99,26 +101,42 @@ class RunLineage:
             keep &= ~np.isin(indexes, np.asarray(gone, dtype=np.int64))
         return indexes[keep], steps[keep]
 
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(steps, ranks, key indexes) of every row trained in ``epoch``, in step order
+        (ranks in turn within a step, each rank's rows in visit order)."""
+        parts = [self._trained(epoch, rank) for rank in range(self.rule.order.world_size)]
+        ranks = np.concatenate([np.full(len(i), r) for r, (i, _) in enumerate(parts)])
+        indexes = np.concatenate([i for i, _ in parts])
+        steps = np.concatenate([s for _, s in parts])
+        order = np.lexsort((ranks, steps))  # stable: visit order kept within a rank
+        return steps[order], ranks[order], indexes[order]
+
     def steps(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """(step, rank, epoch, key indexes) of each step each rank trained, in step order
         (ranks in turn within a step)."""
         for epoch in self.epochs():
-            parts = [self._trained(epoch, rank) for rank in range(self.rule.order.world_size)]
-            ranks = np.concatenate([np.full(len(i), r) for r, (i, _) in enumerate(parts)])
-            indexes = np.concatenate([i for i, _ in parts])
-            steps = np.concatenate([s for _, s in parts])
-            order = np.lexsort((ranks, steps))  # stable: visit order kept within a rank
-            indexes, steps, ranks = indexes[order], steps[order], ranks[order]
+            steps, ranks, indexes = self._epoch(epoch)
             cut = np.flatnonzero((np.diff(steps) != 0) | (np.diff(ranks) != 0)) + 1
             for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), len(steps)]):
                 if hi > lo:
                     yield int(steps[lo]), int(ranks[lo]), epoch, indexes[lo:hi]
 
     def rows(self) -> Iterator[Consumed]:
-        """Every row the run trained, in step order (ranks interleaved within a step)."""
-        for step, rank, epoch, indexes in self.steps():
-            for key in self.view.keys_at(self.store, indexes):
-                yield Consumed(key, epoch, step, rank, self.run_id)
+        """Every row the run trained, in step order (ranks interleaved within a step): keys
+        looked up a slice of positions at a time, so memory stays flat."""
+        for epoch in self.epochs():
+            steps, ranks, indexes = self._epoch(epoch)
+            for lo in range(0, len(steps), _ROWS_AT_ONCE):
+                hi = lo + _ROWS_AT_ONCE
+                keys = self.view.keys_at(self.store, indexes[lo:hi])
+                yield from map(
+                    Consumed,
+                    keys,
+                    repeat(epoch),
+                    steps[lo:hi].tolist(),
+                    ranks[lo:hi].tolist(),
+                    repeat(self.run_id),
+                )
 
     def trained(self) -> np.ndarray:
         """A mask over the run's keys: which rows it trained at least once."""
