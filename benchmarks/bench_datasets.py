@@ -388,16 +388,34 @@ class Wait:
         return statistics.median(steps) / statistics.median(self.replayed) - 1
 
 
-def replaying(steps: int) -> Callable[..., Iterator[list[Any]]]:
+def replaying(steps: int) -> Callable[..., Iterator[Any]]:
     """A ``TrainBatches.steps`` that makes ``steps`` groups before the first step and hands
     them out from memory: the same loop, with no data work left during training."""
 
-    def from_memory(self: Any, start_epoch: int, num_epochs: int | None) -> Iterator[list[Any]]:
-        groups = list(itertools.islice(self._groups(start_epoch, num_epochs), steps))
-        self._at = self._taken()
-        yield from groups
+    def from_memory(self: Any, after: int, total: int) -> Iterator[Any]:
+        yield from list(itertools.islice(self._groups(after, total), steps))
 
     return from_memory
+
+
+def timing(make_steps: Callable[..., Iterator[Any]], waits: list[float]) -> Callable[..., Any]:
+    """``make_steps`` (a ``TrainBatches.steps``) noting how long the loop waits for each
+    step's group in ``waits``."""
+
+    def timed(self: Any, after: int, total: int) -> Iterator[Any]:
+        groups = make_steps(self, after, total)
+        try:
+            while True:
+                t0 = time.perf_counter()
+                group = next(groups, None)
+                if group is None:
+                    return
+                waits.append(time.perf_counter() - t0)
+                yield group
+        finally:
+            groups.close()
+
+    return timed
 
 
 def bench_wait(
@@ -418,16 +436,10 @@ def bench_wait(
     from llmtrain.training.batches import TrainBatches
 
     fit_run = run_module.FitRun
-    next_group, train_step = fit_run._next_group, fit_run._train_step
+    train_step = fit_run._train_step
     make_steps = TrainBatches.steps
     data: list[float] = []
     train: list[float] = []
-
-    def timed_next(self: Any, stream: Any) -> Any:
-        t0 = time.perf_counter()
-        group = next_group(self, stream)
-        data.append(time.perf_counter() - t0)
-        return group
 
     def timed_step(self: Any, *args: Any) -> Any:
         t0 = time.perf_counter()
@@ -435,9 +447,9 @@ def bench_wait(
         train.append(time.perf_counter() - t0)
         return loss
 
-    fit_run._next_group, fit_run._train_step = timed_next, timed_step  # type: ignore[method-assign]
-    if replay:
-        TrainBatches.steps = replaying(steps)  # type: ignore[method-assign]
+    fit_run._train_step = timed_step  # type: ignore[method-assign]
+    source = replaying(steps) if replay else make_steps
+    TrainBatches.steps = timing(source, data)  # type: ignore[method-assign]
     run = f"{wait.label}-{len(wait.replayed) + len(wait.data)}"
     db = lt.connect(
         uri,
@@ -459,7 +471,7 @@ def bench_wait(
         )
         trainer.fit(X="instruction", Y="output", db=db, select=select)
     finally:
-        fit_run._next_group, fit_run._train_step = next_group, train_step  # type: ignore[method-assign]
+        fit_run._train_step = train_step  # type: ignore[method-assign]
         TrainBatches.steps = make_steps  # type: ignore[method-assign]
         db.close()
     if replay:

@@ -277,7 +277,7 @@ def test_bad_configs_are_rejected_naming_the_field(
 @pytest.mark.parametrize(
     ("template", "message"),
     [
-        ("Q: {X}", r"\{Y\}"),
+        ("Q: {X} {X}", r"\{X\} exactly once"),  # ({X} alone is a document template)
         ("Q: {X} {Z} A: {Y}", "Z"),
         ("Q: {X} A: {Y} end", "after"),
     ],

@@ -417,7 +417,10 @@ def _show_trainer(db: Datalayer, name: str) -> None:
     rows = []
     for r in records:
         config, fit = recipe(r.payload), r.payload.get("fit")
-        data = f"{fit['X']} -> {fit['Y']} from {query_text(fit['select'])}" if fit else "-"
+        target = fit and (
+            f"{fit['X']} -> {fit['Y']}" if fit.get("Y") else f"{fit['X']} (documents)"
+        )
+        data = f"{target} from {query_text(fit['select'])}" if fit else "-"
         base = config.model_args.model_name_or_path
         rows.append((r.version, when(r.created_at), base, config.method(), data))
     say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")

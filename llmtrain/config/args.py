@@ -268,6 +268,9 @@ class DataArguments(_Args):
     """Replay a fit on changed rows (fit(allow_changed_data=) wins)."""
     version_column: str | None = None
     """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
+    stride: int = Field(default=0, ge=0)
+    """Continued pre-training (no Y): tokens of context each window of a long document
+    repeats from the one before; they are not trained again."""
 
     def token_budget(self, batch_size: int) -> int | None:
         """The tokens a packed training micro-batch holds: ``max_tokens_per_batch``, else
@@ -552,6 +555,11 @@ class TrainerConfig(_Args):
             for n in ("eval_metrics", "save_best_by", "eval_steps")
             if getattr(t, n)
         ]
+        if t.eval_metrics and fit and fit.Y is None:
+            problems.append(
+                "training_args.eval_metrics compare generated answers with Y; fit() with no Y "
+                "(documents) has none: evaluate with eval_loss"
+            )
         if wanted and fit and fit.eval_select is None and self.data_args.eval_fraction <= 0:
             problems.append(
                 f"{' and '.join(wanted)} need rows to evaluate on: pass fit(eval_select=) "
@@ -568,20 +576,40 @@ class TrainerConfig(_Args):
         return problems
 
     def _template_problems(self) -> list[str]:
+        """A template with {X} and {Y} (or the chat template) for prompt/response rows; none,
+        or one with {X} alone, for documents (fit() with no Y). Which one the rows are is
+        known once fit() names its fields."""
+        fit, d = self.fit, self.data_args
+        documents = fit is not None and fit.Y is None
+        if self.prompt_template is not None and d.chat_template:
+            return ["prompt_template and data_args.chat_template=True: give one, not both"]
+        if d.stride >= d.max_length - 1:
+            return [f"data_args.stride={d.stride} leaves no new token in a window of max_length"]
+        if documents and d.chat_template:
+            return ["data_args.chat_template=True with fit() of no Y: documents have no turns"]
         if self.prompt_template is None:
-            if self.data_args.chat_template:
+            if d.chat_template or fit is None or documents:
                 return []
             return [
-                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True"
+                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True "
+                "or fit() has no Y (continued pre-training)"
             ]
-        if self.data_args.chat_template:
-            return ["prompt_template and data_args.chat_template=True: give one, not both"]
         from llmtrain.formatting.template import PromptTemplate
 
         try:
-            PromptTemplate(self.prompt_template)
+            template = PromptTemplate(self.prompt_template)
         except ConfigError as exc:
             return [f"prompt_template: {exc}"]
+        if fit is not None and template.documents != documents:
+            if documents:
+                return [
+                    f"prompt_template {self.prompt_template!r} has {{Y}} but fit() has no Y: "
+                    "give Y=, or a template with {X} alone for continued pre-training"
+                ]
+            return [
+                f"prompt_template {self.prompt_template!r} has no {{Y}}: it formats documents "
+                f"(fit() with no Y), not responses from Y={fit.Y!r}"
+            ]
         return []
 
     def method(self) -> str:

@@ -20,12 +20,17 @@ class DataSelection(BaseModel):
 
     X: str = Field(min_length=1)
     """The field rendered as the prompt ({X})."""
-    Y: str = Field(min_length=1)
-    """The field trained on as the response ({Y})."""
+    Y: str | None = Field(default=None, min_length=1)
+    """The field trained on as the response ({Y}); None: continued pre-training on X's text."""
     select: dict[str, Any]
     """The training rows: a stored query."""
     eval_select: dict[str, Any] | None = None
     """Evaluation rows; default: held-out rows (eval_fraction)."""
+
+    @property
+    def fields(self) -> list[str]:
+        """The fields a row must hold: X, and Y unless the rows are documents."""
+        return [self.X] if self.Y is None else [self.X, self.Y]
 
 
 class FitSpec(DataSelection):

@@ -12,14 +12,15 @@ from llmtrain.errors import ConfigError
 
 
 class PromptTemplate:
-    """A template with exactly one ``{X}`` (the input) and one ``{Y}`` (the response) at its end.
+    """A template with exactly one ``{X}`` (the input) and one ``{Y}`` (the response) at its end,
+    or a document template: ``{X}`` alone, the whole text trained (continued pre-training).
 
     ``{Y}`` must close the template: the response is the text the model generates after the
     prompt, so anything after it could not be produced at inference. Literal braces are
     written ``{{`` and ``}}``. Everything is checked here, at construction.
     """
 
-    __slots__ = ("_after_x", "_before_x", "_text")
+    __slots__ = ("_after_x", "_before_x", "_text", "documents")
 
     def __init__(self, text: str) -> None:
         if not isinstance(text, str):
@@ -50,18 +51,19 @@ class PromptTemplate:
                 )
             fields.append(field)
             literals.append("")
-        for name in ("X", "Y"):
+        self.documents = "Y" not in fields
+        for name in ("X",) if self.documents else ("X", "Y"):
             if fields.count(name) != 1:
                 raise ConfigError(
                     f"template {text!r} must contain {{{name}}} exactly once, "
                     f"found it {fields.count(name)} times"
                 )
-        if fields[-1] != "Y":
+        if not self.documents and fields[-1] != "Y":
             raise ConfigError(
                 f"template {text!r}: {{Y}} must be at the very end, but {{X}} "
                 f"follows it; the prompt ({{X}}) comes before the response"
             )
-        if literals[-1]:
+        if literals[-1] and not self.documents:
             raise ConfigError(
                 f"template {text!r}: {{Y}} must be at the very end, but "
                 f"{literals[-1]!r} follows it; the response is what the model "

@@ -140,12 +140,11 @@ class Formatter:
         train_on_inputs: bool = False,
         min_prompt_tokens: int = 1,
         x_field: str = "X",
-        y_field: str = "Y",
+        y_field: str | None = "Y",
+        stride: int = 0,
     ) -> None:
-        if chat_template == (template is not None):
-            raise ConfigError(
-                "Formatter needs exactly one of a prompt template or chat_template=True"
-            )
+        if chat_template and template is not None:
+            raise ConfigError("Formatter takes a prompt template or chat_template=True, not both")
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError(
                 "Formatter needs a fast (Rust) tokenizer: it relies on its batch "
@@ -162,13 +161,23 @@ class Formatter:
         self.train_on_inputs = train_on_inputs
         self.min_prompt_tokens = min_prompt_tokens
         self.x_field, self.y_field = x_field, y_field
+        #: documents (no template, or one with {X} alone): every token trained, in windows
+        self.documents = not chat_template and (self.template is None or self.template.documents)
+        if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
+            raise ConfigError(
+                f"stride={stride}: a window of max_length={max_length} must bring new tokens"
+            )
+        self.stride = stride
         self.eos_id: int = tokenizer.eos_token_id
         self._special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
         }
         self._backend = None if chat_template else _backend_encoder(tokenizer)
         self._prefix = self._check_chat_template() if chat_template else _special_prefix(tokenizer)
-        self._absorbed = 0 if chat_template else self._absorbable()
+        self._absorbed = 0 if chat_template or self.documents else self._absorbable()
+        # a document starts after BOS, or after EOS (the separator) where there is no BOS,
+        # so that its first token is a target too
+        self._head = self._prefix or [self.eos_id]
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
             raise ConfigError(
                 f"max_length {max_length} leaves no room for a response after "
@@ -189,6 +198,8 @@ class Formatter:
         """``(key, row)`` pairs (as the data backends return them) to examples, in order,
         with one batched call into the fast tokenizer per part."""
         x_field, y_field = self.x_field, self.y_field
+        if self.documents or y_field is None:
+            return self._documents(rows, source)
         for key, row in rows:  # BadRowError by the rule the datasets apply
             check_row(source, key, row, (x_field, y_field))
         texts = [cast("tuple[str, str]", (row[x_field], row[y_field])) for _, row in rows]
@@ -213,7 +224,11 @@ class Formatter:
 
     def prompt(self, x: str) -> Prompt:
         """What a model is given at inference for input ``x``: the ids a training example
-        with this input has before its response, and the characters to heal."""
+        with this input has before its response, and the characters to heal (documents:
+        the start of a document, to continue)."""
+        if self.documents:
+            text = self.template.prompt(x) if self.template else x
+            return Prompt(self._head + self._encode([text])[0])
         if self.chat_template:
             out = self._chat([[{"role": "user", "content": x}]], generation_prompt=True)
             return Prompt(list(out["input_ids"][0]))
@@ -222,6 +237,37 @@ class Formatter:
         end = len(text) - self._absorbed
         ((ids, offsets),) = self._encode_offsets([text + _PROBES[0]])
         return Prompt(self._prefix + ids[: _first_response_token(offsets, end)], text[end:])
+
+    def _documents(
+        self, rows: Sequence[tuple[object, Mapping[str, object]]], source: str
+    ) -> list[Example]:
+        """Each document's text (through a template with {X} alone, if any), BOS and EOS
+        around it, cut into windows of ``max_length`` (:meth:`_windows`)."""
+        for key, row in rows:
+            check_row(source, key, row, (self.x_field,))
+        texts = [cast("str", row[self.x_field]) for _, row in rows]
+        if self.template is not None:
+            texts = [self.template.prompt(text) for text in texts]
+        return [
+            window
+            for (key, _), ids in zip(rows, self._encode(texts) if texts else [])
+            for window in self._windows(key, [*self._head, *ids, self.eos_id])
+        ]
+
+    def _windows(self, key: object, ids: list[int]) -> list[Example]:
+        """Consecutive windows of ``max_length`` tokens, each starting ``1 + stride`` tokens
+        before the previous one ended: those are context, already trained (the first token
+        of a window predicts nothing), so every token after the head is a target once."""
+        limit = self.max_length or len(ids)
+        windows, start, trained = [], 0, 1  # ids[:trained]: targets already (or the head)
+        while True:
+            window = ids[start : start + limit]
+            context = trained - start
+            windows.append(Example(window, [IGNORE_INDEX] * context + window[context:], key))
+            if start + limit >= len(ids):
+                return windows
+            trained = start + limit
+            start = trained - 1 - self.stride
 
     def _absorbable(self) -> int:
         """How many of the prompt's last characters a response's first token may absorb:
@@ -240,6 +286,13 @@ class Formatter:
         return self.prompt(x).ids
 
     # -- internals -------------------------------------------------------------------------
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of ``texts`` without special tokens, batched, without the character
+        offsets (documents need none: a third of the encoder's time)."""
+        if self._backend is None or not hasattr(self._backend, "encode_batch_fast"):
+            return [ids for ids, _ in self._encode_offsets(texts)]
+        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
+
     def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """(token ids, character spans) of ``texts`` without special tokens, batched."""
         if self._backend is None:

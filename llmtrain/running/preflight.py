@@ -38,11 +38,12 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
             check_fields(db, query, fit.X, fit.Y)
 
 
-def check_fields(db: Datalayer, select: Query, x: str, y: str) -> None:
+def check_fields(db: Datalayer, select: Query, x: str, y: str | None) -> None:
     """A SQL backend refuses a missing column itself (QueryError); a MongoDB field missing
     from every one of the first rows is taken for a mistyped name."""
-    rows = db.backend.fetch_rows(select, [x, y], None, FIRST_ROWS)
-    for role, name in (("X", x), ("Y", y)):
+    named = [("X", x)] if y is None else [("X", x), ("Y", y)]
+    rows = db.backend.fetch_rows(select, [n for _, n in named], None, FIRST_ROWS)
+    for role, name in named:
         if rows and not any(name in row for _, row in rows):
             raise ConfigError(
                 f"fit({role}={name!r}): no field {name!r} in the first {len(rows)} row(s) "

@@ -174,8 +174,8 @@ class LLMTrainer:
                     "fitted before can replay with no arguments)"
                 )
             return self.config.fit.model_copy(update={"db": db.uri})
-        if X is None or Y is None or select is None:
-            raise ConfigError("fit() needs all of X=, Y= and select=")
+        if X is None or select is None:
+            raise ConfigError("fit() needs X= and select= (and Y=, unless the rows are documents)")
         if not isinstance(select, Query):
             raise ConfigError(
                 f"select= must be a llmtrain query (Table, sql, Collection), "

@@ -77,7 +77,7 @@ def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, An
     the demo table fell from 5-6% of a step to 0.4%)."""
     batch["num_target_tokens"] = int(batch["num_target_tokens"])
     batch["num_tokens"] = sum(len(e) for e in examples)
-    batch["keys"] = [key_repr(e.key) for e in examples]
+    batch["keys"] = list(dict.fromkeys(key_repr(e.key) for e in examples))  # a row's windows
     return batch
 
 
@@ -176,7 +176,8 @@ class StepGroup:
 
     @property
     def keys(self) -> list[str]:
-        return [k for b in self.batches for k in b["keys"]]
+        """The step's rows (a document cut into windows counts once)."""
+        return list(dict.fromkeys(k for b in self.batches for k in b["keys"]))
 
 
 class TrainBatches:

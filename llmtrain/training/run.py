@@ -122,6 +122,7 @@ class FitRun:
             train_on_inputs=self.dargs.train_on_inputs,
             x_field=fit.X,
             y_field=fit.Y,
+            stride=self.dargs.stride,
         )
         select = fit.query()
         collate = make_collate(
@@ -135,7 +136,7 @@ class FitRun:
         train = view_dataset(
             self.db,
             select,
-            [fit.X, fit.Y],
+            fit.fields,
             self.dargs,
             split="train",
             snapshot=self.snapshot,
@@ -445,7 +446,7 @@ class FitRun:
             self._eval_data = view_dataset(
                 self.db,
                 fit.query() if other is None else other,
-                [fit.X, fit.Y],
+                fit.fields,
                 self.dargs,
                 split="held_out" if held else "all",
                 snapshot=self.snapshot if held else None,
