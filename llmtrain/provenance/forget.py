@@ -81,8 +81,8 @@ def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = 
         run_id: sorted(set(by_run.get(run_id, consumed)) - set(earlier_runs.get(run_id, ())))
         for run_id in found.runs
     }
-    digests = key_digests(typed)
-    fresh = {key_repr(k): int(d) for k, d in zip(typed, digests) if d not in set(known.tolist())}
+    seen = set(known.tolist())
+    fresh = {key_repr(k): d for k, d in zip(typed, key_digests(typed).tolist()) if d not in seen}
     if fresh or any(runs.values()):
         db.metadata.add_component(
             FORGOTTEN,

@@ -288,8 +288,8 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     found_source = source if isinstance(source, Source) else db.backend.resolve(source)
     keys = found_source.typed(keys, "trained_on()")
     result = TrainedOn(found_source.name, keys)
-    gone, _ = forgotten(db, found_source.name)
-    result.forgotten = [k for k, d in zip(keys, key_digests(keys)) if d in set(gone.tolist())]
+    gone = set(forgotten(db, found_source.name)[0].tolist())
+    result.forgotten = [k for k, d in zip(keys, key_digests(keys).tolist()) if d in gone]
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
     resolved: dict[str, str | None] = {}

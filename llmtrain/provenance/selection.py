@@ -185,7 +185,7 @@ def select_rows(
         log.info("%s: %d of the selection's rows left out", source, selected - view.count)
     if excluded:
         info["excluded_keys"] = sorted(excluded)
-    if len(excluded) == selected:
+    if excluded and len(excluded) == selected:
         raise DataError(
             f"{fit.query().source} selects {selected} row(s), every one forgotten "
             f"(db.forget on {source}): nothing to train on"
