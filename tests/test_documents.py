@@ -70,9 +70,11 @@ def test_a_template_and_a_fit_must_agree_on_y(tiny: Path, sqlite_uri: str, tmp_p
             X="body", db=db, select=lt.Table("docs")
         )
     with pytest.raises(ConfigError, match="eval_metrics"):
-        lt.LLMTrainer("c", model=tiny, eval_metrics=["exact_match"], eval_fraction=0.5).fit(
-            X="body", db=db, select=lt.Table("docs")
-        )
+        lt.LLMTrainer(
+            "c", model=tiny, eval_metrics=["exact_match"], eval_fraction=0.5, packing=True
+        ).fit(X="body", db=db, select=lt.Table("docs"))
+    with pytest.raises(ConfigError, match="packing=True"):
+        lt.LLMTrainer("d", model=tiny).fit(X="body", db=db, select=lt.Table("docs"))
     assert db.metadata.list_runs() == []
 
 
@@ -183,7 +185,7 @@ def test_llmtrain_fit_from_yaml_trains_documents(tiny: Path, tmp_path: Path, cap
         "artifacts": str(tmp_path / "artifacts"),
         "model_args": {"model_name_or_path": str(tiny)},
         "training_args": {"max_steps": 2, "per_device_train_batch_size": 2, "progress_bar": False},
-        "data_args": {"max_length": 32, "stride": 4},
+        "data_args": {"max_length": 32, "stride": 4, "packing": True},
         "data": {"X": "body", "select": {"table": "docs"}},
     }
     path = tmp_path / "fit.yaml"

@@ -79,12 +79,13 @@ def test_every_spelling_of_a_source_and_key_finds_and_forgets_the_same_rows(
     assert first is not None and 5 in _keys_trained(db, "t")
     (run,) = db.metadata.list_runs("trainer", "t")
     spellings = _spellings(any_uri)
-    assert run.info["source"].endswith(".docs")
+    found_key = "_id" if mongo else "id"
+    assert run.info["source"].endswith((".docs(id)", ".docs(_id)"))  # table and key column
     for spelling in spellings:
         for key in (5, "5", 5.0):
             found = db.trained_on(spelling, key)
             assert found.runs == [run.run_id] and found.keys == [5], (spelling, key)
-            assert found.source == run.info["source"]
+            assert run.info["source"] == f"{found.source}({found_key})"
     assert not db.trained_on(spellings[0], 100)
 
     # refused before anything is written: an unknown table, keys of another type
@@ -341,3 +342,57 @@ def test_no_model_fitted_after_a_forget_holds_the_row(tiny: Path, ops: list[Any]
                     assert (k in {row.key for row in lineage}) <= (run_id in found.runs)
         engine.dispose()
         db.close()
+
+
+def test_a_forget_names_the_key_column_its_keys_belong_to(
+    sqlite_uri: str, tiny: Path, tmp_path: Path
+) -> None:
+    """Rows keyed by another column of the same table are other keys: forgetting id 5 leaves
+    the row whose ext is 5 alone, and the other way round; forgotten rows are not held out
+    for evaluation either."""
+    import numpy as np
+
+    rows = [{**_row(i), "ext": 100 - i} for i in range(12)]
+    fill(sqlite_uri, "docs", rows)
+    db = lt.connect(sqlite_uri, artifacts=tmp_path / "artifacts")
+    by_ext = lt.Table("docs", key="ext")
+    _trainer(tiny, "ext").fit(X="q", Y="a", db=db, select=by_ext)
+    assert not db.forget("docs", [5]).runs  # id 5 (its ext is 95): no run keyed rows by id
+    result = db.forget(by_ext, [np.int64(95)])  # numpy integers type as the column's
+    assert result.runs and result.source == "main.docs"
+    assert db.trained_on(by_ext, 95).forgotten == [95] and db.trained_on("docs", 95).forgotten == []
+    held = _trainer(tiny, "held", eval_fraction=0.5).fit(X="q", Y="a", db=db, select=by_ext)
+    assert held is not None
+    (run,) = db.metadata.list_runs("trainer", "held")
+    from llmtrain.data.snapshot import RunSnapshot
+
+    snapshot = RunSnapshot.from_record(run.info["snapshot"])
+    assert snapshot.held is not None
+    views = [snapshot.train, snapshot.held]
+    every = {k for v in views for k in v.keys(db.artifacts, 0, v.count)}
+    assert 95 not in every and len(every) == 11
+    assert db.backend.resolve("docs").typed([np.str_("7")]) == [7]
+    db.close()
+
+
+def test_raw_sql_traces_only_bare_columns_and_aliases_first(
+    sqlite_uri: str, tmp_path: Path
+) -> None:
+    fill(sqlite_uri, "a", [{"id": 1, "q": "x"}])
+    fill(sqlite_uri, "b", [{"id": 2, "q": "y"}])
+    db = lt.connect(sqlite_uri, artifacts=tmp_path / "artifacts")
+    swapped = "SELECT a.id AS id, c.q FROM a AS c JOIN b AS a ON a.id = c.id"
+    assert db.backend.resolve(lt.sql(swapped, key="id")).name == "main.b"  # alias a is b
+    for computed in ("SELECT CAST(id AS TEXT) AS id, q FROM a", "SELECT id + 1 AS id FROM a"):
+        with pytest.raises(QueryError, match="source="):
+            db.backend.resolve(lt.sql(computed, key="id"))
+    db.close()
+
+
+def test_a_collection_of_mixed_id_types_takes_keys_as_given(tmp_path: Path) -> None:
+    from bson import ObjectId
+
+    uri = f"mongomock://localhost/lt_{uuid.uuid4().hex[:8]}"
+    mongo_database(uri)["docs"].insert_many([{"_id": 5}, {"_id": "k"}, {"_id": ObjectId()}])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    assert db.backend.resolve("docs").typed(["5", 5]) == ["5", 5]  # no guess between them

@@ -587,6 +587,11 @@ class TrainerConfig(_Args):
             return [f"data_args.stride={d.stride} leaves no new token in a window of max_length"]
         if documents and d.chat_template:
             return ["data_args.chat_template=True with fit() of no Y: documents have no turns"]
+        if documents and not d.packing:
+            return [
+                "fit() with no Y (documents) needs data_args.packing=True: a long document's "
+                "windows are packed under the step's token budget, not stacked in one batch"
+            ]
         if self.prompt_template is None:
             if d.chat_template or fit is None or documents:
                 return []

@@ -356,7 +356,8 @@ class CachedQueryDataset(IterableDataset[Row]):
         as None, counted and noted; a row updated since, with the version read."""
         positions, wanted, versions = window
         fields, column = self.fields, self.version_column
-        if column:
+        read_too = bool(column) and column not in fields  # fetched only to compare
+        if column and read_too:
             fields = (*fields, column)
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
         pairs = self.db.backend.fetch_by_keys(self.query, fields, wanted)
@@ -364,7 +365,10 @@ class CachedQueryDataset(IterableDataset[Row]):
         if column and versions is not None:
             for key, version in zip(wanted, versions):
                 row = found.get(key_repr(key))
-                if row is not None and (read := row.pop(column, None)) != version:
+                if row is None:
+                    continue
+                read = row.pop(column, None) if read_too else row.get(column)
+                if read != version:
                     row["_version"] = read
         self.stats.statements += 1
         self.stats.rows_fetched += len(found)

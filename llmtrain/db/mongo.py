@@ -74,8 +74,11 @@ class MongoBackend(DataBackend):
         def found() -> Source:
             names = db.list_collection_names()
             name_found = match_name(name, names, "collection", self.uri, fold=False)
-            first = db[name_found].find_one({}, {"_id": 1}, sort=[("_id", 1)])
-            key_type = type(first["_id"]) if first else None
+            ends = [
+                db[name_found].find_one({}, {"_id": 1}, sort=[("_id", order)]) for order in (1, -1)
+            ]
+            kinds = {int if isinstance(d["_id"], int) else type(d["_id"]) for d in ends if d}
+            key_type = kinds.pop() if len(kinds) == 1 else None  # mixed types: keys as given
             return Source(f"{db.name}.{name_found}", "_id", key_type)
 
         return self._with_retry("reading the collections", found, (ConnectionFailure,))

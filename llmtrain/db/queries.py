@@ -164,7 +164,7 @@ class RawSQL(Query):
 
     def to_dict(self) -> dict[str, Any]:
         data = {"kind": self.kind, "text": self.text, "key": self.key, "params": self.params}
-        return {**data, "source": self.table}
+        return data if self.table is None else {**data, "source": self.table}
 
 
 def sql(text: str, *, key: str, source: str | None = None, **params: Any) -> RawSQL:

@@ -11,6 +11,7 @@ the statement (sqlglot) when that is unambiguous, never guessed.
 
 from __future__ import annotations
 
+import numbers
 import re
 import uuid
 from collections.abc import Sequence
@@ -35,6 +36,12 @@ class Source:
     key: str
     key_type: type | None
 
+    @property
+    def identity(self) -> str:
+        """What forget records and runs are matched by: the table and its key column (rows
+        keyed by another column of one table are other keys)."""
+        return f"{self.name}({self.key})"
+
     def typed(self, keys: Sequence[Any], where: str = "forget()") -> list[Key]:
         """``keys`` as the key column holds them, checked before anything is written: a
         string of digits for an integer key is the integer it spells (keys typed on a
@@ -51,9 +58,9 @@ class Source:
             return self._refuse(key, where)
         if want is None:
             return key
-        if want is int:
-            if isinstance(key, int):
-                return key
+        if want is int or issubclass(want, int):  # also numpy and enum integers, bson Int64
+            if isinstance(key, numbers.Integral):
+                return want(int(key))
             if isinstance(key, float) and key.is_integer():
                 return int(key)
             if isinstance(key, str) and _INTEGER.match(key.strip()):
@@ -65,8 +72,8 @@ class Source:
                 return uuid.UUID(key)
             except ValueError:
                 pass
-        if isinstance(key, want):
-            return key
+        if isinstance(key, want):  # a subclass (numpy's str_): the exact type digests alike
+            return str(key) if want is str else key
         return self._refuse(key, where)
 
     def _refuse(self, key: Any, where: str) -> Key:
@@ -77,40 +84,38 @@ class Source:
         )
 
 
-def sql_tables(text: str) -> list[tuple[str, str, str]]:
-    """(schema, table, alias) of every table a SELECT reads."""
+_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+
+
+def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
+    """(schema, table, column) the column ``key`` of a SELECT's result comes from: a bare
+    column (``id``, ``d.doc_id AS id``) of its only table, or of the table its qualifier
+    names (an alias before a table name); anything else (a computed key, a UNION, a
+    statement the parser does not read) is a QueryError asking for ``source=``."""
     import sqlglot
     from sqlglot import exp
 
+    ask = "name it with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
     try:
-        tree = sqlglot.parse_one(text)
+        tree = sqlglot.parse_one(text, read=_DIALECTS.get(dialect))
     except sqlglot.errors.ParseError as exc:
-        raise QueryError(f"cannot tell which tables {text[:60]!r} reads: {exc}") from None
-    return [(t.db, t.name, t.alias_or_name) for t in tree.find_all(exp.Table)]
-
-
-def key_table(text: str, key: str) -> tuple[str, str, str]:
-    """(schema, table, column) the column ``key`` of a SELECT's result comes from: its only
-    table, or the one its projection names (``d.doc_id AS id``); else a QueryError asking
-    for ``source=``."""
-    import sqlglot
-    from sqlglot import exp
-
-    tables = sql_tables(text)
-    projected = {e.alias_or_name: e.find(exp.Column) for e in sqlglot.parse_one(text).expressions}
+        what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
+        raise QueryError(what) from None
+    tables = [(t.db, t.name, t.alias_or_name) for t in tree.find_all(exp.Table)]
+    projected = {e.alias_or_name: e.unalias() for e in getattr(tree, "expressions", [])}
     found = projected.get(key)
-    column = found.name if found is not None else key
-    if len({(s, t) for s, t, _ in tables}) == 1:
+    bare = isinstance(found, exp.Column) or (found is None and "*" in projected)
+    column = found.name if isinstance(found, exp.Column) else key
+    if bare and isinstance(tree, exp.Select) and len({(s, t) for s, t, _ in tables}) == 1:
         return tables[0][0], tables[0][1], column
-    if found is not None and found.table:
-        for schema, table, alias in tables:
-            if found.table in (alias, table):
+    if bare and isinstance(found, exp.Column) and found.table and isinstance(tree, exp.Select):
+        for match in (lambda a, t: a == found.table, lambda a, t: t == found.table):
+            hits = {(s, t) for s, t, a in tables if match(a, t)}
+            if len(hits) == 1:
+                schema, table = hits.pop()
                 return schema, table, column
     names = sorted({t for _, t, _ in tables})
-    raise QueryError(
-        f"sql(): key {key!r} cannot be traced to one of the tables it reads {names}: name it "
-        "with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
-    )
+    raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
 
 
 def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: bool) -> str:

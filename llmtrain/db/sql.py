@@ -250,7 +250,7 @@ class SQLBackend(DataBackend):
             if source.table is not None:
                 (schema, table), column = split_name(source.table), source.key
             else:
-                found, table, column = key_table(source.text, source.key)
+                found, table, column = key_table(source.text, source.key, self.engine.dialect.name)
                 schema = found or None
         elif isinstance(source, Table):
             schema, table, column = source.schema, source.name, source.key

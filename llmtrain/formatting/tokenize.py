@@ -140,7 +140,7 @@ class Formatter:
         train_on_inputs: bool = False,
         min_prompt_tokens: int = 1,
         x_field: str = "X",
-        y_field: str | None = "Y",
+        y_field: str | None = None,
         stride: int = 0,
     ) -> None:
         if chat_template and template is not None:
@@ -160,9 +160,15 @@ class Formatter:
         self.max_length = max_length
         self.train_on_inputs = train_on_inputs
         self.min_prompt_tokens = min_prompt_tokens
-        self.x_field, self.y_field = x_field, y_field
+        self.x_field = x_field
         #: documents (no template, or one with {X} alone): every token trained, in windows
         self.documents = not chat_template and (self.template is None or self.template.documents)
+        if self.documents and y_field is not None:
+            raise ConfigError(
+                f"Formatter: documents (no template, or {{X}} alone) take no y_field, got "
+                f"{y_field!r}: give a template with {{Y}} to train responses"
+            )
+        self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
                 f"stride={stride}: a window of max_length={max_length} must bring new tokens"
@@ -198,7 +204,7 @@ class Formatter:
         """``(key, row)`` pairs (as the data backends return them) to examples, in order,
         with one batched call into the fast tokenizer per part."""
         x_field, y_field = self.x_field, self.y_field
-        if self.documents or y_field is None:
+        if self.documents:
             return self._documents(rows, source)
         for key, row in rows:  # BadRowError by the rule the datasets apply
             check_row(source, key, row, (x_field, y_field))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmtrain.db.keys import DIGEST, Key, key_digests, key_repr
 from llmtrain.errors import ConfigError
-from llmtrain.provenance.lineage import FORGOTTEN, TrainedOn, forgotten, trained_on
+from llmtrain.provenance.lineage import FORGOTTEN, TrainedOn, chain, forgotten, trained_on
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Components
@@ -72,21 +72,20 @@ def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = 
     resolved = db.backend.resolve(source)
     typed = resolved.typed(keys, "forget()")
     found = trained_on(db, resolved, typed)
-    known, earlier_runs = forgotten(db, resolved.name)
+    known, earlier_runs = forgotten(db, resolved.identity)
     by_run: dict[str, set[str]] = {}
     for use in found.uses:
         by_run.setdefault(use.run_id, set()).add(key_repr(use.key))
-    consumed = set().union(*by_run.values())
-    runs = {  # a run continued from an affected model carries all of them
-        run_id: sorted(set(by_run.get(run_id, consumed)) - set(earlier_runs.get(run_id, ())))
-        for run_id in found.runs
-    }
+    runs = {}
+    for run_id in found.runs:  # a run continued from an affected model carries its chain's
+        carried = set().union(*(by_run.get(r.run_id, set()) for r, _ in chain(db, run_id)))
+        runs[run_id] = sorted(carried - set(earlier_runs.get(run_id, ())))
     seen = set(known.tolist())
     fresh = {key_repr(k): d for k, d in zip(typed, key_digests(typed).tolist()) if d not in seen}
     if fresh or any(runs.values()):
         db.metadata.add_component(
             FORGOTTEN,
-            resolved.name,
+            resolved.identity,
             {
                 "source": resolved.name,
                 "key": resolved.key,

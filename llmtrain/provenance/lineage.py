@@ -199,7 +199,8 @@ def model_lineage(db: Database, name: str, version: int | None = None) -> Iterat
 
 
 def run_source(db: Database, run: Any, resolved: dict[str, str | None]) -> str | None:
-    """The resolved name of the table or collection a run read (recorded at registration;
+    """The identity (:attr:`Source.identity`: table and key column) of what a run read
+    (recorded at registration;
     resolved from its query for a run recorded before that, once per query in
     ``resolved``); None where it cannot be (the table is gone)."""
     from llmtrain.db.queries import Query
@@ -212,15 +213,15 @@ def run_source(db: Database, run: Any, resolved: dict[str, str | None]) -> str |
     name = Query.from_dict(query).fingerprint()
     if name not in resolved:
         try:
-            resolved[name] = db.backend.resolve(Query.from_dict(query)).name
+            resolved[name] = db.backend.resolve(Query.from_dict(query)).identity
         except (QueryError, ConfigError):
             resolved[name] = None
     return resolved[name]
 
 
 def forgotten(db: Database, source: str) -> tuple[np.ndarray, dict[str, list[str]]]:
-    """What ``db.forget`` recorded for the resolved ``source``: the sorted digests of its
-    forgotten keys, and for each run that had trained on some, their keys (as key_repr)."""
+    """What ``db.forget`` recorded for ``source`` (a :attr:`Source.identity`): the sorted
+    digests of its forgotten keys, and for each run that trained on some, their keys."""
     digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
     runs: dict[str, list[str]] = {}
     for record in db.metadata.list_components(FORGOTTEN, source):
@@ -288,13 +289,13 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     found_source = source if isinstance(source, Source) else db.backend.resolve(source)
     keys = found_source.typed(keys, "trained_on()")
     result = TrainedOn(found_source.name, keys)
-    gone = set(forgotten(db, found_source.name)[0].tolist())
+    gone = set(forgotten(db, found_source.identity)[0].tolist())
     result.forgotten = [k for k, d in zip(keys, key_digests(keys).tolist()) if d in gone]
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
     resolved: dict[str, str | None] = {}
     for run in runs:
-        if run_source(db, run, resolved) != found_source.name:
+        if run_source(db, run, resolved) != found_source.identity:
             continue
         try:
             lineage = RunLineage.of(db, run)

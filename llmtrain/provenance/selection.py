@@ -153,7 +153,8 @@ def select_rows(
     rows it leaves. Every refusal comes before anything is recorded."""
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
-    source = db.backend.resolve(fit.query()).name
+    resolved = db.backend.resolve(fit.query())
+    source = resolved.identity
     gone, _ = forgotten(db, source)
     info: dict[str, Any] = {"source": source}
     trained = parent = None
@@ -182,13 +183,18 @@ def select_rows(
     if len(gone) or trained is not None:
         view = keep_rows(snapshot.train, db.artifacts, keep)
         snapshot = replace(snapshot, train=view)
-        log.info("%s: %d of the selection's rows left out", source, selected - view.count)
+        log.info("%s: %d of the selection's rows left out", resolved.name, selected - view.count)
+    if len(gone) and snapshot.held is not None:  # nor are forgotten rows evaluated on
+        held = keep_rows(
+            snapshot.held, db.artifacts, lambda keys, _: ~np.isin(key_digests(keys), gone)
+        )
+        snapshot = replace(snapshot, held=held)
     if excluded:
         info["excluded_keys"] = sorted(excluded)
     if excluded and len(excluded) == selected:
         raise DataError(
             f"{fit.query().source} selects {selected} row(s), every one forgotten "
-            f"(db.forget on {source}): nothing to train on"
+            f"(db.forget on {resolved.name}): nothing to train on"
         )
     if parent is not None:
         info[PARENT] = {
