@@ -396,3 +396,18 @@ def test_a_collection_of_mixed_id_types_takes_keys_as_given(tmp_path: Path) -> N
     mongo_database(uri)["docs"].insert_many([{"_id": 5}, {"_id": "k"}, {"_id": ObjectId()}])
     db = lt.connect(uri, artifacts=tmp_path / "artifacts")
     assert db.backend.resolve("docs").typed(["5", 5]) == ["5", 5]  # no guess between them
+
+
+def test_an_untyped_sqlite_key_column_types_keys_as_its_rows_hold_them(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "loose.db"
+    with sqlite3.connect(path) as conn:  # no declared types, as quick scripts make tables
+        conn.execute("CREATE TABLE docs (id PRIMARY KEY, q)")
+        conn.executemany("INSERT INTO docs VALUES (?, ?)", [(i, f"q{i}") for i in range(3)])
+        conn.execute("CREATE TABLE mixed (id PRIMARY KEY, q)")
+        conn.executemany("INSERT INTO mixed VALUES (?, ?)", [(1, "a"), ("k", "b")])
+    db = lt.connect(f"sqlite:///{path}", artifacts=tmp_path / "artifacts")
+    assert db.backend.resolve("docs").typed(["2"]) == [2]  # the CLI's text, as the rows hold it
+    assert db.backend.resolve("mixed").typed(["1"]) == ["1"]  # mixed: taken as given
+    db.close()

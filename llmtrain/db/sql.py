@@ -278,11 +278,26 @@ class SQLBackend(DataBackend):
             column = pk[0] if len(pk) == 1 else None
         if column not in columns:
             raise QueryError(f"{schema}.{table} has no key column {column!r}")
+        python_type: type | None
         try:
             python_type = columns[column]["type"].python_type
         except NotImplementedError:
             python_type = None
+        if python_type in (None, object):  # an untyped (SQLite) column: what its keys hold
+            python_type = self._held_type(schema, table, column)
         return Source(f"{schema}.{table}", column, python_type)
+
+    def _held_type(self, schema: str, table: str, column: str) -> type | None:
+        """The one Python type of the smallest and largest key, or None (mixed, or empty)."""
+        found = sa.Table(table, sa.MetaData(), sa.Column(column), schema=schema)
+        key = found.c[column]
+        with self.engine.connect() as conn:
+            ends = [
+                conn.execute(sa.select(key).order_by(order).limit(1)).scalar()
+                for order in (key.asc(), key.desc())
+            ]
+        kinds = {type(k) for k in ends if k is not None}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def key_pages(
         self, query: Query, version_column: str | None, page_size: int
