@@ -398,6 +398,18 @@ def replaying(steps: int) -> Callable[..., Iterator[Any]]:
     return from_memory
 
 
+def timed_calls(call: Callable[..., Any], times: list[float]) -> Callable[..., Any]:
+    """``call`` noting each call's seconds in ``times`` (a FitRun._train_step, say)."""
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        out = call(*args)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    return timed
+
+
 def timing(make_steps: Callable[..., Iterator[Any]], waits: list[float]) -> Callable[..., Any]:
     """``make_steps`` (a ``TrainBatches.steps``) noting how long the loop waits for each
     step's group in ``waits``."""
@@ -441,13 +453,7 @@ def bench_wait(
     data: list[float] = []
     train: list[float] = []
 
-    def timed_step(self: Any, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        loss = train_step(self, *args)
-        train.append(time.perf_counter() - t0)
-        return loss
-
-    fit_run._train_step = timed_step  # type: ignore[method-assign]
+    fit_run._train_step = timed_calls(train_step, train)  # type: ignore[method-assign]
     source = replaying(steps) if replay else make_steps
     TrainBatches.steps = timing(source, data)  # type: ignore[method-assign]
     run = f"{wait.label}-{len(wait.replayed) + len(wait.data)}"

@@ -23,7 +23,6 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -80,7 +79,7 @@ def tokens_per_second(model: Path, texts: list[str], max_length: int, rows: int)
 
 
 def data_wait(model: Path, texts: list[str], max_length: int, steps: int, folder: Path) -> None:
-    from bench_datasets import timing
+    from bench_datasets import timed_calls, timing
 
     from llmtrain.training import run as run_module
     from llmtrain.training.batches import TrainBatches
@@ -94,13 +93,7 @@ def data_wait(model: Path, texts: list[str], max_length: int, steps: int, folder
     data: list[float] = []
     train: list[float] = []
 
-    def timed_step(self: Any, *args: Any) -> Any:
-        t0 = time.perf_counter()
-        loss = train_step(self, *args)
-        train.append(time.perf_counter() - t0)
-        return loss
-
-    fit_run._train_step = timed_step  # type: ignore[method-assign]
+    fit_run._train_step = timed_calls(train_step, train)  # type: ignore[method-assign]
     TrainBatches.steps = timing(make_steps, data)  # type: ignore[method-assign]
     try:
         db = lt.connect(f"sqlite:///{path}", artifacts=folder / "artifacts")

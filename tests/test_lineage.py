@@ -175,9 +175,9 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     forgotten = db.forget("docs", [int(key.split(":")[1])])
     assert sorted(forgotten.models) == sorted(found.models)
     assert forgotten.trainers == [("lin", run.version)]
-    from llmtrain.provenance.lineage import forgotten_by_run
+    from llmtrain.provenance.lineage import forgotten as forget_records
 
-    carried = forgotten_by_run(db)  # one record of the forget: runs are not rewritten
+    carried = forget_records(db, None)[1]  # one record of the forget: runs are not rewritten
     assert carried[run.run_id] == [key] and carried[new_run.run_id] == [key]
     assert "forgotten_keys" not in db.metadata.get_run(run.run_id).info
     assert db.trained_on("docs", int(key.split(":")[1])).forgotten == [int(key.split(":")[1])]

@@ -33,7 +33,7 @@ from llmtrain.errors import (
     LlmtrainError,
     QueryError,
 )
-from llmtrain.provenance.lineage import chain, forgotten_by_run, trained_on
+from llmtrain.provenance.lineage import chain, forgotten, trained_on
 from llmtrain.uri import redact_uri
 
 USAGE_EXAMPLES = """\
@@ -431,7 +431,7 @@ def _show_model(db: Datalayer, name: str) -> None:
     records = db.metadata.list_components("model", name)
     if not records:
         raise _not_found(db, "model", name)
-    carried = forgotten_by_run(db)  # rows forgotten since (db.forget): the model carries them
+    carried = forgotten(db, None)[1]  # rows forgotten since (db.forget): the model carries them
     rows = []
     for r in records:
         p = r.payload

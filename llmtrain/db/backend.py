@@ -24,7 +24,25 @@ Row = dict[str, Any]
 KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
 T = TypeVar("T")
 log = logging.getLogger("llmtrain.db")
-_NONE = object()  # no key before the first page
+NO_KEY = object()  # no key before the first page
+
+
+def keyset(
+    fetch: Callable[[Any, int], Sequence[Any]], page_size: int
+) -> Iterator[tuple[Sequence[Any], Any]]:
+    """Keyset paging, the one loop every reader of a selection's keys uses: ``fetch(lower,
+    limit)`` returns rows (key first) in key order from ``lower`` on (``NO_KEY``: from the
+    start). Each page after the first starts *at* the last key seen, one row more, so a key
+    repeated across the boundary shows up as a repeat too; that overlapping row is dropped.
+    Yields (rows, the key before them)."""
+    lower: Any = NO_KEY
+    while True:
+        limit = page_size if lower is NO_KEY else page_size + 1
+        page = fetch(lower, limit)
+        yield (page[1:] if page and same_key(page[0][0], lower) else page), lower
+        if len(page) < limit:
+            return
+        lower = page[-1][0]
 
 
 class DataBackend(ABC):
@@ -60,20 +78,15 @@ class DataBackend(ABC):
         none."""
 
     def pages(self, query: Query, fields: Sequence[str], page_size: int) -> Iterator[KeyedRows]:
-        """The selection's rows in key order, ``page_size`` a statement, each page's keys
-        checked (:func:`check_keys`). Each page after the first starts *at* the last key
-        seen (one row more), so a key repeated across the boundary shows up as a repeat
-        too; that overlapping row is dropped."""
-        lower: Any = _NONE
-        while True:
-            limit = page_size if lower is _NONE else page_size + 1
-            page = self.fetch_rows(query, fields, None if lower is _NONE else lower, limit)
-            rows = page[1:] if page and same_key(page[0][0], lower) else page
+        """The selection's rows in key order, ``page_size`` a statement (:func:`keyset`),
+        each page's keys checked (:func:`check_keys`)."""
+
+        def fetch(lower: Any, limit: int) -> KeyedRows:
+            return self.fetch_rows(query, fields, None if lower is NO_KEY else lower, limit)
+
+        for rows, lower in keyset(fetch, page_size):
             check_keys([k for k, _ in rows], lower, self.key_name(query), query.source)
-            yield rows
-            if len(page) < limit:
-                return
-            lower = page[-1][0]
+            yield list(rows)
 
     def key_pages(
         self, query: Query, version_column: str | None, page_size: int

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from llmtrain.db.backend import DataBackend, KeyedRows
+from llmtrain.db.backend import NO_KEY, DataBackend, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
-from llmtrain.db.keys import Key, KeyPage, check_keys, same_key
+from llmtrain.db.keys import Key, KeyPage, check_keys
 from llmtrain.db.queries import Query, RawSQL, Table
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source, key_table, match_name, split_name
@@ -32,7 +32,14 @@ from llmtrain.errors import QueryError
 _IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
-_NONE = object()  # no key before the first page
+
+
+def _python_type(column_type: Any) -> type | None:
+    """The Python type a column's values come as; None where SQLAlchemy cannot say."""
+    try:
+        return column_type.python_type
+    except NotImplementedError:
+        return None
 
 
 def _converts(column_type: Any, dialect: Any) -> bool:
@@ -278,11 +285,7 @@ class SQLBackend(DataBackend):
             column = pk[0] if len(pk) == 1 else None
         if column not in columns:
             raise QueryError(f"{schema}.{table} has no key column {column!r}")
-        python_type: type | None
-        try:
-            python_type = columns[column]["type"].python_type
-        except NotImplementedError:
-            python_type = None
+        python_type = _python_type(columns[column]["type"])
         if python_type in (None, object):  # an untyped (SQLite) column: what its keys hold
             python_type = self._held_type(schema, table, column)
         return Source(f"{schema}.{table}", column, python_type)
@@ -312,28 +315,20 @@ class SQLBackend(DataBackend):
         if any(_converts(c.type, dialect) for c in cols):
             yield from super().key_pages(query, version_column, page_size)
             return
-        try:
-            ints = src.key.type.python_type is int
-        except NotImplementedError:
-            ints = False
+        ints = _python_type(src.key.type) is int
         first = src.select(*cols).order_by(src.key).limit(sa.bindparam(_LIMIT, type_=sa.Integer))
         later = first.where(src.key >= sa.bindparam(_LOWER, type_=src.key.type))
-        lower: Any = _NONE
-        while True:
-            stmt, values = (first, {}) if lower is _NONE else (later, {_LOWER: lower})
-            limit = page_size if lower is _NONE else page_size + 1
-            rows = self._raw_rows(stmt, {**values, _LIMIT: limit}, query.source)
-            found = list(map(itemgetter(0), rows))
-            skip = 1 if found and same_key(found[0], lower) else 0
-            keys: Any = found[skip:]
+
+        def fetch(lower: Any, limit: int) -> list[Any]:
+            stmt, values = (first, {}) if lower is NO_KEY else (later, {_LOWER: lower})
+            return self._raw_rows(stmt, {**values, _LIMIT: limit}, query.source)
+
+        for rows, lower in keyset(fetch, page_size):
+            keys: Any = list(map(itemgetter(0), rows))
             if ints and None not in keys:
                 keys = np.array(keys, dtype=np.int64)
             check_keys(keys, lower, src.key.name, query.source)
-            versions = [r[1] for r in rows[skip:]] if version_column else None
-            yield KeyPage(keys, versions)
-            if len(rows) < limit:
-                return
-            lower = found[-1]
+            yield KeyPage(keys, [r[1] for r in rows] if version_column else None)
 
     def _raw_rows(self, stmt: sa.Executable, values: dict[str, Any], source: str) -> list[Any]:
         """The driver's own rows of one statement (tuples), with the usual retries."""

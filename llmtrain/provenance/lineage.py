@@ -219,9 +219,10 @@ def run_source(db: Database, run: Any, resolved: dict[str, str | None]) -> str |
     return resolved[name]
 
 
-def forgotten(db: Database, source: str) -> tuple[np.ndarray, dict[str, list[str]]]:
+def forgotten(db: Database, source: str | None) -> tuple[np.ndarray, dict[str, list[str]]]:
     """What ``db.forget`` recorded for ``source`` (a :attr:`Source.identity`): the sorted
-    digests of its forgotten keys, and for each run that trained on some, their keys."""
+    digests of its forgotten keys, and for each run that trained on some, their keys
+    (``source=None``: of every source)."""
     digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
     runs: dict[str, list[str]] = {}
     for record in db.metadata.list_components(FORGOTTEN, source):
@@ -230,15 +231,6 @@ def forgotten(db: Database, source: str) -> tuple[np.ndarray, dict[str, list[str
         for run_id, keys in (payload.get("runs") or {}).items():
             runs[run_id] = sorted({*runs.get(run_id, ()), *keys})
     return np.unique(np.concatenate(digests)), runs
-
-
-def forgotten_by_run(db: Database) -> dict[str, list[str]]:
-    """For every run that trained rows forgotten since, those rows' keys (as key_repr)."""
-    out: dict[str, list[str]] = {}
-    for record in db.metadata.list_components(FORGOTTEN):
-        for run_id, keys in (record.payload.get("runs") or {}).items():
-            out[run_id] = sorted({*out.get(run_id, ()), *keys})
-    return out
 
 
 @dataclass(frozen=True)

@@ -238,8 +238,9 @@ class FitRun:
             for group in stream:
                 batches, targets = self._pair(group)
                 loss = self._train_step(batches, targets) if targets else self._empty_step()
-                self.examples += len(group.keys)
-                epoch_examples += len(group.keys)
+                keys = group.keys  # derived from the step's batches: once
+                self.examples += len(keys)
+                epoch_examples += len(keys)
                 self.skips.add(group.skipped, group.epoch, group.deleted, group.changed)
                 self.skipped.update(dict.fromkeys(map(key_repr, group.skipped)))
                 per_epoch = self.batches.rule.per_epoch
@@ -249,7 +250,7 @@ class FitRun:
                         self._nothing_trained()  # every row of it skipped: all will be
                     epoch_examples = 0
                 for callback in self.callbacks:
-                    callback.on_step(self, group.keys)
+                    callback.on_step(self, keys)
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
                 metrics = {
                     "loss": loss,
