@@ -103,9 +103,9 @@ def read_share(broker: Any, snapshot: dict[str, Any], rank: int, world: int, cac
     """A worker: one epoch of its rank's rows, through the driver."""
     import llmtrain as lt
     from llmtrain.data import RunSnapshot
-    from llmtrain.running.ray.bridge import Channel, RemoteDB
+    from llmtrain.running.ray.bridge import RemoteDB
 
-    db = RemoteDB(Channel(broker))
+    db = RemoteDB(broker)
     ds = lt.CachedQueryDataset(
         db,
         lt.Table("docs"),
@@ -125,12 +125,12 @@ def measure(rows: int, workers: int, cache: int) -> dict[str, Any]:
 
     import llmtrain as lt
     from llmtrain.data import take_snapshot
-    from llmtrain.running.ray.bridge import DriverService
+    from llmtrain.running.ray.bridge import serving
 
     path = make_table(rows)
     art = Path(tempfile.mkdtemp(prefix="llmtrain-bench-ray-"))
     db = lt.connect(f"sqlite:///{path}", artifacts=art)
-    snapshot = take_snapshot(db, lt.Table("docs"), cache_size=cache)
+    snapshot = take_snapshot(db, lt.Table("docs"))
     # the baseline: the same epoch read by one local dataset
     started = time.perf_counter()
     local = lt.CachedQueryDataset(db, lt.Table("docs"), FIELDS, cache_size=cache, snapshot=snapshot)
@@ -139,18 +139,17 @@ def measure(rows: int, workers: int, cache: int) -> dict[str, Any]:
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     task = ray.remote(num_cpus=1)(read_share)
     ray.get([ray.remote(lambda: 0).remote() for _ in range(workers)])  # workers warm
-    with DriverService(db, {}, threads=workers) as service:
+    with serving(db, {}, threads=workers) as broker:
         before = psutil.Process().memory_info().rss
         with Peak() as peak:
             started = time.perf_counter()
             counts = ray.get(
                 [
-                    task.remote(service.broker, snapshot.to_record(), r, workers, cache)
+                    task.remote(broker, snapshot.to_record(), r, workers, cache)
                     for r in range(workers)
                 ]
             )
             seconds = time.perf_counter() - started
-        calls = service.calls
     ray.shutdown()
     return {
         "rows": rows,
@@ -161,7 +160,6 @@ def measure(rows: int, workers: int, cache: int) -> dict[str, Any]:
         "rows_per_s_ray": round(sum(counts) / seconds),
         "rows_per_s_local": round(local_rows / local_s),
         "ray_vs_local": round(sum(counts) / seconds / (local_rows / local_s), 3),
-        "driver_calls": calls,
         "seconds": round(seconds, 1),
     }
 

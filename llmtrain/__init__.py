@@ -6,7 +6,7 @@ from typing import Any
 
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, QueryDataset
 from llmtrain.datalayer import Datalayer, connect
-from llmtrain.db.queries import Collection, Query, RawSQL, Table, sql
+from llmtrain.db.queries import Collection, Conversations, Query, RawSQL, Table, sql
 from llmtrain.errors import (
     BadRowError,
     CheckpointError,
@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "Collection",
     "ConfigError",
+    "Conversations",
     "DataChangedError",
     "DataError",
     "Datalayer",

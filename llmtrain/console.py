@@ -1,9 +1,5 @@
 """Terminal output for the CLI and the demo: quiet third-party noise, print aligned tables.
-
-Only programs (``llmtrain ...``, the demo, the examples) call :func:`quiet`: importing the
-library never changes logging or warning filters behind a user's back. A fit is quiet for
-its own duration only (:func:`quieted`), unless called with ``verbose=True``.
-"""
+Only programs call :func:`quiet`; a fit is quiet for its own duration (:func:`quieted`)."""
 
 from __future__ import annotations
 
@@ -33,23 +29,13 @@ _NOISY_WARNINGS = (
 # Deprecations raised inside the libraries a fit drives: news for us, noise for the user
 # (transformers 5 warns on every fit about its own v6 renames).
 _THIRD_PARTY = r"(transformers|peft|accelerate|bitsandbytes|deepspeed|torch)(\.|$)"
-_NOISY_MODULE_WARNINGS = ((FutureWarning, _THIRD_PARTY), (DeprecationWarning, _THIRD_PARTY))
 
 
 def _ignore_noisy_warnings() -> None:
     for category, pattern in _NOISY_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern, category=category)
-    for category, module in _NOISY_MODULE_WARNINGS:
-        warnings.filterwarnings("ignore", category=category, module=module)
-
-
-class _DropPrefixes(logging.Filter):
-    def __init__(self, prefixes: Sequence[str]) -> None:
-        super().__init__()
-        self.prefixes = tuple(prefixes)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
 
 
 #: set (to "1") while a fit is quiet; the launched worker processes read it
@@ -63,20 +49,33 @@ _QUIET_ENV = {
 }
 
 
-def quiet() -> None:
-    """Silence the known banners and warnings of transformers, bitsandbytes and DeepSpeed
-    for the rest of the program (the CLI and the demo call this).
+def _keep(record: logging.LogRecord, prefix: str) -> bool:
+    return not str(record.msg).startswith(prefix)
 
-    Call before those libraries are imported: some of them log while being imported.
-    Real errors still show; set ``TRANSFORMERS_VERBOSITY`` yourself to see more.
-    """
+
+#: one filter object per noisy logger: adding it twice is a no-op
+_FILTERS = {name: functools.partial(_keep, prefix=prefix) for name, prefix in _NOISY_LOGS}
+
+
+def _silence(all_loggers: bool) -> list[tuple[logging.Logger, Any]]:
+    """Quiet environment, log filters (only on loggers without a level of their own unless
+    ``all_loggers``) and warning filters; returns the filters it added."""
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
-    for name, prefix in _NOISY_LOGS:
+    added = []
+    for name, keep in _FILTERS.items():
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropPrefixes) for f in logger.filters):
-            logger.addFilter(_DropPrefixes([prefix]))
+        if keep not in logger.filters and (all_loggers or logger.level == logging.NOTSET):
+            logger.addFilter(keep)
+            added.append((logger, keep))
     _ignore_noisy_warnings()
+    return added
+
+
+def quiet() -> None:
+    """Silence the known banners and warnings of transformers, bitsandbytes and DeepSpeed for
+    the rest of the program. Call before they are imported: some log while being imported."""
+    _silence(all_loggers=True)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -86,12 +85,8 @@ def quiet() -> None:
 @contextlib.contextmanager
 def quieted(enabled: bool = True) -> Iterator[None]:
     """:func:`quiet` for one call (a fit), then the caller's logging, warning filters,
-    progress bars and environment exactly as they were.
-
-    What the caller configured wins: a noisy logger with a level of its own, or
-    transformers set to a verbosity other than its default (``TRANSFORMERS_VERBOSITY`` or
-    ``set_verbosity_*``), is left to speak.
-    """
+    progress bars and environment as they were. What the caller configured wins: a noisy
+    logger with a level of its own, or transformers at a verbosity other than its default."""
     if not enabled:
         yield
         return
@@ -99,21 +94,14 @@ def quieted(enabled: bool = True) -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     env = {name: os.environ.get(name) for name in _QUIET_ENV}
-    for name, value in _QUIET_ENV.items():
-        os.environ.setdefault(name, value)
-    added: list[tuple[logging.Logger, logging.Filter]] = []
-    for name, prefix in _NOISY_LOGS:
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            added.append((logger, _DropPrefixes([prefix])))
-            logger.addFilter(added[-1][1])
     verbosity = hf_logging.get_verbosity()
     lower = env["TRANSFORMERS_VERBOSITY"] is None and verbosity == logging.WARNING
     bars = hf_logging.is_progress_bar_enabled()
     hub_bars = not hub_utils.are_progress_bars_disabled()
+    added: list[tuple[logging.Logger, Any]] = []
     try:
         with warnings.catch_warnings():
-            _ignore_noisy_warnings()
+            added = _silence(all_loggers=False)
             if lower:
                 hf_logging.set_verbosity_error()
             hf_logging.disable_progress_bar()
@@ -135,7 +123,7 @@ def quieted(enabled: bool = True) -> Iterator[None]:
 
 
 def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
-    """Run ``method`` under :func:`quieted` unless it is called with ``verbose=True``."""
+    """Run ``method`` under :func:`quieted` unless called with ``verbose=True``."""
 
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -146,7 +134,7 @@ def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
 
 
 def say(*lines: str) -> None:
-    """Print each line, flushed at once: a long command's progress shows as it goes."""
+    """Print each line, flushed: a long command's progress shows as it goes."""
     print(*lines, sep="\n", flush=True)
 
 

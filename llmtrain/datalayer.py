@@ -10,12 +10,14 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from llmtrain.db import open_backend
 from llmtrain.db.backend import DataBackend
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.errors import ConfigError, StoreError
-from llmtrain.stores.artifacts import check_artifacts_spec
+from llmtrain.stores.artifacts import check_artifacts_spec, open_artifacts
 from llmtrain.stores.artifacts.base import ArtifactStore
 from llmtrain.stores.components import Component, check_identifier, component_class
+from llmtrain.stores.metadata import open_metadata
 from llmtrain.stores.metadata.base import ComponentRecord, MetadataStore, RunRecord
 from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
@@ -37,9 +39,8 @@ def default_artifact_dir(uri: str) -> Path:
 
 
 def check_uri(uri: object, where: str) -> None:
-    """A database URI that some backend can serve: a string with a scheme whose SQLAlchemy
-    dialect and driver are installed, or a MongoDB one; else one ConfigError naming it.
-    Nothing is opened (that waits for first use)."""
+    """A MongoDB URI, or one whose SQLAlchemy dialect and driver are installed; else one
+    ConfigError naming it. Nothing is opened."""
     if not isinstance(uri, str) or "://" not in uri:
         shown = repr(redact_uri(uri)) if isinstance(uri, str) else f"{type(uri).__name__} {uri!r}"
         raise ConfigError(f"{where} needs a database URI like sqlite:///data.db, got {shown}")
@@ -62,22 +63,19 @@ def check_uri(uri: object, where: str) -> None:
             f"{where}: the database driver for {redact_uri(uri)} is not installed ({exc})"
         ) from None
     except sa.exc.ArgumentError as exc:
-        message = f"{where}: {redact_uri(uri)} is not a valid database URI: {exc}"
-        raise ConfigError(message) from None
+        raise ConfigError(
+            f"{where}: {redact_uri(uri)} is not a valid database URI: {exc}"
+        ) from None
 
 
 def require_datalayer(db: object, where: str) -> None:
     """``db`` is what :func:`connect` returns, not a URI or an engine: say how to get one."""
     if isinstance(db, Datalayer):
         return
-    if isinstance(db, str):
-        hint = f"the string {redact_uri(db)!r}: pass llmtrain.connect({redact_uri(db)!r})"
-    else:
-        url = getattr(db, "url", None)  # a SQLAlchemy engine or connection
-        hint = f"{type(db).__name__}" + (
-            f": pass llmtrain.connect({redact_uri(str(url))!r})" if url is not None else ""
-        )
-    raise ConfigError(f"{where} needs a database opened with llmtrain.connect(), got {hint}")
+    shown = f"the string {redact_uri(db)!r}" if isinstance(db, str) else type(db).__name__
+    url = db if isinstance(db, str) else getattr(db, "url", None)  # an engine or connection
+    hint = f": pass llmtrain.connect({redact_uri(str(url))!r})" if url is not None else ""
+    raise ConfigError(f"{where} needs a database opened with llmtrain.connect(), got {shown}{hint}")
 
 
 class Datalayer:
@@ -115,15 +113,10 @@ class Datalayer:
             artifacts if isinstance(artifacts, ArtifactStore) else None
         )
 
-    # -- what is safe to show -------------------------------------------------------------
     @property
     def uri(self) -> str:
         """The data URI with secrets redacted: the only form that is stored or printed."""
         return redact_uri(self._uri)
-
-    @property
-    def metadata_uri(self) -> str:
-        return redact_uri(self._metadata_uri)
 
     def secret_uri(self) -> str:
         """The full URI, for handing to worker processes through their environment only."""
@@ -140,20 +133,15 @@ class Datalayer:
     def __repr__(self) -> str:
         return f"Datalayer({self.uri!r})"
 
-    # -- the three parts --------------------------------------------------------------------
     @property
     def backend(self) -> DataBackend:
         if self._backend is None:
-            from llmtrain.db import open_backend
-
             self._backend = open_backend(self._uri, retry=self.retry)
         return self._backend
 
     @property
     def metadata(self) -> MetadataStore:
         if self._metadata is None:
-            from llmtrain.stores.metadata import open_metadata
-
             # a separate metadata database may not exist yet: its first write creates it
             self._metadata = open_metadata(
                 self._metadata_uri, missing_ok=self._metadata_uri != self._uri
@@ -163,18 +151,14 @@ class Datalayer:
     @property
     def artifacts(self) -> ArtifactStore:
         if self._artifacts is None:
-            from llmtrain.stores.artifacts import open_artifacts
-
             spec = self._artifacts_spec  # an ArtifactStore was set in __init__
             folder = default_artifact_dir(self._uri) if spec is None else spec
             assert not isinstance(folder, ArtifactStore)
             self._artifacts = open_artifacts(folder, metadata_uri=self._metadata_uri)
         return self._artifacts
 
-    # -- components ---------------------------------------------------------------------------
     def add(self, component: Component) -> int:
-        """Store ``component`` as a new version, unless the newest stored version has the same
-        payload (a repeated merge or save adds nothing); returns (and sets) its version."""
+        """Store a new version unless the newest has the same payload; returns (and sets) it."""
         if not isinstance(component, Component):
             raise StoreError(
                 f"{type(component).__name__} is not a component "
@@ -201,12 +185,6 @@ class Datalayer:
         if checkpoint is not None and type_id != "model":
             raise ConfigError(f"load(checkpoint=) is for models, not {type_id!r}")
         record = self.metadata.get_component(type_id, check_identifier(identifier), version)
-        obj = self._materialise(record)
-        if checkpoint is not None:
-            obj.use_checkpoint(checkpoint)
-        return obj
-
-    def _materialise(self, record: ComponentRecord) -> Any:
         cls = component_class(record.type_id)
         try:
             obj = cls.from_dict(record.payload)
@@ -218,6 +196,8 @@ class Datalayer:
         obj.version = record.version
         if hasattr(obj, "_attach"):
             obj._attach(self)
+        if checkpoint is not None:
+            obj.use_checkpoint(checkpoint)
         return obj
 
     def show(self, type_id: str | None = None, identifier: str | None = None) -> list[Any]:
@@ -233,14 +213,23 @@ class Datalayer:
     def remove(
         self, type_id: str, identifier: str, version: int | None = None, *, force: bool = False
     ) -> int:
-        """Remove one version (or all); returns how many went.
-
-        A trainer that still has runs or models is refused, naming them; ``force=True``
-        removes them too: the runs with their metrics and checkpoints (and the checkpoints'
-        artifacts), and the models it produced (and their artifacts that nothing kept uses).
-        """
+        """Remove one version (or all); returns how many went. A trainer that still has runs
+        or models is refused; ``force=True`` removes them too, with their artifacts that
+        nothing kept uses."""
         identifier = check_identifier(identifier)
-        runs, models = self._dependents(type_id, identifier, version)
+        runs: list[RunRecord] = []
+        models: list[ComponentRecord] = []
+        if type_id == "trainer":  # its runs, and the model versions they produced
+            runs = [
+                r
+                for r in self.metadata.list_runs(type_id, identifier)
+                if version is None or r.version == version
+            ]
+            models = [
+                m
+                for m in self.metadata.list_components("model", identifier)
+                if version is None or m.payload.get("trainer_version") == version
+            ]
         if (runs or models) and not force:
             what = [f"{len(runs)} run(s) ({', '.join(r.run_id for r in runs)})"] if runs else []
             if models:
@@ -263,24 +252,6 @@ class Datalayer:
             self.artifacts.delete(artifact)
         return removed
 
-    def _dependents(
-        self, type_id: str, identifier: str, version: int | None
-    ) -> tuple[list[RunRecord], list[ComponentRecord]]:
-        """A trainer's runs and the model versions they produced (same identifier)."""
-        if type_id != "trainer":
-            return [], []
-        runs = [
-            r
-            for r in self.metadata.list_runs(type_id, identifier)
-            if version is None or r.version == version
-        ]
-        models = [
-            m
-            for m in self.metadata.list_components("model", identifier)
-            if version is None or m.payload.get("trainer_version") == version
-        ]
-        return runs, models
-
     def _artifacts_in_use(self) -> set[str]:
         """Artifacts that remaining models and checkpoints still point at (content ids can be
         shared, so one trainer's removal must not delete another's)."""
@@ -289,11 +260,9 @@ class Datalayer:
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
 
-    # -- lineage --------------------------------------------------------------------------------
     def lineage(self, type_id: str, identifier: str, version: int | None = None) -> Iterator[Any]:
-        """The rows that trained model ``identifier`` (newest version unless given), across
-        the runs it continued from: :class:`llmtrain.provenance.lineage.Consumed` (key, epoch, step,
-        rank, run id), streamed in step order, derived from the runs' records."""
+        """The rows that trained the model (newest version unless given), across the runs it
+        continued from, in step order: see :func:`llmtrain.provenance.lineage.model_lineage`."""
         from llmtrain.provenance.lineage import model_lineage
 
         if type_id != "model":
@@ -301,22 +270,18 @@ class Datalayer:
         return model_lineage(self, check_identifier(identifier), version)
 
     def trained_on(self, source: Any, key: Any) -> Any:
-        """Every run, checkpoint and model version that consumed row ``key`` of ``source``
-        (a table or collection name, or a query): see
-        :func:`llmtrain.provenance.lineage.trained_on`."""
+        """Every run, checkpoint and model version that consumed row ``key`` of ``source``."""
         from llmtrain.provenance.lineage import trained_on
 
         return trained_on(self, source, [key])
 
     def forget(self, source: Any, keys: Any, *, retrain: bool = False) -> Any:
-        """Forget rows: later runs leave them out, the runs that trained on them are marked;
-        returns the affected models and checkpoints, with ``retrain()`` (done now with
-        ``retrain=True``). See :mod:`llmtrain.provenance.forget`."""
+        """Forget rows (later runs leave them out); returns the affected models and
+        checkpoints, with ``retrain()``. See :mod:`llmtrain.provenance.forget`."""
         from llmtrain.provenance.forget import forget
 
         return forget(self, source, keys, retrain=retrain)
 
-    # -- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
         for part in (self._backend, self._metadata):
             if part is not None:
@@ -341,11 +306,6 @@ def connect(
     artifacts: str | Path | ArtifactStore | None = None,
     retry: RetryPolicy | None = None,
 ) -> Datalayer:
-    """Open a database: any SQLAlchemy URL, ``mongodb://``, or ``mongomock://`` for tests.
-
-    ``metadata_uri`` puts components and runs in another database (default: the same one).
-    ``artifacts`` is a folder, ``"gridfs"`` (MongoDB), an fsspec URL (``s3://bucket/prefix``;
-    credentials from the environment, never the URL), or an ArtifactStore. ``retry`` bounds
-    how long data reads wait out a lost connection before ``DatabaseUnavailableError``.
-    """
+    """Open a database (any SQLAlchemy URL, ``mongodb://``, ``mongomock://``); see README.md.
+    ``retry`` bounds how long data reads wait out a lost connection."""
     return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)

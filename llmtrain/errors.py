@@ -12,8 +12,7 @@ class ConfigError(LlmtrainError, ValueError):
 
 
 class DatabaseNotFoundError(ConfigError):
-    """The URI names a database that is not there (a mistyped SQLite path): reading never
-    creates one."""
+    """The URI names a database that is not there: reading never creates one."""
 
 
 class QueryError(LlmtrainError, ValueError):

@@ -1,9 +1,5 @@
-"""Where this process sits in the job: rank, world size, local rank and device, resolved once.
-
-The only module that reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``. The placement is resolved
-when a run (or a dataset used on its own) starts, then handed to the dataset and the
-strategy; nothing writes those variables as a signal.
-"""
+"""Where this process sits in the job, resolved once when a run (or a dataset) starts: the
+only module that reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``."""
 
 from __future__ import annotations
 
@@ -19,10 +15,8 @@ from llmtrain.errors import ConfigError, DistributedError
 @dataclass(frozen=True)
 class Placement:
     """One process's place: ``rank`` of ``world_size``, ``local_rank`` on its node.
-
     ``launched`` is decided once, here: DeepSpeed needs LOCAL_RANK set even in an unlaunched
-    process, so a later look at the environment could mistake that process for a worker.
-    """
+    process, so a later look at the environment could mistake it for a worker."""
 
     rank: int = 0
     world_size: int = 1
@@ -37,10 +31,8 @@ class Placement:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Placement:
-        """The placement a launcher gave this process (torchrun, deepspeed), else (0, 1).
-
-        An initialised ``torch.distributed`` group wins over the variables.
-        """
+        """The placement a launcher gave this process, else (0, 1); an initialised
+        ``torch.distributed`` group wins over the variables."""
         env = os.environ if env is None else env
         import torch.distributed as dist
 
@@ -64,9 +56,8 @@ class Placement:
         """The placement inside the process group just joined; a launcher's must agree."""
         if self.launched and (rank, world_size) != (self.rank, self.world_size):
             raise DistributedError(
-                f"the process group placed this process at rank {rank} of "
-                f"{world_size}, its launcher at rank {self.rank} of "
-                f"{self.world_size}"
+                f"the process group placed this process at rank {rank} of {world_size}, "
+                f"its launcher at rank {self.rank} of {self.world_size}"
             )
         return replace(self, rank=rank, world_size=world_size)
 

@@ -1,10 +1,5 @@
-"""Tiny, deterministic causal LMs for tests and examples: no model hub, no network.
-
-``tiny_model(path)`` trains a byte-level BPE tokenizer on a small built-in English corpus,
-builds a randomly initialised model from a transformers config and saves both with
-``save_pretrained``, so everything downstream loads them through the real
-``AutoModelForCausalLM`` / ``AutoTokenizer`` code paths, exactly like a hub checkpoint.
-"""
+"""Tiny, deterministic causal LMs for tests and examples, with no hub or network: saved with
+``save_pretrained`` so they load through the real auto classes, like a hub checkpoint."""
 
 from __future__ import annotations
 
@@ -31,16 +26,10 @@ TOKENIZER_STYLES = ("bytelevel", "metaspace", "legacy", "wordpiece")
 #: A plain user/assistant template; ``{% generation %}`` marks what an assistant-only loss
 #: trains, and it includes the EOS so a fine-tuned model learns to stop.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
     "<|assistant|>\n{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
-    "{{ '\\n' }}"
-    "{% else %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ '\\n' }}{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
 _CORPUS = """\
@@ -79,34 +68,26 @@ def _read_marker(path: Path) -> dict[str, Any] | None:
 
 
 def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: int = 512) -> Any:
-    """A fast tokenizer trained on ``corpus``, with ``<s>`` prepended by ``tokenizer(text)``,
-    in one of the styles that mark words and the start of a text differently:
-    ``bytelevel`` (GPT-2, Llama-3: ``Ġword``, any UTF-8 text encodes), ``metaspace``
-    (tokenizers' Llama/Mistral style: ``▁word``, ``▁`` before the first word), ``legacy``
-    (Llama-2's tokenizer.json: a normaliser prepends ``▁`` to every text) and ``wordpiece``
-    (BERT: whitespace dropped, ``##`` continuations, lowercased)."""
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
+    """A fast tokenizer trained on ``corpus`` (``tokenizer(text)`` prepends ``<s>``), styled
+    as ``bytelevel`` (GPT-2, Llama-3: ``Ġword``), ``metaspace`` (Llama/Mistral: ``▁word``),
+    ``legacy`` (Llama-2: a normaliser prepends ``▁`` to every text) or ``wordpiece`` (BERT:
+    ``##`` continuations, lowercased)."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     trainer: Any
+    options: dict[str, Any] = dict(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     if style == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok = tokenizers.Tokenizer(models.WordPiece(unk_token="<unk>"))
         tok.normalizer = normalizers.BertNormalizer(lowercase=True)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False
-        )
+        trainer = trainers.WordPieceTrainer(**options)
     else:
-        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
         alphabet = ["\n", "#", ":", "▁"]
         if style == "bytelevel":
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -120,12 +101,7 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
                 [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
             )
             tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIAL_TOKENS,
-            initial_alphabet=alphabet,
-            show_progress=False,
-        )
+        trainer = trainers.BpeTrainer(initial_alphabet=alphabet, **options)
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # The post-processor is what makes ``tokenizer(text)`` add BOS, as Llama tokenizers do.
@@ -158,9 +134,8 @@ def _build(path: Path, args: dict[str, Any], corpus: list[str], style: str) -> N
         "num_hidden_layers": args["num_layers"],
         "num_attention_heads": args["num_heads"],
         "max_position_embeddings": _MAX_POSITIONS,
-        # Wider than the 0.02 of real checkpoints: a random tiny model initialised that
-        # narrowly barely reacts to a LoRA update, so tests and the demo could not show a
-        # model learning in a few dozen steps.
+        # Wider than real checkpoints' 0.02: a tiny model initialised that narrowly barely
+        # reacts to a LoRA update, so tests and the demo could not show it learn in a few steps.
         "initializer_range": 0.2,
     }
     if args["arch"] == "opt":
@@ -195,19 +170,10 @@ def tiny_model(
     corpus: list[str] | None = None,
     tokenizer: str = "bytelevel",
 ) -> Path:
-    """Build (once) a tiny causal LM plus tokenizer in ``path`` and return the path.
-
-    ``arch`` is ``"llama"``, ``"opt"`` or ``"qwen2"``. The tokenizer has ``<s>`` (BOS, added
-    by ``tokenizer(text)``), ``</s>`` (EOS), ``<pad>`` (its own id, never EOS) and ``<unk>``,
-    and a chat template with ``{% generation %}`` tags; ``tokenizer`` is its style (see
-    :func:`train_tokenizer`). ``vocab_size`` is the BPE target; the
-    embeddings are sized to the tokenizer actually trained. ``num_kv_heads`` defaults to
-    ``num_heads`` (set it lower for grouped-query attention; ignored by OPT).
-
-    Idempotent: when ``path`` already holds a model built with the same arguments it is
-    returned untouched. A different tiny model there is replaced; any other non-empty
-    directory is refused rather than overwritten.
-    """
+    """Build (once) a tiny ``arch`` causal LM and its tokenizer (:func:`train_tokenizer`;
+    ``<pad>`` is never EOS) in ``path`` and return the path. Idempotent: the same arguments
+    leave it untouched, another tiny model there is replaced, any other non-empty directory
+    is refused. ``num_kv_heads`` (grouped-query attention) defaults to ``num_heads``."""
     if arch not in ARCHES:
         raise ConfigError(f"tiny_model: arch must be one of {ARCHES}, got {arch!r}")
     if hidden_size % num_heads:

@@ -6,22 +6,12 @@ import contextlib
 import platform
 from importlib import metadata
 
-_PACKAGES = (
-    "llmtrain",
-    "torch",
-    "transformers",
-    "peft",
-    "bitsandbytes",
-    "deepspeed",
-    "sqlalchemy",
-    "pymongo",
-    "tokenizers",
-)
+_PACKAGES = "llmtrain torch transformers peft bitsandbytes deepspeed sqlalchemy pymongo tokenizers"
 
 
 def library_versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for name in _PACKAGES:
+    for name in _PACKAGES.split():
         with contextlib.suppress(metadata.PackageNotFoundError):
             found[name] = metadata.version(name)
     return found

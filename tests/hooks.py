@@ -39,6 +39,23 @@ class KeyTrace(Callback):
         return [k for entry in self.steps for k in entry["keys"]]
 
 
+def crash_after_checkpoint(monkeypatch: Any, step: int) -> Any:
+    """Make runs raise KeyboardInterrupt right after their checkpoint at ``step`` is saved and
+    recorded (as a kill there would leave them); returns the undo."""
+    from llmtrain.training import run as run_module
+
+    original = run_module.FitRun.save_checkpoint
+
+    def crash(self: Any) -> Any:
+        record = original(self)
+        if self.step == step:
+            raise KeyboardInterrupt("simulated crash")
+        return record
+
+    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash)
+    return lambda: monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
+
+
 def key_trace() -> KeyTrace:
     """Built by each launched worker (``fit(callbacks=["hooks:key_trace"])``), which builds its
     callbacks only once the database URIs are out of its environment: code it imports, and

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import fill
-from hooks import KeyTrace
+from hooks import KeyTrace, crash_after_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -127,19 +127,11 @@ def test_continued_pretraining_feeds_each_token_once_resumes_and_replays(
     monkeypatch.setattr(run_module.FitRun, "_pair", pair)
 
     # a crash after the step-2 checkpoint, then a resume: the adapter of the uninterrupted run
-    original = run_module.FitRun.save_checkpoint
-
-    def crash_after_step_2(self: Any) -> Any:
-        record = original(self)
-        if self.step == 2:
-            raise KeyboardInterrupt("simulated crash")
-        return record
-
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_2)
+    undo = crash_after_checkpoint(monkeypatch, 2)
     again = lt.LLMTrainer("cpt-resumed", model=tiny, prompt_template=None, **OPTIONS)
     with pytest.raises(KeyboardInterrupt):
         again.fit(X="body", db=db, select=lt.Table("docs"))
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
+    undo()
     resumed = db.load("trainer", "cpt-resumed").fit(resume=True)
     assert resumed is not None
     first, second = (_adapter(db, m, tmp_path / m.identifier) for m in (model, resumed))

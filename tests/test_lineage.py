@@ -16,7 +16,7 @@ import pytest
 import sqlalchemy as sa
 import torch
 from conftest import fill
-from hooks import KeyTrace
+from hooks import KeyTrace, crash_after_checkpoint
 from safetensors.torch import load_file
 
 import llmtrain as lt
@@ -85,21 +85,12 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     trainer = lt.LLMTrainer("lin", model=tiny, prompt_template=TEMPLATE, **OPTIONS)
 
     # a run that crashes after its step-6 checkpoint, then resumes
-    from llmtrain.training import run as run_module
-
-    original = run_module.FitRun.save_checkpoint
-
-    def crash_after_step_6(self: Any) -> Any:
-        record = original(self)
-        if self.step == 6:
-            raise KeyboardInterrupt("simulated crash")
-        return record
 
     first = KeyTrace()
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_6)
+    undo = crash_after_checkpoint(monkeypatch, 6)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[first])
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
+    undo()
     parent = db.load("trainer", "lin").fit(resume=True, callbacks=[first])
     (run,) = db.metadata.list_runs("trainer", "lin")
     assert run.status == "completed" and run.info["steps"] == 10

@@ -144,7 +144,8 @@ class EpochTrace(Callback):
         self.deleted_mid_run: set[str] = set()  # doomed rows gone before epoch 1 read them
 
     def on_step(self, run: Any, keys: list[str]) -> None:
-        self.epochs.update((run.batches.epoch, k) for k in keys)
+        epoch = (run.step - 1) // len(run.batches)  # steps per epoch
+        self.epochs.update((epoch, k) for k in keys)
         if run.step == 1:
             self.writer.go.touch()
             self.deleted_mid_run = self.writer.wait_deleted(self.doomed, 3)

@@ -240,6 +240,22 @@ def test_fit_on_ray_trains_records_and_loads_in_peft(env: Env) -> None:
     )
 
 
+def test_rows_a_worker_skips_are_recorded_through_the_driver(env: Env) -> None:
+    from llmtrain.data.skips import read_skips
+
+    rows = [{"id": i, "instruction": f"q{i}", "output": None if i == 3 else "a"} for i in range(8)]
+    fill(env.uri, "with_bad", rows)
+    ray_config = lt.RayConfig(num_workers=WORLD, storage=str(env.root / "ray"))
+    options = {**OPTIONS, "max_steps": 1, "save_steps": 1, "on_bad_row": "skip"}
+    trainer = lt.LLMTrainer(
+        "ray-skips", model=env.tiny, prompt_template=TEMPLATE, ray_config=ray_config, **options
+    )
+    trainer.fit(X="instruction", Y="output", db=env.db, select=lt.Table("with_bad"))
+    (run,) = env.db.metadata.list_runs("trainer", "ray-skips")
+    assert run.status == "completed", run.error
+    assert [key for key, _ in read_skips(env.db.artifacts, run.info).first.values()] == [3]
+
+
 def test_workers_never_reach_the_database(env: Env) -> None:
     from llmtrain.running.ray.driver import RayRun
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import fill
-from hooks import KeyTrace
+from hooks import KeyTrace, crash_after_checkpoint
 from safetensors.torch import load_file
 
 import llmtrain as lt
@@ -144,22 +144,12 @@ def test_resume_after_interruption_gives_the_same_adapter(
     options = {"max_steps": 10, "save_steps": 3, "lora_dropout": 0.1, "batch_size": 4}
     reference = _fit(_trainer(tiny, "straight", **options), db)
 
-    from llmtrain.training import run as run_module
-
-    original = run_module.FitRun.save_checkpoint
-
-    def crash_after_step_6(self: Any) -> Any:
-        record = original(self)
-        if self.step == 6:
-            raise KeyboardInterrupt("simulated crash")
-        return record
-
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_6)
+    undo = crash_after_checkpoint(monkeypatch, 6)
     with pytest.raises(KeyboardInterrupt):
         _fit(_trainer(tiny, "crashy", **options), db)
     (failed,) = db.metadata.list_runs("trainer", "crashy")
     assert failed.status == "interrupted" and "simulated crash" in failed.error
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", original)
+    undo()
 
     resumed = _fit(_trainer(tiny, "crashy", **options), db, resume=True)
     (run,) = db.metadata.list_runs("trainer", "crashy")
@@ -584,7 +574,7 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
         "lora_dropout": 0.1,
     }
     seen: dict[str, list[tuple[int, list[list[str]], list[tuple[int, int]]]]] = {}
-    train_step, save = run_module.FitRun._train_step, run_module.FitRun.save_checkpoint
+    train_step = run_module.FitRun._train_step
 
     def traced(self: Any, group: list[dict[str, Any]], *args: Any) -> float:
         seen.setdefault(self.plan.identifier, []).append(
@@ -595,12 +585,6 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
             )
         )
         return train_step(self, group, *args)
-
-    def crash_after_step_3(self: Any) -> Any:
-        record = save(self)
-        if self.step == 3:
-            raise KeyboardInterrupt("simulated crash")
-        return record
 
     monkeypatch.setattr(run_module.FitRun, "_train_step", traced)
     reference = _fit(_trainer(tiny, "budget", **options), db)
@@ -617,10 +601,10 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
     lrs = [m for m in db.metadata.get_metrics(run.run_id) if "lr" in m.values]
     assert lrs[-1].step == 6 and lrs[-1].values["lr"] == 0.0 < lrs[-2].values["lr"]
 
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", crash_after_step_3)
+    undo = crash_after_checkpoint(monkeypatch, 3)
     with pytest.raises(KeyboardInterrupt):  # two DataLoader workers this time
         _fit(_trainer(tiny, "budget-crash", dataloader_num_workers=2, **options), db)
-    monkeypatch.setattr(run_module.FitRun, "save_checkpoint", save)
+    undo()
     assert seen.pop("budget-crash") == ref[:3]
     resumed = _fit(
         _trainer(tiny, "budget-crash", dataloader_num_workers=2, **options), db, resume=True

@@ -1,19 +1,15 @@
-"""``llmtrain demo``: the whole loop in about half a minute on a laptop CPU, with no download.
-
-It writes a SQLite database with a small question/answer table, builds a tiny local model,
-fine-tunes it with LoRA on the English rows, loads the stored trainer and model back,
-generates, and replays the fit from its stored recipe. ``examples/quickstart.py`` runs the
-same calls (a test checks it), so the demo and the quick start cannot drift apart.
-"""
+"""``llmtrain demo``: the whole loop in about half a minute on a laptop CPU, no download.
+``examples/quickstart.py`` makes the same calls (a test runs it), so the two cannot drift."""
 
 from __future__ import annotations
 
 import shutil
 import sqlite3
+import textwrap
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llmtrain as lt
 from llmtrain.cli.report import query_text
@@ -21,9 +17,6 @@ from llmtrain.console import quiet, say, table
 from llmtrain.errors import ConfigError
 from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 DEFAULT_DIR = Path("llmtrain-demo")
 DEFAULT_STEPS = 60
@@ -107,10 +100,7 @@ def write_table(db_file: Path) -> None:
 
 def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
     """A fresh demo database in ``workdir`` and a tiny local base model: ``(uri, model)``.
-
-    Re-running starts over: the database and its artifacts are replaced, the model (the same
-    bytes every time) is reused. A non-empty folder that is not a demo folder is refused.
-    """
+    The model (the same bytes every time) is reused; a folder not the demo's is refused."""
     workdir = Path(workdir).resolve()
     if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / _MARKER).exists():
         raise ConfigError(
@@ -128,7 +118,6 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
 
 
 def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
-    """The demo, step by step, on stdout (the progress bar goes to stderr)."""
     started = time.perf_counter()
     quiet()
     say(f"llmtrain demo: LoRA fine-tuning of a tiny model on a SQLite table ({steps} steps)\n")
@@ -145,15 +134,6 @@ def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
         )
         + "\n   ...\n"
     )
-    with closing(lt.connect(uri)) as db:
-        _fit_load_generate_replay(db, base_model, steps)
-        _show_locations(db, uri, base_model)
-    say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
-    say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
-
-
-def _fit_load_generate_replay(db: Datalayer, base_model: Path, steps: int) -> None:
-    """Steps 2-5: the calls of examples/quickstart.py, with what each one shows."""
     trainer = lt.LLMTrainer(
         "demo-qa",
         model=base_model,
@@ -164,82 +144,71 @@ def _fit_load_generate_replay(db: Datalayer, base_model: Path, steps: int) -> No
         lora_r=16,
         lora_dropout=0.0,
     )
-    say(
-        "2. Fine-tune: trainer.fit(X='instruction', Y='output', db=db, "
-        "select=Table('docs').where('lang = :l', l='en'))"
-    )
-    model = trainer.fit(
-        X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="en")
-    )
-    history = model.record.history
-    say(
-        f"   loss fell from {history[0]['loss']:.3f} (step 1) to {history[-1]['loss']:.3f} "
-        f"(step {history[-1]['step']:.0f})"
-    )
-    marks = {1, len(history), *range(10, len(history), 10)}
-    say(
-        "   by step: "
-        + "  ".join(f"{h['step']:.0f}: {h['loss']:.2f}" for h in history if h["step"] in marks)
-        + "\n"
-    )
-
-    loaded = db.load("trainer", "demo-qa")
-    fit = loaded.config.fit
-    say(f"3. Stored: db.load('trainer', 'demo-qa') -> {loaded!r}")
-    say(
-        f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
-        f"X={fit.X!r}, Y={fit.Y!r}, rows {query_text(fit.select)}, data fingerprint "
-        f"{(fit.data_fingerprint or '')[:12]}\n"
-    )
-
-    model = db.load("model", "demo-qa")
-    say("4. Generate: db.load('model', 'demo-qa').generate(question)")
-    probes = [(en[0], answer) for en, answer, _, _ in facts()][::3]
-    answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
-    matches = [got == want for (_, want), got in zip(probes, answers)]
-    checked = [
-        (q, want, got, "yes" if ok else "no")
-        for (q, want), got, ok in zip(probes, answers, matches)
-    ]
-    say(_table(checked, ["question", "trained answer", "generated", "match"]))
-    say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
-
-    say("5. Replay: db.load('trainer', 'demo-qa').fit() runs the stored recipe again")
-    replayed = db.load("trainer", "demo-qa").fit()
-    first, again = history[-1]["loss"], replayed.record.history[-1]["loss"]
-    say(
-        f"   final loss {again:.4f} (first fit: {first:.4f}, "
-        f"{'identical' if again == first else 'not identical'})\n"
-    )
-
-
-def _show_locations(db: Any, uri: str, base_model: Path) -> None:
-    say("6. Where everything went")
-    say(
-        f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, runs, "
-        "metrics)"
-    )
-    say(f"   artifacts   {db.artifacts.root}  (adapters and checkpoints)")
-    say(f"   base model  {base_model}")
-    runs = db.metadata.list_runs("trainer", "demo-qa")
-    say(
-        _table(
-            [
-                (
-                    r.run_id,
-                    r.status,
-                    r.info.get("steps"),
-                    r.info.get("final_loss"),
-                    f"v{r.info.get('model_version')}",
-                    r.info.get("artifact"),
-                )
-                for r in runs
-            ],
-            ["run id", "status", "steps", "final loss", "model", "adapter artifact"],
+    with closing(lt.connect(uri)) as db:
+        say(
+            "2. Fine-tune: trainer.fit(X='instruction', Y='output', db=db, "
+            "select=Table('docs').where('lang = :l', l='en'))"
         )
-    )
+        model = trainer.fit(
+            X="instruction", Y="output", db=db, select=lt.Table("docs").where("lang = :l", l="en")
+        )
+        history = model.record.history
+        say(
+            f"   loss fell from {history[0]['loss']:.3f} (step 1) to {history[-1]['loss']:.3f} "
+            f"(step {history[-1]['step']:.0f})"
+        )
+        marks = {1, len(history), *range(10, len(history), 10)}
+        say(
+            "   by step: "
+            + "  ".join(f"{h['step']:.0f}: {h['loss']:.2f}" for h in history if h["step"] in marks)
+            + "\n"
+        )
+
+        loaded = db.load("trainer", "demo-qa")
+        fit = loaded.config.fit
+        say(f"3. Stored: db.load('trainer', 'demo-qa') -> {loaded!r}")
+        say(
+            f"   equal to the trainer that ran: {loaded == trainer}; it keeps its recipe: "
+            f"X={fit.X!r}, Y={fit.Y!r}, rows {query_text(fit.select)}, data fingerprint "
+            f"{(fit.data_fingerprint or '')[:12]}\n"
+        )
+
+        model = db.load("model", "demo-qa")
+        say("4. Generate: db.load('model', 'demo-qa').generate(question)")
+        probes = [(en[0], answer) for en, answer, _, _ in facts()][::3]
+        answers = [model.generate(question, max_new_tokens=8).strip() for question, _ in probes]
+        matches = [got == want for (_, want), got in zip(probes, answers)]
+        checked = [
+            (q, want, got, "yes" if ok else "no")
+            for (q, want), got, ok in zip(probes, answers, matches)
+        ]
+        say(_table(checked, ["question", "trained answer", "generated", "match"]))
+        say(f"   {sum(matches)}/{len(probes)} answers match the table\n")
+
+        say("5. Replay: db.load('trainer', 'demo-qa').fit() runs the stored recipe again")
+        replayed = db.load("trainer", "demo-qa").fit()
+        first, again = history[-1]["loss"], replayed.record.history[-1]["loss"]
+        say(
+            f"   final loss {again:.4f} (first fit: {first:.4f}, "
+            f"{'identical' if again == first else 'not identical'})\n"
+        )
+
+        say("6. Where everything went")
+        say(
+            f"   database    {uri.split(':///', 1)[1]}  (the docs table, trainers, models, "
+            "runs, metrics)"
+        )
+        say(f"   artifacts   {db.artifacts.location}  (adapters and checkpoints)")
+        say(f"   base model  {base_model}")
+        runs = [
+            (r.run_id, r.status, r.info.get("steps"), r.info.get("final_loss"))
+            + (f"v{r.info.get('model_version')}", r.info.get("artifact"))
+            for r in db.metadata.list_runs("trainer", "demo-qa")
+        ]
+        say(_table(runs, ["run id", "status", "steps", "final loss", "model", "adapter artifact"]))
+    say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
+    say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
 
 
 def _table(rows: list[tuple[Any, ...]], header: list[str]) -> str:
-    """A table indented under its step."""
-    return "\n".join("   " + line for line in table(rows, header).splitlines())
+    return textwrap.indent(table(rows, header), "   ")  # under its step

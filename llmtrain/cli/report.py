@@ -1,9 +1,6 @@
-"""One run, read back from the metadata store: its summary, its recipe's changes, its plot.
-
-``llmtrain show run NAME`` prints :func:`run_summary` and ``--plot FILE`` writes
-:func:`plot_run`; both read only what the run recorded (its record, metrics, checkpoints and
-the trainer versions), so they work on any run, finished, failed or still going.
-"""
+"""What the ``llmtrain`` commands print: stored components, runs (summary, recipe changes,
+plot), fits and who used a row. Read only from what was recorded, so any run shows, finished,
+failed or still going."""
 
 from __future__ import annotations
 
@@ -15,19 +12,179 @@ from typing import Any
 from pydantic import BaseModel
 
 from llmtrain.config.args import TrainerConfig, build
-from llmtrain.console import table
+from llmtrain.console import say, table
 from llmtrain.datalayer import Datalayer
 from llmtrain.db.queries import Query
-from llmtrain.errors import ConfigError
+from llmtrain.errors import ComponentNotFoundError, ConfigError, LlmtrainError
+from llmtrain.provenance.lineage import chain, forgotten
 
 #: recipe keys that say where and on which rows, not how: shown on their own lines
 _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
 
 
+def show(db: Datalayer, type_id: str | None, name: str | None, plot: Path | None) -> None:
+    """``llmtrain show [TYPE [NAME]] [--plot PNG]``."""
+    if type_id is None:
+        show_all(db)
+    elif type_id == "run":
+        run = show_runs(db, name)
+        if run is not None and plot is not None:
+            say("", f"plotted run {run.run_id} into {plot_run(db, run, plot)}")
+    elif name is None:
+        show_identifiers(db, type_id)
+    elif type_id == "trainer":
+        show_trainer(db, name)
+    else:
+        show_model(db, name)
+
+
+def report_fit(db: Datalayer, trainer: Any, model: Any) -> None:
+    if model is None:  # a launcher's worker processes stored the model
+        say(f"done: see `llmtrain show run {trainer.identifier}`")
+        return
+    run = db.metadata.get_run(model.record.run_id)
+    loss = run.info.get("final_loss")
+    loss_text = f", final loss {loss:.4f}" if loss is not None else ""
+    say(
+        f"run {run.run_id}: {run.status}, {run.info.get('steps')} steps{loss_text}",
+        f"stored trainer {trainer.identifier} v{run.version} and model "
+        f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
+        f"database {db.uri}; artifacts in {db.artifacts.location}",
+    )
+    if model.record.merged:
+        say(f"merged model: {model.record.merged}")
+
+
+def not_found(db: Datalayer, type_id: str, name: str) -> LlmtrainError:
+    known = ", ".join(db.show("trainer" if type_id == "run" else type_id)) or "none"
+    return ComponentNotFoundError(f"no {type_id} {name!r} in {db.uri}; known: {known}")
+
+
+def _versions(records: list[Any]) -> dict[tuple[str, str], str]:
+    """``(type, identifier)`` -> its stored versions: ``"0, 1, 2"``."""
+    versions: dict[tuple[str, str], list[str]] = {}
+    for r in records:
+        versions.setdefault((r.type_id, r.identifier), []).append(str(r.version))
+    return {key: ", ".join(v) for key, v in versions.items()}
+
+
+def show_all(db: Datalayer) -> None:
+    records = db.metadata.list_components()
+    if not records:
+        say(f"nothing stored in {db.uri} yet")
+        return
+    say(
+        table(
+            [(*key, v) for key, v in sorted(_versions(records).items())],
+            ["type", "identifier", "versions"],
+        ),
+        f"{len(db.metadata.list_runs())} run(s): llmtrain show run",
+    )
+
+
+def show_identifiers(db: Datalayer, type_id: str) -> None:
+    records = db.metadata.list_components(type_id)
+    if not records:
+        say(f"no {type_id} stored in {db.uri}")
+        return
+    versions = _versions(records)
+    latest = {r.identifier: r for r in records}  # ordered by version: the newest wins
+    rows = []
+    for name, record in sorted(latest.items()):
+        runs = db.metadata.list_runs("trainer", name)
+        last = (runs[-1].status, runs[-1].info.get("final_loss")) if runs else (None, None)
+        if type_id == "trainer":
+            base = recipe(record.payload).model_args.model_name_or_path
+        else:
+            base = record.payload["base"]["model_name_or_path"]
+        rows.append((name, versions[type_id, name], len(runs), *last, base))
+    say(table(rows, ["identifier", "versions", "runs", "last run", "final loss", "base model"]))
+
+
+def stored_records(db: Datalayer, type_id: str, name: str) -> list[Any]:
+    records = db.metadata.list_components(type_id, name)
+    if not records:
+        raise not_found(db, type_id, name)
+    return records
+
+
+def show_trainer(db: Datalayer, name: str) -> None:
+    rows = []
+    for r in stored_records(db, "trainer", name):
+        config, fit = recipe(r.payload), r.payload.get("fit")
+        target = fit and (
+            f"{fit['X']} -> {fit['Y']}" if fit.get("Y") else f"{fit['X']} (documents)"
+        )
+        data = f"{target} from {query_text(fit['select'])}" if fit else "-"
+        base = config.model_args.model_name_or_path
+        rows.append((r.version, when(r.created_at), base, config.method(), data))
+    say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
+    show_runs(db, name)
+
+
+def show_model(db: Datalayer, name: str) -> None:
+    records = stored_records(db, "model", name)
+    carried = forgotten(db, None)[1]  # rows forgotten since (db.forget): the model carries them
+    rows = []
+    for r in records:
+        p, history = r.payload, r.payload.get("history") or []
+        loss = history[-1]["loss"] if history else None
+        lost = {k for run, _ in chain(db, p["run_id"]) for k in carried.get(run.run_id, ())}
+        row = (r.version, when(r.created_at), p["run_id"], p.get("trainer_version"), loss)
+        rows.append((*row, p.get("adapter"), p.get("merged"), len(lost) or None))
+    headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
+    say(table(rows, [*headers, "forgotten rows"]))
+
+
+def show_runs(db: Datalayer, name: str | None) -> Any:
+    """The runs (of trainer ``name``), then the details of the one run ``name`` names (a run
+    id or its prefix) or of the trainer's newest run; returns that run, if any."""
+    runs = db.metadata.list_runs()
+    if name is not None:
+        by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
+        if len(by_id) == 1:
+            say(*run_summary(db, by_id[0]))
+            return by_id[0]
+        runs = [r for r in runs if r.identifier == name]
+        if not runs:
+            raise not_found(db, "run", name)
+    if not runs:
+        say(f"no runs in {db.uri} yet")
+        return None
+    rows = [
+        (r.run_id, f"{r.identifier} v{r.version}", r.status, r.info.get("steps"))
+        + (r.info.get("final_loss"), when(r.created_at))
+        for r in runs
+    ]
+    say(table(rows, ["run id", "trainer", "status", "steps", "final loss", "started"]))
+    if name is None:
+        return None
+    say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
+    return runs[-1]
+
+
+def report_usage(found: Any) -> None:
+    """What :func:`~llmtrain.provenance.lineage.trained_on` found."""
+    uses = [(u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step) for u in found.uses]
+    say(
+        table(uses, ["run id", "trainer", "key", "epoch", "step"])
+        if uses
+        else "no run trained on it"
+    )
+    if found.checkpoints:
+        checkpoints = [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints]
+        say(table(checkpoints, ["run id", "step", "checkpoint"]))
+    if found.models:
+        say("models: " + ", ".join(f"{name} v{version}" for name, version in found.models))
+    if found.forgotten:
+        shown = ", ".join(str(k) for k in found.forgotten)
+        say(f"forgotten (db.forget): {shown}: runs since leave them out")
+    if found.underivable:
+        say(f"unknown (runs without a key snapshot): {', '.join(found.underivable)}")
+
+
 def run_summary(db: Datalayer, run: Any) -> list[str]:
-    """Where the run trained, its status, duration, steps, tokens, throughput, final and best
-    losses, data fingerprint and the recipe's changes from the trainer's previous version,
-    one fact a line; then its logged metrics and its checkpoints as tables."""
+    """One fact a line (``llmtrain show run``), then the logged metrics and checkpoints."""
     info = run.info
     metrics = db.metadata.get_metrics(run.run_id)
     train = [(m.step, m.values) for m in metrics if "loss" in m.values]
@@ -98,10 +255,8 @@ def duration(seconds: float) -> str:
     if seconds < 60:
         return f"{seconds:.1f} s"
     minutes, secs = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min {secs} s"
     hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes} min"
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s"
 
 
 def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str:
@@ -113,8 +268,8 @@ def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str
 
 
 def recipe_changes(db: Datalayer, run: Any) -> list[str]:
-    """The run's trainer version against the previous stored version of that trainer, read
-    through today's schema (an option added since shows at its default, not as a change)."""
+    """Against the trainer's previous stored version, both read through today's schema (an
+    option added since shows at its default, not as a change)."""
     versions = {
         r.version: r.payload for r in db.metadata.list_components(run.type_id, run.identifier)
     }
@@ -138,8 +293,7 @@ def recipe_changes(db: Datalayer, run: Any) -> list[str]:
 
 
 def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
-    """Every option of a recipe as ``section.field: value``, defaults included (a stored
-    record leaves out the options added since 0.1.0 while they hold their defaults)."""
+    """Every option of a recipe as ``section.field: value``, defaults included."""
     if not isinstance(value, BaseModel):
         return {prefix: json.loads(json.dumps(value, default=str))}
     flat: dict[str, Any] = {}
@@ -153,8 +307,8 @@ def _show(value: Any) -> str:
 
 
 def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
-    """Train loss, eval loss (left axis) and learning rate (right axis) against steps, as a
-    PNG at ``path``. Drawn with matplotlib's object API: no pyplot, no global backend."""
+    """Train and eval loss (left axis), learning rate (right) against steps, as a PNG.
+    matplotlib's object API: no pyplot, no global backend."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -178,17 +332,14 @@ def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    handles, labels = ax.get_legend_handles_labels()
     lr = [(s, v["lr"]) for s, v in train if "lr" in v]
     if lr:
         right = ax.twinx()
         right.plot([s for s, _ in lr], [v for _, v in lr], "--", color="gray", label="lr")
         right.set_ylabel("learning rate")
-        more_handles, more_labels = right.get_legend_handles_labels()
-        handles, labels = handles + more_handles, labels + more_labels
-    ax.legend(handles, labels, loc="upper right")
+    # one legend for both axes, in the loss axes' corner
+    figure.legend(loc="upper right", bbox_to_anchor=(1, 1), bbox_transform=ax.transAxes)
     ax.set_title(f"{run.identifier} v{run.version}  run {run.run_id[:8]}  ({run.status})")
     figure.tight_layout()
-    out = Path(path)
-    figure.savefig(out, format="png")
-    return out
+    figure.savefig(path, format="png")
+    return Path(path)

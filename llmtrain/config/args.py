@@ -1,12 +1,6 @@
-"""The argument models and :class:`TrainerConfig`: the one source of truth for what a trainer does.
-
-They are what is validated, stored in the metadata store, shown and replayed. Everything else
-is derived from them: ``LLMTrainer``'s flat keywords (every field of a ``flat`` section, plus
-the aliases its fields declare), the YAML file's sections, the CLI's ``--section.field``
-overrides, and the keyword reference in ``LLMTrainer``'s docstring. Each model rejects unknown
-keys and out-of-range values naming the field; ``TrainerConfig``'s validator refuses the
-combinations that cannot work, all problems in one ConfigError. Adding an argument group means
-adding its model here and one field to ``TrainerConfig``.
+"""The argument models and :class:`TrainerConfig`: the one source of truth for what a trainer
+does. LLMTrainer's flat keywords, the YAML sections, ``--section.field`` overrides and the
+keyword reference are all derived from them, so a new argument group is one model here.
 """
 
 from __future__ import annotations
@@ -15,18 +9,15 @@ import typing
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from llmtrain.config.metrics import logged_name, metric_problems
 from llmtrain.config.spec import FitSpec
 from llmtrain.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+#: a TrainerConfig section whose fields are also LLMTrainer's flat keywords
+_FLAT: Any = {"flat": True}
 
 
 if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydantic's own
@@ -34,9 +25,8 @@ if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydant
 else:
 
     class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
-        """Built directly (``LoraArguments(r=0)``), a bad value is a ConfigError naming the field,
-        as everywhere else, not pydantic's ValidationError. (Not an ``__init__`` override: that
-        would make pydantic call it for nested models too and reword their errors.)"""
+        """``LoraArguments(r=0)`` raises a ConfigError naming the field (an ``__init__``
+        override would also reword nested models' errors)."""
 
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -46,14 +36,12 @@ else:
 
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
-    # the docstring under each field is its description (shown by help(LLMTrainer))
     # defaults validated too: a float field never holds an int (``lora_alpha=16`` would reach
     # PEFT as 16 in a first fit and as 16.0 read back from its record: another adapter id)
     model_config = ConfigDict(
         extra="forbid",
         validate_assignment=True,
         validate_default=True,
-        frozen=False,
         use_attribute_docstrings=True,
     )
 
@@ -64,17 +52,15 @@ class _Args(BaseModel, metaclass=_ArgsMeta):
             raise ConfigError(describe(type(self).__name__, exc)) from None
 
     def to_dict(self) -> dict[str, Any]:
-        """The section as JSON values, as a recipe stores it."""
         return self.model_dump(mode="json")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
-        """The section back from ``to_dict()``; every problem is one ConfigError."""
         return build(cls, data)
 
 
 def build(cls: type[BaseModel], data: dict[str, Any], where: str | None = None) -> Any:
-    """Validate ``data`` into ``cls``, turning every problem into one ConfigError."""
+    """Validate ``data`` into ``cls``; every problem in one ConfigError."""
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -87,8 +73,7 @@ def describe(where: str, exc: ValidationError) -> str:
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
         message = "unknown option" if err["type"] == "extra_forbidden" else err["msg"]
-        # a cross-field rule names its fields in the message itself
-        message = message.removeprefix("Value error, ")
+        message = message.removeprefix("Value error, ")  # a rule names its fields itself
         problems.append(f"{where}.{loc}: {message}" if loc else f"{where}: {message}")
     return "invalid configuration: " + "; ".join(problems)
 
@@ -193,18 +178,15 @@ class TrainingArguments(_Args):
     report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = []
     """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
     eval_metrics: list[str] = []
-    """Score the eval rows by greedy generation: 'exact_match', 'contains', or a function
-    (prediction, reference) -> float named 'package.module:function'."""
+    """Score eval rows' greedy answers: 'exact_match', 'contains' or 'package.module:function'."""
     eval_max_new_tokens: int = Field(default=32, ge=1)
     """Tokens generated per eval row for eval_metrics (greedy)."""
     save_best_by: str | None = None
-    """Keep the checkpoint with the best 'eval_loss' or eval metric besides the newest ones
-    (db.load('model', name, checkpoint='best'))."""
+    """Also keep the checkpoint best by 'eval_loss' or an eval metric (checkpoint='best')."""
     greater_is_better: bool | None = None
     """Direction of save_best_by; None: lower for a loss, higher for a metric."""
     torch_compile: bool = False
-    """torch.compile each decoder layer (single process and DDP; not with bits, FSDP or
-    DeepSpeed). The first steps pay the compilation."""
+    """torch.compile each decoder layer (one process or DDP; not with bits, FSDP, DeepSpeed)."""
 
     @model_validator(mode="after")
     def _steps(self) -> TrainingArguments:
@@ -214,8 +196,6 @@ class TrainingArguments(_Args):
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError(f"report_to names a tracker twice: {self.report_to}")
-        from llmtrain.config.metrics import metric_problems
-
         problems = metric_problems(self.eval_metrics, self.save_best_by)
         if problems:
             raise ValueError("; ".join(problems))
@@ -223,8 +203,6 @@ class TrainingArguments(_Args):
 
     def best_key(self) -> str | None:
         """The logged metric save_best_by names (``eval_loss``, ``eval_exact_match``, ...)."""
-        from llmtrain.config.metrics import logged_name
-
         return None if self.save_best_by is None else logged_name(self.save_best_by)
 
     def best_is_greater(self) -> bool:
@@ -242,12 +220,13 @@ class DataArguments(_Args):
     train_on_inputs: bool = False
     """Also train on prompt tokens."""
     chat_template: bool = False
-    """Use the tokenizer's chat template."""
+    """Use the tokenizer's chat template (fit() with no Y: X holds conversations)."""
+    assistant_turns: Literal["all", "last"] = "all"
+    """Conversations: train every assistant reply, or the last one only."""
     packing: bool = False
     """Pack examples into rows; no cross-attention."""
     max_tokens_per_batch: int | None = Field(default=None, ge=8)
-    """Token cap of a packed micro-batch (rows of max_length); a step packs into as few as
-    fit. None with packing: batch_size rows of max_length."""
+    """Token cap of a packed micro-batch; None with packing: batch_size rows of max_length."""
     cache_size: int = Field(default=1024, ge=1)
     """Rows per database read (a window's statement); changes no order."""
     shuffle_block: int = Field(default=1024, ge=1)
@@ -269,14 +248,11 @@ class DataArguments(_Args):
     version_column: str | None = None
     """Column whose value changes when a row is edited (e.g. updated_at), kept per key."""
     stride: int = Field(default=0, ge=0)
-    """Continued pre-training (no Y): tokens of context each window of a long document
-    repeats from the one before; they are not trained again."""
+    """Documents (no Y): context tokens a window repeats from the one before (not retrained)."""
 
     def token_budget(self, batch_size: int) -> int | None:
-        """The tokens a packed training micro-batch holds: ``max_tokens_per_batch``, else
-        ``batch_size`` rows of ``max_length`` (packing a step's rows together fills them:
-        0.998 real tokens against 0.84 packing each batch's rows alone, B=8, T=256);
-        None without packing."""
+        """Tokens a packed micro-batch holds (None without packing). Packing a step's rows
+        together: 0.998 real tokens, against 0.84 packing each batch alone (B=8, T=256)."""
         if not self.packing:
             return None
         return self.max_tokens_per_batch or batch_size * self.max_length
@@ -302,7 +278,7 @@ class DeepspeedConfig(_Args):
 
     @property
     def zero_stage(self) -> int | None:
-        """The stage that will run; None for a raw config file (read when the run starts)."""
+        """The stage that will run; None for a raw config file (read at run time)."""
         if isinstance(self.raw, str):
             return None
         if self.raw is not None:
@@ -343,32 +319,27 @@ class Launcher(_Args):
 
     @model_validator(mode="after")
     def _nodes(self) -> Launcher:
-        several, kind = self.num_nodes > 1, self.kind
-        broken = [
-            (
-                several and self.master_port is None,
-                "launcher.master_port must be set for several nodes: every node has to reach it",
-            ),
-            (
-                self.node_rank >= self.num_nodes,
-                f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it",
-            ),
-            (
-                self.hostfile is not None and kind != "deepspeed",
-                f"launcher.hostfile is read by the deepspeed launcher only, not kind={kind!r}",
-            ),
-        ]
-        if any(bad for bad, _ in broken):
-            raise ValueError("; ".join(message for bad, message in broken if bad))
+        problems = []
+        if self.num_nodes > 1 and self.master_port is None:
+            problems.append(
+                "launcher.master_port must be set for several nodes: every node has to reach it"
+            )
+        if self.node_rank >= self.num_nodes:
+            problems.append(
+                f"launcher.node_rank={self.node_rank} needs num_nodes={self.num_nodes} above it"
+            )
+        if self.hostfile is not None and self.kind != "deepspeed":
+            problems.append(
+                f"launcher.hostfile is read by the deepspeed launcher only, not kind={self.kind!r}"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
 
 class RayConfig(_Args):
-    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers).
-
-    The database stays with the driver (the process calling fit()): it streams each worker
-    its rank's rows, unless ``workers_read_database`` lets the workers connect themselves.
-    """
+    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers); the
+    driver streams each worker its rows unless ``workers_read_database``."""
 
     address: str | None = None
     """Ray cluster address ('auto', 'ray://host:10001'); None: this process's or a new local one."""
@@ -405,30 +376,22 @@ class RayConfig(_Args):
 
 
 class TrainerConfig(_Args):
-    """Everything a trainer is; stored as JSON, validated on the way back.
-
-    Sections marked ``flat`` lend their fields (and the aliases those declare) to
-    ``LLMTrainer``'s flat keywords; ``None`` for an optional section means "not used"
-    (``lora_args=None``: fine-tune every weight).
-    """
+    """Everything a trainer is; stored as JSON, validated on the way back. ``flat`` sections
+    lend their fields (and aliases) to ``LLMTrainer``'s keywords; a None section is unused."""
 
     identifier: str
     """The trainer's name in the metadata store."""
     prompt_template: str | None = None
     """The prompt, with {X} and {Y} (e.g. 'Q: {X}\\nA: {Y}')."""
-    model_args: ModelArguments = Field(json_schema_extra={"flat": True})
+    model_args: ModelArguments = Field(json_schema_extra=_FLAT)
     """The base model."""
-    lora_args: LoraArguments | None = Field(
-        default_factory=LoraArguments, json_schema_extra={"flat": True}
-    )
+    lora_args: LoraArguments | None = Field(default_factory=LoraArguments, json_schema_extra=_FLAT)
     """The adapter; None: full fine-tuning."""
     training_args: TrainingArguments = Field(
-        default_factory=TrainingArguments, json_schema_extra={"flat": True}
+        default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
     """The optimisation loop."""
-    data_args: DataArguments = Field(
-        default_factory=DataArguments, json_schema_extra={"flat": True}
-    )
+    data_args: DataArguments = Field(default_factory=DataArguments, json_schema_extra=_FLAT)
     """Rows to token ids, and evaluation."""
     deepspeed_config: DeepspeedConfig | None = None
     """Train with DeepSpeed ZeRO ({} for the defaults)."""
@@ -443,39 +406,33 @@ class TrainerConfig(_Args):
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
-        """The argument groups by name: the file's sections, ``--section.field`` overrides."""
-        return {
-            name: model
-            for name, field in cls.model_fields.items()
-            if (model := _section_model(field.annotation)) is not None
-        }
+        """The argument groups by name."""
+        out = {}
+        for name, field in cls.model_fields.items():
+            for candidate in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(candidate, type) and issubclass(candidate, _Args):
+                    out[name] = candidate
+        return out
 
     @classmethod
     def options(cls) -> list[str]:
-        """Every top-level option a user sets: not the name (positional; ``name:`` in a file),
-        nor ``fit`` (written by fit() from its X, Y and select arguments)."""
+        """Every top-level option a user sets: not the name, nor ``fit`` (written by fit())."""
         return [name for name in cls.model_fields if name not in ("identifier", "fit")]
 
     @classmethod
     def flat_keywords(cls) -> dict[str, tuple[str, str]]:
-        """``LLMTrainer``'s flat keyword -> (section, field), derived from the fields."""
+        """``LLMTrainer``'s flat keyword -> (section, field)."""
         out: dict[str, tuple[str, str]] = {}
         for section, model in cls.sections().items():
             if not _extra(cls.model_fields[section]).get("flat"):
                 continue
             for name, field in model.model_fields.items():
                 for keyword in filter(None, (name, _extra(field).get("flat"))):
-                    if keyword in out:
-                        raise TypeError(
-                            f"flat keyword {keyword!r} names both "
-                            f"{out[keyword]} and {(section, name)}"
-                        )
                     out[keyword] = (section, name)
         return out
 
     @model_validator(mode="after")
     def _rules(self) -> TrainerConfig:
-        """The combinations that cannot work, refused when the trainer is built."""
         problems = self._template_problems()
         if self.deepspeed_config is not None and self.fsdp_config is not None:
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
@@ -499,9 +456,8 @@ class TrainerConfig(_Args):
         problems += self._evaluation_problems()
         m = self.model_args
         if self.training_args.torch_compile:
-            # quantised linear layers: bitsandbytes' kernels break the graph at every layer;
-            # FSDP2, DeepSpeed: their parameter hooks are not compiled with the layers here
-            # (untested, so refused rather than silently slow or wrong)
+            # bitsandbytes breaks the graph at every layer; FSDP2's and DeepSpeed's hooks are
+            # not compiled with the layers (untested, so refused)
             problems += [
                 f"training_args.torch_compile=True with {name}: compile works in a single "
                 "process or under DDP on an unquantised model; drop one of them"
@@ -547,8 +503,7 @@ class TrainerConfig(_Args):
         return self
 
     def _evaluation_problems(self) -> list[str]:
-        """What eval_metrics and save_best_by need: rows to evaluate on (known once fit() has
-        named its selections), and the whole model on each process to generate with."""
+        """eval_metrics and save_best_by need rows to evaluate on and the whole model."""
         t, fit, problems = self.training_args, self.fit, []
         wanted = [
             f"training_args.{n}"
@@ -576,17 +531,27 @@ class TrainerConfig(_Args):
         return problems
 
     def _template_problems(self) -> list[str]:
-        """A template with {X} and {Y} (or the chat template) for prompt/response rows; none,
-        or one with {X} alone, for documents (fit() with no Y). Which one the rows are is
-        known once fit() names its fields."""
+        """{X} and {Y} (or the chat template) for responses; none, or {X} alone, for documents."""
         fit, d = self.fit, self.data_args
         documents = fit is not None and fit.Y is None
         if self.prompt_template is not None and d.chat_template:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if d.stride >= d.max_length - 1:
             return [f"data_args.stride={d.stride} leaves no new token in a window of max_length"]
+        conversations = fit is not None and fit.select.get("kind") == "conversations"
+        if conversations and fit and (fit.Y is not None or not d.chat_template or d.version_column):
+            return [
+                "select=lt.Conversations(...) trains conversations: fit() with no Y, "
+                "data_args.chat_template=True and no data_args.version_column (a "
+                "conversation's version is its last turn)"
+            ]
         if documents and d.chat_template:
-            return ["data_args.chat_template=True with fit() of no Y: documents have no turns"]
+            if conversations:
+                return []
+            return [
+                "data_args.chat_template=True with fit() of no Y trains conversations: "
+                "select=lt.Conversations(...) groups message rows into them"
+            ]
         if documents and not d.packing:
             return [
                 "fit() with no Y (documents) needs data_args.packing=True: a long document's "
@@ -633,12 +598,8 @@ def quantization_problems(
     compute_dtype: str | None = None,
     cuda: bool | None = None,
 ) -> list[str]:
-    """What a quantised base (``bits``) cannot do under a sharding strategy.
-
-    The one home of these rules: ``TrainerConfig`` passes what the config knows when the
-    trainer is built; the strategies pass, at run time, what only the machine knows (``cuda``,
-    the compute dtype "auto" became, the stage of a raw DeepSpeed file). None: not known yet.
-    """
+    """What a quantised base (``bits``) cannot do under a sharding strategy: checked from the
+    config, then at run time with what only the machine knows (None: not known yet)."""
     if not bits:
         return []
     problems = []
@@ -688,21 +649,13 @@ def quantized_bits(model: Any) -> int | None:
 
 
 def dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling of the argument models."""
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
 def _extra(field: Any) -> dict[str, Any]:
     extra = field.json_schema_extra
     return extra if isinstance(extra, dict) else {}
-
-
-def _section_model(annotation: Any) -> type[_Args] | None:
-    """``LoraArguments | None`` -> LoraArguments; None for a scalar field."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, _Args):
-            return candidate
-    return None
 
 
 def keyword_reference() -> str:

@@ -1,12 +1,6 @@
-"""Config files for ``llmtrain fit``: YAML mirroring the argument models, plus overrides.
-
-A file has the trainer's options (the sections ``model_args``, ``lora_args``,
-``training_args``, ..., and ``prompt_template``) exactly as :class:`~llmtrain.LLMTrainer`
-takes them, and a ``data`` section saying which rows to train on. Which options exist is
-read off :class:`~llmtrain.config.args.TrainerConfig`, never listed here.
-``--training_args.learning_rate 1e-4`` style overrides are checked against the same schema,
-so a typo is an error naming the path, never a silent no-op. Every problem
-is a :class:`~llmtrain.errors.ConfigError` whose message names the field.
+"""Config files for ``llmtrain fit``: YAML with LLMTrainer's options and a ``data`` section,
+plus ``--training_args.learning_rate 1e-4`` overrides. Both are checked against TrainerConfig's
+schema, so a typo is a ConfigError naming the path, never a silent no-op.
 """
 
 from __future__ import annotations
@@ -20,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from llmtrain.config.args import TrainerConfig, build, describe
+from llmtrain.config.args import TrainerConfig, build
 from llmtrain.config.spec import DataSelection
-from llmtrain.db.queries import Collection, Query, RawSQL, Table
+from llmtrain.db.queries import Collection, Conversations, Query, RawSQL, Table
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.uri import scheme_of
 
@@ -60,37 +54,24 @@ SCALARS = (
     *(k for k in _FileHead.model_fields if k != "data"),
     *(k for k in TrainerConfig.options() if k not in SECTIONS),
 )
-DATA_KEYS = tuple(DataSelection.model_fields)
-#: Every key a selection may have, in the stored form or the friendlier one.
-SELECT_KEYS = (
-    "kind",
-    "table",
-    "collection",
-    "sql",
-    "name",
-    "schema",
-    "key",
-    "where",
-    "params",
-    "columns",
-    "text",
-    "filter",
-    "projection",
-    "allow_javascript",
-)
 #: The friendlier forms of a selection: the query built, and the keys each form takes.
-_FORMS: dict[str, tuple[Any, set[str]]] = {
-    "table": (Table, {"schema", "key", "where", "params", "columns"}),
-    "collection": (Collection, {"filter", "projection", "allow_javascript"}),
-    "sql": (RawSQL, {"key", "params"}),
+_FORMS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "table": (Table, ("schema", "key", "where", "params", "columns")),
+    "collection": (Collection, ("filter", "projection", "allow_javascript")),
+    "sql": (RawSQL, ("key", "params")),
+    "conversations": (Conversations, ("by", "order", "role", "content")),
 }
+#: Every key a selection may have: the stored form's, or a friendlier form's.
+SELECT_KEYS = ("kind", "name", "text", "messages", *_FORMS) + tuple(
+    dict.fromkeys(key for _, keys in _FORMS.values() for key in keys)
+)
 #: Fields holding free-form mappings: any key below them is allowed.
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
 
 # -- YAML ------------------------------------------------------------------------------------
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
+    """Also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
 
 
 _Loader.add_implicit_resolver(
@@ -101,8 +82,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_value(text: str) -> Any:
-    """An override value as YAML: ``1e-4`` -> float, ``true`` -> bool, ``null`` -> None,
-    ``[q_proj, v_proj]`` -> list; anything else stays a string."""
+    """An override value as YAML (``1e-4``, ``true``, ``[q_proj, v_proj]``), else a string."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
@@ -110,9 +90,7 @@ def parse_value(text: str) -> Any:
 
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The file as a dict. Relative paths in it (a SQLite file, a model folder) are relative
-    to the working directory, as in SQLAlchemy and transformers; :func:`build_job` stores
-    them absolute."""
+    """The file as a dict (relative paths in it are relative to the working directory)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -169,7 +147,7 @@ def check_path(path: str) -> None:
         _check_key(path, rest[0], list(SECTIONS[head].model_fields), SECTIONS[head].__name__)
         named = rest[:1]  # the section's field
     else:
-        _check_key(path, rest[0], list(DATA_KEYS), "data")
+        _check_key(path, rest[0], list(DataSelection.model_fields), "data")
         if rest[0] in ("X", "Y") and len(rest) > 1:
             raise ConfigError(f"unknown option --{path}: data.{rest[0]} is a field name")
         if len(rest) > 1:
@@ -188,7 +166,7 @@ def _check_key(path: str, key: str, known: list[str], where: str) -> None:
 
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
-    """A copy of ``config`` with each dotted path set (missing sections are created)."""
+    """A copy of ``config`` with each dotted path set."""
     out = _copy(config)
     for path, value in overrides:
         node = out
@@ -213,11 +191,8 @@ def _copy(value: Any) -> Any:
 
 # -- the file's schema --------------------------------------------------------------------
 def build_query(spec: Any, where: str = "data.select") -> Query:
-    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one:
-    ``{table: docs, where: "lang = :l", params: {l: en}}``, ``{collection: docs, filter:
-    {...}}`` or ``{sql: "SELECT ...", key: id}``."""
-    if isinstance(spec, Query):
-        return spec
+    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one
+    (``{table: docs, where: "lang = :l", params: {l: en}}``, ``{sql: ..., key: id}``, ...)."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{where} must be a mapping like {{table: docs}}, got {spec!r}")
     spec = dict(spec)
@@ -225,12 +200,12 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
     if unknown:
         raise ConfigError(
             f"{where}: unknown key(s) {unknown}; a selection has one of "
-            "kind:, table:, collection: or sql:"
+            "kind:, table:, collection:, sql: or conversations:"
         )
     forms = [k for k in ("kind", *_FORMS) if k in spec]
     if len(forms) != 1:
         raise ConfigError(
-            f"{where} needs exactly one of kind:, table:, collection: or sql:"
+            f"{where} needs exactly one of kind:, table:, collection:, sql: or conversations:"
             + (f" (got {forms})" if forms else "")
         )
     form = forms[0]
@@ -238,11 +213,13 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
         if form == "kind":
             return Query.from_dict(spec)
         query_class, allowed = _FORMS[form]
-        extra = sorted(set(spec) - allowed - {form})
+        extra = sorted(set(spec) - set(allowed) - {form})
         if extra:
             raise ConfigError(f"{where}: {form}: does not take {extra}")
         if form == "sql" and "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
+        if form == "conversations":  # {conversations: {table: messages}, by: ...}
+            spec[form] = build_query(spec[form], f"{where}.conversations")
         if "allow_javascript" in spec:
             spec["allow_javascript"] = bool(spec["allow_javascript"])
         return query_class(spec.pop(form), **spec)
@@ -261,45 +238,40 @@ class FitJob:
 
     @property
     def options(self) -> dict[str, Any]:
-        """``LLMTrainer``'s keywords: only the options the file sets (a missing lora_args is
-        the default adapter, ``lora_args: null`` full fine-tuning)."""
+        """``LLMTrainer``'s keywords: only the options the file sets (``lora_args: null`` is
+        full fine-tuning, a missing one the default adapter)."""
         return dict(
             self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
         )
 
 
 def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> FitJob:
-    """Validate a (possibly overridden) config dict; the database comes from ``db:`` or,
-    when that is missing, the ``LLMTRAIN_DB_URI`` environment variable."""
+    """Validate a config dict; the database is ``db:``, else ``$LLMTRAIN_DB_URI``."""
     env = os.environ if env is None else env
     config = dict(config)
     if isinstance(config.get("model_args"), dict):
         config["model_args"] = _absolute_model_path(config["model_args"])
-    try:
-        parsed = FitFile.model_validate(config)
-    except ValidationError as exc:
-        raise ConfigError(describe("config", exc)) from None
+    parsed = build(FitFile, config, "config")
     db_uri = parsed.db or env.get(DB_ENV)
     if not db_uri:
         raise ConfigError(
             f"config: no database; set db: (e.g. sqlite:///data.db) or the "
             f"{DB_ENV} environment variable"
         )
-    select = build_query(parsed.data.select, "data.select")
-    eval_select = (
-        build_query(parsed.data.eval_select, "data.eval_select")
-        if parsed.data.eval_select is not None
-        else None
+    eval_select = parsed.data.eval_select
+    job = FitJob(
+        parsed,
+        _absolute_sqlite(db_uri),
+        build_query(parsed.data.select, "data.select"),
+        None if eval_select is None else build_query(eval_select, "data.eval_select"),
     )
-    job = FitJob(parsed, _absolute_sqlite(db_uri), select, eval_select)
     # every section validated now, before any connection is opened
     build(TrainerConfig, {"identifier": parsed.name, **job.options}, "LLMTrainer")
     return job
 
 
 def _absolute_model_path(model_args: dict[str, Any]) -> dict[str, Any]:
-    """A local model folder named relative to the working directory, made absolute: the
-    trainer is stored, and must replay from any directory."""
+    """A relative local model folder made absolute: the stored trainer replays anywhere."""
     name = model_args.get("model_name_or_path")
     if isinstance(name, str) and not Path(name).is_absolute() and Path(name).exists():
         return {**model_args, "model_name_or_path": str(Path(name).resolve())}
@@ -323,6 +295,6 @@ def load_job(
     env: Mapping[str, str] | None = None,
     flags: Sequence[str] = (),
 ) -> FitJob:
-    """``llmtrain fit PATH --a.b value ...`` without the running: read, override, validate."""
+    """``llmtrain fit PATH --a.b value ...``: read, override, validate."""
     config = apply_overrides(read_config(path), parse_overrides(overrides, flags))
     return build_job(config, env)

@@ -1,10 +1,5 @@
-"""Evaluation beyond loss, as configured: the metrics that score eval rows' answers.
-
-A metric is a built-in name (``exact_match``, ``contains``) or a user function
-``(prediction, reference) -> float`` named by its import path ``package.module:function``:
-the path is what the trainer's record stores (never a pickle), and it is imported when the
-config is built, so a typo fails there, naming the field. Each metric is logged per eval step
-as ``eval_<name>`` (``eval_exact_match``, ``eval_<function>``), the mean over the rows scored.
+"""Metrics scoring eval rows' answers: a built-in name or ``package.module:function``, stored
+as that path (never a pickle) and imported when the config is built, so a typo fails there.
 """
 
 from __future__ import annotations
@@ -16,30 +11,20 @@ from collections.abc import Callable, Sequence
 Metric = Callable[[str, str], float]
 
 _PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
-
-
-def exact_match(prediction: str, reference: str) -> float:
-    """1.0 when the answer is the reference, surrounding whitespace aside."""
-    return float(prediction.strip() == reference.strip())
-
-
-def contains(prediction: str, reference: str) -> float:
-    """1.0 when the reference (stripped) appears in the answer."""
-    return float(reference.strip() in prediction)
-
-
-BUILTIN: dict[str, Metric] = {"exact_match": exact_match, "contains": contains}
+BUILTIN: dict[str, Metric] = {
+    "exact_match": lambda prediction, reference: float(prediction.strip() == reference.strip()),
+    "contains": lambda prediction, reference: float(reference.strip() in prediction),
+}
 
 
 def logged_name(entry: str) -> str:
-    """The metric's key in the run's metrics: ``exact_match`` -> ``eval_exact_match``,
-    ``pkg.mod:f1`` -> ``eval_f1``; ``eval_loss`` (and any ``eval_`` name) stays."""
+    """``exact_match`` -> ``eval_exact_match``, ``pkg.mod:f1`` -> ``eval_f1``; ``eval_*`` stays."""
     name = entry.rsplit(":", 1)[-1]
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def resolve(entry: str) -> Metric:
-    """The function an eval_metrics entry names (ValueError saying why it cannot be had)."""
+    """The function an eval_metrics entry names (else ValueError saying why)."""
     if entry in BUILTIN:
         return BUILTIN[entry]
     if not _PATH.match(entry):

@@ -1,16 +1,12 @@
-"""The data a trainer fits on: which fields and rows, and (once fitted) where they came from.
-
-Kept apart from the argument models (``args.py``) because it is written by ``fit()`` from
-its call arguments, never set as an option.
-"""
+"""The data a trainer fits on (written by ``fit()`` from its arguments, never an option)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import MESSAGES, Query
 
 
 class DataSelection(BaseModel):
@@ -27,9 +23,18 @@ class DataSelection(BaseModel):
     eval_select: dict[str, Any] | None = None
     """Evaluation rows; default: held-out rows (eval_fraction)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _conversations_field(cls, data: Any) -> Any:
+        """Conversations come as one field of messages: X needs no naming."""
+        if isinstance(data, dict) and data.get("X") is None:
+            select = data.get("select")
+            if isinstance(select, dict) and "conversations" in (select.get("kind"), *select):
+                return {**data, "X": MESSAGES}
+        return data
+
     @property
     def fields(self) -> list[str]:
-        """The fields a row must hold: X, and Y unless the rows are documents."""
         return [self.X] if self.Y is None else [self.X, self.Y]
 
 

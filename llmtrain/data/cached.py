@@ -1,11 +1,6 @@
-"""CachedQueryDataset: stream a selection in fixed-size windows, sharded by rank and worker.
-
-Memory holds at most three windows (the one being yielded, one fetched ahead, one being
-fetched) whatever the table's size. The rows are those of a pinned snapshot of the
-selection's keys (:mod:`llmtrain.data.snapshot`): each window reads its keys from the
-snapshot and its rows by key, one short statement, so rows inserted meanwhile are not read
-and rows deleted meanwhile are skipped and counted. No cursor or transaction stays open.
-"""
+"""CachedQueryDataset: a selection streamed in windows (at most three in memory), sharded by
+rank and worker. Each window's keys come from the pinned snapshot and its rows by key in one
+statement: rows inserted meanwhile are not read, rows deleted meanwhile are skipped."""
 
 from __future__ import annotations
 
@@ -24,16 +19,10 @@ from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import Order
 from llmtrain.data.position import Position, Positioned
 from llmtrain.data.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.data.snapshot import (
-    KeySnapshot,
-    MemoryStore,
-    RunSnapshot,
-    Split,
-    take_snapshot,
-)
+from llmtrain.data.snapshot import KeySnapshot, MemoryStore, RunSnapshot, Split, take_snapshot
 from llmtrain.db.backend import Key, Row
 from llmtrain.db.keys import key_repr
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Query
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 
@@ -53,6 +42,7 @@ _ORDER = (
     "eval_fraction",
 )
 Window = list[Positioned]  # a skipped bad row comes as None, a refused one as its BadRowError
+WindowKeys = tuple[np.ndarray, list[Key], list[Any] | None]  # positions, keys, versions
 
 
 @dataclass
@@ -71,24 +61,15 @@ class ReadStats:
 
 
 class CachedQueryDataset(IterableDataset[Row]):
-    """Iterable rows of ``select``, in a seeded order, each rank reading only its share.
+    """Iterable rows of ``select`` in a seeded order, each rank reading only its share.
 
-    ``cache_size`` rows make a window (one statement); ``shuffle_block`` consecutive keys a
-    block of the order (:class:`~llmtrain.data.plan.Order`), so the read size never changes
-    which rows come when. Every rank yields
-    ``len(self)`` rows per epoch: with ``drop_remainder`` (default) the epoch's last
-    ``count % world_size`` rows are left out; otherwise the order wraps and a few rows are
-    read twice. Call ``set_epoch(e)`` each epoch; a completed pass moves on by itself.
-    Use ``loader()`` for DataLoader workers: it keeps ``state_dict()`` exact.
-
-    ``split`` with ``eval_fraction`` reads one view of the selection: the rows whose key
-    hash falls outside the held-out fraction (``"train"``) or inside it (``"held_out"``).
-    ``snapshot``: the run's :class:`RunSnapshot` of this selection, its chunks in ``store``
-    (default ``db.artifacts``); without one the dataset takes its own, kept in memory.
-    ``version_column`` (with a snapshot taken with it): each row's version is read with it,
-    and a row whose version differs from the snapshot's arrives with the version read under
-    ``"_version"`` (what the run records as trained).
-    """
+    ``cache_size`` rows make a window (one statement), ``shuffle_block`` keys a block of the
+    order (:class:`~llmtrain.data.plan.Order`), so the read size never changes the order.
+    Every rank yields ``len(self)`` rows per epoch (``drop_remainder``: see
+    :func:`~llmtrain.data.plan.rows_per_rank`). ``split`` with ``eval_fraction`` reads the
+    training or held-out view. ``snapshot``: the run's, its chunks in ``store`` (default
+    ``db.artifacts``); else one is taken into memory. With ``version_column``, a row whose
+    version differs from the snapshot's carries the version read under ``"_version"``."""
 
     def __init__(
         self,
@@ -128,6 +109,8 @@ class CachedQueryDataset(IterableDataset[Row]):
             )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
+        if isinstance(select, Conversations):  # a conversation's version: its last turn
+            version_column = TURNS
         self.version_column = version_column if snapshot is not None else None
         self.cache_size, self.shuffle_block = cache_size, shuffle_block
         self.shuffle, self.seed = shuffle, int(seed)
@@ -143,7 +126,6 @@ class CachedQueryDataset(IterableDataset[Row]):
     # -- placement and size ----------------------------------------------------------------
     @cached_property
     def placement(self) -> Placement:
-        """Resolved on first use: explicit rank/world_size, else the launcher's."""
         return Placement.resolve(self._rank, self._world)
 
     @property
@@ -179,7 +161,6 @@ class CachedQueryDataset(IterableDataset[Row]):
 
     @property
     def order(self) -> Order:
-        """The epoch order of this dataset's rows, for every rank."""
         return Order(
             self.view.count,
             self.shuffle_block,
@@ -194,7 +175,6 @@ class CachedQueryDataset(IterableDataset[Row]):
 
     # -- epochs and resume ------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order to follow; a new epoch starts at its first row."""
         self.position.set_epoch(epoch)
 
     def state_dict(self, at: tuple[int, int] | None = None) -> dict[str, Any]:
@@ -213,9 +193,8 @@ class CachedQueryDataset(IterableDataset[Row]):
         }
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False) -> None:
-        """Continue where ``state`` was taken. A dataset given a run's snapshot reads it, so
-        its rows cannot have changed; one that took its own refuses a state whose rows differ
-        (unless ``allow_changed_data``)."""
+        """Continue where ``state`` was taken; refuse one whose rows differ (unless
+        ``allow_changed_data``)."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ConfigError(
                 f"not a CachedQueryDataset state (format {STATE_FORMAT}): {str(state)[:200]}"
@@ -267,16 +246,14 @@ class CachedQueryDataset(IterableDataset[Row]):
     def positioned(
         self, epoch: int, start: int, *, chunk: int
     ) -> Generator[Positioned, None, None]:
-        """This worker's rows of ``epoch`` from position ``start`` on: the one iteration every
-        reader uses (in a DataLoader worker: its share, ``chunk`` positions at a time, worker
-        ``k`` taking chunks ``k, k + n, ...`` so the loader yields the rank's sequence for any
-        number of workers). A skipped bad row comes as ``None``."""
+        """This worker's rows of ``epoch`` from position ``start`` on, the iteration every
+        reader uses: worker ``k`` of ``n`` takes chunks ``k, k + n, ...`` of ``chunk``
+        positions, so any worker count yields the rank's sequence. A skipped row is None."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         windows = self._windows(epoch, start, chunk, worker, workers)
-        # prefetch=None: fetch ahead from a server, whose replies the thread waits for without
-        # the GIL; not from an embedded SQLite file, where the fetch is CPU work that would
-        # only contend with the consumer (measured: 15-25% fewer rows/s)
+        # prefetch=None: fetch ahead from a server (the thread waits without the GIL), not from
+        # SQLite, whose fetch is CPU work contending with the consumer (measured: 15-25% slower)
         sqlite = self.db.uri.startswith("sqlite")
         prefetch = self.prefetch if self.prefetch is not None else not sqlite
         fetched = self._prefetched(windows) if prefetch else (self._fetch(w) for w in windows)
@@ -291,9 +268,8 @@ class CachedQueryDataset(IterableDataset[Row]):
 
     def _windows(
         self, epoch: int, start: int, chunk: int, worker: int, workers: int
-    ) -> Iterator[tuple[np.ndarray, list[Key], list[Any] | None]]:
-        """(positions, keys, snapshot versions) of this worker's rows in windows of at most
-        ``cache_size``, each piece's keys read from the snapshot."""
+    ) -> Iterator[WindowKeys]:
+        """This worker's rows, ``cache_size`` a window, their keys read from the snapshot."""
         view, block = self.view, self.shuffle_block
         for piece in self.order.pieces(epoch, self.placement.rank, start):
             positions = piece.offset + np.arange(len(piece))
@@ -304,10 +280,9 @@ class CachedQueryDataset(IterableDataset[Row]):
             if not len(picks):
                 continue
             first = piece.block * block + piece.start
-            keys = view.keys(self.store, first, first + len(piece))
-            versions = None
-            if self.version_column:
-                versions = view.versions_of(self.store, first, first + len(piece))
+            stop = first + len(piece)
+            keys = view.keys(self.store, first, stop)
+            versions = view.versions_of(self.store, first, stop) if self.version_column else None
             visit = piece.order()[picks]
             for i in range(0, len(picks), self.cache_size):
                 at = visit[i : i + self.cache_size].tolist()
@@ -317,11 +292,9 @@ class CachedQueryDataset(IterableDataset[Row]):
                     None if versions is None else [versions[j] for j in at],
                 )
 
-    def _prefetched(
-        self, windows: Iterator[tuple[np.ndarray, list[Key], list[Any] | None]]
-    ) -> Generator[Window, None, None]:
-        """Fetch window i+1 on a thread while window i is consumed. The thread hands over
-        each window, then None at the end, or the error that stopped it."""
+    def _prefetched(self, windows: Iterator[WindowKeys]) -> Generator[Window, None, None]:
+        """Fetch window i+1 on a thread while window i is consumed; the thread hands over each
+        window, then None at the end, or the error that stopped it."""
         ready: queue.Queue[Window | BaseException | None] = queue.Queue(maxsize=1)
         stop = threading.Event()
 
@@ -351,9 +324,9 @@ class CachedQueryDataset(IterableDataset[Row]):
                     thread.join(timeout=0.05)
 
     # -- reading the view ------------------------------------------------------------------
-    def _fetch(self, window: tuple[np.ndarray, list[Key], list[Any] | None]) -> Window:
-        """One window's rows by key (one statement). A row deleted since the snapshot comes
-        as None, counted and noted; a row updated since, with the version read."""
+    def _fetch(self, window: WindowKeys) -> Window:
+        """One window's rows by key (one statement); a row deleted since the snapshot comes as
+        None, a row updated since with the version read."""
         positions, wanted, versions = window
         fields, column = self.fields, self.version_column
         read_too = bool(column) and column not in fields  # fetched only to compare
@@ -362,17 +335,19 @@ class CachedQueryDataset(IterableDataset[Row]):
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
         pairs = self.db.backend.fetch_by_keys(self.query, fields, wanted)
         found = {key_repr(k): row for k, row in pairs}
+        reprs = [key_repr(k) for k in wanted]
         if column and versions is not None:
-            for key, version in zip(wanted, versions):
-                row = found.get(key_repr(key))
+            for name, version in zip(reprs, versions):
+                row = found.get(name)
                 if row is None:
                     continue
                 read = row.pop(column, None) if read_too else row.get(column)
+                if isinstance(self.query, Conversations):
+                    read = _as_snapshotted(row, read, version)
                 if read != version:
                     row["_version"] = read
         self.stats.statements += 1
         self.stats.rows_fetched += len(found)
-        reprs = [key_repr(k) for k in wanted]
         missing = [r for r in reprs if r not in found]
         if missing:
             self.stats.deleted.update(missing)
@@ -391,8 +366,17 @@ class CachedQueryDataset(IterableDataset[Row]):
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
         source, logged = self.query.source, self.stats.skipped_once
+        conversation = isinstance(self.query, Conversations)
         try:
-            if check_row(source, key, row, self.fields, self.on_bad_row, logged=logged):
+            if check_row(
+                source,
+                key,
+                row,
+                self.fields,
+                self.on_bad_row,
+                logged=logged,
+                conversation=conversation,
+            ):
                 return row
         except BadRowError as exc:
             return exc
@@ -400,3 +384,11 @@ class CachedQueryDataset(IterableDataset[Row]):
         if len(self.stats.skipped_keys) < 100:
             self.stats.skipped_keys.append(key)
         return None
+
+
+def _as_snapshotted(row: Row, turns: Any, last: Any) -> Any:
+    """The conversation as the snapshot saw it (turns after ``last`` wait for a later run);
+    returns the last turn kept, which differs from ``last`` only if turns went."""
+    kept = [i for i, turn in enumerate(turns) if turn <= last]
+    row[MESSAGES] = [row[MESSAGES][i] for i in kept]
+    return turns[kept[-1]] if kept else None

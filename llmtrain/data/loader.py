@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class LoaderBatch:
     """One loader batch: its first and last positions in the rank's epoch sequence, the
-    collated rows (None when every row was skipped), and the keys found deleted and skipped
-    (deleted or bad) among its positions."""
+    collated rows (None when all were skipped), and its deleted and skipped keys."""
 
     first: int
     last: int
@@ -45,14 +44,9 @@ class _WorkerShare(IterableDataset[Positioned]):
 
 
 class QueryDataLoader:
-    """Batches of rows (a list of dicts, or ``collate_fn(rows)``); with ``with_keys`` the
-    rows come as ``(key, row)`` pairs, the shape the formatter takes, without copying them.
-
-    Workers take turns batch by batch, so the rows arrive in the dataset's order for any
-    ``num_workers`` and resuming with another worker count continues at the same row. A
-    batch holds ``batch_size`` rows except an epoch's last (and fewer when bad rows are
-    skipped); a batch whose rows were all skipped is not yielded.
-    """
+    """Batches of rows (a list of dicts, or ``collate_fn(rows)``; ``with_keys``: ``(key,
+    row)`` pairs). Workers take turns batch by batch, so rows arrive in the dataset's order
+    for any ``num_workers``; a batch whose rows were all skipped is not yielded."""
 
     def __init__(
         self,
@@ -77,8 +71,7 @@ class QueryDataLoader:
         self.kwargs = kwargs
 
     def _collate(self, items: list[Positioned]) -> LoaderBatch:
-        """Skipped bad rows and deleted rows arrive as None; a worker's keys ride back with
-        its batch."""
+        """Skipped and deleted rows arrive as None; a worker's keys ride back with its batch."""
         deleted = self.dataset.stats.deleted
         skipped = [k for _, k, row in items if row is None]
         gone = [k for k in skipped if key_repr(k) in deleted]
@@ -100,8 +93,7 @@ class QueryDataLoader:
                 yield made.batch
 
     def batches(self) -> Iterator[LoaderBatch]:
-        """Every batch of the pass, with its positions and skipped keys: one with every row
-        skipped too (its ``batch`` None)."""
+        """Every batch of the pass, with its positions and skipped keys (all-skipped ones too)."""
         ds, position = self.dataset, self.dataset.position
         epoch, start = position.begin()
         length = len(ds)  # scans once here, so workers inherit it instead of each scanning

@@ -1,13 +1,6 @@
-"""The epoch order and the one rule from rows to optimizer steps.
-
-The order is a pure function of (seed, epoch, row count, block size, world size): blocks of
-``block`` consecutive keys are permuted, each rank takes a contiguous run of that sequence,
-and rows are shuffled inside each piece of a block. The steps follow from it
-(:class:`StepRule`): ``rows`` consecutive positions of a rank's epoch order make a step. No
-state is carried between epochs, so a resume needs only the step it reached, and lineage is
-the same arithmetic over a run's record. Everything is NumPy over the blocks: a 10M-row
-epoch's plan is a few arrays of 10k entries.
-"""
+"""The epoch order, a pure function of (seed, epoch, count, block, world size): blocks of keys
+permuted, each rank a contiguous run, rows shuffled inside each piece; and the rule from rows
+to steps. No state between epochs, so resume and lineage are arithmetic (NumPy over blocks)."""
 
 from __future__ import annotations
 
@@ -22,19 +15,16 @@ _SALT_PIECE = 0x6C74_0002
 
 
 def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
-    """Equal for every rank, so collective training cannot hang on an uneven last batch.
-
-    ``drop_remainder``: the last ``count % world_size`` rows of the epoch's order are left
-    out (different rows each epoch when shuffling); otherwise the order wraps around and the
-    first ``world_size - count % world_size`` rows are read twice.
-    """
+    """Equal for every rank, so collective training cannot hang on an uneven last batch:
+    ``drop_remainder`` leaves the epoch's last ``count % world_size`` rows out; otherwise the
+    order wraps and a few rows are read twice."""
     return count // world_size if drop_remainder else math.ceil(count / world_size)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``start:stop`` (key order) of block ``block``, the rank's rows ``offset`` on,
-    visited in ``order()`` (computed when needed: the plan stays a few numbers a block)."""
+    """Rows ``start:stop`` of block ``block``, the rank's rows ``offset`` on, visited in
+    ``order()`` (computed when needed: the plan stays a few numbers a block)."""
 
     block: int
     start: int
@@ -48,18 +38,16 @@ class Piece:
         return self.stop - self.start
 
     def order(self) -> np.ndarray:
-        """A permutation of ``range(len(self))``: the in-piece positions in visit order."""
-        n = self.stop - self.start
+        """The in-piece positions in visit order."""
         if not self.shuffle:
-            return np.arange(n)
+            return np.arange(len(self))
         rng = np.random.default_rng([self.seed, self.epoch, self.block, self.start, _SALT_PIECE])
-        return rng.permutation(n)
+        return rng.permutation(len(self))
 
 
 @dataclass(frozen=True)
 class Order:
-    """One epoch's order of a view's ``count`` rows, split between ``world_size`` ranks: what
-    the reader, the loop and lineage all follow."""
+    """One epoch's order of a view's ``count`` rows, split between ``world_size`` ranks."""
 
     count: int
     block: int
@@ -85,8 +73,6 @@ class Order:
     def pieces(self, epoch: int, rank: int, start: int = 0) -> Iterator[Piece]:
         """The pieces of ``rank``'s rows this epoch in visit order, from the one holding
         position ``start`` on (found by bisection: a resume costs no walk of the epoch)."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         per_rank = self.per_rank
         if per_rank == 0 or start >= per_rank:
             return
@@ -132,14 +118,9 @@ class Order:
 
 @dataclass(frozen=True)
 class StepRule:
-    """How a rank's rows become optimizer steps, the one rule the loop and lineage follow.
-
-    ``rows`` consecutive positions of the rank's epoch order make a step (an epoch's last is
-    shorter when they do not divide its rows), ``micro`` of them a micro-batch (or all of a
-    step's rows, packed under a token budget); steps are numbered from 1 across epochs. A row
-    skipped (a bad row, a row deleted since the snapshot) leaves a hole: the step keeps its
-    number and trains the others, so no step depends on which rows were skipped.
-    """
+    """How a rank's rows become optimizer steps (the loop and lineage follow it): ``rows``
+    consecutive positions make a step, ``micro`` of them a micro-batch; steps are numbered
+    from 1 across epochs. A skipped row leaves a hole: no step depends on which were skipped."""
 
     order: Order
     rows: int
@@ -147,7 +128,6 @@ class StepRule:
 
     @property
     def per_epoch(self) -> int:
-        """Optimizer steps per epoch (the same on every rank)."""
         return -(-self.order.per_rank // self.rows)
 
     def epoch_of(self, step: int) -> int:

@@ -10,24 +10,19 @@ Positioned = tuple[int, Any, Any]  # (index in the rank's epoch sequence, key, r
 
 @dataclass
 class Position:
-    """The epoch being read and the rows of it handed out (skipped bad rows included).
-
-    A pass that ran to its end leaves ``completed`` set: the next pass starts the next epoch
-    by itself, and the resume state already points there.
-    """
+    """The epoch being read and the rows of it handed out (skipped ones included); a pass
+    run to its end sets ``completed``, so the next pass (and a resume) starts the next epoch."""
 
     epoch: int = 0
     consumed: int = 0
     completed: bool = False
 
     def set_epoch(self, epoch: int) -> None:
-        """Follow ``epoch``'s order; a different epoch starts at its first row."""
         if epoch != self.epoch:
             self.epoch, self.consumed = int(epoch), 0
         self.completed = False
 
     def begin(self) -> tuple[int, int]:
-        """(epoch, first row) of a new pass."""
         if self.completed:
             self.epoch, self.consumed, self.completed = self.epoch + 1, 0, False
         return self.epoch, self.consumed
@@ -36,7 +31,6 @@ class Position:
         self.consumed, self.completed = length, True
 
     def resume_point(self) -> tuple[int, int]:
-        """(epoch, consumed) that a resumed reader continues from."""
         return (self.epoch + 1, 0) if self.completed else (self.epoch, self.consumed)
 
     def restore(self, epoch: int, consumed: int) -> None:

@@ -47,6 +47,32 @@ def text_problem(row: Mapping[str, object], field: str) -> str | None:
     return None
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def conversation_problem(row: Mapping[str, object], field: str) -> str | None:
+    """Why ``row[field]`` is not a conversation that can train, or None when it is."""
+    messages = row.get(field)
+    if not isinstance(messages, list) or not messages:
+        return f"is {type(messages).__name__}, not a list of messages"
+    for turn, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"message {turn} is {type(message).__name__}, not a mapping"
+        role = message.get("role")
+        if role not in ROLES:
+            return f"message {turn} has role {role!r}, not one of {list(ROLES)}"
+        if role == "system" and turn:
+            return f"message {turn} is a system message after the first"
+        if role == "tool" and (not turn or messages[turn - 1]["role"] not in ("assistant", "tool")):
+            return f"message {turn} is a tool result that follows no assistant call"
+        problem = text_problem(message, "content")
+        if problem is not None:
+            return f"message {turn}'s content {problem}"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "has no assistant turn to train"
+    return None
+
+
 def check_row(
     source: str,
     key: Key,
@@ -55,16 +81,14 @@ def check_row(
     on_bad_row: OnBadRow = "raise",
     *,
     logged: set[str] | None = None,
+    conversation: bool = False,
 ) -> bool:
-    """True: use the row. False: skip it (``on_bad_row="skip"``). Otherwise raise
-    BadRowError naming the source, the row's key and its first bad field.
-
-    A skipped row is logged once per ``logged`` set (a reader keeps one per run, so a row is
-    not logged again every epoch); only bad rows pay for that bookkeeping."""
+    """True: use the row. False: skip it (``on_bad_row="skip"``). Otherwise raise BadRowError
+    naming the source, key and first bad field. A skipped row is logged once per ``logged``."""
     readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
     for field in fields:
         problem = (
-            text_problem(row, field)  # type: ignore[arg-type]
+            (conversation_problem if conversation else text_problem)(row, field)  # type: ignore[arg-type]
             if readable
             else f"cannot be read: the row is a {type(row).__name__}, not a mapping"
         )

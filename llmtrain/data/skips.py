@@ -1,14 +1,6 @@
-"""The rows a run skipped or read changed, recorded as it goes: the per-key facts its
-lineage cannot derive from its plan.
-
-A checkpoint writes what changed since the one before it (never the whole history again):
-one JSON blob in the artifact store, ``{"skipped": [[key, first epoch], ...], "deleted":
-[key, ...], "changed": [[key, version], ...]}`` (keys typed as a snapshot's chunks keep
-them), whose id the run record appends to its ``skips`` list. A row is skipped when it is bad
-(``on_bad_row="skip"``) or deleted since the snapshot; lineage leaves it out from the epoch
-it was first skipped in. With a version column, a row whose version when read for training
-differs from the snapshot's is recorded with the version read: what trained the model.
-"""
+"""The rows a run skipped (bad or deleted) or read changed: the per-key facts lineage cannot
+derive from the plan. Each checkpoint appends one JSON blob of what is new since the last:
+``{"skipped": [[key, first epoch], ...], "deleted": [key, ...], "changed": [[key, version]]}``."""
 
 from __future__ import annotations
 
@@ -26,8 +18,8 @@ SKIPS = "skips"
 
 @dataclass
 class Skips:
-    """Rows skipped: each key with the first epoch it was skipped in, and which of them were
-    deleted (keys kept with their types, as a snapshot keeps them)."""
+    """Each skipped key with the first epoch it was skipped in, the deleted keys and the
+    changed keys with the version read."""
 
     first: dict[str, tuple[Key, int]] = field(default_factory=dict)
     deleted: dict[str, Key] = field(default_factory=dict)
@@ -60,8 +52,7 @@ class Skips:
         skipped = [[typed(k), e] for _, (k, e) in sorted(self.first.items())]
         deleted = [typed(k) for _, k in sorted(self.deleted.items())]
         changed = [[typed(k), typed(v)] for _, (k, v) in sorted(self.changed.items())]
-        record = {"skipped": skipped, "deleted": deleted, "changed": changed}
-        return json.dumps(record).encode()
+        return json.dumps({"skipped": skipped, "deleted": deleted, "changed": changed}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Skips:

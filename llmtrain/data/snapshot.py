@@ -1,15 +1,7 @@
-"""A run's pinned snapshot of its selection's keys, stored as content-addressed chunks.
-
-Rank 0 reads the selection's keys once when a run starts (keys only, in keyset pages) and
-writes them to the artifact store, ``chunk_size`` keys a chunk; the run record keeps the
-small manifest. Every epoch, rank and resume reads its windows' keys from the chunks, never
-from the table: rows inserted later are not trained by the run, rows deleted later are
-skipped, and a resume costs no scan however large the table.
-
-A chunk is one tag byte and zlib data: ``i`` int64 deltas, ``u`` 16-byte UUIDs, ``s`` a JSON
-list of strings, ``t`` a JSON list of typed values (ObjectId, datetime, Decimal, ...). Never
-pickle: a chunk is data, read back into exactly the key types the database handed out.
-"""
+"""A run's pinned snapshot of its selection's keys, read once and stored as content-addressed
+chunks: every epoch, rank and resume reads its keys from them, never from the table. A chunk
+is a tag byte and zlib data (``i`` int64 deltas, ``u`` UUIDs, ``s`` JSON strings, ``t`` JSON
+typed values); never pickle, so keys come back as exactly the types the database gave."""
 
 from __future__ import annotations
 
@@ -30,7 +22,7 @@ import numpy as np
 from bson import ObjectId
 
 from llmtrain.db.keys import DIGEST, Key, held_mask, key_digests
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import TURNS, Conversations, Query
 from llmtrain.errors import ConfigError, QueryError
 
 if TYPE_CHECKING:
@@ -111,23 +103,17 @@ def decode_chunk(data: bytes) -> np.ndarray:
     if tag == b"i":
         with np.errstate(over="ignore"):  # deltas wrap like the values did
             return np.cumsum(np.frombuffer(payload, dtype="<i8"))
-    return _objects(_decode_objects(tag, payload))
-
-
-def _objects(values: list[Any]) -> np.ndarray:
+    if tag == b"u":
+        values = [uuid.UUID(bytes=payload[i : i + 16]) for i in range(0, len(payload), 16)]
+    elif tag == b"s":
+        values = list(json.loads(payload))
+    elif tag == b"t":
+        values = [untyped(item) for item in json.loads(payload)]
+    else:
+        raise ConfigError(f"not a {CODEC} key chunk (tag {tag!r})")
     out = np.empty(len(values), dtype=object)
     out[:] = values
     return out
-
-
-def _decode_objects(tag: bytes, payload: bytes) -> list[Any]:
-    if tag == b"u":
-        return [uuid.UUID(bytes=payload[i : i + 16]) for i in range(0, len(payload), 16)]
-    if tag == b"s":
-        return list(json.loads(payload))
-    if tag == b"t":
-        return [untyped(item) for item in json.loads(payload)]
-    raise ConfigError(f"not a {CODEC} key chunk (tag {tag!r})")
 
 
 class MemoryStore:
@@ -166,8 +152,8 @@ def _chunk(store: Any, chunk_id: str) -> np.ndarray:
 # -- snapshots ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KeySnapshot:
-    """One view's keys in key order: ``count`` keys in chunks of ``chunk_size``, and with
-    a version column, each key's version in chunks alongside."""
+    """One view's ``count`` keys in key order, in chunks of ``chunk_size`` (and with a version
+    column, their versions in chunks alongside)."""
 
     count: int
     chunk_size: int
@@ -204,11 +190,9 @@ class KeySnapshot:
         return snap
 
     def keys(self, store: Any, start: int, stop: int) -> list[Key]:
-        """Keys at positions ``start:stop``, reading only the chunks that cover them."""
         return self._slice(store, self.chunks, start, stop)
 
     def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
-        """The versions of the keys at ``start:stop`` (needs a version column)."""
         if self.versions is None:
             raise ConfigError("this snapshot was taken without a version column")
         return self._slice(store, self.versions, start, stop)
@@ -305,8 +289,7 @@ class RunSnapshot:
 
 
 class ViewWriter:
-    """Collects one view's keys (and versions) and stores every full chunk as it fills: the
-    one chunk writer (a snapshot, a run's rows less forgotten or trained ones)."""
+    """Collects one view's keys (and versions), storing every chunk as it fills."""
 
     def __init__(self, store: Any, chunk_size: int, with_versions: bool) -> None:
         self.store, self.chunk_size, self.with_versions = store, chunk_size, with_versions
@@ -363,14 +346,12 @@ def take_snapshot(
     version_column: str | None = None,
     store: Any = None,
 ) -> RunSnapshot:
-    """Read the selection's keys once (keys only, keyset pages, checked unique and not
-    NULL) into chunks in ``store`` (default: ``db.artifacts``); with ``version_column`` each
-    key's value of that column too, read in the same pass. With ``eval_fraction`` the keys
-    are split by their digest (:func:`~llmtrain.db.keys.held_mask`), a pure function of the
-    key and the fraction, computed over whole pages."""
+    """Read the selection's keys (and ``version_column``) once, in keyset pages, into chunks
+    in ``store`` (default ``db.artifacts``); ``eval_fraction`` splits them by digest."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     store = db.artifacts if store is None else store
+    version_column = TURNS if isinstance(query, Conversations) else version_column
     split = eval_fraction > 0
     train = ViewWriter(store, chunk_size, bool(version_column))
     held = ViewWriter(store, chunk_size, bool(version_column)) if split else None
@@ -382,8 +363,7 @@ def take_snapshot(
             continue
         mask = held_mask(key_digests(page.keys), eval_fraction)
         for view, take in ((train, ~mask), (held, mask)):
-            picks = np.flatnonzero(take)
-            keys = page.keys
+            picks, keys = np.flatnonzero(take), page.keys
             keys = keys[picks] if isinstance(keys, np.ndarray) else [keys[i] for i in picks]
             versions = [page.versions[i] for i in picks] if page.versions else None
             view.extend(keys, versions)
@@ -394,7 +374,6 @@ def take_snapshot(
 
 
 def data_fingerprint(fraction: float, train: KeySnapshot, held: KeySnapshot | None) -> str:
-    """What runs and models record of their rows: changes when any key (or version) is
-    added, removed or changed, or the split's fraction or rule does."""
+    """What runs and models record of their rows: changes with any key, version or split."""
     digest = json.dumps([fraction, DIGEST, train.fingerprint, held.fingerprint if held else None])
     return hashlib.sha256(digest.encode()).hexdigest()[:32]

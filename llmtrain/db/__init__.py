@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from llmtrain.db.backend import DataBackend, Key, Row
+from llmtrain.db.backend import DataBackend
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.uri import is_mongo_uri
-
-__all__ = ["DataBackend", "Key", "Row", "RetryPolicy", "open_backend"]
 
 
 def open_backend(uri: str, *, retry: RetryPolicy | None = None) -> DataBackend:

@@ -1,9 +1,6 @@
-"""The data backend: the few keyset operations every dataset is built from.
-
-Every read is one short statement: ``key >= lower ORDER BY key LIMIT n`` (or the Mongo
-equivalent). No cursor or transaction stays open between calls, so a slow consumer
-never pins the database.
-"""
+"""The data backend: the few keyset operations every dataset is built from. Every read is one
+short statement (``key >= lower ORDER BY key LIMIT n``): no cursor or transaction stays open
+between calls, so a slow consumer never pins the database."""
 
 from __future__ import annotations
 
@@ -24,17 +21,17 @@ Row = dict[str, Any]
 KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
 T = TypeVar("T")
 log = logging.getLogger("llmtrain.db")
+_IN_CHUNK = 1000  # keys a statement of fetch_by_keys
 NO_KEY = object()  # no key before the first page
 
 
 def keyset(
     fetch: Callable[[Any, int], Sequence[Any]], page_size: int
 ) -> Iterator[tuple[Sequence[Any], Any]]:
-    """Keyset paging, the one loop every reader of a selection's keys uses: ``fetch(lower,
-    limit)`` returns rows (key first) in key order from ``lower`` on (``NO_KEY``: from the
-    start). Each page after the first starts *at* the last key seen, one row more, so a key
-    repeated across the boundary shows up as a repeat too; that overlapping row is dropped.
-    Yields (rows, the key before them)."""
+    """Keyset paging: ``fetch(lower, limit)`` returns rows (key first) in key order from
+    ``lower`` on (``NO_KEY``: the start). Each later page starts *at* the last key seen, one
+    row more, so a key repeated across the boundary shows as a repeat; that overlapping row
+    is dropped. Yields (rows, the key before them)."""
     lower: Any = NO_KEY
     while True:
         limit = page_size if lower is NO_KEY else page_size + 1
@@ -61,25 +58,27 @@ class DataBackend(ABC):
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
-        """Up to ``limit`` rows with key >= lower, in key order.
+        """Up to ``limit`` ``(key, {field: value})`` rows with key >= lower, in key order; a
+        field absent from the row is absent from the dict. Dotted Mongo paths are resolved."""
 
-        Each row is ``(key, {field: value})``; a field absent from the row is absent from the
-        dict (the caller decides whether that is an error). Dotted Mongo paths are resolved.
-        """
-
-    @abstractmethod
     def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
+        out: KeyedRows = []
+        for i in range(0, len(keys), _IN_CHUNK):
+            out += self._by_keys(query, fields, list(keys[i : i + _IN_CHUNK]))
+        return out
+
+    @abstractmethod
+    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
+        """:meth:`fetch_by_keys` for one statement's keys."""
 
     @abstractmethod
     def resolve(self, source: Query | str) -> Source:
-        """The table or collection (a name as the user spells it, or what a query's keys come
-        from) as the database names it (:mod:`llmtrain.db.sources`); QueryError if there is
-        none."""
+        """The table or collection (a name, or what a query's keys come from) as the database
+        names it (:mod:`llmtrain.db.sources`); QueryError if there is none."""
 
     def pages(self, query: Query, fields: Sequence[str], page_size: int) -> Iterator[KeyedRows]:
-        """The selection's rows in key order, ``page_size`` a statement (:func:`keyset`),
-        each page's keys checked (:func:`check_keys`)."""
+        """The selection's rows in key order, ``page_size`` a statement, keys checked."""
 
         def fetch(lower: Any, limit: int) -> KeyedRows:
             return self.fetch_rows(query, fields, None if lower is NO_KEY else lower, limit)
@@ -112,9 +111,8 @@ class DataBackend(ABC):
         permanent: Callable[[BaseException], bool] = lambda exc: False,
     ) -> T:
         """Run ``call`` (one idempotent statement); on a transient fault reconnect, back off
-        as ``self.retry`` says and try again. ``permanent`` picks out errors of a transient
-        type that no retry can cure (a missing table, say), so they surface at once instead
-        of after the whole budget."""
+        and try again. ``permanent`` picks out errors of a transient type no retry can cure
+        (a missing table), so they surface at once."""
         for delay in [*self.retry.delays(), None]:  # None: the last attempt
             try:
                 return call()

@@ -1,12 +1,6 @@
-"""Row keys: how they are named, compared, digested and paged, in one place.
-
-The digest (:func:`key_digests`) is the one every set of keys is compared by (the held-out
-split, lineage, forget, incremental fits): a uint64 that is a pure function of the key's value
-and type, computed over NumPy arrays: splitmix64 of the value for int keys, XXH3 of the
-bytes for strings, UUIDs and bytes, XXH3 of :func:`key_repr` for any other type (ObjectId,
-datetime, ...), each type with its own seed, so ``5`` and ``"5"`` differ. Its rule is named
-by :data:`DIGEST` in every snapshot that split by it.
-"""
+"""Row keys: named, compared, digested and checked in one place. The digest every key set is
+compared by (split, lineage, forget) is a uint64 of value and type: splitmix64 for ints, XXH3
+of the bytes (str, UUID, bytes) or of :func:`key_repr` (else), seeded per type; rule DIGEST."""
 
 from __future__ import annotations
 
@@ -25,8 +19,6 @@ from llmtrain.errors import QueryError
 Key = Any
 #: the digest's rule, recorded with every split it decided
 DIGEST = "splitmix64-xxh3-1"
-_SEEDS = {str: 2, uuid.UUID: 3, bytes: 4}
-_INT64 = (-(2**63), 2**63)
 _XXH3 = xxhash.xxh3_64_intdigest
 _UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
 _UUID_BYTES = operator.attrgetter("bytes")
@@ -75,15 +67,13 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
         data = map(_UUID_BYTES, keys)
         return np.fromiter(map(_XXH3, data, repeat(3)), dtype=np.uint64, count=len(keys))
     out = np.empty(len(keys), dtype=np.uint64)
-    ints = [i for i, k in enumerate(keys) if type(k) is int and _INT64[0] <= k < _INT64[1]]
+    ints = [i for i, k in enumerate(keys) if type(k) is int and -(2**63) <= k < 2**63]
     if len(ints) == len(keys):
         return _splitmix(np.array(keys, dtype=np.int64))
-    if ints:
-        out[ints] = _splitmix(np.array([keys[i] for i in ints], dtype=np.int64))
-    digest = xxhash.xxh3_64_intdigest
+    out[ints] = _splitmix(np.array([keys[i] for i in ints], dtype=np.int64))
     rest = sorted(set(range(len(keys))) - set(ints))
     out[rest] = np.fromiter(
-        (digest(*_bytes(keys[i])) for i in rest), dtype=np.uint64, count=len(rest)
+        (_XXH3(*_bytes(keys[i])) for i in rest), dtype=np.uint64, count=len(rest)
     )
     return out
 
@@ -110,10 +100,9 @@ class KeyPage:
 
 
 def check_keys(keys: Any, before: Any, key_name: str, source: str) -> None:
-    """Refuse a NULL or NaN key, or a key equal to the one before it (keys come sorted): paging
-    on it would read rows twice or skip them. A NaN equals itself to PostgreSQL but not to
-    Python, so a page starting at one would read it again. ``before``: the previous page's
-    last key (or anything else for none)."""
+    """Refuse a NULL or NaN key (a NaN equals itself to PostgreSQL, not to Python), or a key
+    equal to the one before it (keys come sorted): paging would read rows twice or skip them.
+    ``before``: the previous page's last key (or anything else for none)."""
     if isinstance(keys, np.ndarray):  # integers, sorted by value: one C pass
         bad = np.flatnonzero(np.diff(keys) <= 0)
         if len(bad) or (len(keys) and type(before) is int and keys[0] <= before):

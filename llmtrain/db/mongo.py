@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bson import Binary, Decimal128, Int64, ObjectId
@@ -12,29 +12,26 @@ from pymongo.errors import ConnectionFailure
 
 from llmtrain.db.backend import DataBackend, Key, KeyedRows
 from llmtrain.db.engines import drop_mongo_client, mongo_database
-from llmtrain.db.queries import Collection, Query
+from llmtrain.db.queries import TURNS, Collection, Conversations, Query, conversations
 from llmtrain.db.sources import Source, match_name
 from llmtrain.errors import QueryError
 
-_IN_CHUNK = 1000
 _MISSING = object()
 
 
-def get_path(doc: dict[str, Any], path: str) -> Any:
-    """Resolve a dotted path (``"meta.prompt"``); ``_MISSING`` when any step is absent."""
+def get_path(doc: dict[str, Any], path: str, missing: Any = _MISSING) -> Any:
+    """Resolve a dotted path (``"meta.prompt"``); ``missing`` when any step is absent."""
     value: Any = doc
     for part in path.split("."):
         if not isinstance(value, dict) or part not in value:
-            return _MISSING
+            return missing
         value = value[part]
     return value
 
 
-# MongoDB's sort order of ``_id`` types, each with its smallest value. ``{"$gte": 5}`` only
-# matches numbers (comparisons stay inside a type's bracket), while a sort walks every bracket
-# in this order: a page from key ``k`` on is ``k``'s own bracket from ``k`` on, plus every
-# later bracket from its start. Timestamp _ids (after dates) are left out: nothing writes
-# them, mongomock cannot sort them.
+# MongoDB's sort order of ``_id`` types, each with its smallest value: ``$gte`` stays inside a
+# type's bracket while a sort walks them all, so a page from ``k`` on is ``k``'s bracket from
+# ``k`` on plus every later bracket (Timestamps left out: mongomock cannot sort them).
 _BRACKETS: list[tuple[tuple[type, ...], Any]] = [
     ((int, float, Int64, Decimal128), float("-inf")),
     ((str,), ""),
@@ -47,8 +44,7 @@ _BRACKETS: list[tuple[tuple[type, ...], Any]] = [
 
 
 def key_after(lower: Key) -> dict[str, Any]:
-    """The condition for ``_id`` >= ``lower`` in MongoDB's sort order, across type brackets
-    (ints, strings and ObjectIds in one collection page correctly)."""
+    """The condition for ``_id`` >= ``lower`` in MongoDB's sort order, across type brackets."""
     for i, (types, _) in enumerate(_BRACKETS):
         if isinstance(lower, types) and not (isinstance(lower, bool) and i == 0):
             later = [start for _, start in _BRACKETS[i + 1 :]]
@@ -62,28 +58,31 @@ class MongoBackend(DataBackend):
 
     def key_name(self, query: Query) -> str:
         self._query(query)
-        return "_id"
+        return query.by if isinstance(query, Conversations) else "_id"
 
     def resolve(self, source: Query | str) -> Source:
         db = mongo_database(self._uri)
         if isinstance(source, str):
-            name = source.strip().removeprefix(f"{db.name}.")
+            name, key = source.strip().removeprefix(f"{db.name}."), "_id"
         else:
-            name = self._query(source).name
+            name, key = self._query(source).name, self.key_name(source)
 
         def found() -> Source:
             names = db.list_collection_names()
             name_found = match_name(name, names, "collection", self.uri, fold=False)
             ends = [
-                db[name_found].find_one({}, {"_id": 1}, sort=[("_id", order)]) for order in (1, -1)
+                db[name_found].find_one({key: {"$exists": True}}, {key: 1}, sort=[(key, order)])
+                for order in (1, -1)
             ]
-            kinds = {int if isinstance(d["_id"], int) else type(d["_id"]) for d in ends if d}
+            kinds = {int if isinstance(d[key], int) else type(d[key]) for d in ends if d}
             key_type = kinds.pop() if len(kinds) == 1 else None  # mixed types: keys as given
-            return Source(f"{db.name}.{name_found}", "_id", key_type)
+            return Source(f"{db.name}.{name_found}", key, key_type)
 
         return self._with_retry("reading the collections", found, (ConnectionFailure,))
 
     def _query(self, query: Query) -> Collection:
+        if isinstance(query, Conversations):
+            query = query.messages
         if not isinstance(query, Collection):
             raise QueryError(
                 f"{query.source} is a SQL query and cannot run on MongoDB {self.uri}; "
@@ -91,22 +90,29 @@ class MongoBackend(DataBackend):
             )
         return query
 
+    def _read(self, what: str, name: str, read: Callable[[Any], Any]) -> list[Any]:
+        """``read(collection)``'s documents, retried on a ConnectionFailure (AutoReconnect and
+        NetworkTimeout are ones too)."""
+
+        def call() -> list[Any]:
+            return list(read(mongo_database(self._uri)[name]))
+
+        return self._with_retry(what, call, (ConnectionFailure,))
+
     def _find(
         self, query: Query, fields: Sequence[str], cond: dict[str, Any], limit: int | None = None
     ) -> KeyedRows:
-        """The documents matching the query's filter and ``cond``; with a ``limit``, the
-        first ones in ``_id`` order."""
+        """The documents matching the filter and ``cond``; with a ``limit``, in ``_id`` order."""
         query = self._query(query)
         both = query.filter and cond
         where = {"$and": [query.filter, cond]} if both else {**query.filter, **cond}
         projection = {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
 
-        def find() -> list[dict[str, Any]]:
-            cursor = mongo_database(self._uri)[query.name].find(where, projection)
-            return list(cursor if limit is None else cursor.sort("_id", 1).limit(limit))
+        def find(collection: Any) -> Any:
+            cursor = collection.find(where, projection)
+            return cursor if limit is None else cursor.sort("_id", 1).limit(limit)
 
-        # AutoReconnect and NetworkTimeout are ConnectionFailures too
-        docs = self._with_retry("reading documents", find, (ConnectionFailure,))
+        docs = self._read("reading documents", query.name, find)
         return [
             (doc["_id"], {f: v for f in fields if (v := get_path(doc, f)) is not _MISSING})
             for doc in docs
@@ -115,10 +121,33 @@ class MongoBackend(DataBackend):
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
+        if isinstance(query, Conversations):
+            keys = self._conversation_keys(query, lower, limit)
+            if tuple(fields) == (TURNS,):
+                return keys
+            return self.fetch_by_keys(query, fields, [key for key, _ in keys])
         return self._find(query, fields, {} if lower is None else key_after(lower), limit)
 
-    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
-        out: KeyedRows = []
-        for i in range(0, len(keys), _IN_CHUNK):
-            out += self._find(query, fields, {"_id": {"$in": list(keys[i : i + _IN_CHUNK])}})
-        return out
+    def _conversation_keys(self, query: Conversations, lower: Key | None, limit: int) -> KeyedRows:
+        """Up to ``limit`` conversations from ``lower`` on: their keys and last turns."""
+        by, order, messages = f"${query.by}", f"${query.order}", self._query(query)
+        pipeline: list[dict[str, Any]] = [
+            {"$match": {"$and": [messages.filter, {query.by: {"$exists": True}}]}},
+            {"$group": {"_id": by, TURNS: {"$max": order}}},
+            *([] if lower is None else [{"$match": {"_id": {"$gte": lower}}}]),
+            {"$sort": {"_id": 1}},
+            {"$limit": limit},
+        ]
+        groups = self._read("reading conversations", messages.name, lambda c: c.aggregate(pipeline))
+        return [(g["_id"], {TURNS: g[TURNS]}) for g in groups]
+
+    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
+        if not isinstance(query, Conversations):
+            return self._find(query, fields, {"_id": {"$in": keys}})
+        by, order, _, _ = query.columns
+        messages = self._query(query)
+        cond = {"$and": [messages.filter, {by: {"$in": keys}}]}
+        docs = self._read(
+            "reading messages", messages.name, lambda c: c.find(cond).sort([(by, 1), (order, 1)])
+        )
+        return conversations([[get_path(d, f, None) for f in query.columns] for d in docs])

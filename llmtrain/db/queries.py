@@ -1,8 +1,5 @@
-"""Selections of rows that can be stored, shown and replayed.
-
-A query is plain data: ``to_dict()`` gives JSON, ``from_dict()`` rebuilds it, and
-``fingerprint()`` is stable across processes. Running a query is the backend's job.
-"""
+"""Selections of rows as plain data: ``to_dict()`` gives JSON, ``from_dict()`` rebuilds it,
+``fingerprint()`` is stable across processes. Running one is the backend's job."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar, TypeVar
 
 from bson import json_util
@@ -73,11 +71,8 @@ class Query(ABC):
 
 
 class Table(Query):
-    """Rows of one SQL table, optionally filtered by a parameterised WHERE fragment.
-
-    ``Table("docs").where("lang = :lang", lang="en").select("instruction", "output")``.
-    The ordering key defaults to the table's primary key (found at run time).
-    """
+    """Rows of one SQL table, keyed by its primary key unless ``key=``:
+    ``Table("docs").where("lang = :lang", lang="en").select("instruction", "output")``."""
 
     kind = "sql_table"
 
@@ -169,8 +164,7 @@ class RawSQL(Query):
 
 def sql(text: str, *, key: str, source: str | None = None, **params: Any) -> RawSQL:
     """A raw SELECT with bound ``:name`` parameters, paged on the unique column ``key``;
-    ``source``: the table that column comes from, when the statement reads several and its
-    key's does not show (forget and lineage name a row by its table)."""
+    ``source``: the table that column comes from, when parsing cannot tell."""
     return RawSQL(text, key=key, params=params, source=source)
 
 
@@ -210,10 +204,6 @@ class Collection(Query):
         )
 
     @property
-    def key(self) -> str:
-        return "_id"
-
-    @property
     def source(self) -> str:
         return f"collection {self.name}"
 
@@ -237,7 +227,68 @@ class Collection(Query):
         return super()._from_fields({**data, "filter": filt, "allow_javascript": allow})
 
 
-_KINDS: dict[str, type[Query]] = {q.kind: q for q in (Table, RawSQL, Collection)}
+#: the field a conversation's messages come in, and the one its turns (its version) come in
+MESSAGES, TURNS = "messages", "llmtrain_turns"
+
+
+class Conversations(Query):
+    """Message rows grouped into conversations keyed by ``by``, in ``order``: each one row
+    ``{"messages": [{"role": ..., "content": ...}, ...]}``. The snapshot records its last
+    turn; turns added later wait for the next run."""
+
+    kind = "conversations"
+
+    def __init__(
+        self,
+        messages: Query,
+        *,
+        by: str,
+        order: str,
+        role: str = "role",
+        content: str = "content",
+    ) -> None:
+        if isinstance(messages, Table):
+            # the group key is the key its rows are named by (forget, lineage)
+            messages = Table._from_fields({**messages.to_dict(), "key": by})
+        elif not isinstance(messages, Collection):
+            raise QueryError(
+                "Conversations(messages): a llmtrain.Table or llmtrain.Collection of message "
+                f"rows, got {type(messages).__name__}"
+            )
+        self.messages = messages
+        self.by, self.order = _check_name("by column", by), _check_name("order column", order)
+        self.role, self.content = _check_name("role column", role), _check_name("column", content)
+
+    @property
+    def columns(self) -> tuple[str, str, str, str]:
+        return self.by, self.order, self.role, self.content
+
+    @property
+    def source(self) -> str:
+        return f"conversations of {self.messages.source} by {self.by}"
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = dict(zip(("by", "order", "role", "content"), self.columns))
+        return {"kind": self.kind, "messages": self.messages.to_dict(), **fields}
+
+    @classmethod
+    def _from_fields(cls, data: dict[str, Any]) -> Conversations:
+        return super()._from_fields({**data, "messages": Query.from_dict(data["messages"])})
+
+
+def conversations(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, dict[str, Any]]]:
+    """Message rows ``(key, turn, role, content)`` in (key, turn) order as one row per
+    conversation, with its turns under ``TURNS``."""
+    out: list[tuple[Any, dict[str, Any]]] = []
+    for key, turn, role, content in rows:
+        if not out or out[-1][0] != key:
+            out.append((key, {MESSAGES: [], TURNS: []}))
+        out[-1][1][MESSAGES].append({"role": role, "content": content})
+        out[-1][1][TURNS].append(turn)
+    return out
+
+
+_KINDS: dict[str, type[Query]] = {q.kind: q for q in (Table, RawSQL, Collection, Conversations)}
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

@@ -1,13 +1,6 @@
-"""A source is resolved, not spelled: the table or collection a query's keys come from, named
-as the database names it, and keys typed as its key column holds them.
-
-``forget``, ``trained_on``, lineage and every run record name a source by :class:`Source`:
-``schema.table`` as the catalog spells them (``docs``, ``Docs`` and ``public.docs`` are one
-table on PostgreSQL; SQLite's names are case-insensitive), ``database.collection`` for
-MongoDB. A table that does not exist is an error. An ``lt.sql`` selection's source is the
-table its key column comes from: named by ``lt.sql(..., source="docs")``, or found by parsing
-the statement (sqlglot) when that is unambiguous, never guessed.
-"""
+"""A source is resolved, not spelled: ``schema.table`` as the catalog spells it (or
+``database.collection``), so ``docs`` and ``public.docs`` are one table to forget, lineage and
+run records; an ``lt.sql`` source is named by ``source=`` or parsed (sqlglot), never guessed."""
 
 from __future__ import annotations
 
@@ -28,9 +21,8 @@ _INTEGER = re.compile(r"^-?\d+$")
 
 @dataclass(frozen=True)
 class Source:
-    """Where a selection's keys come from: its canonical ``name``, its key column and the
-    Python type that column holds (None where the database keeps no schema: a collection's
-    ``_id``, whose first document's type is taken instead when there is one)."""
+    """Where a selection's keys come from: canonical ``name``, key column and the Python type
+    it holds (None: unknown or mixed)."""
 
     name: str
     key: str
@@ -38,16 +30,12 @@ class Source:
 
     @property
     def identity(self) -> str:
-        """What forget records and runs are matched by: the table and its key column (rows
-        keyed by another column of one table are other keys)."""
+        """What forget records and runs are matched by: the table and its key column."""
         return f"{self.name}({self.key})"
 
     def typed(self, keys: Sequence[Any], where: str = "forget()") -> list[Key]:
-        """``keys`` as the key column holds them, checked before anything is written: a
-        string of digits for an integer key is the integer it spells (keys typed on a
-        command line are text); an integral float is its integer; a 24-hex string is the
-        ObjectId of a collection keyed by ObjectIds; anything else is a ConfigError naming
-        the key, its type and the column's."""
+        """``keys`` as the key column holds them (digit strings and integral floats as ints,
+        24-hex strings as ObjectIds, UUID text as UUIDs); anything else is a ConfigError."""
         return [self._typed(k, where) for k in keys]
 
     def _typed(self, key: Any, where: str) -> Key:
@@ -88,10 +76,9 @@ _DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sq
 
 
 def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
-    """(schema, table, column) the column ``key`` of a SELECT's result comes from: a bare
-    column (``id``, ``d.doc_id AS id``) of its only table, or of the table its qualifier
-    names (an alias before a table name); anything else (a computed key, a UNION, a
-    statement the parser does not read) is a QueryError asking for ``source=``."""
+    """(schema, table, column) the result column ``key`` of a SELECT comes from: a bare column
+    of its only table, or of the table its qualifier names (an alias before a table name);
+    anything else (computed, a UNION, unparsable) is a QueryError asking for ``source=``."""
     import sqlglot
     from sqlglot import exp
 
@@ -119,9 +106,8 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
 
 
 def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: bool) -> str:
-    """The catalog's spelling of ``wanted``: exact, or (``fold``: the database's own rule)
-    the one name equal to it case-insensitively; else a QueryError listing the names (not
-    llmtrain's own tables)."""
+    """The catalog's spelling of ``wanted``: exact, or (``fold``) the one name equal to it
+    case-insensitively; else a QueryError listing the names (not llmtrain's own tables)."""
     if wanted in names:
         return wanted
     if fold:

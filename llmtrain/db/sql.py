@@ -1,13 +1,6 @@
-"""SQL backend (SQLAlchemy Core): keyset pages on a unique, ordered key.
-
-Names reach SQL only as quoted identifiers built by SQLAlchemy; values only as bound
-parameters. Each call checks out a connection, runs one SELECT and returns it.
-
-The row-reading SELECTs (``fetch_rows``) are built once per shape and cached,
-values bound per call, and run through SQLAlchemy like every other statement. On PostgreSQL
-reads run in autocommit: one SELECT sees one snapshot either way, and it saves the BEGIN and
-ROLLBACK round trips around every page.
-"""
+"""SQL backend (SQLAlchemy Core): keyset pages on a unique, ordered key. Names reach SQL only
+as quoted identifiers, values only as bound parameters; each call runs one SELECT (page
+statements built once per shape; on PostgreSQL in autocommit, saving BEGIN/ROLLBACK trips)."""
 
 from __future__ import annotations
 
@@ -23,13 +16,12 @@ import sqlalchemy as sa
 from llmtrain.db.backend import NO_KEY, DataBackend, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
 from llmtrain.db.keys import Key, KeyPage, check_keys
-from llmtrain.db.queries import Query, RawSQL, Table
+from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source, key_table, match_name, split_name
 from llmtrain.db.sql_errors import database_message, is_transient, refusal
 from llmtrain.errors import QueryError
 
-_IN_CHUNK = 1000
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
 
@@ -43,8 +35,8 @@ def _python_type(column_type: Any) -> type | None:
 
 
 def _converts(column_type: Any, dialect: Any) -> bool:
-    """Whether SQLAlchemy turns this column's driver values into others (a SQLite DATE's
-    text into a date; a NUMERIC's Decimal into a float): then keys come through it."""
+    """Whether SQLAlchemy turns this column's driver values into others (a SQLite DATE's text
+    into a date): then keys come through it."""
     try:
         return bool(column_type.dialect_impl(dialect).result_processor(dialect, None))
     except Exception:  # noqa: BLE001 - a processor that needs the driver's type code
@@ -57,9 +49,8 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
 
 
 def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
-    """``stmt`` again with invalid UTF-8 kept as surrogate escapes: the rows' text checks then
-    reject (or skip) the row by key and field. Only on this error path: a Python
-    ``text_factory`` would slow every read."""
+    """``stmt`` again with invalid UTF-8 kept as surrogate escapes, so the row checks name the
+    bad row. Only on this error path: a Python ``text_factory`` would slow every read."""
     raw: Any = conn.connection.dbapi_connection
     raw.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
     try:
@@ -103,7 +94,6 @@ class SQLBackend(DataBackend):
         self._sources: dict[str, _Source] = {}
         self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
 
-    # -- plumbing -------------------------------------------------------------------------
     @property
     def engine(self) -> sa.Engine:
         return sql_engine(self._uri)
@@ -117,9 +107,8 @@ class SQLBackend(DataBackend):
         self._pages.clear()
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
-        """``call`` with retries for faults that heal; any other database error becomes one
-        line with the database's own message: the database or credentials are wrong
-        (ConfigError), or the statement is (QueryError)."""
+        """``call`` with retries for faults that heal; any other error becomes a ConfigError
+        (database or credentials) or a QueryError (the statement), with the database's message."""
         try:
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
@@ -129,12 +118,21 @@ class SQLBackend(DataBackend):
                 raise refused from None
             raise QueryError(f"{source} failed on {self.uri}: {database_message(exc)}") from None
 
-    def _rows(self, stmt: sa.Executable, params: dict[str, Any], source: str) -> list[Any]:
+    def _rows(
+        self, stmt: sa.Executable, params: dict[str, Any], source: str, raw: bool = False
+    ) -> list[Any]:
+        """The rows of one statement, with retries; ``raw``: the driver's own tuples."""
+
         def call() -> list[Any]:
             with self.engine.connect() as conn:
                 if conn.dialect.name == "postgresql":
-                    # one SELECT needs no BEGIN/ROLLBACK round trips around it: same snapshot
                     conn.execution_options(isolation_level="AUTOCOMMIT")
+                if raw:
+                    result = conn.execute(stmt, params)
+                    try:
+                        return list(result.cursor.fetchall())
+                    finally:
+                        result.close()
                 try:
                     return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
@@ -145,7 +143,7 @@ class SQLBackend(DataBackend):
                         raise
                     return _lenient_rows(conn, stmt, params)
 
-        return list(self._retrying("reading rows", call, source))
+        return list(self._retrying("reading keys" if raw else "reading rows", call, source))
 
     def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
         fingerprint = fingerprint or query.fingerprint()
@@ -154,6 +152,8 @@ class SQLBackend(DataBackend):
                 self._sources[fingerprint] = self._build_table(query)
             elif isinstance(query, RawSQL):
                 self._sources[fingerprint] = self._build_raw(query)
+            elif isinstance(query, Conversations):
+                self._sources[fingerprint] = self._build_conversations(query)
             else:
                 raise QueryError(
                     f"{query.source} is a MongoDB query and cannot run on SQL database "
@@ -197,11 +197,24 @@ class SQLBackend(DataBackend):
         where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
         return _Source(key, columns, where, query.source)
 
+    def _build_conversations(self, query: Conversations) -> _Source:
+        """One row per conversation: its key and last turn (what the snapshot records)."""
+        messages = self._source(query.messages)
+        by, order = messages.column(query.by), messages.column(query.order)
+        grouped = messages.select(by.label(query.by), sa.func.max(order).label(TURNS))
+        sub = grouped.group_by(by).subquery("llmtrain_conversations")
+        return _Source(sub.c[query.by], {TURNS: sub.c[TURNS]}, None, query.source)
+
     def _build_raw(self, query: RawSQL) -> _Source:
         text = _text(query.text, query.params, query.source)
-        probe = self._retrying(
-            "reading the query's columns", lambda: self._probe_columns(text), query.source
-        )
+
+        def columns() -> list[str]:
+            sub = text.columns().subquery("llmtrain_probe")
+            star: sa.Select[Any] = sa.select(sa.literal_column("*")).select_from(sub).limit(0)
+            with self.engine.connect() as conn:
+                return list(conn.execute(star).keys())
+
+        probe = self._retrying("reading the query's columns", columns, query.source)
         # SQLite renames a repeated name to "name:1" where the others keep both or refuse
         renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
         repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
@@ -217,26 +230,20 @@ class SQLBackend(DataBackend):
         sub = text.columns(*[sa.column(c) for c in probe]).subquery("llmtrain_q")
         return _Source(sub.c[query.key], {c: sub.c[c] for c in probe}, None, query.source)
 
-    def _probe_columns(self, text: sa.TextClause) -> list[str]:
-        sub = text.columns().subquery("llmtrain_probe")
-        with self.engine.connect() as conn:
-            return list(
-                conn.execute(sa.select(sa.literal_column("*")).select_from(sub).limit(0)).keys()
-            )
-
-    # -- DataBackend ------------------------------------------------------------------------
     def key_name(self, query: Query) -> str:
         return self._source(query).key.name
 
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
+        if isinstance(query, Conversations) and tuple(fields) != (TURNS,):
+            keys = [key for key, _ in self.fetch_rows(query, (TURNS,), lower, limit)]
+            return self.fetch_by_keys(query, fields, keys)
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
-        # the bound's type as SQLAlchemy gives it to ``lower``
         lower_type = None if lower is None else (src.key >= lower).right.type
-        # each shape's statement is built once; bound types are keyed by identity (SQLAlchemy
-        # reuses them), so the cache is capped in case a key type makes a new one each call
+        # bound types are keyed by identity (SQLAlchemy reuses them): capped in case a key
+        # type makes a new one each call
         shape = (fingerprint, names, lower_type)
         stmt = self._pages.get(shape)
         if stmt is None:
@@ -259,6 +266,8 @@ class SQLBackend(DataBackend):
             else:
                 found, table, column = key_table(source.text, source.key, self.engine.dialect.name)
                 schema = found or None
+        elif isinstance(source, Conversations):
+            return self.resolve(source.messages)
         elif isinstance(source, Table):
             schema, table, column = source.schema, source.name, source.key
         elif isinstance(source, str):
@@ -305,10 +314,8 @@ class SQLBackend(DataBackend):
     def key_pages(
         self, query: Query, version_column: str | None, page_size: int
     ) -> Iterator[KeyPage]:
-        """As the base class's, but the rows come straight from the driver's cursor (no
-        SQLAlchemy row per key: 3x faster) and integer keys as one int64 array. Only where
-        SQLAlchemy would hand out the driver's values unchanged (no result processor), so
-        the keys equal those the windows read by."""
+        """As the base class's, but rows straight from the driver's cursor (3x faster) and
+        integer keys as one int64 array; only where SQLAlchemy would not convert the values."""
         src = self._source(query)
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
         dialect = self.engine.dialect
@@ -321,7 +328,7 @@ class SQLBackend(DataBackend):
 
         def fetch(lower: Any, limit: int) -> list[Any]:
             stmt, values = (first, {}) if lower is NO_KEY else (later, {_LOWER: lower})
-            return self._raw_rows(stmt, {**values, _LIMIT: limit}, query.source)
+            return self._rows(stmt, {**values, _LIMIT: limit}, query.source, raw=True)
 
         for rows, lower in keyset(fetch, page_size):
             keys: Any = list(map(itemgetter(0), rows))
@@ -330,26 +337,12 @@ class SQLBackend(DataBackend):
             check_keys(keys, lower, src.key.name, query.source)
             yield KeyPage(keys, [r[1] for r in rows] if version_column else None)
 
-    def _raw_rows(self, stmt: sa.Executable, values: dict[str, Any], source: str) -> list[Any]:
-        """The driver's own rows of one statement (tuples), with the usual retries."""
-
-        def call() -> list[Any]:
-            with self.engine.connect() as conn:
-                if conn.dialect.name == "postgresql":
-                    conn.execution_options(isolation_level="AUTOCOMMIT")
-                result = conn.execute(stmt, values)
-                try:
-                    return list(result.cursor.fetchall())
-                finally:
-                    result.close()
-
-        return list(self._retrying("reading keys", call, source))
-
-    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
+    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
+        if isinstance(query, Conversations):
+            src = self._source(query.messages)
+            cols = [src.column(c) for c in query.columns]
+            stmt = src.select(*cols).where(cols[0].in_(keys)).order_by(*cols[:2])
+            return conversations(self._rows(stmt, {}, query.source))
         src = self._source(query)
-        cols = [src.column(f) for f in fields]
-        out: KeyedRows = []
-        for i in range(0, len(keys), _IN_CHUNK):
-            stmt = src.select(src.key, *cols).where(src.key.in_(list(keys[i : i + _IN_CHUNK])))
-            out += _pairs(self._rows(stmt, {}, query.source), fields)
-        return out
+        stmt = src.select(src.key, *[src.column(f) for f in fields]).where(src.key.in_(keys))
+        return _pairs(self._rows(stmt, {}, query.source), fields)

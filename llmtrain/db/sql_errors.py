@@ -1,11 +1,6 @@
-"""Which SQL errors can heal (retry them) and which cannot (report them at once).
-
-Retrying is only worth it for faults that go away by themselves: a lost connection, a
-server restarting or refusing connections for a moment, a lock wait or deadlock. Everything
-else (a missing column, a denied permission, an unknown database, a SQLite file that cannot
-be opened) fails the same way on every attempt, so it is reported with the database's own
-message instead of after the whole retry budget (4-6 s) as an outage.
-"""
+"""Which SQL errors can heal (lost connections, restarts, lock waits: retry them) and which
+cannot (a missing column, a denied login: report them at once with the database's message,
+not after the 4-6 s retry budget as an outage)."""
 
 from __future__ import annotations
 
@@ -15,14 +10,12 @@ import sqlalchemy as sa
 
 from llmtrain.errors import ConfigError, DatabaseNotFoundError
 
-# PostgreSQL SQLSTATE classes and codes that heal: connection exceptions (08), operator
-# intervention while the server shuts down or starts (57P01-57P03), serialization failure,
-# deadlock, lock not available, insufficient resources (53: too many connections, ...).
+# PostgreSQL SQLSTATEs that heal: connection (08), insufficient resources (53), shutdown or
+# startup (57P0x), serialization failure, deadlock, lock not available.
 _PG_TRANSIENT_CLASSES = ("08", "53")
 _PG_TRANSIENT = frozenset({"57P01", "57P02", "57P03", "40001", "40P01", "55P03"})
-# MySQL/MariaDB error numbers that heal: can't connect (2002, 2003), gone away (2006),
-# lost connection (2013, 2055), too many connections (1040), server shutdown (1053),
-# lock wait timeout (1205), deadlock (1213), connection killed (1927), idle disconnect (4031).
+# MySQL/MariaDB: can't connect, gone away, lost connection, too many connections, shutdown,
+# lock wait timeout, deadlock, connection killed, idle disconnect.
 _MYSQL_TRANSIENT = frozenset({2002, 2003, 2006, 2013, 2055, 1040, 1053, 1205, 1213, 1927, 4031})
 _SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o error")
 
@@ -71,26 +64,19 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def refusal(exc: BaseException, where: str) -> ConfigError | None:
-    """A database or login the server turned away, as the user's mistake: a
-    DatabaseNotFoundError for a database that is not there, else a ConfigError (bad
-    credentials, an unopenable SQLite file); None for any other error."""
-    if not is_connection_error(exc):
-        return None
-    message = database_message(exc)
-    found = "database" in message.lower() and "denied" not in message.lower()
-    return (DatabaseNotFoundError if found else ConfigError)(f"cannot open {where}: {message}")
-
-
-def is_connection_error(exc: BaseException) -> bool:
-    """A permanent error about reaching the database (unknown database, bad credentials,
-    an unopenable SQLite file) rather than about one statement."""
+    """A database or login the server turned away for good: DatabaseNotFoundError for a
+    missing database, else ConfigError (credentials, an unopenable SQLite file); else None."""
     orig = getattr(exc, "orig", None)
     module = type(orig).__module__
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
-        if state is None:
-            return _pg_refused(orig)
-        return state == "3D000" or state.startswith("28")
-    if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
-        return _mysql_code(orig) in (1044, 1045, 1049)
-    return "unable to open database file" in str(orig).lower()
+        refused = _pg_refused(orig) if state is None else state == "3D000" or state[:2] == "28"
+    elif module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
+        refused = _mysql_code(orig) in (1044, 1045, 1049)
+    else:
+        refused = "unable to open database file" in str(orig).lower()
+    if not refused:
+        return None
+    message = database_message(exc)
+    found = "database" in message.lower() and "denied" not in message.lower()
+    return (DatabaseNotFoundError if found else ConfigError)(f"cannot open {where}: {message}")

@@ -1,17 +1,10 @@
 """Examples to batches: right-padded, or packed several to a row by concatenation.
 
-Packing concatenates examples with ``position_ids`` that restart at 0 for each one and passes
-no ``attention_mask``: transformers 5.x (Llama, Qwen2, ...) then finds the example boundaries
-from the position ids, for eager, SDPA and flex attention within each row, and for
-``flash_attention_2`` (varlen) when the batch is a single row, so :class:`PackedCollator`
-lays the whole batch out as one row for flash kernels (``flat``), with no padding at all.
-Call the model with ``use_cache=False``: with a cache (the config default creates one even in
-training) transformers skips the detection and examples silently attend to each other.
-
-Within a packed row, the first label of each example is set to ignored: it would otherwise be
-predicted from the previous example's last token (it is never a target when unpacked either).
-Padding, when rows differ in length, goes after a row's last example as its own run of
-positions, so it forms its own block and is never a target.
+Packed rows carry ``position_ids`` restarting at 0 per example and no ``attention_mask``:
+transformers 5.x finds the example boundaries from them (eager, SDPA, flex; flash attention
+only in a single row, hence ``flat``). Call the model with ``use_cache=False``: with a cache it
+skips the detection and examples silently attend to each other. Each example's first label is
+ignored (it would be predicted from the previous example); padding is its own run of positions.
 """
 
 from __future__ import annotations
@@ -37,9 +30,8 @@ def _long(rows: list[list[int]]) -> torch.Tensor:
 def _batch(
     ids: list[list[int]], labels: list[list[int]], name: str, values: list[list[int]]
 ) -> dict[str, torch.Tensor]:
-    """The tensors, with ``values`` as ``name``, and the scalar ``num_target_tokens``: the
-    number of terms in the shifted causal-LM loss (normalise by this, not by rows). Built
-    through NumPy: 3x faster than ``torch.tensor`` on nested lists, on the loop's path."""
+    """The tensors, with ``values`` as ``name``, and ``num_target_tokens`` (the terms of the
+    shifted loss). Built through NumPy: 3x faster than ``torch.tensor`` on nested lists."""
     label_tensor = _long(labels)
     return {
         "input_ids": _long(ids),
@@ -52,10 +44,7 @@ def _batch(
 def pad_collate(
     examples: Sequence[Example], pad_id: int, pad_to_multiple_of: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Right-pad ``examples`` into ``input_ids``, ``labels`` (ignored on padding),
-    ``attention_mask`` and the scalar ``num_target_tokens``."""
-    if not examples:
-        raise ValueError("pad_collate: no examples")
+    """Right-pad ``examples`` into ``input_ids``, ``labels``, ``attention_mask``."""
     width = _round_up(max(len(e) for e in examples), pad_to_multiple_of)
     ids, labels, mask = [], [], []
     for e in examples:
@@ -67,8 +56,8 @@ def pad_collate(
 
 
 def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
-    """Best-fit-decreasing: longest first (ties in input order), each into the fullest row it
-    fits. Rows, and the examples in each, come in input order."""
+    """Best-fit-decreasing: longest first, each into the fullest row it fits; rows, and the
+    examples in each, in input order."""
     for e in examples:
         if not 0 < len(e) <= max_length:
             raise ConfigError(
@@ -91,12 +80,7 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
 
 
 class PackedCollator:
-    """Packs examples into rows of at most ``max_length`` tokens (best-fit-decreasing).
-
-    Returns ``input_ids``, ``labels``, ``position_ids`` (restarting at 0 per example) and
-    ``num_target_tokens``; no attention mask. With ``flat`` (flash attention kernels, which
-    find packed examples only in a single row) the rows are concatenated into one.
-    """
+    """Packs examples into rows of at most ``max_length`` tokens (``flat``: all in one row)."""
 
     def __init__(
         self,
@@ -106,8 +90,6 @@ class PackedCollator:
         flat: bool = False,
         pad_to_multiple_of: int | None = None,
     ) -> None:
-        if max_length < 1:
-            raise ConfigError(f"max_length must be >= 1, got {max_length}")
         if pad_to_multiple_of and max_length % pad_to_multiple_of:
             raise ConfigError(
                 f"max_length {max_length} must be a multiple of "
@@ -158,8 +140,7 @@ def padding_efficiency(
     batch_size: int | None = None,
     pad_to_multiple_of: int | None = None,
 ) -> PaddingEfficiency:
-    """Compare :func:`pad_collate` with :class:`PackedCollator` over ``examples`` taken
-    ``batch_size`` at a time (all at once when None), by the shapes they would produce."""
+    """Compare padding with packing over ``examples``, ``batch_size`` at a time (None: all)."""
     size = batch_size or max(len(examples), 1)
     tokens = sum(map(len, examples))
     padded = packed = 0

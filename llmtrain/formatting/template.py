@@ -1,8 +1,5 @@
-"""Prompt templates: ``"### Question:\\n{X}\\n### Answer:\\n{Y}"``.
-
-One object renders training text and inference prompts, so the two can never drift apart
-(the design llmtrain grew from applied its template only at training time).
-"""
+"""Prompt templates (``"Q: {X}\\nA: {Y}"``): one object renders training text and inference
+prompts, so the two never drift apart."""
 
 from __future__ import annotations
 
@@ -12,27 +9,20 @@ from llmtrain.errors import ConfigError
 
 
 class PromptTemplate:
-    """A template with exactly one ``{X}`` (the input) and one ``{Y}`` (the response) at its end,
-    or a document template: ``{X}`` alone, the whole text trained (continued pre-training).
+    """Exactly one ``{X}`` (the input) and one ``{Y}`` (the response) closing it: anything
+    after ``{Y}`` could not be generated at inference. Or ``{X}`` alone: a document template
+    (continued pre-training). Literal braces are written ``{{`` and ``}}``."""
 
-    ``{Y}`` must close the template: the response is the text the model generates after the
-    prompt, so anything after it could not be produced at inference. Literal braces are
-    written ``{{`` and ``}}``. Everything is checked here, at construction.
-    """
-
-    __slots__ = ("_after_x", "_before_x", "_text", "documents")
+    __slots__ = ("_before_x", "between", "documents", "text")
 
     def __init__(self, text: str) -> None:
-        if not isinstance(text, str):
-            raise ConfigError(f"template must be a string, got {type(text).__name__}")
         try:
             parts = list(string.Formatter().parse(text))
         except ValueError as exc:  # a lone "{" or "}"
             raise ConfigError(
                 f"template {text!r} is malformed ({exc}); write literal braces as '{{{{' and '}}}}'"
             ) from None
-        # The literal text before each field, then after the last one ("{{" parses as its own
-        # literal-only part, so pieces are joined until the next field).
+        # the literal text before each field, then after the last ("{{" is a part of its own)
         literals: list[str] = [""]
         fields: list[str] = []
         for literal, field, spec, conversion in parts:
@@ -69,31 +59,17 @@ class PromptTemplate:
                 f"{literals[-1]!r} follows it; the response is what the model "
                 f"generates after the prompt, so nothing may come after {{Y}}"
             )
-        self._text = text
-        self._before_x, self._after_x = literals[0], literals[1]
-
-    @property
-    def text(self) -> str:
-        return self._text
-
-    @property
-    def between(self) -> str:
-        """The template's text between ``{X}`` and ``{Y}`` (the end of every prompt)."""
-        return self._after_x
+        self.text = text
+        #: the text between ``{X}`` and ``{Y}``: the end of every prompt
+        self._before_x, self.between = literals[0], literals[1]
 
     def prompt(self, x: str) -> str:
         """The prompt for input ``x``: everything before ``{Y}``. Use it at inference too."""
-        return f"{self._before_x}{x}{self._after_x}"
+        return f"{self._before_x}{x}{self.between}"
 
     def render(self, x: str, y: str) -> tuple[str, str]:
         """``(prompt_text, response_text)``; their concatenation is the full training text."""
         return self.prompt(x), y
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PromptTemplate) and other._text == self._text
-
-    def __hash__(self) -> int:
-        return hash(self._text)
-
     def __repr__(self) -> str:
-        return f"PromptTemplate({self._text!r})"
+        return f"PromptTemplate({self.text!r})"

@@ -1,39 +1,22 @@
-"""Rows to token ids and labels.
+"""Rows to token ids and labels (:class:`Example`).
 
-A row ``{X: input, Y: response}`` becomes an :class:`Example`. The whole text (prompt +
-response) is tokenized at once, so the trained ids are the very ones the tokenizer produces for
-it (tokenizing the response on its own would put a spurious ``▁`` before every response with
-tokenizers that mark the start of a text, Llama-2 style). Character offsets then split the
-tokens: those that reach past the end of the prompt text are the response.
+Prompt and response are tokenized as one text, so the trained ids are the tokenizer's own
+(tokenizing the response alone would add a spurious ``▁`` with Llama-2 style tokenizers);
+character offsets split them. A prompt ending in text the response's first token can absorb
+(``"Fruit: "`` + ``"banana"`` is ``Ġbanana``) is cut, for every example, before the characters
+any response may absorb, found once by probing; generation re-spells them and drops them from
+the answer (:class:`Prompt`, token healing), so a model answers as it was trained.
 
-Where the prompt ends in text that the response's first token can absorb (a trailing space:
-``"Fruit: "`` + ``"banana"`` is ``Ġbanana``), the boundary would depend on each response, and
-a model trained on such rows, given the prompt tokenized alone (ending in a lone ``Ġ`` it never
-saw there), answers garbage. So the formatter finds once, by tokenizing the template's prompt in
-front of a few common words, how many of its last characters a response may absorb, and every
-example is cut there: tokens reaching into those characters are trained as the response (a
-lone ``Ġ`` too, when a response's first word does not absorb it). Generation is given the same
-ids and re-spells those characters as its first tokens, then drops them from the answer
-(:class:`Prompt`, token healing), so a model answers as it was trained whatever its template
-ends with.
-
-Labels: ``IGNORE_INDEX`` (-100) on prompt tokens (unless ``train_on_inputs``); the response
-and the EOS after it are trained, so the model learns to stop. An empty response therefore
-still trains the EOS; an empty input is fine (the prompt is then the template text alone).
-
-Truncation (``max_length``), in order until the example fits:
-
-1. (chat templates only) untrained template text after the assistant turn is dropped;
-2. the prompt is cut from the LEFT, keeping its end (the part next to the response) and any
-   leading special tokens such as BOS, but never below ``min_prompt_tokens`` tokens;
-3. the response is cut from the RIGHT. Its EOS / end-of-turn token is then lost on purpose:
-   the answer was cut, and teaching the model to stop mid-answer would be wrong.
-
-Every truncated example has ``truncated=True``.
+Prompt tokens are ignored (``IGNORE_INDEX``) unless ``train_on_inputs``; the response and its
+EOS are trained, so the model learns to stop. Truncation to ``max_length``, in order: drop a
+chat template's untrained tail; cut the prompt from the LEFT (keeping BOS and at least
+``min_prompt_tokens``); cut the response from the RIGHT, losing its EOS on purpose (teaching a
+model to stop mid-answer would be wrong). Such examples have ``truncated=True``.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,12 +24,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
-from llmtrain.data.rows import check_row
-from llmtrain.errors import ConfigError
+from llmtrain.data.rows import check_on_bad_row, check_row
+from llmtrain.errors import BadRowError, ConfigError
 from llmtrain.formatting.template import PromptTemplate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("llmtrain.data")
 
 #: The label that the causal-LM loss ignores (``torch.nn.CrossEntropyLoss`` default).
 IGNORE_INDEX = -100
@@ -62,13 +47,6 @@ class Example:
     key: object = None
     truncated: bool = False
 
-    def __post_init__(self) -> None:
-        if len(self.input_ids) != len(self.labels):
-            raise ValueError(
-                f"example {self.key!r}: {len(self.input_ids)} input ids but "
-                f"{len(self.labels)} labels"
-            )
-
     def __len__(self) -> int:
         return len(self.input_ids)
 
@@ -80,9 +58,8 @@ class Example:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """What generation is given for one input: the token ids training had before the first
-    target, and ``heal``, the prompt's tail that the first trained token carried (generated
-    again, then cut from the answer; empty at a clean boundary)."""
+    """What generation is given: the ids before the first target, and ``heal``, the prompt's
+    tail the first trained token carried (generated again, then cut from the answer)."""
 
     ids: list[int]
     heal: str = ""
@@ -98,7 +75,7 @@ def _first_response_token(offsets: Sequence[tuple[int, int]], end: int) -> int:
 
 
 def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The special tokens (BOS) the tokenizer puts before a text; trailing ones are ignored."""
+    """The special tokens (BOS) the tokenizer puts before a text."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
@@ -108,10 +85,8 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
-    """The Rust tokenizer, whose batch encoders cost half of ``tokenizer(...)`` (that converts
-    every encoding in Python), or None when the two disagree on a probe (a tokenizer class
-    that preprocesses text in Python). A private copy with truncation and padding off: some
-    tokenizer.json files enable them, and transformers only resets them per call."""
+    """A private copy of the Rust tokenizer (half the cost of ``tokenizer(...)``), truncation and
+    padding off (some tokenizer.json files enable them); None when it disagrees on a probe."""
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_truncation()
     backend.no_padding()
@@ -122,13 +97,8 @@ def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
 
 
 class Formatter:
-    """Turns rows into :class:`Example` objects with a prompt template or the chat template.
-
-    ``Formatter(tok, "Q: {X}\\nA: {Y}")`` renders the template; ``Formatter(tok,
-    chat_template=True)`` renders ``[user: X, assistant: Y]`` with the tokenizer's chat template,
-    which must mark the assistant reply with ``{% generation %}`` tags that include the
-    EOS/end-of-turn token (checked here, so a model is never trained that cannot stop).
-    """
+    """Rows to :class:`Example` objects through a prompt template or the chat template, whose
+    ``{% generation %}`` tags must include the end-of-turn token (so the model learns to stop)."""
 
     def __init__(
         self,
@@ -142,6 +112,9 @@ class Formatter:
         x_field: str = "X",
         y_field: str | None = None,
         stride: int = 0,
+        conversations: bool = False,
+        assistant_turns: str = "all",
+        on_bad_row: str = "raise",
     ) -> None:
         if chat_template and template is not None:
             raise ConfigError("Formatter takes a prompt template or chat_template=True, not both")
@@ -152,8 +125,6 @@ class Formatter:
             )
         if tokenizer.eos_token_id is None:
             raise ConfigError("the tokenizer has no EOS token; the model could not learn to stop")
-        if min_prompt_tokens < 0:
-            raise ConfigError(f"min_prompt_tokens must be >= 0, got {min_prompt_tokens}")
         self.tokenizer = tokenizer
         self.template = PromptTemplate(template) if isinstance(template, str) else template
         self.chat_template = chat_template
@@ -163,11 +134,9 @@ class Formatter:
         self.x_field = x_field
         #: documents (no template, or one with {X} alone): every token trained, in windows
         self.documents = not chat_template and (self.template is None or self.template.documents)
-        if self.documents and y_field is not None:
-            raise ConfigError(
-                f"Formatter: documents (no template, or {{X}} alone) take no y_field, got "
-                f"{y_field!r}: give a template with {{Y}} to train responses"
-            )
+        #: conversations (with the chat template): X holds a list of messages
+        self.conversations = conversations
+        self.assistant_turns, self.on_bad_row = assistant_turns, check_on_bad_row(on_bad_row)
         self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
@@ -201,12 +170,13 @@ class Formatter:
     def format_batch(
         self, rows: Sequence[tuple[object, Mapping[str, object]]], *, source: str = "rows"
     ) -> list[Example]:
-        """``(key, row)`` pairs (as the data backends return them) to examples, in order,
-        with one batched call into the fast tokenizer per part."""
-        x_field, y_field = self.x_field, self.y_field
+        """``(key, row)`` pairs to examples, in order, in batched tokenizer calls."""
         if self.documents:
             return self._documents(rows, source)
-        for key, row in rows:  # BadRowError by the rule the datasets apply
+        if self.conversations:
+            return self._conversations(rows, source)
+        x_field, y_field = self.x_field, self.y_field
+        for key, row in rows:
             check_row(source, key, row, (x_field, y_field))
         texts = [cast("tuple[str, str]", (row[x_field], row[y_field])) for _, row in rows]
         if not texts:
@@ -223,15 +193,13 @@ class Formatter:
             rows, prompts, self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)])
         ):
             cut = _first_response_token(offsets, len(prompt) - self._absorbed)
-            examples.append(
-                self._assemble(key, self._prefix, ids[:cut], ids[cut:] + [self.eos_id], None, [])
-            )
+            response = ids[cut:] + [self.eos_id]
+            examples.append(self._assemble(key, self._prefix, ids[:cut], response, response, []))
         return examples
 
     def prompt(self, x: str) -> Prompt:
-        """What a model is given at inference for input ``x``: the ids a training example
-        with this input has before its response, and the characters to heal (documents:
-        the start of a document, to continue)."""
+        """What a model is given at inference: the ids a training example has before its
+        response, and the characters to heal (documents: the start of one, to continue)."""
         if self.documents:
             text = self.template.prompt(x) if self.template else x
             return Prompt(self._head + self._encode([text])[0])
@@ -247,8 +215,8 @@ class Formatter:
     def _documents(
         self, rows: Sequence[tuple[object, Mapping[str, object]]], source: str
     ) -> list[Example]:
-        """Each document's text (through a template with {X} alone, if any), BOS and EOS
-        around it, cut into windows of ``max_length`` (:meth:`_windows`)."""
+        """Each document (through a template with {X} alone, if any) between BOS and EOS, in
+        windows (:meth:`_windows`)."""
         for key, row in rows:
             check_row(source, key, row, (self.x_field,))
         texts = [cast("str", row[self.x_field]) for _, row in rows]
@@ -260,10 +228,42 @@ class Formatter:
             for window in self._windows(key, [*self._head, *ids, self.eos_id])
         ]
 
+    def _conversations(
+        self, rows: Sequence[tuple[object, Mapping[str, object]]], source: str
+    ) -> list[Example]:
+        """Each conversation rendered whole, its assistant tokens the targets. One too long loses
+        its earliest exchanges until it fits; one whose last exchange alone does not fit is a
+        bad row (``on_bad_row="skip"``: an empty example, counted as skipped)."""
+        for key, row in rows:
+            check_row(source, key, row, (self.x_field,), conversation=True)
+        chats = [cast("list[dict[str, str]]", row[self.x_field]) for _, row in rows]
+        out = self._chat(chats) if chats else {"input_ids": [], "assistant_masks": []}
+        examples = []
+        for (key, _), whole, *rendered in zip(
+            rows, chats, out["input_ids"], out["assistant_masks"]
+        ):
+            chat, (ids, mask) = whole, map(list, rendered)
+            while self.max_length is not None and len(ids) > self.max_length and chat:
+                chat = _without_first_exchange(chat)
+                if chat:
+                    again = self._chat([chat])
+                    ids, mask = list(again["input_ids"][0]), list(again["assistant_masks"][0])
+            if not chat:
+                problem = f"is longer than max_length={self.max_length} from its last user turn on"
+                if self.on_bad_row == "raise":
+                    raise BadRowError(source, key, self.x_field, problem)
+                log.warning("%s: skipping row %r: field %r %s", source, key, self.x_field, problem)
+                examples.append(Example([], [], key, True))
+                continue
+            if self.assistant_turns == "last":
+                mask = _last_span(mask)
+            labels = list(ids) if self.train_on_inputs else _masked(ids, mask)
+            examples.append(Example(ids, labels, key, chat is not whole))
+        return examples
+
     def _windows(self, key: object, ids: list[int]) -> list[Example]:
-        """Consecutive windows of ``max_length`` tokens, each starting ``1 + stride`` tokens
-        before the previous one ended: those are context, already trained (the first token
-        of a window predicts nothing), so every token after the head is a target once."""
+        """Windows of ``max_length`` tokens, each starting ``1 + stride`` tokens (context) before
+        the previous one ended, so every token after the head is a target once."""
         limit = self.max_length or len(ids)
         windows, start, trained = [], 0, 1  # ids[:trained]: targets already (or the head)
         while True:
@@ -276,8 +276,7 @@ class Formatter:
             start = trained - 1 - self.stride
 
     def _absorbable(self) -> int:
-        """How many of the prompt's last characters a response's first token may absorb:
-        the most any probe absorbs, within the template's text after ``{X}``."""
+        """How many of the prompt's last characters a response's first token may absorb."""
         assert self.template is not None
         text = self.template.prompt("x")
         starts = [len(text)]
@@ -287,20 +286,18 @@ class Formatter:
         return min(len(text) - min(starts), len(self.template.between))
 
     def prompt_ids(self, x: str) -> list[int]:
-        """The ids of :meth:`prompt` (identical to the untrained part of a training example
-        with input ``x``, before truncation)."""
+        """The ids of :meth:`prompt`."""
         return self.prompt(x).ids
 
     # -- internals -------------------------------------------------------------------------
     def _encode(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of ``texts`` without special tokens, batched, without the character
-        offsets (documents need none: a third of the encoder's time)."""
+        """Token ids of ``texts`` without offsets (a third of the encoder's time)."""
         if self._backend is None or not hasattr(self._backend, "encode_batch_fast"):
             return [ids for ids, _ in self._encode_offsets(texts)]
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=False)]
 
     def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """(token ids, character spans) of ``texts`` without special tokens, batched."""
+        """(token ids, character spans) of ``texts`` without special tokens."""
         if self._backend is None:
             out = self.tokenizer(
                 texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False
@@ -324,8 +321,7 @@ class Formatter:
     def _split_chats(
         self, texts: list[tuple[str, str]]
     ) -> list[tuple[list[int], list[int], list[int], list[int], list[int]]]:
-        """(head, prompt, response, response_labels, tail) of each conversation
-        ``[user: x, assistant: y]`` as the chat template renders it."""
+        """(head, prompt, response, response_labels, tail) of each ``[user: x, assistant: y]``."""
         out = self._chat(
             [
                 [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
@@ -346,7 +342,7 @@ class Formatter:
             while head < first and ids[head] in self._special_ids:
                 head += 1
             response = ids[first : last + 1]
-            labels = [t if m else IGNORE_INDEX for t, m in zip(response, mask[first : last + 1])]
+            labels = _masked(response, mask[first : last + 1])
             parts.append((ids[:head], ids[head:first], response, labels, ids[last + 1 :]))
         return parts
 
@@ -379,11 +375,10 @@ class Formatter:
         head: list[int],
         prompt: list[int],
         response: list[int],
-        response_labels: list[int] | None,
+        labels: list[int],
         tail: list[int],
     ) -> Example:
-        """Apply the truncation policy of the module docstring, then build the labels."""
-        labels = response if response_labels is None else response_labels
+        """Truncate as the module docstring says, then build the labels."""
         limit = self.max_length
         truncated = (
             limit is not None and len(head) + len(prompt) + len(response) + len(tail) > limit
@@ -402,3 +397,27 @@ class Formatter:
             return Example(ids, list(ids), key, truncated)
         ignored = [IGNORE_INDEX] * (len(head) + len(prompt))
         return Example(ids, ignored + labels + [IGNORE_INDEX] * len(tail), key, truncated)
+
+
+def _masked(ids: list[int], mask: list[int]) -> list[int]:
+    return [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
+
+
+def _last_span(mask: list[int]) -> list[int]:
+    """Only the last run of ones in ``mask``: the last assistant reply."""
+    last = len(mask) - 1 - mask[::-1].index(1)
+    first = last
+    while first and mask[first - 1]:
+        first -= 1
+    return [int(first <= i <= last) for i in range(len(mask))]
+
+
+def _without_first_exchange(chat: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The conversation from its second user turn on (a system message kept); empty when no
+    assistant reply would be left."""
+    start = int(chat[0]["role"] == "system")
+    for turn in range(start + 1, len(chat)):
+        if chat[turn]["role"] == "user":
+            rest = chat[turn:]
+            return chat[:start] + rest if any(m["role"] == "assistant" for m in rest) else []
+    return []

@@ -1,20 +1,11 @@
-"""Trackers: the run's metrics, recipe, data fingerprint and library versions sent to the tools
-users already watch (``training_args.report_to``), through each tool's own library.
-
-Each tracker is a :class:`~llmtrain.training.callbacks.Callback` that rank 0 alone holds; the
-metadata store stays the record (a tracker is a copy for viewing). Where each one writes is
-that library's own setting, never part of the recipe: ``LLMTRAIN_TENSORBOARD_DIR`` (default
-``./runs``), ``MLFLOW_TRACKING_URI`` / ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_PROJECT`` /
-``WANDB_MODE`` / ``WANDB_DIR``, ``TRACKIO_PROJECT`` / ``TRACKIO_DIR``.
-
-Nothing secret reaches a tracker: every URI in what is sent is redacted, and W&B is told
-not to collect the command line, the console output, git state or code (a ``--db`` URI
-with a password on the command line would otherwise be uploaded with the run).
+"""Trackers (``training_args.report_to``): the run's metrics, recipe, data fingerprint and
+library versions sent to the tools users already watch, through each tool's own library.
+Where each writes is that library's own setting, never part of the recipe. No secret reaches
+one: URIs are redacted, and W&B collects no command line (a ``--db`` URI with its password).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import importlib.util
 import io
@@ -39,20 +30,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmtrain.trackers")
 
-TENSORBOARD_DIR_ENV = "LLMTRAIN_TENSORBOARD_DIR"
-
 
 def check_trackers(report_to: Sequence[str]) -> None:
-    """ConfigError naming ``report_to`` and the extra to install, for a tracker whose library
-    is missing (checked before anything is recorded or trained). Each tracker's package and
-    llmtrain extra bear its name. Checked without importing (mlflow alone takes seconds); a
-    module set to ``None`` in ``sys.modules`` is blocked, as ``import`` treats it."""
+    """ConfigError naming the extra to install for a missing tracker library, checked without
+    importing (mlflow alone takes seconds); a ``None`` in ``sys.modules`` counts as missing."""
     for name in report_to:
-        if name in sys.modules:
-            installed = sys.modules[name] is not None
-        else:
-            installed = importlib.util.find_spec(name) is not None
-        if not installed:
+        found = sys.modules[name] if name in sys.modules else importlib.util.find_spec(name)
+        if found is None:
             raise ConfigError(
                 f"training_args.report_to: {name!r} needs the {name} package: "
                 f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
@@ -62,8 +46,8 @@ def check_trackers(report_to: Sequence[str]) -> None:
 
 
 def check_mlflow_store() -> None:
-    """MLflow 3 refuses its file store (``MLFLOW_TRACKING_URI=file:./mlruns`` or a folder)
-    unless ``MLFLOW_ALLOW_FILE_STORE`` is set: say so now, not after the model loaded."""
+    """MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE``: say so before the
+    model loads."""
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     file_store = bool(uri) and urlsplit(uri).scheme.lower() in ("", "file")  # a folder
     allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes")
@@ -85,11 +69,6 @@ def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
     return [_TRACKERS[name]() for name in report_to]
 
 
-def metric_name(key: str) -> str:
-    """``loss`` -> ``train/loss``, ``eval_loss`` -> ``eval/loss``: one name in every tracker."""
-    return f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
-
-
 def scrub(value: Any) -> Any:
     """``value`` with every URI in it redacted (a recipe's database, a model path)."""
     if isinstance(value, dict):
@@ -102,8 +81,7 @@ def scrub(value: Any) -> Any:
 
 
 def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested sections as dotted keys (``training_args.learning_rate``); lists and ``None``
-    as JSON text, for trackers that take scalar parameters only."""
+    """Nested sections as dotted keys; lists and ``None`` as JSON text (scalar-only params)."""
     flat: dict[str, Any] = {}
     for key, item in value.items():
         name = f"{prefix}{key}"
@@ -117,7 +95,7 @@ def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class RunFacts:
-    """What every tracker receives about a run, secrets already removed."""
+    """What every tracker receives about a run, secrets removed."""
 
     def __init__(self, run: FitRun) -> None:
         plan = run.plan
@@ -130,7 +108,6 @@ class RunFacts:
         self.versions = library_versions()
 
     def params(self) -> dict[str, Any]:
-        """The recipe, fingerprint, versions and ids as one nested dict."""
         return {
             **self.recipe,
             "trainer_version": self.version,
@@ -140,12 +117,12 @@ class RunFacts:
         }
 
 
-class Tracker(Callback, abc.ABC):
-    """Starts on the first step of an attempt, sends each logged metric, finishes with the
-    run's outcome; a tracker that fails to start or send stops the fit (a silent gap in a
-    dashboard is worse), except while finishing a run that already failed."""
+class Tracker(Callback):
+    """A failure to start or send stops the fit (a silent gap in a dashboard is worse),
+    except while finishing a run that already failed. Rank 0 alone holds trackers."""
 
     name = ""
+    run: Any  # the library's run object, where it has one
 
     def __init__(self) -> None:
         self.started = False
@@ -157,7 +134,12 @@ class Tracker(Callback, abc.ABC):
 
     def on_log(self, run: Any, metrics: dict[str, float]) -> None:
         if self.started:
-            self.log({metric_name(k): float(v) for k, v in metrics.items()}, run.step)
+            # loss -> train/loss, eval_loss -> eval/loss: one name in every tracker
+            named = {
+                (f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): float(v)
+                for k, v in metrics.items()
+            }
+            self.log(named, run.step)
 
     def on_cleanup(self, run: Any, failed: bool) -> None:
         if not self.started:
@@ -170,20 +152,18 @@ class Tracker(Callback, abc.ABC):
                 raise
             log.exception("could not finish the %s run", self.name)
 
-    # one of each per tracker library
-    @abc.abstractmethod
-    def start(self, facts: RunFacts) -> None: ...
+    def start(self, facts: RunFacts) -> None:
+        raise NotImplementedError
 
-    @abc.abstractmethod
-    def log(self, metrics: dict[str, float], step: int) -> None: ...
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
 
-    @abc.abstractmethod
-    def finish(self, failed: bool) -> None: ...
+    def finish(self, failed: bool) -> None:
+        raise NotImplementedError
 
 
 class TensorBoardTracker(Tracker):
-    """Event files in ``$LLMTRAIN_TENSORBOARD_DIR/NAME`` (default ``runs/``): scalars, the
-    recipe as HPARAMS, and the recipe, fingerprint and versions as text."""
+    """Event files in ``$LLMTRAIN_TENSORBOARD_DIR/NAME`` (default ``runs/``)."""
 
     name = "tensorboard"
 
@@ -191,7 +171,7 @@ class TensorBoardTracker(Tracker):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        root = Path(os.environ.get(TENSORBOARD_DIR_ENV) or "runs")
+        root = Path(os.environ.get("LLMTRAIN_TENSORBOARD_DIR") or "runs")
         self.writer = SummaryWriter(log_dir=str(root / facts.name))
         events = self.writer.file_writer
         assert events is not None  # opened by SummaryWriter()
@@ -212,8 +192,8 @@ class TensorBoardTracker(Tracker):
 
 
 class MLflowTracker(Tracker):
-    """A run in ``$MLFLOW_TRACKING_URI`` (experiment ``$MLFLOW_EXPERIMENT_NAME``, default the
-    trainer's identifier): parameters, ``llmtrain/recipe.json``, metrics, FINISHED/FAILED."""
+    """A run in ``$MLFLOW_TRACKING_URI``, experiment ``$MLFLOW_EXPERIMENT_NAME`` (default the
+    trainer's identifier)."""
 
     name = "mlflow"
 
@@ -253,9 +233,7 @@ class MLflowTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    """A W&B run in ``$WANDB_PROJECT`` (default ``llmtrain``), online or offline as
-    ``WANDB_MODE`` says; config = recipe, fingerprint, versions. Not collected: the command
-    line, console output, git state, code and system metrics."""
+    """A W&B run in ``$WANDB_PROJECT`` (default ``llmtrain``), as ``WANDB_MODE`` says."""
 
     name = "wandb"
 
@@ -279,16 +257,12 @@ class WandbTracker(Tracker):
             reinit="create_new",
         )
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
-
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
 
 
 class TrackioTracker(Tracker):
-    """A trackio run (local SQLite under ``$TRACKIO_DIR``) in ``$TRACKIO_PROJECT`` (default
-    ``llmtrain``); config = the flattened recipe, fingerprint and versions."""
+    """A trackio run (local SQLite under ``$TRACKIO_DIR``) in ``$TRACKIO_PROJECT``."""
 
     name = "trackio"
 
@@ -305,9 +279,6 @@ class TrackioTracker(Tracker):
                 auto_log_cpu=False,
                 auto_log_gpu=False,
             )
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self.run.log(metrics, step=step)
 
     def finish(self, failed: bool) -> None:
         import trackio

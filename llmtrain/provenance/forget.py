@@ -1,20 +1,12 @@
-"""``db.forget(source, keys)``: a right-to-be-forgotten request, from the record alone.
-
-The source is resolved through the database and the keys typed as its key column holds them
-before anything is written (a table that does not exist, or a key of another type, is an
-error naming it). Then one write: a new version of the source's ``forgotten`` record holding
-the keys (their text and digests) and, for each run that trained on them, which ones. Every
-later run of any trainer that reads the table (``lt.Table`` or ``lt.sql``) leaves them out
-and records that it did; an incremental fit refuses a parent that trained on them. Nothing is
-deleted: ``db.remove`` does that when asked. ``retrain()`` fits each affected trainer again
-from its recipe, without them.
-"""
+"""``db.forget(source, keys)``: a right-to-be-forgotten request, from the record alone: the
+source and keys are checked, then one new version of its ``forgotten`` record is written, which
+every later run reading the table honours. Nothing is deleted (``db.remove`` does that)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.db.keys import DIGEST, Key, key_digests, key_repr
@@ -34,8 +26,7 @@ class Forgotten:
 
     db: Components
     found: TrainedOn
-    trainers: list[tuple[str, int]] = field(default_factory=list)
-    retrained: list[Any] = field(default_factory=list)  # the models retrain() made
+    trainers: list[tuple[str, int]]
 
     @property
     def source(self) -> str:
@@ -54,19 +45,16 @@ class Forgotten:
         return self.found.runs
 
     def retrain(self, **fit_options: Any) -> list[Any]:
-        """Fit every affected trainer again (its stored recipe and selection, a full run):
-        the new runs leave the forgotten rows out and record so. Returns the new models."""
-        models = []
-        for identifier, version in self.trainers:
-            trainer = self.db.load("trainer", identifier, version)
-            models.append(trainer.fit(allow_changed_data=True, **fit_options))
-        self.retrained = models
-        return models
+        """Fit every affected trainer again from its stored recipe, in full, without the
+        forgotten rows. Returns the new models."""
+        return [
+            self.db.load("trainer", identifier, version).fit(allow_changed_data=True, **fit_options)
+            for identifier, version in self.trainers
+        ]
 
 
 def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = False) -> Forgotten:
-    """Forget the rows ``keys`` of ``source`` (a table or collection name as the database
-    would accept it, or a query: the table its keys come from)."""
+    """Forget the rows ``keys`` of ``source`` (a table or collection name, or a query)."""
     if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence) or not keys:
         raise ConfigError(f"forget() needs a non-empty list of keys, got {keys!r}")
     resolved = db.backend.resolve(source)

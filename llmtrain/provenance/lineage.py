@@ -1,17 +1,12 @@
-"""Row lineage, derived not logged: which rows trained which run, checkpoint and model.
-
-A run's rows and steps are a pure function of its record: the keys it pinned (its snapshot),
-its order (seed, ``shuffle_block``, ``shuffle``, ``drop_remainder``, the world size) and the
-one rule from rows to steps (:class:`~llmtrain.data.plan.StepRule`, which the loop follows
-too), up to the step it reached. Lineage runs that function over NumPy arrays of key
-indexes; the rows a run skipped (bad, or deleted since its snapshot) are the only per-key
-facts it records (:mod:`llmtrain.data.skips`).
+"""Row lineage, derived not logged: a run's rows and steps are a pure function of its record
+(its key snapshot, its order, the one :class:`~llmtrain.data.plan.StepRule`, the step it
+reached); the rows it skipped are the only per-key facts it records (:mod:`llmtrain.data.skips`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -25,7 +20,7 @@ from llmtrain.data.snapshot import KeySnapshot, RunSnapshot
 from llmtrain.db.backend import Key
 from llmtrain.db.keys import key_digests, key_repr, same_key
 from llmtrain.db.sources import Source
-from llmtrain.errors import ConfigError, QueryError, StoreError
+from llmtrain.errors import StoreError
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -76,16 +71,15 @@ class RunLineage:
         order = Order(view.count, d.shuffle_block, t.seed, d.shuffle, d.drop_remainder, world)
         rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
         rule = StepRule(order, rows, rows)
-        limit = reached_step(db, run) if steps is None else int(steps)
+        if steps is None:  # its last known step: final or reached, or its newest checkpoint's
+            checkpoints = db.metadata.list_checkpoints(run.run_id)
+            steps = max([int(info.get("steps") or 0), *(c.step for c in checkpoints)])
+        limit = int(steps)
         if t.max_steps <= 0:  # an epoch-bounded run never goes past its epochs
             limit = min(limit, rule.per_epoch * t.num_train_epochs)
         skips = read_skips(db.artifacts, info)
-        first = {key_repr(k): e for k, e in skips.first.values()}
-        found = find(view, db.artifacts, [k for k, _ in skips.first.values()])
-        skipped = {index: first[key_repr(key)] for key, index in found}
-        read = {key_repr(k): v for k, v in skips.changed.values()}
-        found = find(view, db.artifacts, [k for k, _ in skips.changed.values()])
-        changed = {index: read[key_repr(key)] for key, index in found}
+        skipped = by_index(view, db.artifacts, skips.first.values())
+        changed = by_index(view, db.artifacts, skips.changed.values())
         return cls(run.run_id, view, db.artifacts, rule, limit, skipped, changed)
 
     def epochs(self) -> range:
@@ -102,8 +96,8 @@ class RunLineage:
         return indexes[keep], steps[keep]
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(steps, ranks, key indexes) of every row trained in ``epoch``, in step order
-        (ranks in turn within a step, each rank's rows in visit order)."""
+        """(steps, ranks, key indexes) of every row trained in ``epoch``, in step order (ranks
+        in turn within a step, each rank's rows in visit order)."""
         parts = [self._trained(epoch, rank) for rank in range(self.rule.order.world_size)]
         ranks = np.concatenate([np.full(len(i), r) for r, (i, _) in enumerate(parts)])
         indexes = np.concatenate([i for i, _ in parts])
@@ -111,19 +105,8 @@ class RunLineage:
         order = np.lexsort((ranks, steps))  # stable: visit order kept within a rank
         return steps[order], ranks[order], indexes[order]
 
-    def steps(self) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        """(step, rank, epoch, key indexes) of each step each rank trained, in step order
-        (ranks in turn within a step)."""
-        for epoch in self.epochs():
-            steps, ranks, indexes = self._epoch(epoch)
-            cut = np.flatnonzero((np.diff(steps) != 0) | (np.diff(ranks) != 0)) + 1
-            for lo, hi in zip([0, *cut.tolist()], [*cut.tolist(), len(steps)]):
-                if hi > lo:
-                    yield int(steps[lo]), int(ranks[lo]), epoch, indexes[lo:hi]
-
     def rows(self) -> Iterator[Consumed]:
-        """Every row the run trained, in step order (ranks interleaved within a step): keys
-        looked up a slice of positions at a time, so memory stays flat."""
+        """Every row the run trained, in step order, keys looked up a slice at a time."""
         for epoch in self.epochs():
             steps, ranks, indexes = self._epoch(epoch)
             for lo in range(0, len(steps), _ROWS_AT_ONCE):
@@ -147,9 +130,8 @@ class RunLineage:
         return mask
 
     def version_of(self, index: int) -> Any:
-        """The version of the row at ``index`` as the run read it for training: the one its
-        reader found when it differed from the snapshot's (a row updated mid-run), else the
-        snapshot's; None without a version column."""
+        """The row's version as read for training (a row updated mid-run is recorded as
+        changed), else the snapshot's; None without a version column."""
         if index in self.changed:
             return self.changed[index]
         if self.view.versions is None:
@@ -165,13 +147,6 @@ class RunLineage:
                 step = int(self.rule.steps(epoch, np.int64(position)))
                 if step <= self.limit:
                     yield epoch, step, rank
-
-
-def reached_step(db: Database, run: Any) -> int:
-    """The last step a run trained that is known: its final or reached step, or its newest
-    checkpoint's while it is still running."""
-    checkpoints = db.metadata.list_checkpoints(run.run_id)
-    return max([int(run.info.get("steps") or 0), *(c.step for c in checkpoints)])
 
 
 def chain(db: Database, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
@@ -191,38 +166,15 @@ def chain(db: Database, run_id: str, steps: int | None = None) -> list[tuple[Any
 
 
 def model_lineage(db: Database, name: str, version: int | None = None) -> Iterator[Consumed]:
-    """The rows that trained a model version, parents' runs first, each run in step order:
-    streamed, a few blocks of keys in memory at a time."""
+    """The rows that trained a model version, parents' runs first, each in step order."""
     record = db.metadata.get_component("model", name, version)
     for run, steps in chain(db, record.payload["run_id"]):
         yield from RunLineage.of(db, run, steps).rows()
 
 
-def run_source(db: Database, run: Any, resolved: dict[str, str | None]) -> str | None:
-    """The identity (:attr:`Source.identity`: table and key column) of what a run read
-    (recorded at registration;
-    resolved from its query for a run recorded before that, once per query in
-    ``resolved``); None where it cannot be (the table is gone)."""
-    from llmtrain.db.queries import Query
-
-    if isinstance(run.info.get("source"), str):
-        return run.info["source"]
-    query = run.info.get("query")
-    if not isinstance(query, dict):
-        return None
-    name = Query.from_dict(query).fingerprint()
-    if name not in resolved:
-        try:
-            resolved[name] = db.backend.resolve(Query.from_dict(query)).identity
-        except (QueryError, ConfigError):
-            resolved[name] = None
-    return resolved[name]
-
-
 def forgotten(db: Database, source: str | None) -> tuple[np.ndarray, dict[str, list[str]]]:
-    """What ``db.forget`` recorded for ``source`` (a :attr:`Source.identity`): the sorted
-    digests of its forgotten keys, and for each run that trained on some, their keys
-    (``source=None``: of every source)."""
+    """What ``db.forget`` recorded for ``source`` (a :attr:`Source.identity`; None: every
+    source): the sorted digests of its forgotten keys, and each affected run's keys."""
     digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
     runs: dict[str, list[str]] = {}
     for record in db.metadata.list_components(FORGOTTEN, source):
@@ -249,9 +201,8 @@ class Use:
 
 @dataclass
 class TrainedOn:
-    """Every run, checkpoint and model version that consumed some rows. A checkpoint at step
-    S consumed the rows up to its step; a run continued from an affected model (incremental)
-    is affected from its first step, and so are its checkpoints and model."""
+    """Every run, checkpoint (at or after the first step that consumed a row) and model that
+    consumed some rows; a run continued from an affected model is affected from its start."""
 
     source: Any
     keys: list[Key]
@@ -263,21 +214,14 @@ class TrainedOn:
     forgotten: list[Key] = field(default_factory=list)  # of ``keys``, those db.forget forgot
 
     def __bool__(self) -> bool:
-        """Whether any run trained on the rows: an answer of none is falsy."""
         return bool(self.uses or self.runs)
 
 
 def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
-    """Who consumed the rows ``keys`` of ``source`` (a table or collection name as the user
-    spells it, a query, or a resolved :class:`~llmtrain.db.sources.Source`): the source is
-    resolved through the database and the keys typed as its key column holds them
-    (:meth:`Source.typed`), so every spelling of one table finds the same runs.
-
-    Cost: one listing of runs and of models; for each run that read the source, one pass
-    over its snapshot, chunk by chunk (never the table), comparing 8-byte key digests, then
-    O(epochs x ranks x blocks) plan arithmetic per key found; checkpoints are listed for the
-    affected runs only.
-    """
+    """Who consumed the rows ``keys`` of ``source`` (a name, a query or a resolved
+    :class:`Source`; keys typed as its key column holds them). Cost: one pass over the
+    snapshot of each run of the source, chunk by chunk (never the table), comparing 8-byte
+    key digests, then plan arithmetic per key found."""
     found_source = source if isinstance(source, Source) else db.backend.resolve(source)
     keys = found_source.typed(keys, "trained_on()")
     result = TrainedOn(found_source.name, keys)
@@ -285,9 +229,12 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     result.forgotten = [k for k, d in zip(keys, key_digests(keys).tolist()) if d in gone]
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
-    resolved: dict[str, str | None] = {}
-    for run in runs:
-        if run_source(db, run, resolved) != found_source.identity:
+    for run in runs:  # oldest first: a parent is settled before the runs continuing from it
+        parent = run.info.get(PARENT)
+        parent = parent if isinstance(parent, dict) else {}
+        if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
+            first[run.run_id] = 0
+        if run.info.get("source") != found_source.identity:
             continue
         try:
             lineage = RunLineage.of(db, run)
@@ -303,11 +250,6 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
             first[run.run_id] = min(first.get(run.run_id, use.step), use.step)
-    for run in runs:  # oldest first: a parent is settled before the runs continuing from it
-        parent = run.info.get(PARENT)
-        parent = parent if isinstance(parent, dict) else {}
-        if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
-            first[run.run_id] = 0
     for run in runs:
         if run.run_id in first:
             result.runs.append(run.run_id)
@@ -339,3 +281,9 @@ def find(view: KeySnapshot, store: Any, keys: Sequence[Key]) -> list[tuple[Key, 
                 found.append((key, base + i))
         base += len(digests)
     return found
+
+
+def by_index(view: KeySnapshot, store: Any, pairs: Collection[tuple[Key, Any]]) -> dict[int, Any]:
+    """The values of (key, value) ``pairs`` by their key's index in ``view``."""
+    values = {key_repr(k): v for k, v in pairs}
+    return {i: values[key_repr(k)] for k, i in find(view, store, [k for k, _ in pairs])}

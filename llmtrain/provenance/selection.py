@@ -1,9 +1,6 @@
-"""Which rows a new run trains on: the snapshot, less forgotten rows, and for an incremental
-fit less the rows earlier runs of the trainer trained on (in the version they trained).
-
-Sets of keys are sorted arrays of 8-byte digests (:func:`~llmtrain.db.keys.key_digests`)
-tested with ``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB.
-"""
+"""Which rows a new run trains on: its snapshot less forgotten rows (incrementally, less the
+rows the trainer trained on). Key sets are sorted arrays of 8-byte digests tested with
+``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ import numpy as np
 from llmtrain.config.args import build
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.errors import ConfigError, DataError
-from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten, run_source
+from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
@@ -52,16 +49,14 @@ class Trained:
 
 
 def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any]:
-    """What the completed runs of trainer ``identifier`` on the resolved ``source`` trained
-    on (each row in the version it was read for training), and the newest model they made
-    (the parent of an incremental fit; None when there is none)."""
+    """What the completed runs of trainer ``identifier`` on ``source`` trained on (each row in
+    the version read for training), and the newest model they made (None: none)."""
     empty = np.zeros(0, dtype=np.uint64)
     keys, pairs, pair_keys = [empty], [empty], [empty]
-    resolved: dict[str, str | None] = {}
     finished = {
         r.run_id: r
         for r in db.metadata.list_runs("trainer", identifier)
-        if r.status == "completed" and run_source(db, r, resolved) == source
+        if r.status == "completed" and r.info.get("source") == source
     }
     for run in finished.values():
         lineage = RunLineage.of(db, run)
@@ -84,8 +79,7 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
 
 
 def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
-    """A new KeySnapshot of the keys of ``view`` that ``keep(keys, versions)`` marks, chunk by
-    chunk, written by the snapshot's own writer."""
+    """A new KeySnapshot of the keys of ``view`` that ``keep(keys, versions)`` marks."""
     from llmtrain.data.snapshot import ViewWriter
 
     has_versions = view.versions is not None
@@ -103,15 +97,13 @@ _SAME_ADAPTER = ("r", "target_modules", "use_dora", "modules_to_save")
 
 
 def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgotten: bool) -> None:
-    """Refuse, before anything is recorded, a parent model an incremental fit cannot continue
-    from: trained on another base model or with an adapter of other shapes, or one whose
-    lineage holds rows forgotten since (unless ``allow_forgotten``: recorded on the run)."""
+    """Refuse a parent model trained on another base or with an adapter of other shapes, or
+    one whose lineage holds rows forgotten since (unless ``allow_forgotten``)."""
     run = db.metadata.get_run(parent.payload["run_id"])
     theirs = build(type(config), run.info["config"], f"run {run.run_id}")
     name = f"{parent.identifier} v{parent.version}"
-    mine_model, their_model = config.model_args, theirs.model_args
     for field_name in ("model_name_or_path", "revision"):
-        a, b = getattr(their_model, field_name), getattr(mine_model, field_name)
+        a, b = getattr(theirs.model_args, field_name), getattr(config.model_args, field_name)
         if a != b:
             raise ConfigError(
                 f"fit(incremental=True): the parent model {name} was trained on "
@@ -128,7 +120,7 @@ def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgott
                 "in its own shape (fit without incremental=True to train a new one)"
             )
     runs = {r.run_id for r, _ in chain(db, run.run_id)}
-    source = run_source(db, run, {})
+    source = run.info.get("source")
     carried = {r: k for r, k in forgotten(db, source)[1].items() if r in runs} if source else {}
     if carried and not allow_forgotten:
         shown = sorted({k for keys in carried.values() for k in keys})
@@ -149,8 +141,7 @@ def select_rows(
     allow_forgotten_parent: bool = False,
 ) -> tuple[RunSnapshot, dict[str, Any]]:
     """The run's snapshot less forgotten rows (and, incrementally, trained ones), and what
-    to record on the run about it: its resolved source, the parent, the excluded keys, the
-    rows it leaves. Every refusal comes before anything is recorded."""
+    to record on the run about it. Every refusal comes before anything is recorded."""
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
     resolved = db.backend.resolve(fit.query())
@@ -170,14 +161,9 @@ def select_rows(
     excluded: list[str] = []
 
     def keep(keys: Any, versions: list[Any] | None) -> np.ndarray:
-        mask = np.ones(len(keys), dtype=bool)
-        if len(gone):
-            out = np.isin(key_digests(keys), gone)
-            excluded.extend(key_repr(keys[i]) for i in np.flatnonzero(out).tolist())
-            mask &= ~out
-        if trained is not None:
-            mask &= trained.new(keys, versions)
-        return mask
+        out = np.isin(key_digests(keys), gone)
+        excluded.extend(key_repr(keys[i]) for i in np.flatnonzero(out).tolist())
+        return ~out if trained is None else ~out & trained.new(keys, versions)
 
     selected = snapshot.train.count
     if len(gone) or trained is not None:

@@ -1,5 +1,4 @@
-"""Training a run in this process: the one body every executor runs (in process, in a
-launched worker, in a Ray worker), and what rank 0 records around it."""
+"""The one body every executor runs (:func:`train_run`), with what rank 0 records around it."""
 
 from __future__ import annotations
 
@@ -12,12 +11,13 @@ from llmtrain.errors import DistributedError
 from llmtrain.integrations.trackers import make_trackers
 from llmtrain.placement import Placement
 from llmtrain.stores.components import check_identifier
+from llmtrain.stores.metadata.base import RunStatus
 from llmtrain.training.callbacks import Callback, build_callback
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.model import ModelRecord, TrainedModel
 from llmtrain.training.plan import RunPlan
 from llmtrain.training.run import FitRun
-from llmtrain.training.strategies import Strategy, make_strategy, strategy_for
+from llmtrain.training.strategies import make_strategy, strategy_for
 
 if TYPE_CHECKING:
     from llmtrain.datalayer import Datalayer
@@ -66,10 +66,9 @@ def run_here(
     callbacks: Sequence[Callback] = (),
     merge: bool = False,
 ) -> TrainedModel | None:
-    """Train ``plan`` in this process (a rank of a launched job, or the only one) and, on
-    rank 0, store its model and mark the run completed."""
-    strategy = strategy_for(plan.config, placement)
-    outcome = train_run(plan, db, strategy, callbacks=callbacks)
+    """Train ``plan`` in this process and, on rank 0, store its model and mark the run
+    completed."""
+    outcome = train_run(plan, db, placement, callbacks=callbacks)
     if outcome is None:
         return None
     try:
@@ -82,7 +81,7 @@ def run_here(
 def train_run(
     plan: RunPlan,
     db: Database,
-    strategy: Strategy,
+    placement: Placement,
     *,
     callbacks: Sequence[Callback] = (),
     checkpointer: Callable[..., Checkpointer] = Checkpointer,
@@ -90,10 +89,11 @@ def train_run(
 ) -> Outcome | None:
     """setup -> train -> final checkpoint -> adapter: the outcome on rank 0, None elsewhere.
 
-    Every process builds the callbacks the plan names and, on rank 0, the trackers of
-    ``report_to``. The run is "running" only once its setup succeeded: a resume that cannot
-    even start (a corrupt checkpoint) leaves the run's status as it was, with a note why.
+    Every process builds the plan's callbacks and, on rank 0, the trackers of ``report_to``.
+    The run is "running" only once its setup succeeded: a resume that cannot even start (a
+    corrupt checkpoint) leaves the run's status as it was, with a note why.
     """
+    strategy = strategy_for(plan.config, placement)
     own = [build_callback(spec) for spec in plan.callbacks]
     trackers = make_trackers(plan.config.training_args.report_to) if strategy.is_main else []
     run = FitRun(
@@ -104,20 +104,30 @@ def train_run(
         checkpointer=checkpointer,
         progress_stream=progress_stream,
     )
-    started = completed = False
+    targs, started, completed = plan.config.training_args, False, False
     try:
         run.setup()
         if strategy.is_main:
-            db.metadata.update_run(plan.run_id, status="running", info=running_info(run))
+            batch = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
+            info = {
+                "strategy": strategy.name,
+                "world_size": strategy.world_size,
+                "global_batch_size": batch * strategy.world_size,
+            }
+            db.metadata.update_run(plan.run_id, status="running", info=info)
         started = True
-        adapter = train_to_end(run)
+        run.train()
+        # the final state (so resuming a finished run is a no-op), then the adapter
+        latest = run.checkpointer.latest() if strategy.is_main else None
+        if strategy.broadcast_object(latest is None or latest.step != run.step):
+            run.save_checkpoint()
+        adapter = run.save_adapter()
         completed = True
     except BaseException as exc:
-        if strategy.is_main:
-            if started or plan.resume_from is None:
-                mark_failed(db, plan.run_id, exc, steps=run.step, tokens=run.tokens_seen)
-            else:  # the attempt never continued the run: its status stays, the reason is noted
-                note_refused_resume(db, plan.run_id, exc)
+        if strategy.is_main and (started or plan.resume_from is None):
+            mark_failed(db, plan.run_id, exc, steps=run.step, tokens=run.tokens_seen)
+        elif strategy.is_main:  # the attempt never continued the run
+            mark_failed(db, plan.run_id, exc, resume_refused=True)
         raise
     finally:
         run.cleanup(failed=not completed)
@@ -134,8 +144,8 @@ def store_model(
     merge: bool,
     info: dict[str, Any] | None = None,
 ) -> TrainedModel:
-    """A finished run becomes the trainer's next model version and is marked completed: one
-    rule for a local rank 0 and the Ray driver."""
+    """A finished run becomes the trainer's next model version and is marked completed (a
+    local rank 0 and the Ray driver alike)."""
     cfg = plan.config
     model = TrainedModel(
         ModelRecord(
@@ -156,7 +166,6 @@ def store_model(
     if merge:  # before the first add: one fit, one model version
         model.merge(store=False)
     db.add(model)
-    history = outcome.history
     db.metadata.update_run(
         plan.run_id,
         status="completed",
@@ -165,44 +174,11 @@ def store_model(
             "tokens": outcome.tokens,
             "artifact": outcome.adapter,
             "model_version": model.version,
-            "final_loss": history[-1]["loss"] if history else None,
+            "final_loss": outcome.history[-1]["loss"] if outcome.history else None,
             **(info or {}),
         },
     )
     return model
-
-
-def running_info(run: FitRun) -> dict[str, Any]:
-    """What a started run records about how it trains."""
-    targs, strategy = run.targs, run.strategy
-    return {
-        "strategy": strategy.name,
-        "world_size": strategy.world_size,
-        "global_batch_size": targs.per_device_train_batch_size
-        * targs.gradient_accumulation_steps
-        * strategy.world_size,
-    }
-
-
-def train_to_end(run: FitRun) -> str | None:
-    """Collective: train, save the final state (so resuming a finished run is a no-op) and
-    the adapter; returns the adapter's artifact id on rank 0."""
-    run.train()
-    latest = run.checkpointer.latest() if run.strategy.is_main else None
-    if run.strategy.broadcast_object(latest is None or latest.step != run.step):
-        run.save_checkpoint()
-    return run.save_adapter()
-
-
-def note_refused_resume(db: Database, run_id: str, exc: BaseException) -> None:
-    """A resume that could not start (a bad checkpoint): the run keeps its status, and its
-    error says why the last attempt to continue it was refused."""
-    try:
-        if db.metadata.get_run(run_id).status != "completed":
-            message = f"resume refused: {type(exc).__name__}: {exc}"
-            db.metadata.update_run(run_id, error=message[:4000])
-    except Exception:  # noqa: BLE001 - the original error matters more
-        log.exception("could not note the refused resume of run %s", run_id)
 
 
 def mark_failed(
@@ -212,13 +188,17 @@ def mark_failed(
     *,
     steps: int | None = None,
     tokens: int | None = None,
+    resume_refused: bool = False,
 ) -> None:
     """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed", with the
-    steps and tokens reached when known. A completed run stays completed (an interrupt that
-    lands after the work is done is not the run's failure). A store that fails too must not
-    hide the original error."""
+    steps and tokens reached when known; a resume that could not start (a bad checkpoint)
+    keeps the run's status and only notes why. A completed run stays completed, and a store
+    that fails too must not hide the original error."""
     interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
-    if isinstance(exc, DistributedError) or (interrupted and not str(exc)):
+    status: RunStatus | None = "interrupted" if interrupted else "failed"
+    if resume_refused:
+        status, message = None, f"resume refused: {type(exc).__name__}: {exc}"
+    elif isinstance(exc, DistributedError) or (interrupted and not str(exc)):
         message = str(exc) or type(exc).__name__
     else:
         message = f"{type(exc).__name__}: {exc}"
@@ -226,11 +206,6 @@ def mark_failed(
     try:
         if db.metadata.get_run(run_id).status == "completed":
             return
-        db.metadata.update_run(
-            run_id,
-            status="interrupted" if interrupted else "failed",
-            error=message[:4000],
-            info=reached or None,
-        )
+        db.metadata.update_run(run_id, status=status, error=message[:4000], info=reached or None)
     except Exception:  # noqa: BLE001 - the original error matters more
-        log.exception("could not mark run %s failed", run_id)
+        log.exception("could not record the failure of run %s", run_id)

@@ -1,25 +1,21 @@
-"""Registration: one plan per run (:class:`~llmtrain.training.plan.RunPlan`), decided once.
-
-Registration (rank 0 of a job, or the Ray driver) checks the fit, reads the resumed run's
-snapshot or takes a new one, picks its rows (less forgotten ones; incremental: the new ones
-only), stores the trainer version and the run record, and resolves the checkpoint a resume
-starts from. The result is one frozen :class:`RunPlan`: the executors (in process, launched
-workers, Ray workers) receive it and decide none of it again. A launched worker reads it
-back from the run record, which holds every field of it.
-"""
+"""Registration (rank 0 of a job, or the Ray driver) decides a run once: it checks the fit,
+stores the trainer version and the run record, and returns the frozen
+:class:`~llmtrain.training.plan.RunPlan` every executor trains without deciding it again."""
 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
 from llmtrain.data.snapshot import RunSnapshot, take_snapshot
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
-from llmtrain.running.preflight import check_before_recording
+from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
 from llmtrain.training.plan import Done, RunPlan
 from llmtrain.versions import library_versions
@@ -29,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("llmtrain.training")
 TRAINER = "trainer"
+FIRST_ROWS = 16  #: rows read to tell whether a field exists (documents need not share fields)
 
 
 def register(
@@ -138,31 +135,22 @@ def new_snapshot(
 
 def stored_version(db: Datalayer, config: TrainerConfig, loaded: int | None) -> int | None:
     """The stored version with this recipe: the loaded one (a replay of version N stays
-    version N), else the newest; None when this recipe is new."""
-    mine = config.model_dump(mode="json")
+    version N), else the newest; None when this recipe is new. The data fingerprint and the
+    database URI (a relative SQLite path, a redacted password) say where and when, not the
+    recipe; a stored one is read through today's schema (a newer option at its default)."""
+
+    def recipe(d: dict[str, Any]) -> dict[str, Any]:
+        return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
+
+    mine = recipe(config.model_dump(mode="json"))
     for version in dict.fromkeys([loaded, None]):
         try:
             stored = db.metadata.get_component(TRAINER, config.identifier, version)
-        except ComponentNotFoundError:
+            if recipe(build(TrainerConfig, stored.payload).model_dump(mode="json")) == mine:
+                return stored.version
+        except (ComponentNotFoundError, ConfigError):
             continue
-        if same_recipe(stored.payload, mine):
-            return stored.version
     return None
-
-
-def same_recipe(stored: dict[str, Any], current: dict[str, Any]) -> bool:
-    """Same settings and selection: the data fingerprint and the database URI (a relative
-    SQLite path, a redacted password) describe where and when, not the recipe. The stored
-    record is read through today's schema, so an option added since is at its default."""
-
-    def strip(d: dict[str, Any]) -> dict[str, Any]:
-        return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
-
-    try:
-        stored = build(TrainerConfig, stored).model_dump(mode="json")
-    except ConfigError:
-        return False
-    return strip(stored) == strip(current)
 
 
 def run_to_resume(
@@ -200,3 +188,65 @@ def run_to_resume(
         )
     log.info("nothing to resume for %s: starting a new run", identifier)
     return None
+
+
+def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
+    """ConfigError/QueryError, before anything is recorded, for a fit that cannot train: a
+    tracker's library or the model missing, unmatched LoRA targets, an X/Y field missing (a
+    SQL backend refuses a column itself; a MongoDB field missing from every one of the first
+    rows is taken for a mistyped name). An empty selection is found by the snapshot."""
+    fit = config.fit
+    assert fit is not None  # set by fit() before it checks
+    check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
+    folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
+    if folder is not None and config.lora_args is not None:
+        check_lora_targets(folder, config)
+    named = [("X", fit.X)] if fit.Y is None else [("X", fit.X), ("Y", fit.Y)]
+    for query in filter(None, (fit.query(), fit.eval_query())):
+        rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
+        for role, name in named:
+            if rows and not any(name in row for _, row in rows):
+                raise ConfigError(
+                    f"fit({role}={name!r}): no field {name!r} in the first {len(rows)} row(s) "
+                    f"of {query.source}; fields there: {sorted({f for _, r in rows for f in r})}"
+                )
+
+
+def local_model_folder(name: str) -> Path | None:
+    """The local model folder ``name`` names (checked to hold a config), or None for a hub
+    id: a name that exists here, or is clearly a path, is local."""
+    from llmtrain.training.modeling import check_model_path
+
+    check_model_path(name)
+    path = Path(os.path.expanduser(name))
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        raise ConfigError(f"model_args.model_name_or_path: {name!r} is a file, not a model folder")
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"model_args.model_name_or_path: {name!r} has no config.json: not a model folder"
+        )
+    return path
+
+
+def check_lora_targets(folder: Path, config: TrainerConfig) -> None:
+    """The LoRA targets against the model's linear layers, on a weightless skeleton."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from llmtrain.training.modeling import target_modules_for
+
+    margs = config.model_args
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            folder, revision=margs.revision, trust_remote_code=margs.trust_remote_code
+        )
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                hf_config, trust_remote_code=margs.trust_remote_code
+            )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"model_args.model_name_or_path: cannot read {folder}: {exc}") from None
+    assert config.lora_args is not None
+    target_modules_for(skeleton, config.lora_args)

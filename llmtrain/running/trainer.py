@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from llmtrain.config.args import TrainerConfig, build, keyword_reference
 from llmtrain.config.spec import FitSpec
 from llmtrain.console import quiet_unless_verbose
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import MESSAGES, Conversations, Query
 from llmtrain.errors import ConfigError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.placement import Placement
@@ -46,7 +46,6 @@ class LLMTrainer:
         self.version: int | None = None
         self.db: Datalayer | None = None
 
-    # -- component protocol ----------------------------------------------------------------
     @property
     def identifier(self) -> str:
         return self.config.identifier
@@ -70,7 +69,6 @@ class LLMTrainer:
         model = self.config.model_args.model_name_or_path
         return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
 
-    # -- training --------------------------------------------------------------------------
     @quiet_unless_verbose
     def fit(
         self,
@@ -91,24 +89,21 @@ class LLMTrainer:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
 
         With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
-        trained model component (``db.load("model", identifier)`` gives it back later; None
-        on the other ranks of a job every rank of which calls fit()).
+        trained model (``db.load("model", identifier)`` later; None on the other ranks of a
+        job every rank of which calls fit()).
         ``resume=`` continues the newest run of this same recipe (trainer version) from a
-        checkpoint (``True``, or a step or a checkpoint's artifact id); another version's run
-        is refused, a completed run returns its model.
-        ``allow_changed_data=True`` replays a fit even though the rows changed since it: for
-        this call only, recorded on the run, never in the trainer's recipe (default:
-        ``data_args.allow_changed_data``).
-        ``incremental=True`` trains only the rows of the selection that no completed run of
-        this trainer trained on (new keys; with ``data_args.version_column`` also rows whose
-        version changed), starting from the newest model's adapter; the run records its
-        parent, and with nothing new the newest model is returned. The parent must have the
-        same base model and adapter shape, and no rows forgotten since in its lineage
-        (``allow_forgotten_parent=True`` continues from it anyway, recorded on the run).
+        checkpoint (``True``, a step or a checkpoint's artifact id); another version's run is
+        refused, a completed run returns its model.
+        ``allow_changed_data=True`` replays a fit although the rows changed since: for this
+        call only, recorded on the run (default: ``data_args.allow_changed_data``).
+        ``incremental=True`` trains only the selected rows no completed run of this trainer
+        trained (new keys; with ``data_args.version_column`` also changed versions), from the
+        newest model's adapter, recording it as the parent; with nothing new that model is
+        returned. The parent must have the same base model and adapter shape and no rows
+        forgotten since (``allow_forgotten_parent=True``: continue anyway, recorded).
         ``callbacks``: :class:`~llmtrain.training.callbacks.Callback` objects, or import paths
-        ``"module:Name"`` of classes or factories every process builds (the only kind a
-        launcher's workers can take; they are recorded on the run). Third-party banners,
-        warnings and loading bars stay out of the output unless ``verbose=True``.
+        ``"module:Name"`` that every process builds (the only kind a launcher's workers take;
+        recorded on the run). Third-party output stays hidden unless ``verbose=True``.
         """
         from llmtrain.datalayer import require_datalayer
         from llmtrain.running.executors import execute, execution
@@ -137,8 +132,14 @@ class LLMTrainer:
         data = {**self.config.model_dump(), "fit": spec.model_dump()}
         config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
         placement = Placement.from_environment()  # resolved once for the whole fit
-        launcher = config.launcher is not None
-        specs, objects = split_callbacks(callbacks, launched=launcher and not placement.launched)
+        # a launcher's workers build their callbacks from import paths
+        specs = tuple(callback_path(c) for c in callbacks if isinstance(c, str))
+        objects = [c for c in callbacks if not isinstance(c, str)]
+        if objects and config.launcher is not None and not placement.launched:
+            raise ConfigError(
+                "fit(callbacks=) with a launcher takes import paths 'module:Name' (each worker "
+                f"builds its own), not objects: {objects!r}"
+            )
         with execution(config, placement):
             # under torchrun/deepspeed every rank runs fit(): rank 0 alone registers the run;
             # the others get its plan from rank 0
@@ -174,6 +175,8 @@ class LLMTrainer:
                     "fitted before can replay with no arguments)"
                 )
             return self.config.fit.model_copy(update={"db": db.uri})
+        if X is None and isinstance(select, Conversations):
+            X = MESSAGES  # a conversation is one field: its messages
         if X is None or select is None:
             raise ConfigError("fit() needs X= and select= (and Y=, unless the rows are documents)")
         if not isinstance(select, Query):
@@ -194,21 +197,6 @@ class LLMTrainer:
         )
 
 
-def split_callbacks(
-    callbacks: Sequence[Callback | str], *, launched: bool
-) -> tuple[tuple[str, ...], list[Callback]]:
-    """(import paths, objects) of fit(callbacks=): a launcher's workers build theirs from
-    import paths, so objects are refused with a launcher."""
-    specs = tuple(callback_path(c) for c in callbacks if isinstance(c, str))
-    objects = [c for c in callbacks if not isinstance(c, str)]
-    if launched and objects:
-        raise ConfigError(
-            "fit(callbacks=) with a launcher takes import paths 'module:Name' (each worker "
-            f"builds its own), not objects: {objects!r}"
-        )
-    return specs, objects
-
-
 def _model_of_run(db: Datalayer, identifier: str, run_id: str) -> Any:
     """The newest model version a run produced."""
     for record in reversed(db.metadata.list_components("model", identifier)):
@@ -224,12 +212,9 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
     """LLMTrainer's keywords -> TrainerConfig, all derived from the schema: an option given
     whole (a section as a model or dict, a scalar), or a flat keyword into its section."""
     qlora = options.pop("qlora", False)
-    flat = TrainerConfig.flat_keywords()
-    sections = TrainerConfig.sections()
+    flat, sections = TrainerConfig.flat_keywords(), TrainerConfig.sections()
     data: dict[str, Any] = {"identifier": check_identifier(identifier)}
-    for name in TrainerConfig.options():
-        if name not in options:
-            continue
+    for name in [name for name in TrainerConfig.options() if name in options]:
         value = options.pop(name)
         if name in sections and value is not None:
             data[name] = _as_dict(value)

@@ -1,9 +1,5 @@
-"""Components: named, versioned things stored as plain JSON in the metadata store.
-
-A component class has a ``type_id`` (``"trainer"``, ``"model"``), an ``identifier``, and
-``to_dict()`` / ``from_dict()``. Loading goes through this registry, so a stored record can
-only ever become one of these classes, validated by pydantic; never unpickled code.
-"""
+"""Components: named, versioned things stored as plain JSON in the metadata store. Loading goes
+through this registry, so a stored record can only become one of these classes, never code."""
 
 from __future__ import annotations
 

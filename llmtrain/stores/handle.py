@@ -1,9 +1,5 @@
-"""What the layers below the Datalayer need of it: a data backend and the two stores.
-
-``connect()``'s Datalayer is one, and so is a Ray worker's view of the driver's
-(``llmtrain.running.ray.bridge.RemoteDB``): the data, provenance and training code take this
-Protocol, so they run the same on both and never reach up to the Datalayer's module.
-"""
+"""What the layers below the Datalayer need of it, so they run the same on ``connect()``'s
+Datalayer and on a Ray worker's view of the driver's (``llmtrain.running.ray.bridge.RemoteDB``)."""
 
 from __future__ import annotations
 

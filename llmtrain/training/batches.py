@@ -1,18 +1,8 @@
 """From the database to batches of token ids: the training view and collation.
 
-The held-out split is part of the dataset's plan (``split="train"`` / ``"held_out"``): the
-collate function tokenizes every row it gets, so every training batch has ``batch_size``
-rows (an epoch's last may have fewer) and the step count comes from training rows only.
-
-With packing, a step's rows are packed together under a token budget
-(``max_tokens_per_batch``, default ``batch_size`` rows of ``max_length``): a step still
-trains a fixed number of rows, ``batch_size x gradient_accumulation_steps`` per process,
-read as one loader batch: they are packed best-fit-decreasing into rows of ``max_length``,
-grouped into micro-batches of at most the budget with under 3% padding. The look-ahead is
-the step's rows, so the steps per epoch (the LR schedule), the resume state (rows consumed,
-at step boundaries) and the step count every rank agrees on stay what they are without a
-budget; only the micro-batches per step vary, and processes agree on their number (the
-shorter ones add an empty micro-batch: collectives stay paired).
+With packing, a step's ``batch_size x gradient_accumulation_steps`` rows are read as one
+loader batch and packed into micro-batches under a token budget, so steps per epoch, the
+resume state and the step count all ranks agree on do not depend on the budget.
 """
 
 from __future__ import annotations
@@ -48,9 +38,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Collate:
-    """(key, row) pairs -> tokenized, padded (or packed) batch; runs in DataLoader workers.
-    With ``max_tokens`` the rows are one optimizer step's, and the result is the list of
-    packed micro-batches of at most ``max_tokens`` tokens they fill."""
+    """(key, row) pairs -> tokenized, padded (or packed) batch; with ``max_tokens``, a step's
+    rows -> its packed micro-batches of at most ``max_tokens`` tokens."""
 
     formatter: Formatter
     pad_id: int
@@ -59,22 +48,26 @@ class Collate:
     max_tokens: int | None = None
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        examples = self.formatter.format_batch(rows, source=self.source)
+        made = self.formatter.format_batch(rows, source=self.source)
+        examples = [e for e in made if e.input_ids]  # an empty one: a row the formatter skipped
+        skipped = {"skipped": [e.key for e in made if not e.input_ids]}
         if self.max_tokens is None:
+            if not examples:
+                return skipped
             batch = self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
-            return _counted(batch, examples)
+            return _counted(batch, examples) | skipped
         assert self.packer is not None
+        packed = micro_batches(examples, self.packer.max_length, self.max_tokens)
         return [
             _counted(self.packer.collate_rows(rows), [e for row in rows for e in row])
-            for rows in micro_batches(examples, self.packer.max_length, self.max_tokens)
-        ]
+            | (skipped if i == 0 else {})
+            for i, rows in enumerate(packed)
+        ] or [skipped]
 
 
 def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
-    """The batch with its host-side counts as plain ints, made where the batch is made: read
-    in the loop instead, each ``int(tensor)`` is a torch call that lets go of the GIL, and the
-    thread making the next batches held it on for 1.5 ms a step (measured: the data wait on
-    the demo table fell from 5-6% of a step to 0.4%)."""
+    """The batch with its host-side counts as plain ints, made here: each ``int(tensor)`` in
+    the loop released the GIL to the batch thread (measured: data wait 5-6% of a step -> 0.4%)."""
     batch["num_target_tokens"] = int(batch["num_target_tokens"])
     batch["num_tokens"] = sum(len(e) for e in examples)
     batch["keys"] = list(dict.fromkeys(key_repr(e.key) for e in examples))  # a row's windows
@@ -117,8 +110,8 @@ def make_collate(
     *,
     token_budget: int | None = None,
 ) -> Collate:
-    """The collate function of ``args``; ``token_budget``: the training one's, which packs a
-    step's rows into micro-batches of that many tokens (evaluation keeps batches of rows)."""
+    """The collate function of ``args``; ``token_budget`` (training): pack a step's rows into
+    micro-batches of that many tokens."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
@@ -163,9 +156,8 @@ def view_dataset(
 
 @dataclass(frozen=True)
 class StepGroup:
-    """One optimizer step's micro-batches on this rank, and what reading its rows found: the
-    keys skipped (bad, or deleted since the snapshot) and which of those were deleted. The
-    thread making groups ahead hands these over: the loop keeps only what it trained."""
+    """One optimizer step's micro-batches on this rank, and the keys reading its rows skipped
+    (bad, or deleted since the snapshot), deleted or found changed."""
 
     step: int
     epoch: int
@@ -181,8 +173,7 @@ class StepGroup:
 
 
 class TrainBatches:
-    """The one data object the training loop knows: each optimizer step's micro-batches, by
-    the one rule from rows to steps (:class:`~llmtrain.data.plan.StepRule`)."""
+    """Each optimizer step's micro-batches, by :class:`~llmtrain.data.plan.StepRule`."""
 
     def __init__(
         self,
@@ -204,22 +195,18 @@ class TrainBatches:
             collate_fn=collate,
             with_keys=True,
         )
-        self.epoch = 0  # of the group the loop last took
 
     def __len__(self) -> int:
         """Optimizer steps per epoch on this rank (the same on every rank)."""
         return self.rule.per_epoch
 
     def steps(self, after: int, total: int) -> Generator[StepGroup]:
-        """Each step's group from step ``after + 1`` to ``total``.
-
-        A thread makes the next group while the loop trains on this one, so reading and
-        formatting (the tokenizer releases the GIL) overlap the step instead of stalling it.
-        Close the generator when done: that stops the thread."""
-        made: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=1)
+        """Each step's group from step ``after + 1`` to ``total``, made a step ahead by a
+        thread (reading overlaps training); close the generator to stop the thread."""
+        made: queue.Queue[Any] = queue.Queue(maxsize=1)  # a group, an error, or None: done
         stop = threading.Event()
 
-        def hand_over(item: tuple[str, Any]) -> bool:
+        def hand_over(item: Any) -> bool:
             while not stop.is_set():
                 with contextlib.suppress(queue.Full):
                     made.put(item, timeout=0.05)
@@ -230,32 +217,27 @@ class TrainBatches:
             groups = self._groups(after, total)
             try:
                 for group in groups:
-                    if not hand_over(("group", group)):
+                    if not hand_over(group):
                         return
-                hand_over(("done", None))
+                hand_over(None)
             except BaseException as exc:  # raised in the loop's thread, at the same step
-                hand_over(("error", exc))
+                hand_over(exc)
             finally:
                 groups.close()
 
         thread = threading.Thread(target=produce, name="llmtrain-batches", daemon=True)
         thread.start()
         try:
-            while True:
-                kind, item = made.get()
-                if kind == "error":
+            while (item := made.get()) is not None:
+                if isinstance(item, BaseException):
                     raise item
-                if kind == "done":
-                    return
-                self.epoch = item.epoch
                 yield item
         finally:
             stop.set()
             thread.join(timeout=30)  # a read stuck in the database must not hold up a failure
 
     def _groups(self, after: int, total: int) -> Generator[StepGroup]:
-        """Each group as soon as its last position is read (an error in a later row reaches
-        the loop at the step that holds it)."""
+        """Each group as soon as its last position is read."""
         rule, per_rank = self.rule, self.rule.order.per_rank
         step, (epoch, start) = after, rule.after(after)
         while step < total and per_rank:
@@ -266,7 +248,9 @@ class TrainBatches:
                     number = int(rule.steps(epoch, np.int64(made.first)))
                     group = StepGroup(number, epoch, [], [], [], [])
                 if made.batch is not None:
-                    group.batches.extend(made.batch if self.packed else [made.batch])
+                    batches = made.batch if self.packed else [made.batch]
+                    group.skipped.extend(_formatter_skips(batches))
+                    group.batches.extend(b for b in batches if b != {})  # {}: all skipped
                 group.skipped.extend(made.skipped)
                 group.deleted.extend(made.deleted)
                 group.changed.extend(made.changed)
@@ -280,9 +264,14 @@ class TrainBatches:
             epoch, start = epoch + 1, 0
 
 
+def _formatter_skips(batches: list[Any]) -> list[Any]:
+    """The keys of the rows the formatter skipped (:class:`Collate`), taken off the batches."""
+    return [k for b in batches if isinstance(b, dict) for k in b.pop("skipped", [])]
+
+
 def empty_batch(pad_id: int) -> dict[str, Any]:
-    """A one-token micro-batch with no target: it adds nothing to the loss or gradients, but
-    runs the forward and backward (and their collectives) that the other processes run."""
+    """A one-token micro-batch with no target: it runs the forward and backward (and their
+    collectives) that the other processes run, and adds nothing."""
     return {
         "input_ids": torch.full((1, 1), pad_id),
         "labels": torch.full((1, 1), IGNORE_INDEX),

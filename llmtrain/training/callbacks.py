@@ -1,9 +1,6 @@
 """Callbacks: what a run tells an observer (a test, a tracker) after each step and at the end.
-
-A callback is handed to ``fit(callbacks=[...])``: an object, or the import path
-``"module:Name"`` of a class or factory called with no arguments, which every process of
-the job builds for itself (a launcher's workers can take only these; the run records them).
-"""
+``fit(callbacks=[...])`` takes objects or import paths ``"module:Name"`` (built with no
+arguments by every process: all a launcher's workers can take)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ class Callback:
         """After setup, before the first step of this attempt (every rank)."""
 
     def on_log(self, run: Any, metrics: dict[str, float]) -> None:
-        """Rank 0 only: ``metrics`` were recorded for step ``run.step`` (every
-        ``logging_steps``, and ``eval_loss`` after each evaluation)."""
+        """Rank 0 only: ``metrics`` were recorded for step ``run.step``."""
 
     def on_step(self, run: Any, keys: list[str]) -> None:
         """After optimizer step ``run.step``, which trained on the rows ``keys``."""
@@ -33,8 +29,7 @@ class Callback:
         """After the last step, before the final checkpoint (every rank)."""
 
     def on_cleanup(self, run: Any, failed: bool) -> None:
-        """After the run, finished (``failed=False``) or not (every rank): release what the
-        callback holds."""
+        """After the run, finished or ``failed`` (every rank): release what it holds."""
 
 
 def callback_path(spec: str) -> str:

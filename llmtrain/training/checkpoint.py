@@ -1,9 +1,6 @@
-"""Checkpoints: written to a folder, sealed with a manifest, then stored as one artifact.
-
-A checkpoint counts only once its artifact is complete *and* recorded on the run, so a
-process killed mid-write leaves at most unreferenced blobs, never a checkpoint that looks
-good. Loading verifies every file against the manifest; weights load only from safetensors
-and ``torch.load(weights_only=True)``.
+"""Checkpoints: a folder sealed with a manifest, stored as one artifact and then recorded on
+the run (a killed write leaves no checkpoint that looks good); loads verify every file and
+use only safetensors and ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Checkpointer:
-    """Saves and restores the full training state of one run through the artifact store."""
+    """Saves and restores the training state of one run through the artifact store."""
 
     def __init__(
         self, db: Any, run_id: str, strategy: Strategy, *, keep: int | None, workdir: Path
@@ -74,7 +71,6 @@ class Checkpointer:
         self.db, self.run_id, self.strategy, self.keep = db, run_id, strategy, keep
         self.workdir = workdir
 
-    # -- save ------------------------------------------------------------------------------
     def save(
         self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
     ) -> CheckpointRecord | None:
@@ -100,8 +96,7 @@ class Checkpointer:
         return record
 
     def record(self, folder: Path, state: dict[str, Any]) -> CheckpointRecord:
-        """Store a sealed checkpoint folder as one artifact and record it on the run (the
-        driver of a Ray run calls this for the checkpoints its workers report)."""
+        """Store a sealed checkpoint folder and record it on the run (also Ray's driver)."""
         with _saving(state["step"]):
             artifact = self.db.artifacts.put_dir(folder)
             record = self.db.metadata.add_checkpoint(
@@ -114,8 +109,7 @@ class Checkpointer:
         return record
 
     def mark_best(self, record: CheckpointRecord, metric: str, value: float) -> None:
-        """Rank 0: record ``record`` on the run as its best checkpoint by ``metric`` (never
-        pruned), then prune the previous best if it is no longer among the newest."""
+        """Rank 0: record ``record`` as the run's best checkpoint (never pruned), then prune."""
         best = {"step": record.step, "artifact": record.artifact_id, "metric": metric}
         self.db.metadata.update_run(self.run_id, info={BEST: {**best, "value": value}})
         self._prune()
@@ -136,7 +130,6 @@ class Checkpointer:
             ):
                 self.db.artifacts.delete(old.artifact_id)
 
-    # -- load ------------------------------------------------------------------------------
     def best_record(self) -> dict[str, Any] | None:
         """The run's best checkpoint by save_best_by (step, artifact, metric, value), if any."""
         best = self.db.metadata.get_run(self.run_id).info.get(BEST)
@@ -145,12 +138,6 @@ class Checkpointer:
     def latest(self) -> CheckpointRecord | None:
         records = self.db.metadata.list_checkpoints(self.run_id)
         return records[-1] if records else None
-
-    def find(self, checkpoint: str) -> CheckpointRecord:
-        for record in self.db.metadata.list_checkpoints(self.run_id):
-            if checkpoint in (record.artifact_id, str(record.step)):
-                return record
-        raise CheckpointError(f"run {self.run_id} has no checkpoint {checkpoint!r}")
 
     def restore(
         self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
@@ -197,7 +184,7 @@ def seal(
     more_files: dict[str, str] | None = None,
 ) -> None:
     """Rank 0 completes a checkpoint folder: weights, scheduler, state and the manifest of
-    every file (``more_files``: other ranks' files with their sha256, written elsewhere)."""
+    every file (``more_files``: other ranks' files and sha256s, written elsewhere)."""
     save_file(weights, str(folder / "weights.safetensors"))
     torch.save(scheduler.state_dict(), folder / "scheduler.pt")
     (folder / STATE).write_text(json.dumps({**state, "format": FORMAT, "world_size": world_size}))
@@ -223,8 +210,7 @@ def _saving(step: int) -> Iterator[None]:
 
 @contextmanager
 def _refused(name: str, step: int) -> Iterator[None]:
-    """A file the safe loaders refuse (a pickle that would run code, not safetensors) is a
-    CheckpointError naming it, however well it matches the manifest."""
+    """A file the safe loaders refuse is a CheckpointError naming it, whatever the manifest."""
     try:
         yield
     except (pickle.UnpicklingError, SafetensorError) as exc:

@@ -1,24 +1,15 @@
 """What serving stacks load: the adapter in PEFT's layout and the merged model.
 
-The adapter folder is PEFT's own (``adapter_config.json`` + ``adapter_model.safetensors``,
-what ``PeftModel.from_pretrained`` and vLLM's ``--lora-modules`` read), with its config
-written in a stable order: PEFT keeps ``target_modules`` in a set, so its order in the JSON
-followed the hash seed and identical weights got different content ids.
-
-A merged model folds the adapter into base weights. After QLoRA the weights the adapter was
-trained against are the *dequantised* 4/8-bit ones, not the full-precision checkpoint: on
-the tiny test model, merging into the full-precision base moved the logits by 5.1 from the
-model that was trained (and changed greedy answers). So a quantised base is merged into its
-dequantised weights by default (``into="trained"``, logits match the trained model);
-``into="base"`` merges into the full-precision weights instead. The folder says which in
-``llmtrain_merge.json``.
+After QLoRA the adapter was trained against the *dequantised* weights: merging into the
+full-precision base moved the tiny test model's logits by 5.1 (greedy answers changed), so
+``into="trained"`` (default) merges into those; ``llmtrain_merge.json`` records which.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -29,8 +20,8 @@ MergeInto = Literal["trained", "base"]
 
 
 def stable_adapter_config(folder: Path) -> None:
-    """Rewrite PEFT's adapter_config.json with list-valued sets (``target_modules``) sorted,
-    in PEFT's own format (indent 2, sorted keys): the same adapter, the same bytes."""
+    """Rewrite PEFT's adapter_config.json with its sets (``target_modules``) sorted: PEFT wrote
+    them in hash-seed order, so the same adapter got different content ids."""
     path = folder / "adapter_config.json"
     config = json.loads(path.read_text())
     for key in ("target_modules", "modules_to_save", "exclude_modules"):
@@ -50,16 +41,12 @@ def check_new_folder(dest: str | Path, option: str) -> Path:
     return dest
 
 
-def write_merged(
-    args: ModelArguments, adapter_dir: Path, tokenizer: Any, dest: Path, into: MergeInto
-) -> str:
-    """Write base + adapter merged (safetensors) and the tokenizer to ``dest``; returns what
-    the adapter was merged into (also written to ``llmtrain_merge.json``). The base is loaded
-    in full precision on the CPU; for a quantised base and ``into="trained"`` its weights are
-    replaced by the dequantised ones the adapter was trained against."""
+def write_merged(args: ModelArguments, adapter_dir: Path, dest: Path, into: MergeInto) -> str:
+    """Write base + adapter merged (safetensors, on the CPU) and the tokenizer to ``dest``;
+    returns what the adapter was merged into."""
     from peft import PeftModel
 
-    from llmtrain.training.modeling import load_model
+    from llmtrain.training.modeling import load_model, load_tokenizer
 
     if into not in ("trained", "base"):
         raise ConfigError(f"merge into= must be 'trained' or 'base', not {into!r}")
@@ -87,7 +74,7 @@ def write_merged(
         what = f"dequantised {args.bits}-bit base weights (what training saw)"
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
+    load_tokenizer(args).save_pretrained(dest)
     note = {"base": args.model_name_or_path, "into": into, "merged_into": what}
     (dest / "llmtrain_merge.json").write_text(json.dumps(note, indent=2, sort_keys=True))
     return what

@@ -1,5 +1,5 @@
-"""Generation: answers to prompts, greedy by default, their healed text re-spelled first
-(:class:`llmtrain.formatting.Prompt`); used by evaluation and by the trained model."""
+"""Generation: answers to prompts (greedy by default), their healed text re-spelled first
+(:class:`llmtrain.formatting.Prompt`)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
 """The training loss without the full logits: hidden states -> lm_head -> cross-entropy per
 chunk of target tokens.
 
-The plain path (:func:`plain_loss_sum`) materialises ``[batch, T, vocab]`` logits, upcasts
-them to float32 and keeps them, and their gradient, for the backward: with a 128k vocabulary
-and 8 x 2048 tokens that is 8.4 GB each. :class:`LossFunction` instead
-
-* runs the *wrapped* model's forward (DDP's, FSDP2's and DeepSpeed's hooks fire as usual)
-  with the output embedding's ``forward`` swapped, for that one call, for one that receives
-  the final hidden states and returns the loss in place of the logits, so the model never
-  computes logits at all;
-* keeps only the positions that are targets (prompt and padding positions never reach the
-  vocabulary projection), and projects them a chunk of tokens at a time, calling the
-  output embedding module itself, so a LoRA adapter on ``lm_head`` applies;
-* computes each chunk's gradients right there, in the forward (:class:`_ChunkedCrossEntropy`,
-  the scheme of Liger's fused linear cross-entropy), and frees the chunk's logits before the
-  next: the backward only scales the stored gradients (hidden-state sized, plus the head's
-  trainable weights). Recomputing the chunk in the backward instead would cost one more
-  vocabulary projection per token for the same peak memory, and would have to replay the
-  dropout of a LoRA adapter on ``lm_head``.
-
-With ``liger_kernel`` installed, on CUDA, and a plain ``nn.Linear`` head (no adapter on it),
-Liger's fused Triton kernel does the same in one call. Models whose head output is not the
-logits as such (Gemma-2's ``final_logit_softcapping``) keep the plain path.
-
-Measured (``benchmarks/bench_loss_memory.py``, CPU, vocabulary 128k, T=2048, one step):
-the chunked step's peak RSS is 0.14x the plain path's.
+Plain logits (:func:`plain_loss_sum`) are ``[batch, T, vocab]`` float32 kept with their
+gradient for the backward (8.4 GB each at vocab 128k, 8 x 2048 tokens). :class:`LossFunction`
+runs the wrapped model's forward (its hooks fire) with the head's ``forward`` swapped for one
+that projects only target positions, a chunk at a time, taking each chunk's gradient in the
+forward (Liger's fused linear cross-entropy scheme; Liger's kernel itself on CUDA with a plain
+``nn.Linear`` head). Gemma-2's softcapped logits keep the plain path. Measured
+(``benchmarks/bench_loss_memory.py``, CPU, vocab 128k, T=2048): peak RSS 0.14x the plain path's.
 """
 
 from __future__ import annotations
@@ -114,12 +97,8 @@ def _liger_available(device: torch.device, head: torch.nn.Module) -> bool:
 
 
 class LossFunction:
-    """The loop's loss: ``loss(model, batch)`` is the summed next-token cross-entropy over the
-    batch's target tokens (float32), normalised by the caller across micro-batches and ranks.
-
-    ``base`` is the unwrapped (PEFT or plain) model whose output embedding is swapped;
-    ``model`` at call time is whatever wraps it (DDP, FSDP2, a DeepSpeed engine, or itself).
-    """
+    """``loss(model, batch)``: the summed next-token cross-entropy (float32) over the batch's
+    targets. ``base`` is the unwrapped model whose head is swapped; ``model`` what wraps it."""
 
     def __init__(self, base: Any, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         self.head: torch.nn.Module = base.get_output_embeddings()

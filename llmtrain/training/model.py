@@ -1,7 +1,5 @@
-"""TrainedModel: the result of a fit, stored as a component, usable for generation.
-
-It applies the exact prompt formatting used in training, so training and serving prompts
-never drift, and it can write the base model with the adapter merged in (for vLLM & co).
+"""TrainedModel: the result of a fit, stored as a component; it generates with the exact
+prompt formatting of training (serving prompts never drift) and exports or merges its adapter.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ class TrainedModel:
         self._loaded: tuple[Any, Any] | None = None
         self._formatters: dict[str, Formatter] = {}
         self.checkpoint: dict[str, Any] | None = None  # a checkpoint's weights instead
-        # adapters loaded side by side (with_adapters): identifier -> (PEFT name, record)
+        # with_adapters: identifier -> (PEFT name, record)
         self._adapters: dict[str, tuple[str, ModelRecord]] = {}
         self._active: str | None = None
 
@@ -74,8 +72,8 @@ class TrainedModel:
         return f"TrainedModel({self.identifier!r}, version={self.version})"
 
     def use_checkpoint(self, checkpoint: str | int) -> None:
-        """Load a checkpoint's weights of this model's run instead of the final ones:
-        ``"best"`` (by the trainer's save_best_by) or a step."""
+        """Use a checkpoint of this model's run instead of the final weights: ``"best"`` (by
+        save_best_by) or a step."""
         db = self._require_db()
         run_id = self.record.run_id
         if checkpoint == "best":
@@ -110,16 +108,14 @@ class TrainedModel:
         return self.db
 
     def _weights(self) -> str:
-        if self.record.adapter is None:
-            raise ConfigError(f"model {self.identifier!r} v{self.version} has no stored weights")
         what = f"model {self.identifier!r} v{self.version}"
+        if self.record.adapter is None:
+            raise ConfigError(f"{what} has no stored weights")
         self._require_db().artifacts.require(self.record.adapter, self.record.artifacts, what)
         return self.record.adapter
 
     def _adapter_folder(self, dest: Path) -> Path:
-        """The adapter in PEFT's layout at ``dest``, with this model's checkpoint's weights
-        when one was chosen, and its config in a stable order (also for adapters stored
-        before it was)."""
+        """The adapter in PEFT's layout at ``dest`` (the chosen checkpoint's weights if any)."""
         from llmtrain.training.export import stable_adapter_config
 
         db = self._require_db()
@@ -176,9 +172,8 @@ class TrainedModel:
 
     # -- several adapters on one base ------------------------------------------------------------
     def with_adapters(self, *others: str | TrainedModel) -> TrainedModel:
-        """Load the adapters of other models trained on the same base beside this one (one
-        base in memory; PEFT ``load_adapter``); :meth:`set_adapter` switches between them by
-        identifier. ``others``: identifiers (their newest version) or loaded models."""
+        """Load the adapters of ``others`` (identifiers or loaded models) trained on the same
+        base beside this one (one base in memory); :meth:`set_adapter` switches."""
         model, _ = self.load()
         if self.record.full_model:
             raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
@@ -212,12 +207,10 @@ class TrainedModel:
 
     @property
     def adapters(self) -> list[str]:
-        """The identifiers of the adapters loaded side by side (this model's first)."""
         return list(self._adapters) or [self.identifier]
 
     def set_adapter(self, identifier: str) -> TrainedModel:
-        """Answer with the adapter of model ``identifier`` (loaded by :meth:`with_adapters`)
-        and its prompt format; the base stays loaded."""
+        """Answer with the adapter (and prompt format) of model ``identifier``."""
         if identifier not in self._adapters:
             raise ConfigError(
                 f"no adapter {identifier!r} is loaded; loaded: {', '.join(self.adapters)}"
@@ -228,7 +221,7 @@ class TrainedModel:
         return self
 
     def formatter(self) -> Formatter:
-        """The training prompt format of the active adapter, built once per loaded model."""
+        """The training prompt format of the active adapter, built once."""
         record = self.record if self._active is None else self._adapters[self._active][1]
         if record.identifier not in self._formatters:
             from llmtrain.formatting import Formatter
@@ -251,56 +244,45 @@ class TrainedModel:
         max_new_tokens: int = 64,  # noqa: N803
         **generate_kwargs: Any,
     ) -> str | list[str]:
-        """Responses to ``X`` rendered with the training prompt, one prompt at a time; greedy
-        unless told otherwise."""
+        """Responses to ``X`` through the training prompt, one at a time; greedy by default."""
         from llmtrain.training.generation import generate_batch
 
         model, tokenizer = self.load()
-        formatter = self.formatter()
+        prompts = [self.formatter().prompt(x) for x in ([X] if isinstance(X, str) else X)]
         with quieted():  # transformers' deprecation notes on every call
             outputs = [
-                generate_batch(
-                    model, tokenizer, [formatter.prompt(x)], max_new_tokens, **generate_kwargs
-                )[0]
-                for x in ([X] if isinstance(X, str) else X)
+                generate_batch(model, tokenizer, [p], max_new_tokens, **generate_kwargs)[0]
+                for p in prompts
             ]
         return outputs[0] if isinstance(X, str) else outputs
 
     def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803
-        """The scikit-learn style name of :meth:`generate` (same arguments, same result)."""
+        """:meth:`generate` by its scikit-learn name."""
         return self.generate(X, **kwargs)
 
     # -- export ----------------------------------------------------------------------------------
     def export_adapter(self, dest: str | Path) -> Path:
-        """Write the adapter in PEFT's layout to the new folder ``dest`` (what
-        ``PeftModel.from_pretrained`` and vLLM's ``--lora-modules`` load)."""
+        """Write the adapter in PEFT's layout to the new folder ``dest``."""
         from llmtrain.training.export import check_new_folder
 
         return self._adapter_folder(check_new_folder(dest, "adapter destination"))
 
     def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
-        """Write the base with the adapter merged in, and the tokenizer, in safetensors to the
-        new folder ``dest``; returns what the adapter was merged into. After QLoRA,
-        ``into="trained"`` (default) merges into the dequantised weights training saw (the
-        merged model answers as the trained one), ``into="base"`` into the full-precision
-        base. Nothing is stored."""
+        """Write the base with the adapter merged in, and the tokenizer, to the new folder
+        ``dest`` (nothing stored); returns what it was merged into. After QLoRA ``into=
+        "trained"`` merges into the dequantised weights training saw, ``"base"`` not."""
         from llmtrain.training.export import check_new_folder, write_merged
-        from llmtrain.training.modeling import load_tokenizer
 
         dest = check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
-            base = self.record.base
-            return write_merged(base, adapter, load_tokenizer(base), dest, into)
+            return write_merged(self.record.base, adapter, dest, into)
 
     def merge(
         self, dest: str | Path | None = None, *, store: bool = True, into: MergeInto = "trained"
     ) -> str:
-        """Write the base model with the adapter merged in (safetensors) to the artifact store
-        (and to ``dest`` if given); record it on this component and, with ``store``, store
-        that as a new version (fit(merge=True) merges before the model is first stored, so
-        one fit adds one version). Returns the artifact id. ``into`` as in
-        :meth:`export_merged`."""
+        """Store the merged model as an artifact (and copy it to ``dest``), record it on this
+        component and, with ``store``, store that as a new version; returns the artifact id."""
         db = self._require_db()
         if self.record.full_model:
             raise ConfigError("this model was fully fine-tuned: there is no adapter to merge")

@@ -1,11 +1,9 @@
-"""Loading the base model and tokenizer, and preparing the model to train (adapter,
-gradient checkpointing)."""
+"""Loading the base model and tokenizer, and preparing the model to train."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 from typing import Any
 
@@ -14,8 +12,6 @@ import torch
 from llmtrain.config.args import LoraArguments, ModelArguments
 from llmtrain.errors import ConfigError
 from llmtrain.training.precision import DTYPES, Precision
-
-log = logging.getLogger("llmtrain.training")
 
 # The attention and MLP projections of common decoder architectures.
 _DEFAULT_TARGETS: dict[str, list[str]] = {
@@ -45,12 +41,7 @@ def check_model_path(
 ) -> dict[str, Any]:
     """Refuse a model source that cannot load, at once and naming it; returns the extra
     ``from_pretrained`` keywords (``local_files_only`` when the hub is offline but the
-    cache has the model).
-
-    A local folder must hold a model (``config.json``, and tokenizer files for the
-    tokenizer); a name that is no local folder is a hub id, looked up only when the hub
-    is online (``HF_HUB_OFFLINE`` unset and answering within a few seconds) or cached.
-    """
+    cache has the model). A name that is no local folder is a hub id."""
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         files = set(os.listdir(path))
@@ -92,8 +83,8 @@ def check_model_path(
 
 @functools.lru_cache(maxsize=8)
 def _reachable(endpoint: str) -> bool:
-    """The endpoint answers an HTTP request (any status) within the timeout. Name lookup
-    has no timeout of its own, so the request runs in a thread that is waited for."""
+    """The endpoint answers an HTTP request (any status) within the timeout (in a thread:
+    name lookup has no timeout of its own)."""
     import threading
     import urllib.error
     import urllib.request
@@ -117,11 +108,8 @@ def _reachable(endpoint: str) -> bool:
 
 
 def load_tokenizer(args: ModelArguments) -> Any:
-    """The tokenizer, with a pad token: the model's own, else EOS.
-
-    Padding never needs its own id here: labels are masked by position (-100), so a real
-    EOS inside a response is still trained even when it shares the pad id.
-    """
+    """The tokenizer, with a pad token: the model's own, else EOS (labels are masked by
+    position, so an EOS that shares the pad id is still trained)."""
     from transformers import AutoTokenizer
 
     hub = check_model_path(args.model_name_or_path, tokenizer=True, revision=args.revision)
@@ -141,21 +129,6 @@ def load_tokenizer(args: ModelArguments) -> Any:
     return tok
 
 
-def quantization_config(args: ModelArguments, compute_dtype: torch.dtype) -> Any:
-    from transformers import BitsAndBytesConfig
-
-    if args.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
-    storage = DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8)
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=args.bnb_4bit_quant_type,
-        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
-        bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=storage,
-    )
-
-
 def load_model(
     args: ModelArguments,
     device: torch.device,
@@ -164,10 +137,8 @@ def load_model(
     precision: Precision | None = None,
 ) -> Any:
     """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set.
-
-    ``precision`` is the run's resolved policy (default: resolved here for ``device``).
-    """
-    from transformers import AutoModelForCausalLM
+    ``precision``: the run's (default: resolved here for ``device``)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     precision = precision or Precision.resolve(args, device)
     kwargs: dict[str, Any] = {
@@ -184,7 +155,17 @@ def load_model(
             import bitsandbytes  # noqa: F401
         except ImportError as exc:
             raise ConfigError("bits=4/8 needs bitsandbytes: pip install 'llmtrain[qlora]'") from exc
-        kwargs["quantization_config"] = quantization_config(args, precision.quant_compute)
+        kwargs["quantization_config"] = (
+            BitsAndBytesConfig(load_in_8bit=True)
+            if args.bits == 8
+            else BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type=args.bnb_4bit_quant_type,
+                bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+                bnb_4bit_compute_dtype=precision.quant_compute,
+                bnb_4bit_quant_storage=DTYPES.get(args.bnb_4bit_quant_storage, torch.uint8),
+            )
+        )
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model: Any = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, **kwargs)
     if not quantized:
@@ -192,22 +173,19 @@ def load_model(
     return model
 
 
-def linear_module_names(model: Any) -> list[str]:
-    """Leaf names of the model's linear layers (what ``target_modules`` may name)."""
-    names = set()
-    for name, module in model.named_modules():
-        kind = type(module).__name__
-        if isinstance(module, torch.nn.Linear) or kind in {"Linear4bit", "Linear8bitLt", "Conv1D"}:
-            names.add(name.rsplit(".", 1)[-1])
-    names.discard("lm_head")
-    return sorted(names)
-
-
 def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
     """The configured targets, checked against the model, or the architecture's default."""
     if lora.target_modules == "all-linear":
         return "all-linear"
-    available = linear_module_names(model)
+    available = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+            or type(module).__name__ in {"Linear4bit", "Linear8bitLt", "Conv1D"}
+        }
+        - {"lm_head"}
+    )
     targets = lora.target_modules
     if targets is None:
         targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
@@ -226,9 +204,8 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
 def prepare_for_training(
     model: Any, lora: LoraArguments | None, *, quantized: bool, gradient_checkpointing: bool
 ) -> Any:
-    """The model as the loop trains it: the only place gradient checkpointing is switched
-    on (k-bit preparation does it for a quantised base), then the LoRA/DoRA adapter (PEFT)
-    if any: only the adapter trains."""
+    """The model as the loop trains it: gradient checkpointing (the only place it is switched
+    on), then the LoRA/DoRA adapter (PEFT) if any."""
     kwargs = {"use_reentrant": False}
     if lora is not None and quantized:
         from peft import prepare_model_for_kbit_training
@@ -261,9 +238,8 @@ def prepare_for_training(
 
 
 def compile_layers(model: Any) -> int:
-    """``torch.compile`` each decoder layer in place (``Module.compile``: parameter names and
-    state dicts unchanged, so checkpoints and adapters load either way); the embedding, the
-    head and the chunked loss around it stay eager. Returns how many layers."""
+    """``torch.compile`` each decoder layer in place (state dict names unchanged); the
+    embedding, the head and the chunked loss stay eager. Returns how many layers."""
     from llmtrain.training.strategies.fsdp import decoder_layers
 
     layers = decoder_layers(model)

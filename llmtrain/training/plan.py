@@ -1,9 +1,5 @@
-"""The plan of one run, as registration decided it: what every executor trains.
-
-Registration (:mod:`llmtrain.running.register`) makes it once; the executors (in process,
-launched workers, Ray workers) receive it and decide none of it again. A launched worker
-reads it back from the run record, which holds every field of it.
-"""
+"""The plan of one run, as registration decided it: every executor (in process, launched
+workers, Ray workers) trains it and decides none of it again; the run record holds it."""
 
 from __future__ import annotations
 
@@ -18,8 +14,6 @@ from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
 
 @dataclass(frozen=True)
 class RunPlan:
-    """A run as registered: every executor trains exactly this."""
-
     run_id: str
     version: int  #: the trainer version (recipe) the run trains
     config: TrainerConfig  #: the recipe, with the fit's data in ``config.fit``
@@ -39,7 +33,6 @@ class RunPlan:
 
     @classmethod
     def from_record(cls, run: RunRecord, resume_from: CheckpointRecord | None = None) -> RunPlan:
-        """The plan a run record holds (what a launched worker trains)."""
         info = run.info
         return cls(
             run.run_id,

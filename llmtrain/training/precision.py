@@ -1,9 +1,6 @@
 """One precision policy: which dtypes a run loads and computes in, and whether it scales.
-
-Every ``"auto"`` (``torch_dtype``, ``bnb_4bit_compute_dtype``, ``mixed_precision``) is
-resolved here, once, for the device the placement gave. fp16 compute always comes with a
-loss scaler (the strategy owns it): without one, small gradients flush to zero in fp16
-and a run on a GPU without bf16 (T4, V100) silently stops learning.
+fp16 compute always comes with a loss scaler: without one small gradients flush to zero and
+a GPU without bf16 (T4, V100) silently stops learning.
 """
 
 from __future__ import annotations
@@ -15,7 +12,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MIXED = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+MIXED_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _bf16_gpu(device: torch.device) -> bool:
@@ -42,20 +39,19 @@ class Precision:
     def resolve(
         cls, model_args: Any, device: torch.device, mixed_precision: str = "no"
     ) -> Precision:
-        """``mixed_precision="auto"``: bf16 on a GPU that has it, else none. An explicit
-        bf16/fp16 is honoured on the CPU too (autocast and the scaler exist there)."""
+        """``mixed_precision="auto"``: bf16 on a GPU that has it, else none (an explicit
+        bf16/fp16 holds on the CPU too)."""
         if mixed_precision == "auto":
             mixed_precision = "bf16" if _bf16_gpu(device) else "no"
         return cls(
             device.type,
             resolve_dtype(model_args.torch_dtype, device),
             resolve_dtype(model_args.bnb_4bit_compute_dtype, device),
-            _MIXED[mixed_precision],
+            MIXED_DTYPES[mixed_precision],
         )
 
     @property
     def scaled(self) -> bool:
-        """fp16 compute: losses must be scaled so gradients do not underflow."""
         return self.autocast_dtype == torch.float16
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -64,5 +60,4 @@ class Precision:
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def grad_scaler(self) -> torch.amp.GradScaler | None:
-        """A dynamic loss scaler for fp16 compute, else None."""
         return torch.amp.GradScaler(self.device_type) if self.scaled else None

@@ -1,10 +1,5 @@
-"""What the main process shows while it trains: a tqdm bar on a terminal, plain lines elsewhere.
-
-A bar redraws itself with carriage returns; piped to a file, a CI log or a notebook cell's
-captured output, a 60-step fit wrote one line of about 20 kB of redraws. Off a terminal the
-run writes one plain line every ``logging_steps`` instead (the steps whose metrics it
-records), so the log reads like the metrics table.
-"""
+"""What the main process shows while it trains: a tqdm bar on a terminal, plain lines elsewhere
+(a bar's redraws piped to a CI log made one 20 kB line for a 60-step fit)."""
 
 from __future__ import annotations
 
@@ -13,16 +8,16 @@ from typing import Any, TextIO
 
 
 class Progress:
-    """Shows the steps of one run; ``close`` when done."""
+    """Shows the steps of one run (silently); ``close`` when done."""
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
-        """After optimizer step ``step`` with its ``loss``, ``lr`` and ``tokens_per_s``."""
+        pass
 
     def evaluated(self, step: int, eval_loss: float) -> None:
-        """After an evaluation at ``step``."""
+        pass
 
     def close(self) -> None:
-        """The run stopped (done or failed)."""
+        pass
 
 
 class Bar(Progress):
@@ -56,8 +51,7 @@ class Bar(Progress):
 
 
 class Lines(Progress):
-    """One flushed line per logged step: ``fit NAME: step 10/60 loss 2.3456 lr 2.00e-04
-    tokens/s 1234``; and one per evaluation."""
+    """One flushed line per logged step and per evaluation."""
 
     def __init__(self, desc: str, total: int, every: int, stream: TextIO) -> None:
         self.desc, self.total, self.every, self.stream = desc, total, every, stream

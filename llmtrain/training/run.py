@@ -1,8 +1,5 @@
-"""One training run, as every process executes it: setup -> train -> finish -> cleanup.
-
-The loop in :meth:`FitRun.train` reads top to bottom; the strategy, the batches, the
-checkpointer and the stores are collaborators handed in, never base classes.
-"""
+"""One training run, as every process executes it: setup -> train -> finish -> cleanup; the
+strategy, batches, checkpointer and stores are collaborators handed in, never base classes."""
 
 from __future__ import annotations
 
@@ -123,6 +120,9 @@ class FitRun:
             x_field=fit.X,
             y_field=fit.Y,
             stride=self.dargs.stride,
+            conversations=self.dargs.chat_template and fit.Y is None,
+            assistant_turns=self.dargs.assistant_turns,
+            on_bad_row=self.dargs.on_bad_row,
         )
         select = fit.query()
         collate = make_collate(
@@ -175,8 +175,7 @@ class FitRun:
             self._restore(self.plan.resume_from)
 
     def _start_from_parent(self, model: Any) -> None:
-        """An incremental run starts from its parent model's adapter, which its plan names
-        (a checkpoint restored later overrides it)."""
+        """An incremental run starts from its parent model's adapter (a checkpoint overrides it)."""
         parent = self.plan.parent
         if not parent:
             return
@@ -279,8 +278,7 @@ class FitRun:
             callback.on_train_end(self)
 
     def _nothing_trained(self) -> None:
-        """A fit that trained no example fails: storing the untouched model as trained would
-        hide that every row was skipped."""
+        """A fit that trained no example fails (every row was skipped)."""
         first = list(self.skipped)
         keys = f" (keys {', '.join(first[:5])}{', ...' if len(first) > 5 else ''})" if first else ""
         raise DataError(
@@ -295,9 +293,8 @@ class FitRun:
         return count if s.world_size == 1 else int(s.all_reduce(torch.tensor(count)))
 
     def _pair(self, group: StepGroup) -> tuple[list[dict[str, Any]], int]:
-        """The step's micro-batches (still on the host), as many on every rank (a rank with
-        fewer adds empty ones: collectives stay paired), and the target tokens of the whole
-        step on all ranks, in one collective."""
+        """The step's micro-batches (on the host), as many on every rank (empty ones added:
+        collectives stay paired), and the step's target tokens on all ranks (one collective)."""
         batches, s = group.batches, self.strategy
         targets = sum(b["num_target_tokens"] for b in batches)  # plain ints: no torch call
         if s.world_size == 1:
@@ -307,9 +304,8 @@ class FitRun:
         return batches + empty * (int(counts[:, 0].max()) - len(batches)), int(counts[:, 1].sum())
 
     def _empty_step(self) -> float:
-        """A step whose rows were all skipped on every rank: nothing to learn, so no update
-        (a zero gradient would still move AdamW's weights); it keeps its number and its place
-        in the schedule."""
+        """A step whose rows were all skipped on every rank: no update (a zero gradient would
+        still move AdamW's weights), but it keeps its number and place in the schedule."""
         self.scheduler.step()
         self.step += 1
         return math.nan
@@ -317,11 +313,9 @@ class FitRun:
     def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
         """Forward/backward over the group, then one optimizer step; returns the mean loss.
 
-        The loss is normalised by the target tokens of the whole step on all ranks
-        (``targets``), so long and short examples weigh the same whatever the accumulation
-        or world size. The losses stay on the device and the step reads it once, at its end
-        (loss, tokens and gradient norm together, after one all_reduce): no micro-batch
-        waits for the device. Micro-batches move to the device one at a time.
+        The loss is normalised by the step's target tokens on all ranks (``targets``), so every
+        token weighs the same whatever the accumulation or world size. The step reads the
+        device once, at its end (loss, tokens and gradient norm after one all_reduce).
         """
         s = self.strategy
         tokens = sum(b["num_tokens"] for b in group)  # plain ints: no device sync
@@ -344,8 +338,7 @@ class FitRun:
         return loss_sum / max(targets, 1)
 
     def _log(self, metrics: dict[str, float]) -> None:
-        """Rank 0 records ``metrics`` in the metadata store, then hands them to the
-        callbacks (the trackers of ``report_to``)."""
+        """Rank 0 records ``metrics``, then hands them to the callbacks."""
         if self.strategy.is_main:
             self.db.metadata.log_metrics(self.run_id, self.step, metrics)
             for callback in self.callbacks:
@@ -354,7 +347,7 @@ class FitRun:
     # -- evaluation --------------------------------------------------------------------------
     def _eval_step(self, progress: Progress) -> None:
         """Collective. Evaluate, log, and checkpoint the model when it is the best so far by
-        save_best_by (every rank sees the same all-reduced values, so all agree)."""
+        save_best_by (all ranks see the same values)."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
         self._log(metrics)
         progress.evaluated(self.step, metrics["eval_loss"])
@@ -372,9 +365,8 @@ class FitRun:
                 self.checkpointer.mark_best(record, key, value)
 
     def score_generations(self) -> dict[str, float]:
-        """Collective. The eval rows (this rank's shard, up to max_eval_rows) answered by
-        greedy generation through the training prompt, in batches, and each eval metric's
-        mean over the rows of every rank; {} without eval_metrics."""
+        """Collective. Each eval metric's mean over the eval rows (up to max_eval_rows per
+        rank) answered by greedy generation; {} without eval_metrics."""
         ds = self._eval_dataset() if self.metrics else None
         if ds is None:
             return {}
@@ -422,6 +414,8 @@ class FitRun:
         self.model.eval()
         with torch.no_grad():
             for batch in batches:
+                if "input_ids" not in batch:  # every row of it skipped by the formatter
+                    continue
                 batch = to_device(batch, s.device)
                 with self.precision.autocast():
                     total += self.loss(self.model, batch).float().cpu()
@@ -434,10 +428,8 @@ class FitRun:
         return float(total / count.clamp(min=1))
 
     def _eval_dataset(self) -> Any:
-        """This rank's view of the eval selection, or of the held-out rows of the training
-        selection (read directly, not found by streaming the training rows), built once (the
-        eval selection is snapshotted once a run) and rewound to its first row; None when
-        there is nothing to evaluate on."""
+        """This rank's view of the eval selection or the held-out rows, built once and rewound;
+        None when there is nothing to evaluate on."""
         fit, s = self.plan.fit, self.strategy
         other = fit.eval_query()
         held = other is None
@@ -461,8 +453,8 @@ class FitRun:
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Collective. Rank 0 records what every rank's steps skipped since the last
-        checkpoint (one small blob appended to the run: :mod:`llmtrain.data.skips`)."""
+        """Collective. Rank 0 also records what every rank skipped since the last checkpoint
+        (:mod:`llmtrain.data.skips`)."""
         s = self.strategy
         found = Skips()
         for theirs in s.gather_object(self.skips):

@@ -1,10 +1,6 @@
-"""Launchers: ``fit()`` on several processes (``torchrun`` or ``deepspeed``) from one call.
-
-``LLMTrainer(..., launcher=Launcher(kind="torchrun", num_processes=2))`` then ``fit()``
-stores the trainer and opens the run here, starts the workers, streams their output and
-returns the trained model. Each worker reads the run's plan from its record in the metadata
-store and trains its shard of the rows.
-"""
+"""``fit()`` on several processes (``launcher=Launcher(kind="torchrun"|"deepspeed", ...)``):
+the run is registered here, each worker reads its plan from the run record and trains its
+shard, and this process streams their output and returns the model."""
 
 from __future__ import annotations
 
@@ -26,22 +22,16 @@ __all__ = ["build_command", "free_port", "launch_workers"]
 
 
 def launch_workers(plan: RunPlan, db: Datalayer, *, merge: bool) -> TrainedModel:
-    """Train ``plan`` in worker processes; return its model.
-
-    On failure the run is marked failed with the first failing rank's error, every worker
-    is gone, and DistributedError carries that error.
-    """
+    """Train ``plan`` in worker processes; return its model. On failure the run is marked
+    failed with the first failing rank's error, every worker is gone, and DistributedError
+    carries that error."""
     launcher, run_id = plan.config.launcher, plan.run_id
     assert launcher is not None
     job_dir = Path(tempfile.mkdtemp(prefix="llmtrain-job-"))
+    resume_from = plan.resume_from.artifact_id if plan.resume_from else None
     try:
         command = build_command(
-            launcher,
-            db,
-            job_dir,
-            run_id=run_id,
-            resume_from=plan.resume_from.artifact_id if plan.resume_from else None,
-            merge=merge,
+            launcher, db, job_dir, run_id=run_id, resume_from=resume_from, merge=merge
         )
         job = WorkerJob(command.argv, command.env, job_dir, timeout_s=launcher.timeout_s)
         try:

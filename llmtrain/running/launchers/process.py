@@ -1,9 +1,7 @@
 """Running the launcher: stream its output, notice the first failing rank, leave nothing.
-
-The launcher starts in a session of its own, and every worker records its pid in the job
-folder (torchrun gives each worker yet another session), so on failure, timeout or Ctrl-C
-all of them are signalled by process group, then killed if they linger.
-"""
+The launcher has a session of its own and every worker records its pid in the job folder
+(torchrun gives each worker another session): on failure, timeout or Ctrl-C all of them are
+signalled by process group, then killed if they linger."""
 
 from __future__ import annotations
 
@@ -52,9 +50,8 @@ class WorkerJob:
         timeout_s: float | None = None,
         echo: IO[str] | None = None,
     ) -> None:
-        """``echo``: where the job's output goes (default: stdout and stderr, as written)."""
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
-        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr
+        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr  # default: as written
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.worker_pids: set[int] = set()
         self.proc: subprocess.Popen[str] | None = None
@@ -85,15 +82,13 @@ class WorkerJob:
                 if self.first_error() is not None:
                     break
                 if self.timeout_s and time.monotonic() - started > self.timeout_s:
-                    self.stop()
                     raise DistributedError(
                         f"the distributed job did not finish within "
                         f"{self.timeout_s:g} s and was stopped"
                     )
                 time.sleep(POLL_S)
-            self._note_workers()
         finally:
-            self.stop()
+            self.stop()  # notes the workers last started, too
             for reader in readers:
                 reader.join(timeout=5)
         failure = self.first_error()
@@ -113,18 +108,14 @@ class WorkerJob:
         assert pipe is not None
         for line in pipe:
             self.tail.append(line)
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a closed notebook stream
                 echo.write(line)
                 echo.flush()
-            except (OSError, ValueError):  # a closed notebook stream must not stop draining
-                pass
 
     def _note_workers(self) -> None:
         for path in (self.job_dir / "pids").glob("rank*"):
-            try:
+            with contextlib.suppress(ValueError):  # being written
                 self.worker_pids.add(int(path.read_text().strip()))
-            except ValueError:  # being written
-                continue
 
     def first_error(self) -> tuple[int, str] | None:
         """The rank whose traceback was written first (later ones are usually its echo)."""
@@ -143,34 +134,24 @@ class WorkerJob:
 
     def stop(self) -> None:
         """SIGTERM every process group involved, SIGKILL what is left after a grace period."""
+        assert self.proc is not None
         self._note_workers()
-        if (
-            self.proc is not None
-            and self.proc.poll() is not None
-            and not any(alive(p) for p in self.worker_pids)
-        ):
+        if self.proc.poll() is not None and not any(alive(p) for p in self.worker_pids):
             return
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(alive(p) for p in self.pids()):
-            if self.proc is not None:
-                self.proc.poll()  # reap the launcher
+            self.proc.poll()  # reap the launcher
             time.sleep(0.05)
         self._signal(signal.SIGKILL)
-        if self.proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=GRACE_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=GRACE_S)
 
     def _signal(self, sig: int) -> None:
-        mine = os.getpgrp()
-        for pid in self.pids():
-            if not alive(pid):
-                continue
-            try:
+        for pid in filter(alive, self.pids()):
+            with contextlib.suppress(ProcessLookupError):
                 group = os.getpgid(pid)
-                if group != mine:
+                if group != os.getpgrp():
                     os.killpg(group, sig)
                 else:
                     os.kill(pid, sig)
-            except ProcessLookupError:
-                continue

@@ -1,9 +1,6 @@
-"""``python -m llmtrain.running.launchers.worker``: one rank of a launched fit.
-
-It reconnects from the environment (the URIs never appear on the command line), reads the
-run's plan from its record in the metadata store and trains its share. On failure it writes
-its traceback to the job folder, where the parent finds which rank failed first.
-"""
+"""``python -m llmtrain.running.launchers.worker``: one rank of a launched fit. It connects
+from the environment, reads the run's plan from its record and trains its share; on failure
+its traceback goes to the job folder, where the parent finds which rank failed first."""
 
 from __future__ import annotations
 
@@ -16,15 +13,6 @@ from pathlib import Path
 from llmtrain.console import QUIET_ENV, quieted
 from llmtrain.placement import Placement
 from llmtrain.running.launchers.command import ARTIFACTS_ENV, DB_ENV, JOB_ENV, METADATA_ENV
-
-
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m llmtrain.running.launchers.worker")
-    parser.add_argument("--run-id", required=True)
-    parser.add_argument("--resume-from", help="the artifact id of the checkpoint to resume")
-    parser.add_argument("--merge", action="store_true")
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
-    return parser.parse_args(argv)
 
 
 def train(args: argparse.Namespace, placement: Placement) -> None:
@@ -48,8 +36,12 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    placement = Placement.from_environment()
+    parser = argparse.ArgumentParser(prog="python -m llmtrain.running.launchers.worker")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--resume-from", help="the artifact id of the checkpoint to resume")
+    parser.add_argument("--merge", action="store_true")
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
+    args, placement = parser.parse_args(argv), Placement.from_environment()
     rank = placement.rank
     job_dir = Path(os.environ[JOB_ENV]) if os.environ.get(JOB_ENV) else None
     if job_dir is not None:

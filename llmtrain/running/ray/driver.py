@@ -1,10 +1,6 @@
-"""The driver of a Ray fit: start Ray Train's TorchTrainer, serve its workers, record.
-
-The driver (the process that called fit()) keeps the database: it stored the trainer and
-opened the run before, it answers the workers' calls while they train, it copies every
-checkpoint they report from Ray's storage into the artifact store, and at the end it stores
-the model and marks the run, as a local rank 0 does (:func:`llmtrain.running.local.run_here`).
-"""
+"""The driver of a Ray fit (the process that called fit()) keeps the database: it answers
+the workers' calls, copies each checkpoint they report into the artifact store, and stores
+the model and marks the run as a local rank 0 does."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +24,7 @@ from llmtrain.config.args import RayConfig
 from llmtrain.console import QUIET_ENV
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.running.local import Outcome, mark_failed, store_model
-from llmtrain.running.ray.bridge import DriverService
+from llmtrain.running.ray.bridge import serving
 from llmtrain.running.ray.worker import checkpoint_name, train_loop
 from llmtrain.stores.artifacts.fsspec_store import check_url
 from llmtrain.stores.metadata.base import CheckpointRecord
@@ -72,40 +68,34 @@ class RayRun:
         keep = plan.config.training_args.save_total_limit
         self.checkpointer = Checkpointer(db, plan.run_id, None, keep=keep, workdir=self.workdir)  # type: ignore[arg-type]
 
-    # -- what the workers get ----------------------------------------------------------------
     def loop_config(self, broker: Any) -> dict[str, Any]:
-        """Everything a worker needs, and nothing that locates the database: the plan with
-        its recipe's database URI taken out, the callbacks, the channel."""
-        fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})  # not where rows are
+        """What a worker gets, and nothing that locates the database: the plan without its
+        recipe's database URI, the callbacks, the broker."""
+        fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})
         plan = replace(self.plan, config=self.plan.config.model_copy(update={"fit": fit}))
-        return {
-            "broker": broker,
-            "plan": plan,
-            "callbacks": self.callbacks,
-            "quiet": os.environ.get(QUIET_ENV) == "1",  # as quiet as the fit on the driver
-        }
+        quiet = os.environ.get(QUIET_ENV) == "1"  # as quiet as the fit on the driver
+        return {"broker": broker, "plan": plan, "callbacks": self.callbacks, "quiet": quiet}
 
-    # -- what the driver answers ---------------------------------------------------------------
+    # -- the driver's own calls ------------------------------------------------------------
     def database(self) -> str | None:
         return self.db.secret_uri() if self.config.workers_read_database else None
 
     def resume_point(self) -> CheckpointRecord | None:
-        """What the worker group resumes from: the plan's checkpoint the first time, the
-        newest checkpoint once this attempt recorded one (Ray restarted the group)."""
+        """The plan's checkpoint the first time, the newest one once this attempt recorded
+        one (Ray restarted the group)."""
         return self.checkpoints[-1] if self.checkpoints else self.plan.resume_from
 
-    def record_checkpoint(self, step: int, epoch: int, world_size: int) -> Any:
-        """Copy the checkpoint the workers reported from Ray's storage into the artifact
-        store and record it on the run, as a local run's is."""
+    def record_checkpoint(self, step: int, epoch: int, world_size: int) -> CheckpointRecord:
+        """Copy a reported checkpoint from Ray's storage into the artifact store and record
+        it on the run, as a local run's is."""
         name = checkpoint_name(step)
         source = ray.train.Checkpoint(f"{self.path}/{self.name}/{name}", self.filesystem)
         folder = self.workdir / name
         try:
             source.to_directory(str(folder))
             verify(folder)
-            record = self.checkpointer.record(
-                folder, {"step": step, "epoch": epoch, "world_size": world_size}
-            )
+            state = {"step": step, "epoch": epoch, "world_size": world_size}
+            record = self.checkpointer.record(folder, state)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         self.checkpoints.append(record)
@@ -115,25 +105,6 @@ class RayRun:
         self.finished = outcome
 
     # -- the job -------------------------------------------------------------------------------
-    def trainer_for_ray(self, broker: Any) -> TorchTrainer:
-        c, keep = self.config, self.plan.config.training_args.save_total_limit
-        return TorchTrainer(
-            train_loop,
-            train_loop_config=self.loop_config(broker),
-            scaling_config=scaling(c),
-            run_config=ray.train.RunConfig(
-                name=self.name,
-                storage_path=self.path,
-                storage_filesystem=self.filesystem,
-                # a worker group that cannot start within Ray's start timeout (60 s; its
-                # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) fails the run, never waits on
-                failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]
-                    max_failures=c.max_failures, controller_failure_limit=0
-                ),
-                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=keep),
-            ),
-        )
-
     def ray_info(self, status: str, result: Any = None) -> dict[str, Any]:
         """What the run record shows of Ray: its run, status, metrics and checkpoints."""
         info: dict[str, Any] = {
@@ -150,23 +121,37 @@ class RayRun:
         return info
 
     def fit(self, *, merge: bool) -> TrainedModel:
-        db, run_id = self.db, self.plan.run_id
-        service = DriverService(
-            db,
-            {
-                "database": self.database,
-                "resume_point": self.resume_point,
-                "record_checkpoint": self.record_checkpoint,
-                "finished": self.finish,
-                "say": lambda text: print(text, file=sys.stderr, flush=True),
-            },
-            threads=self.config.num_workers,
-        )
+        db, run_id, c = self.db, self.plan.run_id, self.config
+        calls: dict[str, Callable[..., Any]] = {
+            "database": self.database,
+            "resume_point": self.resume_point,
+            "record_checkpoint": self.record_checkpoint,
+            "finished": self.finish,
+            "say": lambda text: print(text, file=sys.stderr, flush=True),
+        }
         try:
-            with service:
+            with serving(db, calls, threads=c.num_workers) as broker:
                 db.metadata.update_run(run_id, info={"ray": self.ray_info("starting")})
                 try:
-                    result = self.trainer_for_ray(service.broker).fit()
+                    trainer = TorchTrainer(
+                        train_loop,
+                        train_loop_config=self.loop_config(broker),
+                        scaling_config=scaling(c),
+                        run_config=ray.train.RunConfig(
+                            name=self.name,
+                            storage_path=self.path,
+                            storage_filesystem=self.filesystem,
+                            # a worker group that cannot start within Ray's start timeout (60 s;
+                            # RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S) fails the run
+                            failure_config=ray.train.FailureConfig(  # type: ignore[call-arg]
+                                max_failures=c.max_failures, controller_failure_limit=0
+                            ),
+                            checkpoint_config=ray.train.CheckpointConfig(
+                                num_to_keep=self.plan.config.training_args.save_total_limit
+                            ),
+                        ),
+                    )
+                    result = trainer.fit()
                     if result.error is not None:
                         raise result.error
                     if self.finished is None:
@@ -189,25 +174,11 @@ def scaling(config: RayConfig) -> Any:
     )
 
 
-def check_resources(config: RayConfig) -> None:
-    """ConfigError naming the request and what the cluster has, when the workers could never
-    be placed (``use_gpu`` on a cluster without GPUs): Ray itself would wait for them."""
-    wanted = scaling(config).total_resources
-    have = ray.cluster_resources()
-    short = sorted(name for name, amount in wanted.items() if amount > have.get(name, 0))
-    if short:
-        shown = {name: have.get(name, 0) for name in sorted({*wanted, "CPU", "GPU"})}
-        raise ConfigError(
-            f"ray_config asks for {config.num_workers} worker(s) needing {dict(wanted)} in "
-            f"all, but the Ray cluster has {shown}: not enough {', '.join(short)}; lower "
-            "ray_config.num_workers or resources_per_worker, or drop use_gpu"
-        )
-
-
 @contextlib.contextmanager
 def ray_session(config: RayConfig) -> Iterator[None]:
     """This process's Ray instance (or ``ray_config.address``'s); one it starts itself is shut
-    down after the fit. The workers' resources are checked before anything is recorded."""
+    down after the fit. Workers the cluster could never place (``use_gpu`` without GPUs, for
+    which Ray would wait) are refused before anything is recorded."""
     started = not ray.is_initialized()
     if started:  # a quiet fit hears from its workers through the driver only (progress)
         quiet = os.environ.get(QUIET_ENV) == "1"
@@ -218,7 +189,15 @@ def ray_session(config: RayConfig) -> Iterator[None]:
             logging_level=logging.ERROR if quiet else logging.INFO,
         )
     try:
-        check_resources(config)
+        wanted, have = scaling(config).total_resources, ray.cluster_resources()
+        short = sorted(name for name, amount in wanted.items() if amount > have.get(name, 0))
+        if short:
+            shown = {name: have.get(name, 0) for name in sorted({*wanted, "CPU", "GPU"})}
+            raise ConfigError(
+                f"ray_config asks for {config.num_workers} worker(s) needing {dict(wanted)} in "
+                f"all, but the Ray cluster has {shown}: not enough {', '.join(short)}; lower "
+                "ray_config.num_workers or resources_per_worker, or drop use_gpu"
+            )
         yield
     finally:
         if started:

@@ -1,19 +1,19 @@
-"""One Ray Train worker: the same FitRun as a local or launched rank, at Ray's placement.
+"""One Ray Train worker: the same run body as a local or launched rank, at Ray's placement.
 
-It gets a recipe without the database's address, the run's snapshot manifest and a channel
-to the driver; rows, stores and records all go through that channel. Checkpoints go to Ray
-Train (``ray.train.report``, on every rank alike) and rank 0 asks the driver to record them.
-After Ray restarts the worker group, the run continues from Ray's last checkpoint.
+Rows, stores and records go through the driver (:mod:`~llmtrain.running.ray.bridge`);
+checkpoints go to Ray Train (``ray.train.report`` on every rank) and rank 0 has the driver
+record them. After Ray restarts the group, the run continues from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import shutil
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray.train
 import torch
@@ -21,11 +21,9 @@ import torch
 from llmtrain.console import quieted
 from llmtrain.placement import Placement
 from llmtrain.running.local import train_run
-from llmtrain.running.ray.bridge import Channel, RemoteDB
-from llmtrain.stores.handle import Database
+from llmtrain.running.ray.bridge import RemoteDB, call
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.checkpoint import Checkpointer, rng_state, seal, sha256_file
-from llmtrain.training.strategies import strategy_for
 
 
 def checkpoint_name(step: int) -> str:
@@ -36,9 +34,9 @@ def checkpoint_name(step: int) -> str:
 class RayCheckpointer(Checkpointer):
     """Checkpoints reported to Ray Train, then recorded by the driver like a local run's."""
 
-    def __init__(self, *args: Any, channel: Channel, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, broker: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.channel = channel
+        self.broker = broker
 
     def save(
         self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
@@ -52,8 +50,9 @@ class RayCheckpointer(Checkpointer):
             weights = s.trainable_state_dict(model)
             s.save_optimizer(model, optimizer, folder)
             torch.save(rng_state(), folder / f"rng_rank{s.rank}.pt")
-            mine = {p.name: sha256_file(p) for p in folder.iterdir() if p.is_file()}
-            everyone = s.gather_object(mine)
+            everyone = s.gather_object(
+                {p.name: sha256_file(p) for p in folder.iterdir() if p.is_file()}
+            )
             if s.is_main:
                 others = {k: v for files in everyone[1:] for k, v in files.items()}
                 seal(folder, weights, scheduler, state, world_size=s.world_size, more_files=others)
@@ -65,9 +64,8 @@ class RayCheckpointer(Checkpointer):
             s.barrier()  # every rank's files are in storage before the driver reads them
             record = None
             if s.is_main:
-                record = self.channel.call(
-                    "driver", "record_checkpoint", step, state["epoch"], s.world_size
-                )
+                args = (step, state["epoch"], s.world_size)
+                record = call(self.broker, "driver", "record_checkpoint", *args)
             s.barrier()
             return record
         finally:
@@ -86,56 +84,46 @@ class RayCheckpointer(Checkpointer):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` of the TorchTrainer: the plan, trained as a local rank would
-    (:func:`llmtrain.running.local.train_run`), at Ray's placement, through the channel."""
+    """``train_loop_per_worker`` of the TorchTrainer: the plan, trained as a local rank would,
+    at Ray's placement, with the driver's stores."""
     from llmtrain.datalayer import connect
 
-    context = ray.train.get_context()
+    context, broker = ray.train.get_context(), config["broker"]
     placement = Placement(
         rank=context.get_world_rank(),
         world_size=context.get_world_size(),
         local_rank=context.get_local_rank(),
         launched=True,
     )
-    channel = Channel(config["broker"])
-    # the driver's stores; the rows from the driver too, unless the workers may read the
-    # database themselves (the driver then hands its address over the channel, never in the
-    # worker's configuration)
-    address = channel.call("driver", "database")
+    # rows from the driver too, unless the workers may read the database themselves (the
+    # driver then hands its address over, never in the worker's configuration)
+    address = call(broker, "driver", "database")
     own = None if address is None else connect(address)
-    db = RemoteDB(channel) if own is None else RemoteDB(channel, backend=own.backend, uri=own.uri)
+    db = RemoteDB(broker) if own is None else RemoteDB(broker, own.backend, own.uri)
     # a restarted worker group continues from the last checkpoint, as a resume does
-    plan = replace(config["plan"], resume_from=channel.call("driver", "resume_point"))
-    strategy = strategy_for(plan.config, placement)
+    plan = replace(config["plan"], resume_from=call(broker, "driver", "resume_point"))
     with quieted(config["quiet"]):  # as quiet as the fit on the driver
         outcome = train_run(
             plan,
-            cast(Database, db),  # the channel serves every call a run makes of its stores
-            strategy,
+            db,  # type: ignore[arg-type]  # the broker serves every call a run makes
+            placement,
             callbacks=config["callbacks"],
-            checkpointer=functools.partial(RayCheckpointer, channel=channel),
-            progress_stream=ToDriver(channel),
+            checkpointer=functools.partial(RayCheckpointer, broker=broker),
+            progress_stream=ToDriver(broker),
         )
     if outcome is not None:
-        channel.call("driver", "finished", outcome)
+        call(broker, "driver", "finished", outcome)
 
 
-class ToDriver:
-    """A text stream whose lines the driver prints (the rank's progress lines): a worker's
-    own output is Ray's to forward, and a quiet fit has Ray forward none."""
+class ToDriver(io.TextIOBase):
+    """The rank's progress lines, printed by the driver: a worker's own output is Ray's to
+    forward, and a quiet fit has Ray forward none."""
 
-    def __init__(self, channel: Channel) -> None:
-        self.channel, self.held = channel, ""
+    def __init__(self, broker: Any) -> None:
+        self.broker, self.held = broker, ""
 
     def write(self, text: str) -> int:
-        self.held += text
-        *lines, self.held = self.held.split("\n")
+        *lines, self.held = (self.held + text).split("\n")
         for line in lines:
-            self.channel.call("driver", "say", line)
+            call(self.broker, "driver", "say", line)
         return len(text)
-
-    def flush(self) -> None:
-        """Lines go as they end."""
-
-    def isatty(self) -> bool:
-        return False

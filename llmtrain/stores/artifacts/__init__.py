@@ -7,16 +7,9 @@ from pathlib import Path
 
 from llmtrain.errors import ConfigError
 from llmtrain.stores.artifacts.base import URL_SCHEME, ArtifactStore
+from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore, check_url
 from llmtrain.stores.artifacts.local import LocalArtifactStore
 from llmtrain.uri import is_mongo_uri, redact_uri
-
-__all__ = [
-    "ArtifactStore",
-    "LocalArtifactStore",
-    "check_artifacts_spec",
-    "is_url",
-    "open_artifacts",
-]
 
 
 def is_url(spec: str | Path) -> bool:
@@ -34,8 +27,6 @@ def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
             f"artifacts='gridfs' needs a MongoDB metadata database, not {redact_uri(metadata_uri)}"
         )
     if is_url(spec):
-        from llmtrain.stores.artifacts.fsspec_store import check_url
-
         check_url(str(spec))
 
 
@@ -44,8 +35,6 @@ def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
     anything else (``file://`` included): a folder."""
     check_artifacts_spec(spec, metadata_uri)
     if is_url(spec):
-        from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
-
         return FsspecArtifactStore(str(spec))
     if spec == "gridfs":
         from llmtrain.stores.artifacts.gridfs import GridFSArtifactStore

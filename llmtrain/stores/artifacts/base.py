@@ -1,12 +1,9 @@
-"""The artifact store contract, and the logic every content-addressed store shares.
+"""The artifact store contract, and everything about it that does not depend on where bytes live.
 
-An artifact id is ``"sha256:<hex>"`` for a blob, or ``"tree:<hex>"`` for a folder (the hash
-of its JSON manifest of relative paths -> blob ids). :class:`ContentAddressedStore` holds
-everything that does not depend on where bytes live (ids, manifests, hashing while copying,
-verification, tree materialisation, deletion); a store supplies five primitives. Every store
-(the local folder, GridFS, fsspec URLs) keeps the same contract, tested once for all of them
-in ``tests/test_artifacts.py``: content-addressed, atomic (no partial object under its final
-name), verified on read, streamed in ``CHUNK``-sized pieces, ids that cannot name a path.
+Ids are ``"sha256:<hex>"`` (a blob) or ``"tree:<hex>"`` (the hash of a folder's JSON manifest
+of relative paths -> blob ids). Every store is content-addressed, atomic (no partial object
+under its final name), verified on read, streamed in ``CHUNK`` pieces, and its ids cannot
+name a path; ``tests/test_artifacts.py`` checks that once for all of them.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, LlmtrainError, StoreError
 
@@ -35,7 +32,6 @@ TMP_PREFIX = ".tmp-"
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
-# -- ids, paths and manifests ---------------------------------------------------------------
 def parse_id(artifact_id: object) -> tuple[str, str]:
     """``(kind, hex)``; anything else is refused, so an id can never name a path."""
     match = _ID.fullmatch(artifact_id) if isinstance(artifact_id, str) else None
@@ -45,6 +41,18 @@ def parse_id(artifact_id: object) -> tuple[str, str]:
             f"invalid artifact id {shown}: expected 'sha256:<64 hex>' or 'tree:<64 hex>'"
         )
     return match.group(1), match.group(2)
+
+
+def id_path(artifact_id: str) -> tuple[str, str, str]:
+    """Where a folder-like store keeps it: ``blobs/ab/cdef...`` or ``trees/ab/cdef...``."""
+    kind, hexdigest = parse_id(artifact_id)
+    return "blobs" if kind == BLOB else "trees", hexdigest[:2], hexdigest[2:]
+
+
+def tree_ids(names: Iterable[Sequence[str]]) -> list[str]:
+    """The tree ids of stored ``(ab, cdef...)`` names, sorted; temporary files are skipped."""
+    ids = (f"{TREE}:{head}{name}" for head, name in names)
+    return sorted(i for i in ids if _ID.fullmatch(i))
 
 
 def check_relpath(relpath: object) -> str:
@@ -87,12 +95,6 @@ def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
     return files
 
 
-def tree_ids(names: Iterable[Sequence[str]]) -> list[str]:
-    """The tree ids of stored ``(ab, cdef...)`` names, sorted; temporary files are skipped."""
-    ids = (f"{TREE}:{head}{name}" for head, name in names)
-    return sorted(i for i in ids if _ID.fullmatch(i))
-
-
 def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
     return ArtifactCorruptError(
         f"artifact {artifact_id} is corrupt: its content now hashes "
@@ -100,105 +102,47 @@ def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
     )
 
 
-class HashingReader:
-    """Hashes what passes through, so a source is verified while it is copied."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self._raw = raw
-        self._hash = hashlib.sha256()
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._raw.read(size)
-        self._hash.update(data)
-        return data
-
-    def check(self, artifact_id: str) -> None:
-        """Before publishing: the bytes read must still be the ones that were hashed."""
-        if self._hash.hexdigest() != parse_id(artifact_id)[1]:
-            raise StoreError(
-                f"the content of {artifact_id} changed while it was being "
-                "stored (was the file modified?); nothing was stored"
-            )
-
-
-def _file_digest(path: Path) -> str:
+def hashed_copy(source: BinaryIO, out: Any = None) -> str:
+    """Copy ``source`` to ``out`` (if any) in ``CHUNK`` pieces; the sha256 of what was read."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
+    while chunk := source.read(CHUNK):
+        digest.update(chunk)
+        if out is not None:
+            out.write(chunk)
     return digest.hexdigest()
 
 
-def _os_error(what: str, exc: OSError) -> StoreError:
+def copy_checked(source: BinaryIO, out: Any, artifact_id: str) -> None:
+    """Copy, then refuse to publish bytes that are not the ones the id was hashed from."""
+    if hashed_copy(source, out) != parse_id(artifact_id)[1]:
+        raise StoreError(
+            f"the content of {artifact_id} changed while it was being "
+            "stored (was the file modified?); nothing was stored"
+        )
+
+
+def os_error(what: str, exc: OSError) -> StoreError:
     hint = " (disk full?)" if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)) else ""
     return StoreError(f"{what}: {exc.strerror or exc}{hint}")
 
 
 class ArtifactStore(ABC):
-    """Immutable, content-addressed storage: the contract of the module docstring."""
-
-    @abstractmethod
-    def put_bytes(self, data: bytes) -> str: ...
-
-    @abstractmethod
-    def put_file(self, path: str | Path) -> str: ...
-
-    @abstractmethod
-    def put_dir(self, path: str | Path) -> str:
-        """Store every regular file below ``path``; return a ``tree:`` id."""
-
-    @abstractmethod
-    def get_bytes(self, artifact_id: str) -> bytes:
-        """The blob's bytes, verified; ArtifactCorruptError if they no longer match."""
-
-    @abstractmethod
-    def get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        """Materialise a tree into ``dest`` (created; must be empty or absent), verified."""
-
-    @abstractmethod
-    def exists(self, artifact_id: str) -> bool: ...
-
-    @property
-    def location(self) -> str:
-        """Where the artifacts are, as ``connect(artifacts=)`` takes it (no secret in it):
-        recorded on every run and model, so a reader can be told where to look."""
-        return repr(self)
-
-    def require(self, artifact_id: str, recorded: str | None, what: str) -> None:
-        """ArtifactNotFoundError naming where ``what`` recorded its artifacts, when
-        ``artifact_id`` is not here and that is another store."""
-        if self.exists(artifact_id):
-            return
-        hint = ""
-        if recorded and recorded != self.location:
-            hint = (
-                f"; {what} stored its artifacts in {recorded}: open the database with "
-                f"artifacts={recorded!r} (llmtrain ... --artifacts {recorded})"
-            )
-        raise ArtifactNotFoundError(
-            f"artifact {artifact_id} of {what} is not in {self.location}{hint}"
-        )
-
-    @abstractmethod
-    def delete(self, artifact_id: str) -> None:
-        """Delete a blob, or a tree's manifest and those of its blobs no other tree uses."""
-
-    def put(self, obj: bytes | str | Path) -> str:
-        """Bytes, a file path or a folder path."""
-        if isinstance(obj, (bytes, bytearray, memoryview)):
-            return self.put_bytes(bytes(obj))
-        path = Path(obj)
-        return self.put_dir(path) if path.is_dir() else self.put_file(path)
-
-
-# -- the shared logic -----------------------------------------------------------------------
-class ContentAddressedStore(ArtifactStore):
-    """Ids, trees, verification and deletion over five storage primitives."""
+    """Ids, trees, verification and deletion over five storage primitives (``_has``,
+    ``_save``, ``_open``, ``_remove``, ``_tree_ids``) that each store supplies."""
 
     #: where the artifacts are, for messages; the storage's own exceptions, which
     #: :meth:`_errors` turns into a StoreError naming the operation
     _label = "artifacts"
     _storage_errors: tuple[type[Exception], ...] = ()
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """Where the artifacts are, as ``connect(artifacts=)`` takes it (no secret in it):
+        recorded on every run and model, so a reader can be told where to look."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.location!r})"
 
     def _error(self, what: str, exc: BaseException) -> StoreError:
         return StoreError(f"{self._label}: {what} failed: {type(exc).__name__}: {exc}")
@@ -217,11 +161,11 @@ class ContentAddressedStore(ArtifactStore):
 
     @abstractmethod
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
-        """Store ``source`` under the id; visible only once complete and ``check``-ed."""
+        """Store ``source`` under the id (via :func:`copy_checked`); visible only once complete."""
 
     @abstractmethod
     def _open(self, artifact_id: str) -> BinaryIO:
-        """A readable stream; StoreError naming the id if it is absent."""
+        """A readable stream; ArtifactNotFoundError naming the id if it is absent."""
 
     @abstractmethod
     def _remove(self, artifact_id: str) -> None:
@@ -235,7 +179,29 @@ class ContentAddressedStore(ArtifactStore):
         """Held shared by put_dir and exclusive by delete, where the store can lock."""
         yield
 
+    def require(self, artifact_id: str, recorded: str | None, what: str) -> None:
+        """ArtifactNotFoundError naming where ``what`` recorded its artifacts, when
+        ``artifact_id`` is not here and that is another store."""
+        if self.exists(artifact_id):
+            return
+        hint = ""
+        if recorded and recorded != self.location:
+            hint = (
+                f"; {what} stored its artifacts in {recorded}: open the database with "
+                f"artifacts={recorded!r} (llmtrain ... --artifacts {recorded})"
+            )
+        raise ArtifactNotFoundError(
+            f"artifact {artifact_id} of {what} is not in {self.location}{hint}"
+        )
+
     # -- writing --------------------------------------------------------------------------------
+    def put(self, obj: bytes | str | Path) -> str:
+        """Bytes, a file path or a folder path."""
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return self.put_bytes(bytes(obj))
+        path = Path(obj)
+        return self.put_dir(path) if path.is_dir() else self.put_file(path)
+
     def put_bytes(self, data: bytes) -> str:
         return self._put_data(BLOB, data)
 
@@ -250,16 +216,18 @@ class ContentAddressedStore(ArtifactStore):
         if not path.is_file():
             raise StoreError(f"cannot store {path}: not a regular file")
         try:
-            artifact_id = f"{BLOB}:{_file_digest(path)}"
+            with open(path, "rb") as f:
+                artifact_id = f"{BLOB}:{hashed_copy(f)}"
             if not self._has(artifact_id):
                 with open(path, "rb") as f:
                     self._save(artifact_id, f)  # re-hashed on the way: a changed file fails
         except OSError as exc:
-            raise _os_error(f"cannot read {path}", exc) from exc
+            raise os_error(f"cannot read {path}", exc) from exc
         return artifact_id
 
     def put_dir(self, path: str | Path) -> str:
-        """Files (and links to files) below ``path``; links to folders are not followed."""
+        """Files (and links to files) below ``path`` as a ``tree:`` id; links to folders are
+        not followed."""
         path = Path(path)
         if not path.is_dir():
             raise StoreError(f"cannot store {path}: not a folder")
@@ -275,7 +243,12 @@ class ContentAddressedStore(ArtifactStore):
             return self._put_data(TREE, manifest_bytes(files))
 
     # -- reading --------------------------------------------------------------------------------
+    def exists(self, artifact_id: str) -> bool:
+        parse_id(artifact_id)
+        return self._has(artifact_id)
+
     def get_bytes(self, artifact_id: str) -> bytes:
+        """The blob's bytes, verified; ArtifactCorruptError if they no longer match."""
         _, expected = parse_id(artifact_id)
         with self._open(artifact_id) as raw:
             data = raw.read()
@@ -285,10 +258,11 @@ class ContentAddressedStore(ArtifactStore):
         return data
 
     def get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        """Built in a hidden sibling folder, then renamed: ``dest`` is all there or absent."""
+        """Materialise a tree into ``dest`` (created; must be empty or absent), verified; built
+        in a hidden sibling folder, then renamed: ``dest`` is all there or absent."""
         if parse_id(artifact_id)[0] != TREE:
             raise StoreError(f"{artifact_id} is a blob, not a folder: use get_bytes")
-        files = parse_manifest(self.get_bytes(artifact_id), artifact_id)
+        files = self._tree_files(artifact_id)
         dest = Path(dest)
         if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
             raise StoreError(f"cannot restore {artifact_id} into {dest}: it is not an empty folder")
@@ -298,31 +272,25 @@ class ContentAddressedStore(ArtifactStore):
             for relpath, blob_id in files.items():
                 target = staging.joinpath(*relpath.split("/"))
                 target.parent.mkdir(parents=True, exist_ok=True)
-                self._copy_verified(blob_id, target)
+                with self._open(blob_id) as src, open(target, "xb") as out:
+                    actual = hashed_copy(src, out)
+                if actual != parse_id(blob_id)[1]:
+                    raise corrupt(blob_id, actual)
             os.replace(staging, dest)
         except OSError as exc:
-            raise _os_error(f"cannot restore {artifact_id} into {dest}", exc) from exc
+            raise os_error(f"cannot restore {artifact_id} into {dest}", exc) from exc
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return dest
 
-    def _copy_verified(self, blob_id: str, target: Path) -> None:
-        digest = hashlib.sha256()
-        with self._open(blob_id) as src, open(target, "xb") as out:
-            while chunk := src.read(CHUNK):
-                digest.update(chunk)
-                out.write(chunk)
-        if digest.hexdigest() != parse_id(blob_id)[1]:
-            raise corrupt(blob_id, digest.hexdigest())
-
-    def exists(self, artifact_id: str) -> bool:
-        parse_id(artifact_id)
-        return self._has(artifact_id)
+    def _tree_files(self, tree_id: str) -> dict[str, str]:
+        return parse_manifest(self.get_bytes(tree_id), tree_id)
 
     # -- deleting -------------------------------------------------------------------------------
     def delete(self, artifact_id: str) -> None:
-        """Deleting an absent artifact is a no-op; a blob a tree still uses is refused."""
+        """Delete a blob, or a tree's manifest and those of its blobs no other tree uses.
+        Deleting an absent artifact is a no-op; a blob a tree still uses is refused."""
         kind, _ = parse_id(artifact_id)
         with self._tree_lock(exclusive=True):
             if not self._has(artifact_id):
@@ -344,6 +312,3 @@ class ContentAddressedStore(ArtifactStore):
             self._remove(artifact_id)  # first: a failure below leaves only unused blobs
             for blob_id in sorted(mine - used):
                 self._remove(blob_id)
-
-    def _tree_files(self, tree_id: str) -> dict[str, str]:
-        return parse_manifest(self.get_bytes(tree_id), tree_id)

@@ -1,25 +1,12 @@
-"""Content-addressed artifacts at any fsspec URL: ``s3://bucket/prefix``, ``gs://``, ``memory://``.
+"""Artifacts at any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``), laid out as
+the local folder is. Credentials and endpoints come from the environment (AWS settings,
+``FSSPEC_<PROTOCOL>_<OPTION>``), never the URL, which is stored, shown and handed to workers.
 
-The layout is the local folder's (``<url>/blobs/ab/cdef...``, ``<url>/trees/ab/cdef...``).
-Credentials and endpoints never travel in the URL: s3fs takes them from the usual AWS
-environment and configuration (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_PROFILE``,
-``~/.aws``, instance roles; ``AWS_ENDPOINT_URL`` or ``AWS_ENDPOINT_URL_S3`` for an S3-compatible
-server) and fsspec from ``FSSPEC_<PROTOCOL>_<OPTION>`` variables (``FSSPEC_S3_ENDPOINT_URL``),
-so the URL that is stored, shown and handed to workers carries no secret; one that tries to
-(``s3://key:secret@bucket``, ``?secret=``) is refused by :func:`check_url`.
-
-Atomic publication, two ways:
-
-- object stores (S3, GCS) write straight to the final key with ``autocommit=False``: the parts
-  are uploaded as they come (a multipart upload, ``WRITE_BLOCK`` bytes in memory at most) and
-  the object appears only when ``commit()`` completes the upload, after the content's sha256
-  was checked; a failed or killed write never completes it (S3 keeps the unfinished parts
-  invisible until an ``AbortIncompleteMultipartUpload`` lifecycle rule removes them);
-- every other filesystem writes a temporary ``<url>/tmp/<uuid>`` and moves it into place.
-
-There is no lock across machines: ``delete`` racing a ``put_dir`` of a folder that shares
-blobs with the one being deleted can drop a blob the new tree needs (``get_dir`` then fails
-naming it); delete while nothing trains into the same store.
+Atomic publication: object stores (S3, GCS) write the final key with ``autocommit=False``, a
+multipart upload (``WRITE_BLOCK`` bytes in memory at most) completed by ``commit()`` only after
+the sha256 checked; other filesystems write ``<url>/tmp/<uuid>`` and move it into place.
+There is no lock across machines: ``delete`` racing a ``put_dir`` that shares blobs can drop
+one the new tree needs (``get_dir`` then fails naming it).
 """
 
 from __future__ import annotations
@@ -32,12 +19,11 @@ from urllib.parse import urlsplit
 
 from llmtrain.errors import ArtifactNotFoundError, ConfigError, LlmtrainError
 from llmtrain.stores.artifacts.base import (
-    BLOB,
     CHUNK,
     URL_SCHEME,
-    ContentAddressedStore,
-    HashingReader,
-    parse_id,
+    ArtifactStore,
+    copy_checked,
+    id_path,
     tree_ids,
 )
 
@@ -98,7 +84,7 @@ def _from_storage(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or package in STORAGE_PACKAGES
 
 
-class FsspecArtifactStore(ContentAddressedStore):
+class FsspecArtifactStore(ArtifactStore):
     """Artifacts under an fsspec URL; the filesystem is opened on first use (and again after
     pickling: only the URL travels)."""
 
@@ -110,9 +96,6 @@ class FsspecArtifactStore(ContentAddressedStore):
         self._label = f"artifacts at {self.url}"
         self._fs: Any = None
         self._root = ""
-
-    def __repr__(self) -> str:
-        return f"FsspecArtifactStore({self.url!r})"
 
     @property
     def location(self) -> str:
@@ -137,8 +120,7 @@ class FsspecArtifactStore(ContentAddressedStore):
         return posixpath.join(self._root, *parts)
 
     def _path(self, artifact_id: str) -> str:
-        kind, hexdigest = parse_id(artifact_id)
-        return self._join("blobs" if kind == BLOB else "trees", hexdigest[:2], hexdigest[2:])
+        return self._join(*id_path(artifact_id))
 
     def _has(self, artifact_id: str) -> bool:
         path = self._path(artifact_id)
@@ -149,14 +131,11 @@ class FsspecArtifactStore(ContentAddressedStore):
         final = self._path(artifact_id)
         direct = self.protocol in ATOMIC_COMMIT
         target = final if direct else self._join("tmp", uuid.uuid4().hex)
-        reader = HashingReader(source)
         with self._errors(f"storing {artifact_id}"):
             out = self.fs.open(target, "wb", block_size=WRITE_BLOCK, autocommit=not direct)
         try:
-            while chunk := reader.read(CHUNK):
-                out.write(chunk)
+            copy_checked(source, out, artifact_id)
             out.close()  # object stores: parts uploaded, object not yet visible
-            reader.check(artifact_id)
             if direct:
                 out.commit()
             else:
@@ -181,12 +160,13 @@ class FsspecArtifactStore(ContentAddressedStore):
 
     def _open(self, artifact_id: str) -> BinaryIO:
         path = self._path(artifact_id)
-        try:
-            return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
-        except FileNotFoundError:
-            raise ArtifactNotFoundError(f"artifact {artifact_id} not found in {self.url}") from None
-        except Exception as exc:  # noqa: BLE001
-            raise self._error(f"reading {artifact_id}", exc) from exc
+        with self._errors(f"reading {artifact_id}"):
+            try:
+                return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
+            except FileNotFoundError:
+                raise ArtifactNotFoundError(
+                    f"artifact {artifact_id} not found in {self.url}"
+                ) from None
 
     def _remove(self, artifact_id: str) -> None:
         path = self._path(artifact_id)
@@ -195,10 +175,9 @@ class FsspecArtifactStore(ContentAddressedStore):
                 self.fs.rm_file(path)
 
     def _tree_ids(self) -> list[str]:
-        try:
-            paths = self.fs.find(self._join("trees"))
-        except FileNotFoundError:
-            return []
-        except Exception as exc:  # noqa: BLE001
-            raise self._error("listing folder artifacts", exc) from exc
+        with self._errors("listing folder artifacts"):
+            try:
+                paths = self.fs.find(self._join("trees"))
+            except FileNotFoundError:
+                return []
         return tree_ids(str(path).rstrip("/").split("/")[-2:] for path in paths)

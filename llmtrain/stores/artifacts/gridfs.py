@@ -1,23 +1,19 @@
-"""Content-addressed artifacts in GridFS, in the MongoDB metadata database.
-
-Each write gets its own GridFS ``_id`` and carries the artifact id as its ``filename``, which a
-unique index guards. GridFS inserts the file document only after the last chunk, so a reader
-never sees a partial artifact; a writer that loses a race removes only its own chunks.
-"""
+"""Artifacts in GridFS, in the MongoDB metadata database: the artifact id is the ``filename``
+(a unique index), and GridFS inserts the file document only after the last chunk, so a reader
+never sees a partial artifact; a writer that loses a race removes only its own chunks."""
 
 from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
 
 from pymongo.errors import PyMongoError
 
 from llmtrain.db.engines import mongo_database
-from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, StoreError
-from llmtrain.stores.artifacts.base import CHUNK, TREE, ContentAddressedStore, HashingReader
+from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError
+from llmtrain.stores.artifacts.base import TREE, ArtifactStore, copy_checked
 from llmtrain.stores.metadata.base import TABLE_PREFIX
 from llmtrain.uri import redact_uri, scheme_of
 
@@ -33,7 +29,7 @@ def _enable_mongomock_gridfs() -> None:
     mongomock.gridfs.enable_gridfs_integration()
 
 
-class GridFSArtifactStore(ContentAddressedStore):
+class GridFSArtifactStore(ArtifactStore):
     """Artifacts in ``_llmtrain_artifacts.files`` / ``.chunks`` of the metadata database."""
 
     _storage_errors = (PyMongoError,)
@@ -84,10 +80,7 @@ class GridFSArtifactStore(ContentAddressedStore):
         fs = self._fs(write=True)
         grid_in = fs.new_file(filename=artifact_id)
         try:
-            reader = HashingReader(source)
-            while chunk := reader.read(CHUNK):
-                grid_in.write(chunk)
-            reader.check(artifact_id)
+            copy_checked(source, grid_in, artifact_id)
             grid_in.close()
         except gridfs.errors.FileExists:
             self._drop_chunks(grid_in._id)  # another writer stored the same content first
@@ -108,7 +101,7 @@ class GridFSArtifactStore(ContentAddressedStore):
                 f"artifact {artifact_id} not found in {self._where} (GridFS)"
             )
         with self._errors(f"reading {artifact_id}"):
-            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self._error))
+            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self))
 
     def _remove(self, artifact_id: str) -> None:
         doc = self._file_doc(artifact_id)
@@ -125,11 +118,9 @@ class GridFSArtifactStore(ContentAddressedStore):
 class _GridReader(io.RawIOBase):
     """A GridOut whose damaged chunks surface as ArtifactCorruptError, like a bad hash."""
 
-    def __init__(
-        self, grid_out: Any, artifact_id: str, error: Callable[[str, Exception], StoreError]
-    ) -> None:
+    def __init__(self, grid_out: Any, artifact_id: str, store: GridFSArtifactStore) -> None:
         super().__init__()
-        self._grid_out, self._id, self._error = grid_out, artifact_id, error
+        self._grid_out, self._id, self._store = grid_out, artifact_id, store
 
     def readable(self) -> bool:
         return True
@@ -142,7 +133,7 @@ class _GridReader(io.RawIOBase):
         except gridfs.errors.CorruptGridFile as exc:
             raise ArtifactCorruptError(f"artifact {self._id} is corrupt: {exc}") from exc
         except PyMongoError as exc:
-            raise self._error(f"reading {self._id}", exc) from exc
+            raise self._store._error(f"reading {self._id}", exc) from exc
 
     def close(self) -> None:
         self._grid_out.close()

@@ -1,10 +1,6 @@
-"""Content-addressed artifacts in a local (or network-mounted) folder.
-
-:class:`LocalArtifactStore` keeps ``root/blobs/ab/cdef...`` and ``root/trees/ab/cdef...``,
-written to a temporary file in the same folder, fsynced and renamed into place, so a reader
-never sees a partial artifact; a lock file keeps ``put_dir`` and ``delete`` from racing.
-The shared logic (ids, manifests, verification) lives in :mod:`llmtrain.stores.artifacts.base`.
-"""
+"""Artifacts in a local (or network-mounted) folder: ``root/blobs/ab/cdef...`` and
+``root/trees/ab/cdef...``, each written to a temporary file beside it, fsynced and renamed
+into place; a lock file keeps ``put_dir`` and ``delete`` from racing."""
 
 from __future__ import annotations
 
@@ -17,13 +13,11 @@ from typing import BinaryIO
 
 from llmtrain.errors import ArtifactNotFoundError
 from llmtrain.stores.artifacts.base import (
-    BLOB,
-    CHUNK,
     TMP_PREFIX,
-    ContentAddressedStore,
-    HashingReader,
-    _os_error,
-    parse_id,
+    ArtifactStore,
+    copy_checked,
+    id_path,
+    os_error,
     tree_ids,
 )
 
@@ -33,31 +27,21 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
 
-class LocalArtifactStore(ContentAddressedStore):
+class LocalArtifactStore(ArtifactStore):
     """Artifacts under ``root``; the folder is created on the first write."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().absolute()
-
-    def __repr__(self) -> str:
-        return f"LocalArtifactStore({str(self.root)!r})"
 
     @property
     def location(self) -> str:
         return str(self.root)
 
     def _path(self, artifact_id: str) -> Path:
-        kind, hexdigest = parse_id(artifact_id)
-        return self.root / ("blobs" if kind == BLOB else "trees") / hexdigest[:2] / hexdigest[2:]
+        return self.root.joinpath(*id_path(artifact_id))
 
     def _has(self, artifact_id: str) -> bool:
         return self._path(artifact_id).is_file()
-
-    def _mkdir(self, folder: Path) -> None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc
 
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         final = self._path(artifact_id)
@@ -65,24 +49,26 @@ class LocalArtifactStore(ContentAddressedStore):
             final.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=TMP_PREFIX)
         except OSError as exc:
-            raise _os_error(f"cannot write artifacts under {self.root}", exc) from exc
+            raise os_error(f"cannot write artifacts under {self.root}", exc) from exc
         try:
             with os.fdopen(fd, "wb") as out:
-                reader = HashingReader(source)
-                while chunk := reader.read(CHUNK):
-                    out.write(chunk)
+                copy_checked(source, out, artifact_id)
                 os.fchmod(out.fileno(), 0o644)  # mkstemp's 0600 would hide it from a team
                 out.flush()
                 os.fsync(out.fileno())
-            reader.check(artifact_id)
             os.replace(tmp, final)
         except BaseException as exc:
             with suppress(OSError):
                 os.unlink(tmp)
             if isinstance(exc, OSError):
-                raise _os_error(f"cannot write {artifact_id} under {self.root}", exc) from exc
+                raise os_error(f"cannot write {artifact_id} under {self.root}", exc) from exc
             raise
-        _fsync_dir(final.parent)
+        with suppress(OSError):  # make the rename durable; some filesystems cannot
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _open(self, artifact_id: str) -> BinaryIO:
         try:
@@ -92,13 +78,13 @@ class LocalArtifactStore(ContentAddressedStore):
                 f"artifact {artifact_id} not found in {self.root}"
             ) from None
         except OSError as exc:
-            raise _os_error(f"cannot read {artifact_id} from {self.root}", exc) from exc
+            raise os_error(f"cannot read {artifact_id} from {self.root}", exc) from exc
 
     def _remove(self, artifact_id: str) -> None:
         try:
             self._path(artifact_id).unlink(missing_ok=True)
         except OSError as exc:
-            raise _os_error(f"cannot delete {artifact_id} from {self.root}", exc) from exc
+            raise os_error(f"cannot delete {artifact_id} from {self.root}", exc) from exc
 
     def _tree_ids(self) -> list[str]:
         return tree_ids((p.parent.name, p.name) for p in (self.root / "trees").glob("??/*"))
@@ -108,24 +94,17 @@ class LocalArtifactStore(ContentAddressedStore):
         if fcntl is None or (not exclusive and not self.root.is_dir()):
             yield  # a reader of a folder that is not there finds nothing: create nothing
             return
-        self._mkdir(self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise os_error(f"cannot write artifacts under {self.root}", exc) from exc
         try:
             handle = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held across the yield
         except OSError as exc:
-            raise _os_error(f"cannot lock {self.root}", exc) from exc
+            raise os_error(f"cannot lock {self.root}", exc) from exc
         with handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:
                 yield
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable; some filesystems cannot, which is fine."""
-    with suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

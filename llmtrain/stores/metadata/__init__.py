@@ -2,25 +2,8 @@
 
 from __future__ import annotations
 
-from llmtrain.stores.metadata.base import (
-    CheckpointRecord,
-    ComponentRecord,
-    MetadataStore,
-    MetricRecord,
-    RunRecord,
-    RunStatus,
-)
+from llmtrain.stores.metadata.base import MetadataStore
 from llmtrain.uri import is_mongo_uri
-
-__all__ = [
-    "CheckpointRecord",
-    "ComponentRecord",
-    "MetadataStore",
-    "MetricRecord",
-    "RunRecord",
-    "RunStatus",
-    "open_metadata",
-]
 
 
 def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:

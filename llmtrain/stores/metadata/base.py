@@ -1,7 +1,6 @@
 """The metadata store: components (versioned JSON records), runs, metrics and checkpoints.
 
-Everything stored here is plain JSON that a pydantic model validates on the way back;
-nothing is pickled, and URIs are redacted before they arrive.
+Stored as plain JSON that a pydantic model validates on the way back; never pickled.
 """
 
 from __future__ import annotations
@@ -20,16 +19,6 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from llmtrain.errors import ComponentNotFoundError, StoreError
 from llmtrain.uri import redact_uri
 
-__all__ = [
-    "TABLE_PREFIX",
-    "CheckpointRecord",
-    "ComponentRecord",
-    "Conflict",
-    "MetadataStore",
-    "MetricRecord",
-    "RunRecord",
-    "RunStatus",
-]
 R = TypeVar("R", bound=BaseModel)
 TABLE_PREFIX = "_llmtrain_"
 UTC = timezone.utc
@@ -89,15 +78,10 @@ Row = Mapping[str, Any]
 class MetadataStore(ABC):
     """Versioned components plus the records of training runs.
 
-    Versions start at 0 per (type_id, identifier) and are made unique by a unique index:
-    concurrent adds retry on conflict instead of reading then writing. A store pickles as
-    its URI and reconnects lazily; it only ever shows the URI redacted.
-
-    The rules live here, once: what a payload may be, how records are encoded and decoded,
-    which error a missing or duplicate record is, what a status change does to the stored
-    error. A backend supplies storage primitives only (the ``_``-methods below), never creates
-    its tables or collections when it is only read, and raises :class:`Conflict` when a unique
-    key is taken.
+    The rules live here, once (payloads, encoding, errors, status changes); a backend supplies
+    the ``_``-primitives below, creates nothing when only read, and raises :class:`Conflict`
+    when a unique key is taken. Versions start at 0 and are made unique by a unique index:
+    concurrent adds retry on conflict. A store pickles as its URI and reconnects lazily.
     """
 
     #: the driver's exceptions that become a StoreError naming the operation
@@ -111,11 +95,9 @@ class MetadataStore(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._where!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_uri": self._uri, "_missing_ok": self._missing_ok}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["_uri"], missing_ok=state.get("_missing_ok", False))  # type: ignore[misc]
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its URI: another process opens (and checks) the store afresh."""
+        return (type(self), (self._uri,), {"_missing_ok": self._missing_ok})
 
     # -- components ---------------------------------------------------------------------------
     def add_component(
@@ -127,7 +109,7 @@ class MetadataStore(ABC):
         unless_unchanged: bool = False,
     ) -> int:
         """Store a new version and return its number; with ``unless_unchanged``, return the
-        newest version instead when its payload equals ``payload`` (checked in the write)."""
+        newest version instead when its payload equals ``payload``."""
         what = f"{type_id} {identifier!r}"
         if not isinstance(payload, dict):
             raise StoreError(f"{what}: payload must be a dict, got {type(payload).__name__}")
@@ -168,7 +150,7 @@ class MetadataStore(ABC):
     def list_components(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[ComponentRecord]:
-        """All matching records, ordered by type_id, identifier, version."""
+        """Ordered by type_id, identifier, version."""
         with self._errors("listing components"):
             rows = self._find("components", **_given(type_id=type_id, identifier=identifier))
         # Sorted here: collations differ between databases, code points do not.
@@ -325,7 +307,9 @@ class MetadataStore(ABC):
         try:
             yield
         except self._driver_errors as exc:
-            refused = self._refused(exc)
+            from llmtrain.db.sql_errors import refusal
+
+            refused = refusal(exc, self._where)
             if refused is not None:
                 raise refused from None
             detail = getattr(exc, "orig", None) or exc
@@ -333,17 +317,10 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
-    def _refused(self, exc: BaseException) -> Exception | None:
-        """The ConfigError for a driver error that says the database or login is wrong."""
-        return None
-
     def _now(self) -> datetime:
         return datetime.now(UTC)
 
-    # -- backend primitives -------------------------------------------------------------------
-    # Rows carry the record's fields; payload/info/values are JSON text. A primitive that only
-    # reads or deletes finds nothing when the tables or collections do not exist yet, and
-    # creates none of them.
+    # -- backend primitives: rows carry the record's fields, payload/info/values as JSON text --
     @abstractmethod
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
         """Insert ``row`` as version newest + 1 (0 for the first) and return that version;
@@ -352,18 +329,18 @@ class MetadataStore(ABC):
 
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
-        """The rows whose columns equal ``equal`` (each one, None included), in the table's order:
+        """The rows whose columns equal ``equal`` (None included), in the table's order:
         components by version, runs oldest first, metrics by step then insertion, checkpoints
         by step. ``newest``: only the last of them."""
 
     @abstractmethod
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        """Remove the rows of ``tables`` whose columns equal ``equal`` (each one, None
-        included), in one transaction where the database has them; returns how many went."""
+        """Remove the rows of ``tables`` whose columns equal ``equal`` (None included), in
+        one transaction where the database has them; returns how many went."""
 
     @abstractmethod
     def _insert(self, table: str, row: Row) -> None:
-        """Insert into ``"runs"`` or ``"checkpoints"``; Conflict if a unique key is taken."""
+        """Insert a row; Conflict if a unique key is taken."""
 
     @abstractmethod
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
@@ -411,7 +388,6 @@ def pause(attempt: int) -> None:
 
 
 def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
-    """A new record as stored: its info as JSON text."""
     return {**record.model_dump(exclude={"info"}), "info": dumps(record.info, what)}
 
 

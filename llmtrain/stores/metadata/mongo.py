@@ -1,12 +1,9 @@
 """The metadata store in MongoDB (or mongomock): ``_llmtrain_*`` collections, unique indexes.
-
-Payloads, infos and metric values are stored as JSON strings, exactly as in SQL: a component's
-payload may itself hold a Mongo query whose ``$``-keys a document field could not take.
-"""
+JSON is stored as strings, as in SQL: a payload may hold a Mongo query whose ``$``-keys a
+document field could not take."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -42,29 +39,21 @@ _INDEXES: dict[str, list[tuple[list[tuple[str, int]], bool]]] = {
 
 
 class MongoMetadataStore(MetadataStore):
-    """Components and runs in ``_llmtrain_*`` collections of the URI's database.
-
-    The unique indexes are created by the first write; reads create no collection or index.
-    """
+    """The unique indexes are created by the first write; reads create nothing (a missing
+    database reads as empty, so ``missing_ok`` changes nothing here)."""
 
     _driver_errors = (PyMongoError,)
+    _indexes_ready = False
 
-    def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
-        super().__init__(uri, missing_ok=missing_ok)  # a missing database reads as empty anyway
-        self._indexes_ready = False
-        self._index_lock = threading.Lock()
-
-    # -- plumbing ---------------------------------------------------------------------------
     def _coll(self, table: str, *, write: bool = False) -> Collection[Any]:
-        """The ``_llmtrain_`` collection; for a write, after the unique indexes exist."""
+        """The ``_llmtrain_`` collection; for a write, after the indexes exist (creating one
+        twice, from two threads, is harmless)."""
         db = mongo_database(self._uri)
         if write and not self._indexes_ready:
-            with self._index_lock:
-                if not self._indexes_ready:
-                    for coll, specs in _INDEXES.items():
-                        for keys, unique in specs:
-                            db[TABLE_PREFIX + coll].create_index(keys, unique=unique)
-                    self._indexes_ready = True
+            for coll, specs in _INDEXES.items():
+                for keys, unique in specs:
+                    db[TABLE_PREFIX + coll].create_index(keys, unique=unique)
+            self._indexes_ready = True
         return db[TABLE_PREFIX + table]
 
     def _insert(self, table: str, row: Row) -> None:
@@ -79,7 +68,6 @@ class MongoMetadataStore(MetadataStore):
         now = super()._now()
         return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
-    # -- primitives ---------------------------------------------------------------------------
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
         found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
         if found and same(found[0]):

@@ -1,13 +1,9 @@
-"""The metadata store on any SQLAlchemy database (SQLite, PostgreSQL, MySQL/MariaDB).
-
-Core only, four ``_llmtrain_*`` tables created on first write; user tables are never touched.
-JSON goes in TEXT columns (LONGTEXT on MySQL) so every backend stores the same thing, and
-string columns are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay distinct there too.
-"""
+"""The metadata store on any SQLAlchemy database: four ``_llmtrain_*`` tables, created on first
+write. JSON goes in TEXT columns (LONGTEXT on MySQL) so every backend stores the same thing;
+strings are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay distinct there too."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -16,7 +12,6 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from llmtrain.db.engines import dispose_sql_engine, sql_engine, sqlite_path
-from llmtrain.db.sql_errors import refusal
 from llmtrain.errors import StoreError
 from llmtrain.stores.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
@@ -26,7 +21,7 @@ LOCK_TRIES = 5
 
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
-    """Naive UTC in the database (portable), timezone-aware UTC in Python."""
+    """Naive UTC in the database (portable); read back naive, made aware by ``_record``."""
 
     impl = sa.DateTime
     cache_ok = True
@@ -40,9 +35,6 @@ class UTCDateTime(sa.types.TypeDecorator[datetime]):
         if value is not None and value.tzinfo is not None:
             value = value.astimezone(UTC).replace(tzinfo=None)
         return value
-
-    def process_result_value(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
-        return None if value is None else value.replace(tzinfo=UTC)
 
 
 _ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")  # SQLite autoincrements INTEGER only
@@ -112,11 +104,8 @@ checkpoints = sa.Table(
 
 
 def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
-    """The tables as created: on MySQL/MariaDB with a binary collation that does not pad.
-
-    ``utf8mb4_bin`` compares ``"a "`` equal to ``"a"`` (PAD SPACE), so the unique keys would
-    merge them; MariaDB has ``utf8mb4_nopad_bin``, MySQL 8.0.17+ ``utf8mb4_0900_bin``.
-    """
+    """The tables as created: on MySQL/MariaDB with a binary collation that does not pad
+    (``utf8mb4_bin`` compares ``"a "`` equal to ``"a"``, so unique keys would merge them)."""
     if dialect.name not in ("mysql", "mariadb"):
         return schema
     version = dialect.server_version_info or (0,)
@@ -143,32 +132,23 @@ def _is_transient(exc: sa.exc.DBAPIError) -> bool:
 
 
 class SQLMetadataStore(MetadataStore):
-    """Components and runs in ``_llmtrain_*`` tables of a SQL database.
-
-    The engine comes from :func:`sql_engine` on every call (shared with the data backend,
-    one per process), so the store pickles as its URI and reopens lazily. The tables are
-    created by the first write; a read of a database without them finds nothing, and a read of
-    a SQLite file that is not there is a DatabaseNotFoundError (it never creates the file)
-    unless ``missing_ok`` (a separate metadata file, created by its first write).
-    """
+    """The engine is the data backend's (:func:`sql_engine`, one per process). A read of a
+    database without the tables finds nothing; of a SQLite file that is not there, it is a
+    DatabaseNotFoundError unless ``missing_ok`` (a separate metadata file)."""
 
     _driver_errors = (sa.exc.SQLAlchemyError,)
-
-    def _refused(self, exc: BaseException) -> Exception | None:
-        return refusal(exc, self._where)
 
     def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
         super().__init__(uri, missing_ok=missing_ok)
         self._schema_ready = False
-        self._schema_lock = threading.Lock()
 
-    # -- plumbing ---------------------------------------------------------------------------
     def _create_schema(self, engine: sa.Engine) -> None:
-        """``checkfirst`` can race with another process creating the same table: retry."""
+        """``checkfirst`` can race with another thread or process creating a table: retry."""
         for attempt in range(10):
             try:
                 with engine.begin() as conn:  # connected: the server version is known
                     ddl_schema(conn.dialect).create_all(conn, checkfirst=True)
+                self._schema_ready = True
                 return
             except sa.exc.DBAPIError as exc:
                 if attempt == 9:
@@ -197,15 +177,12 @@ class SQLMetadataStore(MetadataStore):
         if not creates and self._absent():
             return empty
         engine = sql_engine(self._uri, create=creates)
-        if not self._schema_ready:
-            if not creates:
-                with engine.connect() as conn:
-                    if not self._has_tables(conn):
-                        return empty
-            with self._schema_lock:
-                if not self._schema_ready:
-                    self._create_schema(engine)
-                    self._schema_ready = True
+        if not self._schema_ready and creates:
+            self._create_schema(engine)
+        elif not self._schema_ready:
+            with engine.connect() as conn:
+                if not self._has_tables(conn):
+                    return empty
         lock_failures = 0
         while True:
             try:
@@ -226,22 +203,19 @@ class SQLMetadataStore(MetadataStore):
                     raise
                 pause(lock_failures)
 
-    @staticmethod
-    def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
-        return [dict(r) for r in conn.execute(query).mappings()]
-
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         if self._absent():
             return []
         with sql_engine(self._uri).connect() as conn:  # no tables yet: none are created
-            return self._rows(conn, _select(table, newest, equal)) if self._has_tables(conn) else []
+            return _rows(conn, _select(table, newest, equal)) if self._has_tables(conn) else []
 
     def _delete(self, tables: list[str], **equal: Any) -> int:
         def delete(conn: sa.Connection) -> int:
             found = 0
             for name in tables:
                 table = schema.tables[TABLE_PREFIX + name]
-                found += conn.execute(table.delete().where(*_equal(table, equal))).rowcount
+                where = [table.c[k] == v for k, v in equal.items()]
+                found += conn.execute(table.delete().where(*where)).rowcount
             return found
 
         return int(self._write(delete, creates=False, empty=0) or 0)
@@ -254,7 +228,7 @@ class SQLMetadataStore(MetadataStore):
         query = _select("components", True, {k: row[k] for k in ("type_id", "identifier")})
 
         def insert(conn: sa.Connection) -> int:
-            newest = next(iter(self._rows(conn, query)), None)
+            newest = next(iter(_rows(conn, query)), None)
             if newest is not None and same(newest):
                 return int(newest["version"])
             version = 0 if newest is None else int(newest["version"]) + 1
@@ -266,7 +240,7 @@ class SQLMetadataStore(MetadataStore):
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
             query = _select("runs", False, {"run_id": run_id}).with_for_update()
-            found = next(iter(self._rows(conn, query)), None)
+            found = next(iter(_rows(conn, query)), None)
             if found is None:
                 return None
             changes = change(found)
@@ -279,14 +253,11 @@ class SQLMetadataStore(MetadataStore):
         same_step = _select("metrics", False, {"run_id": row["run_id"], "step": row["step"]})
 
         def replace(conn: sa.Connection) -> None:
-            for old in self._rows(conn, same_step.with_for_update()):
-                kept = without_these(old)
-                if kept == old["values"]:
-                    continue
-                where = metrics.c.id == old["id"]
+            for old in _rows(conn, same_step.with_for_update()):
+                kept, where = without_these(old), metrics.c.id == old["id"]
                 if kept is None:
                     conn.execute(metrics.delete().where(where))
-                else:
+                elif kept != old["values"]:
                     conn.execute(metrics.update().where(where).values(values=kept))
             conn.execute(metrics.insert().values(**row))
 
@@ -305,9 +276,8 @@ _ORDER = {
 }
 
 
-def _equal(table: sa.Table, equal: Mapping[str, Any]) -> list[Any]:
-    """``column == value`` for every key (``IS NULL`` for None)."""
-    return [table.c[k] == v for k, v in equal.items()]
+def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
+    return [dict(r) for r in conn.execute(query).mappings()]
 
 
 def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]:
@@ -315,7 +285,8 @@ def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]
     each column under its key (``metric_values`` as ``values``)."""
     table = schema.tables[TABLE_PREFIX + name]
     order = [table.c[k] for k in _ORDER[name]]
-    query = sa.select(*(c.label(c.key) for c in table.c)).where(*_equal(table, equal))
+    where = [table.c[k] == v for k, v in equal.items()]  # IS NULL for None
+    query = sa.select(*(c.label(c.key) for c in table.c)).where(*where)
     if newest:
         return query.order_by(*(c.desc() for c in order)).limit(1)
     return query.order_by(*order)

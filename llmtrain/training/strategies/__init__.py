@@ -35,12 +35,8 @@ def make_strategy(name: str, placement: Placement | None = None, **options: Any)
 def strategy_for(config: Any, placement: Placement) -> Strategy:
     """DeepSpeed or FSDP when configured; DDP inside a multi-process launch; else single."""
     if config.deepspeed_config is not None:
-        return make_strategy(
-            "deepspeed",
-            placement,
-            config=config.deepspeed_config,
-            training_args=config.training_args,
-        )
+        options = {"config": config.deepspeed_config, "training_args": config.training_args}
+        return make_strategy("deepspeed", placement, **options)
     if config.fsdp_config is not None:
         return make_strategy("fsdp", placement, config=config.fsdp_config)
     return make_strategy("ddp" if placement.distributed else "single", placement)

@@ -1,9 +1,6 @@
-"""The strategy: everything the loop needs that depends on how many processes train.
-
-The loop calls these few methods and never branches on the strategy, so single process,
-DDP, FSDP2 and DeepSpeed are swapped without touching it. What several strategies share
-lives here (the process group, clipping, the loss scaler); no strategy borrows from a
-sibling.
+"""The strategy: all the loop needs that depends on how many processes train, so single,
+DDP, FSDP2 and DeepSpeed swap without the loop branching on them. What several share lives
+here (collectives, clipping, the loss scaler).
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ def init_single_process_group(placement: Placement) -> None:
 
 class Strategy:
     """One process's part of the job, at the ``placement`` it was given (resolved once);
-    the defaults are one process's, on one device."""
+    the defaults are one process's."""
 
     name: str = "base"
 
@@ -64,14 +61,13 @@ class Strategy:
     def is_main(self) -> bool:
         return self.placement.is_main
 
-    # -- lifecycle -------------------------------------------------------------------------
     def launch(self) -> None:
-        """Join the process group (if any). Called once, before the model is built."""
+        """Join the process group (if any), before the model is built."""
 
     def setup(
         self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
-        """Wrap the model for this strategy and build its optimizer over trainable params."""
+        """The model wrapped for this strategy and its optimizer over trainable params."""
         self.scaler = precision.grad_scaler()
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
@@ -79,7 +75,6 @@ class Strategy:
     def teardown(self) -> None:
         """Leave the process group."""
 
-    # -- the step --------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
         """Context for one micro-batch; gradients are synchronised only when ``sync``."""
@@ -91,9 +86,8 @@ class Strategy:
     def optimizer_step(
         self, model: Any, optimizer: Any, max_grad_norm: float | None
     ) -> float | torch.Tensor:
-        """Unscale (fp16), clip, step (skipped by the scaler on inf/nan) and zero the grads;
-        return the gradient norm before clipping (a tensor left on the device: the loop reads
-        it with the step's other numbers)."""
+        """Unscale (fp16), clip, step and zero the grads; return the gradient norm before
+        clipping (left on the device: the loop reads it with the step's other numbers)."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         # over DTensor shards (FSDP2) clip_grad_norm_ reduces them into the global norm
@@ -106,27 +100,43 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).detach()
 
-    # -- collectives -----------------------------------------------------------------------
+    # collectives on the placement's device (cuda with NCCL, else the CPU with gloo)
     def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``value``."""
-        return value
+        if not self.placement.distributed:
+            return value
+        out = value.detach().to(self.device, copy=True)
+        dist.all_reduce(out)
+        return out.to(value.device)
 
     def all_gather(self, value: torch.Tensor) -> torch.Tensor:
         """Every rank's ``value`` stacked in rank order (``[world_size, *value.shape]``)."""
-        return value.unsqueeze(0)
+        if not self.placement.distributed:
+            return value.unsqueeze(0)
+        local = value.detach().to(self.device)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local)
+        return torch.stack(out).to(value.device)
 
     def barrier(self) -> None:
-        """Wait for every rank."""
+        if self.placement.distributed:
+            dist.barrier()
 
     def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        return obj
+        if not self.placement.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
-        return [obj]
+        if not self.placement.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
 
-    # -- state -----------------------------------------------------------------------------
     def unwrap(self, model: Any) -> Any:
         """The PEFT (or plain) model inside any wrapper."""
         return model
@@ -154,8 +164,7 @@ class Strategy:
             inner.load_state_dict(state)
 
     def save_optimizer(self, model: Any, optimizer: Any, folder: Path) -> None:
-        """Write the optimizer state under ``folder`` (rank 0), with the loss scale: it is
-        training state too, a resumed fp16 run continues with it."""
+        """Write the optimizer state under ``folder`` (rank 0), with the loss scale."""
         state = self._optimizer_state(model, optimizer)
         if self.is_main:
             if self.scaler is not None:
@@ -178,7 +187,7 @@ class Strategy:
 
 
 class ProcessGroupStrategy(Strategy):
-    """Shared by every multi-process strategy: joining the group and the collectives."""
+    """Shared by every multi-process strategy: joining the group."""
 
     def launch(self) -> None:
         if not dist.is_initialized():
@@ -191,37 +200,3 @@ class ProcessGroupStrategy(Strategy):
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-    # the placement's device is the collectives' (cuda with NCCL, else the CPU with gloo)
-    def all_reduce(self, value: torch.Tensor) -> torch.Tensor:
-        if not self.placement.distributed:
-            return value
-        out = value.detach().to(self.device, copy=True)
-        dist.all_reduce(out)
-        return out.to(value.device)
-
-    def all_gather(self, value: torch.Tensor) -> torch.Tensor:
-        if not self.placement.distributed:
-            return value.unsqueeze(0)
-        local = value.detach().to(self.device)
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local)
-        return torch.stack(out).to(value.device)
-
-    def barrier(self) -> None:
-        if self.placement.distributed:
-            dist.barrier()
-
-    def broadcast_object(self, obj: Any) -> Any:
-        if not self.placement.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        if not self.placement.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out

@@ -1,22 +1,9 @@
 """DeepSpeed ZeRO (``deepspeed.initialize``, never through accelerate).
 
-How the loop's calls map onto the engine:
-
-* ``gradient_accumulation_steps`` in the DeepSpeed config is the trainer's, so DeepSpeed's
-  ``train_batch_size`` is the real global batch, but the *boundary* is set explicitly:
-  ``accumulate(sync=...)`` calls ``engine.set_gradient_accumulation_boundary(sync)`` before
-  each micro-batch. A short last group (the data ran out) still ends with a real step,
-  which DeepSpeed's own micro-step counter would have missed.
-* ``backward`` is ``engine.backward(loss, scale_wrt_gas=False)``: the loop already divides
-  the loss by the target tokens of the whole step, so DeepSpeed must not divide again.
-* ``optimizer_step`` is one ``engine.step()`` per accumulation group: clipping (config
-  ``gradient_clipping``), the optimizer step and zeroing happen inside it.
-* The LR scheduler is the loop's own, built on the torch optimizer handed to DeepSpeed
-  (ZeRO keeps that optimizer's param_groups, so its ``lr`` is what is applied); DeepSpeed
-  gets no scheduler, so nothing steps it twice.
-* Checkpoints: ``engine.save_checkpoint`` / ``load_checkpoint`` on every rank (ZeRO's
-  partitioned fp32 master weights and optimizer state), next to the gathered adapter; the
-  engine's files are loaded with ``weights_only=True`` (DeepSpeed itself would unpickle).
+The accumulation boundary is set per micro-batch (``set_gradient_accumulation_boundary``), so
+a short last group still steps; ``backward`` does not divide by the accumulation (the loop's
+loss is already normalised); the LR scheduler is the loop's own, on the torch optimizer ZeRO
+keeps; the engine's checkpoint files load with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -63,9 +50,8 @@ def build_config(
     fp16_compute: bool = False,
 ) -> dict[str, Any]:
     """The DeepSpeed config: ``raw`` as given, else the stage and offload options; batch
-    sizes, accumulation and clipping filled from TrainingArguments where absent or "auto".
-    ``fp16_compute`` (mixed_precision="fp16") turns on DeepSpeed's fp16 mode, whose dynamic
-    loss scaling keeps small gradients from flushing to zero."""
+    sizes, accumulation and clipping from TrainingArguments where absent or "auto";
+    ``fp16_compute`` turns on DeepSpeed's fp16 mode (its loss scaling)."""
     if config.raw is None:
         zero: dict[str, Any] = {"stage": config.stage}
         if config.offload_optimizer:
@@ -98,9 +84,7 @@ def build_config(
     fill("gradient_accumulation_steps", accum)
     fill("train_batch_size", micro * accum * world_size)
     fill("gradient_clipping", args.max_grad_norm or 0.0)
-    # DeepSpeed mixed precision (fp32 master weights) when the trained weights are half
-    # precision (full fine-tuning of a bf16 model; LoRA adapters are already fp32), and for
-    # fp16 compute, which needs its loss scaling.
+    # fp32 master weights when the trained weights are half precision, and fp16 compute
     for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         section = cfg.setdefault(key, {})
         if section.get("enabled", "auto") == "auto":
@@ -114,8 +98,7 @@ def build_config(
 
 
 def check_quantization(model: torch.nn.Module, stage: int) -> None:
-    """The stage a raw config file sets is only known now (the config's own was checked when
-    the trainer was built); the loaded model says whether the base is quantised."""
+    """The stage a raw config file sets, against the loaded model's quantisation."""
     problems = quantization_problems(quantized_bits(model), deepspeed_stage=stage)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -123,9 +106,8 @@ def check_quantization(model: torch.nn.Module, stage: int) -> None:
 
 @contextlib.contextmanager
 def _weights_only_loads(engine: Any) -> Iterator[None]:
-    """DeepSpeed unpickles its checkpoints with ``weights_only=False`` (any code could run);
-    like every other checkpoint file here, load them with ``weights_only=True`` instead,
-    allowing just DeepSpeed's own state classes."""
+    """Load the engine's checkpoint files with ``weights_only=True`` (DeepSpeed's own load
+    unpickles anything), allowing just DeepSpeed's state classes."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -147,10 +129,8 @@ def _weights_only_loads(engine: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _local_rank_for_deepspeed(local_rank: int) -> Iterator[None]:
-    """DeepSpeed reads LOCAL_RANK during the whole run (engine, ZeRO-3), and an unlaunched
-    process (a notebook) has none: set it for DeepSpeed alone, then put things back.
-    llmtrain never reads it: whether a process is a launched worker was decided once, in
-    its Placement, before the strategy started."""
+    """DeepSpeed reads LOCAL_RANK all run long, which an unlaunched process lacks: set it
+    for DeepSpeed alone, then put it back (llmtrain reads its Placement)."""
     previous = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = str(local_rank)
     try:
@@ -183,8 +163,7 @@ class DeepSpeed(ProcessGroupStrategy):
         from deepspeed.accelerator import get_accelerator
 
         if self.device.type != "cuda":
-            # DeepSpeed JIT-compiles a shared-memory op (minutes, needs a C++ toolchain) used
-            # only by inference all-reduce on the CPU; training never calls it
+            # a shared-memory op DeepSpeed JIT-compiles (minutes) for CPU inference only
             builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
             if builder is not None:
                 ops.__compatible_ops__[builder.NAME] = False
@@ -200,8 +179,7 @@ class DeepSpeed(ProcessGroupStrategy):
         import deepspeed.comm.comm as ds_comm
 
         if ds_comm.is_initialized():
-            # DeepSpeed's own: it also drops the groups it cached, which would otherwise
-            # point at a destroyed world in the next run of this process
+            # DeepSpeed's own also drops its cached groups (stale in this process's next run)
             ds_comm.destroy_process_group()
         elif dist.is_initialized():
             dist.destroy_process_group()
@@ -237,7 +215,6 @@ class DeepSpeed(ProcessGroupStrategy):
         # the torch optimizer: the loop's scheduler sets the lr ZeRO applies
         return engine, optimizer
 
-    # -- the step --------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
         model.set_gradient_accumulation_boundary(sync)
@@ -251,7 +228,6 @@ class DeepSpeed(ProcessGroupStrategy):
         norm = model.get_global_grad_norm()
         return math.nan if norm is None else float(norm)
 
-    # -- state -----------------------------------------------------------------------------
     def unwrap(self, model: Any) -> Any:
         return model.module
 
@@ -269,8 +245,6 @@ class DeepSpeed(ProcessGroupStrategy):
             return super().trainable_state_dict(model) if self.is_main else {}
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
-        # engine.load_checkpoint (load_optimizer) restores these too, with ZeRO's fp32
-        # master copies; loading them here as well keeps the weights right on their own.
         with self._gathered(model, modifier_rank=0):
             if self.stage != 3 or self.is_main:
                 super().load_trainable_state_dict(model, state)

@@ -1,10 +1,5 @@
-"""FSDP2: parameters sharded per tensor (``fully_shard``), one unit per decoder layer.
-
-Each decoder layer is its own unit (gathered just before it runs, freed after) and the root
-unit holds the rest (embeddings, head). Sharding is per parameter (DTensor), so a PEFT model
-with frozen base weights and trainable adapters needs no flattening tricks: frozen shards
-simply get no gradient and no optimizer state.
-"""
+"""FSDP2: parameters sharded per tensor (``fully_shard``, DTensor), one unit per decoder layer
+and the root for the rest; frozen base shards simply get no gradient and no optimizer state."""
 
 from __future__ import annotations
 
@@ -14,15 +9,10 @@ from typing import Any
 
 import torch
 
-from llmtrain.config.args import (
-    FSDPConfig,
-    dtype_name,
-    quantization_problems,
-    quantized_bits,
-)
+from llmtrain.config.args import FSDPConfig, dtype_name, quantization_problems, quantized_bits
 from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
-from llmtrain.training.precision import Precision
+from llmtrain.training.precision import MIXED_DTYPES, Precision
 from llmtrain.training.strategies.base import (
     MakeOptimizer,
     ProcessGroupStrategy,
@@ -30,7 +20,6 @@ from llmtrain.training.strategies.base import (
     trainable_parameters,
 )
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER_LISTS = ("layers", "h", "blocks", "decoder_layers")
 
 
@@ -53,11 +42,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(model: torch.nn.Module, **options: Any) -> None:
-    """``fully_shard(..., **options)`` every decoder layer, then the root.
-
-    Raises ConfigError when no layer is found or no parameter ended up sharded: a model
-    silently replicated on every rank would train, but with none of FSDP's memory savings.
-    """
+    """``fully_shard(..., **options)`` every decoder layer, then the root; a model left
+    replicated (nothing sharded) is a ConfigError, not a run without FSDP's savings."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -74,8 +60,8 @@ def shard_model(model: torch.nn.Module, **options: Any) -> None:
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
-    """The quantisation rules only the machine decides (the CPU, the dtype "auto" became),
-    on the loaded model; those the config decides were refused when the trainer was built."""
+    """The quantisation rules only the loaded model on this machine decides (the config's were
+    checked when the trainer was built)."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     problems = quantization_problems(
         quantized_bits(model),
@@ -119,7 +105,7 @@ class FSDP2(ProcessGroupStrategy):
         }
         if cfg.mixed_precision != "no":
             options["mp_policy"] = MixedPrecisionPolicy(
-                param_dtype=_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32
+                param_dtype=MIXED_DTYPES[cfg.mixed_precision], reduce_dtype=torch.float32
             )
         if cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -128,15 +114,13 @@ class FSDP2(ProcessGroupStrategy):
         self._params = trainable_parameters(model)
         return model, make_optimizer(self._params)
 
-    # -- the step --------------------------------------------------------------------------
     @contextlib.contextmanager
     def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(sync)  # off: keep unsharded grads, reduce later
         yield
 
-    # -- state -----------------------------------------------------------------------------
     def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
-        """Collective: every rank gathers each tensor in the same order; rank 0 keeps them."""
+        """Collective: every rank gathers each tensor, in one order; rank 0 keeps them."""
         from torch.distributed.tensor import DTensor
 
         state, full = self._named_state(model), {}
