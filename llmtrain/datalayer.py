@@ -39,8 +39,7 @@ def default_artifact_dir(uri: str) -> Path:
 
 
 def check_uri(uri: object, where: str) -> None:
-    """A MongoDB URI, or one whose SQLAlchemy dialect and driver are installed; else one
-    ConfigError naming it. Nothing is opened."""
+    """A MongoDB URI, or one whose SQLAlchemy dialect and driver are installed; else ConfigError."""
     if not isinstance(uri, str) or "://" not in uri:
         shown = repr(redact_uri(uri)) if isinstance(uri, str) else f"{type(uri).__name__} {uri!r}"
         raise ConfigError(f"{where} needs a database URI like sqlite:///data.db, got {shown}")
@@ -125,11 +124,6 @@ class Datalayer:
     def secret_metadata_uri(self) -> str:
         return self._metadata_uri
 
-    @property
-    def artifacts_spec(self) -> str | None:
-        spec = self._artifacts_spec
-        return None if spec is None or isinstance(spec, ArtifactStore) else str(spec)
-
     def __repr__(self) -> str:
         return f"Datalayer({self.uri!r})"
 
@@ -179,9 +173,8 @@ class Datalayer:
         *,
         checkpoint: str | int | None = None,
     ) -> Any:
-        """The stored component (the newest version unless ``version``). For a model,
-        ``checkpoint="best"`` (kept by the trainer's ``save_best_by``) or a step loads that
-        checkpoint's weights of its run instead of the final ones."""
+        """The stored component (the newest unless ``version``); for a model, ``checkpoint=``
+        ``"best"`` (see ``save_best_by``) or a step loads that checkpoint's weights."""
         if checkpoint is not None and type_id != "model":
             raise ConfigError(f"load(checkpoint=) is for models, not {type_id!r}")
         record = self.metadata.get_component(type_id, check_identifier(identifier), version)
@@ -213,9 +206,8 @@ class Datalayer:
     def remove(
         self, type_id: str, identifier: str, version: int | None = None, *, force: bool = False
     ) -> int:
-        """Remove one version (or all); returns how many went. A trainer that still has runs
-        or models is refused; ``force=True`` removes them too, with their artifacts that
-        nothing kept uses."""
+        """Remove one version (or all); returns how many went. A trainer with runs or models is
+        refused; ``force=True`` removes them too, with their artifacts nothing else uses."""
         identifier = check_identifier(identifier)
         runs: list[RunRecord] = []
         models: list[ComponentRecord] = []
@@ -253,16 +245,14 @@ class Datalayer:
         return removed
 
     def _artifacts_in_use(self) -> set[str]:
-        """Artifacts that remaining models and checkpoints still point at (content ids can be
-        shared, so one trainer's removal must not delete another's)."""
+        """Artifacts that remaining models and checkpoints use (content ids can be shared)."""
         used = set().union(*map(_model_artifacts, self.metadata.list_components("model")))
         for run in self.metadata.list_runs():
             used |= {c.artifact_id for c in self.metadata.list_checkpoints(run.run_id)}
         return used
 
     def lineage(self, type_id: str, identifier: str, version: int | None = None) -> Iterator[Any]:
-        """The rows that trained the model (newest version unless given), across the runs it
-        continued from, in step order: see :func:`llmtrain.provenance.lineage.model_lineage`."""
+        """The rows that trained the model, in step order (see :mod:`llmtrain.provenance`)."""
         from llmtrain.provenance.lineage import model_lineage
 
         if type_id != "model":
@@ -276,8 +266,7 @@ class Datalayer:
         return trained_on(self, source, [key])
 
     def forget(self, source: Any, keys: Any, *, retrain: bool = False) -> Any:
-        """Forget rows (later runs leave them out); returns the affected models and
-        checkpoints, with ``retrain()``. See :mod:`llmtrain.provenance.forget`."""
+        """Forget rows (later runs leave them out): see :mod:`llmtrain.provenance.forget`."""
         from llmtrain.provenance.forget import forget
 
         return forget(self, source, keys, retrain=retrain)

@@ -184,7 +184,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit status (the console script exits with it)."""
+    """Run one command; returns the exit status."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -211,8 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handler[args.command](args)
     except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
-        # stdout to /dev/null, so the interpreter's final flush into the closed pipe cannot
-        # print "Exception ignored ... BrokenPipeError" after we exit quietly
+        # stdout to /dev/null: no "Exception ignored ... BrokenPipeError" at the final flush
         devnull = os.open(os.devnull, os.O_WRONLY)
         with suppress(OSError, ValueError):  # stdout is not a real file (captured in tests)
             os.dup2(devnull, sys.stdout.fileno())
@@ -231,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(exc: Exception, status: int) -> int:
-    """A user's mistake (2) is one line, even when the database's own message spans several;
-    a failed worker's error keeps its traceback below its first line."""
+    """A user's mistake (2) is one line, even when the database's message spans several; a
+    failed worker's error keeps its traceback below its first line."""
     text = str(exc) or type(exc).__name__
     text = " ".join(text.split()) if status == 2 else text
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
@@ -251,7 +250,6 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
     return closing(db)
 
 
-# -- fit / replay -----------------------------------------------------------------------------
 def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
     job = load_job(args.config, overrides, flags=("resume", "merge"))
     from llmtrain.running.trainer import LLMTrainer
@@ -293,7 +291,6 @@ def cmd_show(args: argparse.Namespace) -> None:
         show(db, args.type, args.name, args.plot)
 
 
-# -- lineage ------------------------------------------------------------------------------------
 def cmd_lineage(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         stored_records(db, "model", args.name)  # an unknown model is an error, not no rows
@@ -320,7 +317,6 @@ def cmd_forget(args: argparse.Namespace) -> None:
             say(f"to retrain {names} without them: llmtrain forget ... --retrain")
 
 
-# -- merge / export ----------------------------------------------------------------------------
 def cmd_merge(args: argparse.Namespace) -> None:
     out = None if args.out is None else check_new_folder(args.out, "--out")
     with _connect(args) as db:

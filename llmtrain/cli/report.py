@@ -1,6 +1,5 @@
-"""What the ``llmtrain`` commands print: stored components, runs (summary, recipe changes,
-plot), fits and who used a row. Read only from what was recorded, so any run shows, finished,
-failed or still going."""
+"""What the ``llmtrain`` commands print, read only from what was recorded, so any run shows:
+finished, failed or still going."""
 
 from __future__ import annotations
 
@@ -137,8 +136,8 @@ def show_model(db: Datalayer, name: str) -> None:
 
 
 def show_runs(db: Datalayer, name: str | None) -> Any:
-    """The runs (of trainer ``name``), then the details of the one run ``name`` names (a run
-    id or its prefix) or of the trainer's newest run; returns that run, if any."""
+    """The runs (of trainer ``name``), then the one run ``name`` names (a run id or its
+    prefix) or the trainer's newest run in detail; returns that run, if any."""
     runs = db.metadata.list_runs()
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
@@ -247,7 +246,7 @@ def when(value: Any) -> str:
 
 
 def recipe(payload: dict[str, Any]) -> Any:
-    """A stored trainer record read through today's schema (a bad record: ConfigError)."""
+    """A stored trainer record read through today's schema."""
     return build(TrainerConfig, payload, "trainer record")
 
 
@@ -307,8 +306,8 @@ def _show(value: Any) -> str:
 
 
 def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
-    """Train and eval loss (left axis), learning rate (right) against steps, as a PNG.
-    matplotlib's object API: no pyplot, no global backend."""
+    """Train and eval loss, learning rate (right axis) against steps, as a PNG. matplotlib's
+    object API: no pyplot, no global backend."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

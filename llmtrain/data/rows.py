@@ -92,15 +92,26 @@ def check_row(
             if readable
             else f"cannot be read: the row is a {type(row).__name__}, not a mapping"
         )
-        if problem is None:
-            continue
-        if on_bad_row == "raise":
-            raise BadRowError(source, key, field, problem)
-        if logged is not None:
-            name = key_repr(key)
-            if name in logged:
-                return False
-            logged.add(name)
-        log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
-        return False
+        if problem is not None:
+            return bad_row(source, key, field, problem, on_bad_row, logged)
     return True
+
+
+def bad_row(
+    source: str,
+    key: Key,
+    field: str,
+    problem: str,
+    on_bad_row: OnBadRow,
+    logged: set[str] | None = None,
+) -> bool:
+    """Raise BadRowError, or (``on_bad_row="skip"``) log the skip once per ``logged`` set
+    (a reader keeps one per run: not again every epoch) and return False."""
+    if on_bad_row == "raise":
+        raise BadRowError(source, key, field, problem)
+    if logged is not None:
+        if key_repr(key) in logged:
+            return False
+        logged.add(key_repr(key))
+    log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
+    return False

@@ -16,7 +16,6 @@ model to stop mid-answer would be wrong). Such examples have ``truncated=True``.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,14 +23,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
-from llmtrain.data.rows import check_on_bad_row, check_row
-from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.data.rows import bad_row, check_on_bad_row, check_row
+from llmtrain.errors import ConfigError
 from llmtrain.formatting.template import PromptTemplate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-log = logging.getLogger("llmtrain.data")
 
 #: The label that the causal-LM loss ignores (``torch.nn.CrossEntropyLoss`` default).
 IGNORE_INDEX = -100
@@ -137,6 +134,7 @@ class Formatter:
         #: conversations (with the chat template): X holds a list of messages
         self.conversations = conversations
         self.assistant_turns, self.on_bad_row = assistant_turns, check_on_bad_row(on_bad_row)
+        self._skipped: set[str] = set()  # conversations skipped: logged once
         self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
@@ -250,9 +248,7 @@ class Formatter:
                     ids, mask = list(again["input_ids"][0]), list(again["assistant_masks"][0])
             if not chat:
                 problem = f"is longer than max_length={self.max_length} from its last user turn on"
-                if self.on_bad_row == "raise":
-                    raise BadRowError(source, key, self.x_field, problem)
-                log.warning("%s: skipping row %r: field %r %s", source, key, self.x_field, problem)
+                bad_row(source, key, self.x_field, problem, self.on_bad_row, self._skipped)
                 examples.append(Example([], [], key, True))
                 continue
             if self.assistant_turns == "last":

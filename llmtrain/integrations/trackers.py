@@ -1,8 +1,6 @@
-"""Trackers (``training_args.report_to``): the run's metrics, recipe, data fingerprint and
-library versions sent to the tools users already watch, through each tool's own library.
-Where each writes is that library's own setting, never part of the recipe. No secret reaches
-one: URIs are redacted, and W&B collects no command line (a ``--db`` URI with its password).
-"""
+"""Trackers (``training_args.report_to``): a run's metrics and recipe sent to the tools
+users already watch, through each tool's own library (where it writes is that library's
+setting). No secret reaches one: URIs are redacted, W&B collects no command line."""
 
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ log = logging.getLogger("llmtrain.trackers")
 
 def check_trackers(report_to: Sequence[str]) -> None:
     """ConfigError naming the extra to install for a missing tracker library, checked without
-    importing (mlflow alone takes seconds); a ``None`` in ``sys.modules`` counts as missing."""
+    importing (mlflow takes seconds); a ``None`` in ``sys.modules`` counts as missing."""
     for name in report_to:
         found = sys.modules[name] if name in sys.modules else importlib.util.find_spec(name)
         if found is None:
@@ -41,17 +39,11 @@ def check_trackers(report_to: Sequence[str]) -> None:
                 f"training_args.report_to: {name!r} needs the {name} package: "
                 f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
             )
-    if "mlflow" in report_to:
-        check_mlflow_store()
-
-
-def check_mlflow_store() -> None:
-    """MLflow 3 refuses a file store unless ``MLFLOW_ALLOW_FILE_STORE``: say so before the
-    model loads."""
+    # MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE: say so before the model loads
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     file_store = bool(uri) and urlsplit(uri).scheme.lower() in ("", "file")  # a folder
     allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes")
-    if not file_store or allowed:
+    if "mlflow" not in report_to or not file_store or allowed:
         return
     try:
         from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # noqa: F401
@@ -122,10 +114,8 @@ class Tracker(Callback):
     except while finishing a run that already failed. Rank 0 alone holds trackers."""
 
     name = ""
+    started = False
     run: Any  # the library's run object, where it has one
-
-    def __init__(self) -> None:
-        self.started = False
 
     def on_train_begin(self, run: Any) -> None:
         if not self.started:

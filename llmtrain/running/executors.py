@@ -1,6 +1,5 @@
-"""Where a registered run trains: here, in launched workers, or on Ray (each runs
-:func:`llmtrain.running.local.train_run`). Kept apart from ``local`` so the executors it
-dispatches to can import ``local`` without a cycle."""
+"""Where a registered run trains: here, in launched workers, or on Ray. Apart from ``local``
+so the executors it dispatches to can import ``local`` without a cycle."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ if TYPE_CHECKING:
 
 @contextlib.contextmanager
 def execution(config: TrainerConfig, placement: Placement) -> Iterator[None]:
-    """Before registration: on Ray, this process's Ray instance (or one started for the fit
-    and shut down after it), with the workers' resources checked."""
+    """Before registration: on Ray, the Ray session the fit runs in."""
     if config.ray_config is None or placement.launched:
         yield
         return
@@ -43,8 +41,7 @@ def execute(
     callbacks: Sequence[Callback],
     merge: bool,
 ) -> TrainedModel | None:
-    """Train ``plan`` on Ray, in launched workers, or here; returns its model (None on the
-    ranks of a launched job other than 0)."""
+    """Train ``plan``; its model (None on the ranks of a launched job other than 0)."""
     if plan.config.ray_config is not None and not placement.launched:
         from llmtrain.running.ray.driver import RayRun
 

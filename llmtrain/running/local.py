@@ -38,9 +38,8 @@ class Outcome:
 
 
 def once_per_job(placement: Placement, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` once: on rank 0 when every rank of a launched job calls it (a
-    script run with ``torchrun``/``deepspeed`` calling ``fit()``); every rank gets rank 0's
-    result."""
+    """``fn(*args, **kwargs)`` on rank 0 alone when every rank of a launched job calls it (a
+    script run with ``torchrun`` calling ``fit()``); every rank gets rank 0's result."""
     if not placement.in_launched_job:
         return fn(*args, **kwargs)
     group = make_strategy("ddp", placement)
@@ -66,8 +65,7 @@ def run_here(
     callbacks: Sequence[Callback] = (),
     merge: bool = False,
 ) -> TrainedModel | None:
-    """Train ``plan`` in this process and, on rank 0, store its model and mark the run
-    completed."""
+    """Train ``plan`` here; rank 0 stores its model."""
     outcome = train_run(plan, db, placement, callbacks=callbacks)
     if outcome is None:
         return None
@@ -88,11 +86,8 @@ def train_run(
     progress_stream: Any = None,
 ) -> Outcome | None:
     """setup -> train -> final checkpoint -> adapter: the outcome on rank 0, None elsewhere.
-
-    Every process builds the plan's callbacks and, on rank 0, the trackers of ``report_to``.
     The run is "running" only once its setup succeeded: a resume that cannot even start (a
-    corrupt checkpoint) leaves the run's status as it was, with a note why.
-    """
+    corrupt checkpoint) leaves the run's status as it was, with a note why."""
     strategy = strategy_for(plan.config, placement)
     own = [build_callback(spec) for spec in plan.callbacks]
     trackers = make_trackers(plan.config.training_args.report_to) if strategy.is_main else []
@@ -144,8 +139,7 @@ def store_model(
     merge: bool,
     info: dict[str, Any] | None = None,
 ) -> TrainedModel:
-    """A finished run becomes the trainer's next model version and is marked completed (a
-    local rank 0 and the Ray driver alike)."""
+    """A finished run becomes the trainer's next model version and is marked completed."""
     cfg = plan.config
     model = TrainedModel(
         ModelRecord(
@@ -190,10 +184,9 @@ def mark_failed(
     tokens: int | None = None,
     resume_refused: bool = False,
 ) -> None:
-    """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed", with the
-    steps and tokens reached when known; a resume that could not start (a bad checkpoint)
-    keeps the run's status and only notes why. A completed run stays completed, and a store
-    that fails too must not hide the original error."""
+    """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed"; a refused
+    resume only notes why. A completed run stays completed; a store that fails too must not
+    hide the original error."""
     interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
     status: RunStatus | None = "interrupted" if interrupted else "failed"
     if resume_refused:

@@ -1,6 +1,5 @@
-"""Registration (rank 0 of a job, or the Ray driver) decides a run once: it checks the fit,
-stores the trainer version and the run record, and returns the frozen
-:class:`~llmtrain.training.plan.RunPlan` every executor trains without deciding it again."""
+"""Registration (rank 0 of a job, or the Ray driver) decides a run once: checks the fit,
+records the trainer version and the run, and returns the RunPlan every executor trains."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def register(
     allow_forgotten_parent: bool = False,
     callbacks: tuple[str, ...],
 ) -> RunPlan | Done:
-    """Check, then record: the trainer version (unless stored already) and the run. A fit
-    that cannot train fails in :func:`check_before_recording` and records nothing; a resume
+    """Check, then record the trainer version (unless stored already) and the run; a resume
     reads its run's snapshot and record (no scan of the rows)."""
     check_before_recording(config, db)
     version = stored_version(db, config, loaded_version)
@@ -51,8 +49,7 @@ def register(
             return Done(run.run_id)
         # this attempt's callbacks, where its launched workers read them
         db.metadata.update_run(run.run_id, info={"callbacks": list(callbacks)})
-        plan = RunPlan.from_record(run)
-        return replace(plan, resume_from=checkpoint, callbacks=callbacks)
+        return replace(RunPlan.from_record(run), resume_from=checkpoint, callbacks=callbacks)
     from llmtrain.provenance.selection import select_rows
 
     fit = config.fit
@@ -108,15 +105,11 @@ def new_snapshot(
     allow: bool,
     incremental: bool = False,
 ) -> RunSnapshot:
-    """A new run's snapshot of its rows; a replay first compares it with the fit it replays
-    (not an incremental fit, which is meant for rows that changed)."""
+    """A new run's snapshot; a replay (not incremental) compares it with the fit it replays."""
     fit, data = config.fit, config.data_args
     assert fit is not None
     snapshot = take_snapshot(
-        db,
-        fit.query(),
-        eval_fraction=data.eval_fraction,
-        version_column=data.version_column,
+        db, fit.query(), eval_fraction=data.eval_fraction, version_column=data.version_column
     )
     if snapshot.count == 0:
         raise DataError(f"{fit.query().source} selects 0 rows: nothing to train on")
@@ -135,9 +128,8 @@ def new_snapshot(
 
 def stored_version(db: Datalayer, config: TrainerConfig, loaded: int | None) -> int | None:
     """The stored version with this recipe: the loaded one (a replay of version N stays
-    version N), else the newest; None when this recipe is new. The data fingerprint and the
-    database URI (a relative SQLite path, a redacted password) say where and when, not the
-    recipe; a stored one is read through today's schema (a newer option at its default)."""
+    version N), else the newest; None when it is new. The data fingerprint and database URI
+    are not the recipe; a stored one is read through today's schema."""
 
     def recipe(d: dict[str, Any]) -> dict[str, Any]:
         return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
@@ -157,8 +149,8 @@ def run_to_resume(
     db: Datalayer, identifier: str, version: int | None, resume: bool | str
 ) -> tuple[RunRecord, CheckpointRecord | None] | None:
     """The newest run of this recipe with the wanted checkpoint, and that checkpoint (None
-    for a completed run); None when there is none. A resumable run of another version of
-    the trainer is an error: it would train one recipe's run with another's settings."""
+    for a completed run). Another version's resumable run is an error: it would train one
+    recipe's run with another's settings."""
     latest = resume in (True, "latest")
     others = []
     for run in reversed(db.metadata.list_runs(TRAINER, identifier)):
@@ -191,10 +183,8 @@ def run_to_resume(
 
 
 def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
-    """ConfigError/QueryError, before anything is recorded, for a fit that cannot train: a
-    tracker's library or the model missing, unmatched LoRA targets, an X/Y field missing (a
-    SQL backend refuses a column itself; a MongoDB field missing from every one of the first
-    rows is taken for a mistyped name). An empty selection is found by the snapshot."""
+    """ConfigError/QueryError before anything is recorded for a fit that cannot train. A
+    MongoDB field missing from every one of the first rows is taken for a mistyped name."""
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
@@ -213,20 +203,15 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
 
 
 def local_model_folder(name: str) -> Path | None:
-    """The local model folder ``name`` names (checked to hold a config), or None for a hub
-    id: a name that exists here, or is clearly a path, is local."""
+    """The local model folder ``name`` names, or None for a hub id."""
     from llmtrain.training.modeling import check_model_path
 
-    check_model_path(name)
+    check_model_path(name)  # a folder without config.json is refused here
     path = Path(os.path.expanduser(name))
     if not path.exists():
         return None
     if not path.is_dir():
         raise ConfigError(f"model_args.model_name_or_path: {name!r} is a file, not a model folder")
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            f"model_args.model_name_or_path: {name!r} has no config.json: not a model folder"
-        )
     return path
 
 

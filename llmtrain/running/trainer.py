@@ -115,13 +115,10 @@ class LLMTrainer:
         if db is None:
             raise ConfigError("fit() needs db=: the database to read rows from and store into")
         require_datalayer(db, "fit(db=)")
-        allow = (
-            self.config.data_args.allow_changed_data
-            if allow_changed_data is None
-            else allow_changed_data
-        )
+        if allow_changed_data is None:
+            allow_changed_data = self.config.data_args.allow_changed_data
         flags = {
-            "allow_changed_data": allow,
+            "allow_changed_data": allow_changed_data,
             "incremental": incremental,
             "allow_forgotten_parent": allow_forgotten_parent,
         }
@@ -141,8 +138,7 @@ class LLMTrainer:
                 f"builds its own), not objects: {objects!r}"
             )
         with execution(config, placement):
-            # under torchrun/deepspeed every rank runs fit(): rank 0 alone registers the run;
-            # the others get its plan from rank 0
+            # under torchrun every rank runs fit(): rank 0 alone registers, the others get its plan
             plan = once_per_job(
                 placement,
                 register,
@@ -150,7 +146,7 @@ class LLMTrainer:
                 config,
                 self.version,
                 resume=resume,
-                allow_changed_data=allow,
+                allow_changed_data=allow_changed_data,
                 incremental=incremental,
                 allow_forgotten_parent=allow_forgotten_parent,
                 callbacks=specs,

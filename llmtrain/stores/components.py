@@ -47,8 +47,7 @@ def register_component(cls: type[T]) -> type[T]:
 
 def component_class(type_id: str) -> type[Any]:
     if type_id not in _registry:
-        # the modules that register the built-in types: an ImportError here is real (a
-        # missing dependency) and surfaces as itself, never as "unknown component type"
+        # the built-in types register on import; an ImportError (a missing dependency) is real
         for module in ("llmtrain.running.trainer", "llmtrain.training.model"):
             importlib.import_module(module)
     try:

@@ -1,9 +1,6 @@
-"""From the database to batches of token ids: the training view and collation.
-
-With packing, a step's ``batch_size x gradient_accumulation_steps`` rows are read as one
-loader batch and packed into micro-batches under a token budget, so steps per epoch, the
-resume state and the step count all ranks agree on do not depend on the budget.
-"""
+"""From the database to batches of token ids. With packing, a step's rows are read as one
+loader batch and packed under a token budget, so steps per epoch, the resume state and the
+step count all ranks agree on do not depend on the budget."""
 
 from __future__ import annotations
 
@@ -110,8 +107,7 @@ def make_collate(
     *,
     token_budget: int | None = None,
 ) -> Collate:
-    """The collate function of ``args``; ``token_budget`` (training): pack a step's rows into
-    micro-batches of that many tokens."""
+    """The collate function of ``args``; ``token_budget``: pack a step's rows under it."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch

@@ -1,11 +1,8 @@
-"""Checkpoints: a folder sealed with a manifest, stored as one artifact and then recorded on
-the run (a killed write leaves no checkpoint that looks good); loads verify every file and
-use only safetensors and ``torch.load(weights_only=True)``.
-"""
+"""Checkpoints: a folder sealed with a manifest, stored, then recorded on the run (a killed
+write leaves no checkpoint that looks good); loads verify every file and unpickle nothing."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -23,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from llmtrain.errors import CheckpointError, StoreError
+from llmtrain.stores.artifacts.base import hashed_copy
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.strategies.base import Strategy
 
@@ -33,11 +31,8 @@ FORMAT = 1
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashed_copy(fh)
 
 
 def rng_state() -> dict[str, Any]:
@@ -143,12 +138,10 @@ class Checkpointer:
         self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
     ) -> dict[str, Any]:
         """Load weights, optimizer, scheduler and RNG; return the saved trainer state."""
-        folder = Path(tempfile.mkdtemp(prefix="llmtrain-restore-", dir=self.workdir))
-        try:
-            self.db.artifacts.get_dir(record.artifact_id, folder / "ckpt")
-            return self.restore_folder(folder / "ckpt", record.step, model, optimizer, scheduler)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=self.workdir, ignore_cleanup_errors=True) as tmp:
+            folder = Path(tmp) / "ckpt"
+            self.db.artifacts.get_dir(record.artifact_id, folder)
+            return self.restore_folder(folder, record.step, model, optimizer, scheduler)
 
     def restore_folder(
         self, folder: Path, step: int, model: Any, optimizer: Any, scheduler: Any

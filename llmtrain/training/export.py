@@ -1,9 +1,6 @@
-"""What serving stacks load: the adapter in PEFT's layout and the merged model.
-
-After QLoRA the adapter was trained against the *dequantised* weights: merging into the
-full-precision base moved the tiny test model's logits by 5.1 (greedy answers changed), so
-``into="trained"`` (default) merges into those; ``llmtrain_merge.json`` records which.
-"""
+"""What serving stacks load: the adapter in PEFT's layout and the merged model. After QLoRA,
+merging into the full-precision base moved the tiny test model's logits by 5.1, so
+``into="trained"`` merges into the dequantised weights training saw."""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ def check_new_folder(dest: str | Path, option: str) -> Path:
 
 
 def write_merged(args: ModelArguments, adapter_dir: Path, dest: Path, into: MergeInto) -> str:
-    """Write base + adapter merged (safetensors, on the CPU) and the tokenizer to ``dest``;
-    returns what the adapter was merged into."""
+    """Write base + adapter merged, and the tokenizer, to ``dest``; returns what it merged into."""
     from peft import PeftModel
 
     from llmtrain.training.modeling import load_model, load_tokenizer

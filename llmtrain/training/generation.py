@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -43,21 +44,15 @@ class _Healing:
         return scores
 
 
-_TEXTS: dict[int, tuple[Any, list[str]]] = {}
-
-
+@functools.cache
 def token_texts(tokenizer: Any) -> list[str]:
     """Each token id's text as it reads after another token (``Ġbanana`` -> ``" banana"``,
     ``▁banana`` too), found once per tokenizer by decoding it behind an anchor token."""
-    known = _TEXTS.get(id(tokenizer))
-    if known is not None and known[0] is tokenizer:
-        return known[1]
     anchor = tokenizer("a", add_special_tokens=False)["input_ids"][:1]
     lead = len(tokenizer.decode(anchor))
     pairs = [anchor + [i] for i in range(len(tokenizer))]
-    texts = [t[lead:] for t in tokenizer.batch_decode(pairs, clean_up_tokenization_spaces=False)]
-    _TEXTS[id(tokenizer)] = (tokenizer, texts)
-    return texts
+    texts = tokenizer.batch_decode(pairs, clean_up_tokenization_spaces=False)
+    return [t[lead:] for t in texts]
 
 
 def generate_batch(
@@ -79,8 +74,7 @@ def generate_batch(
     }
     heals = [p.heal for p in prompts]
     if any(heals):
-        healing = _Healing(tokenizer, heals, width)
-        greedy["logits_processor"] = LogitsProcessorList([healing])
+        greedy["logits_processor"] = LogitsProcessorList([_Healing(tokenizer, heals, width)])
     with torch.no_grad():
         out = model.generate(
             input_ids=ids.to(device),

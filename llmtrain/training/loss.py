@@ -1,14 +1,7 @@
-"""The training loss without the full logits: hidden states -> lm_head -> cross-entropy per
-chunk of target tokens.
-
-Plain logits (:func:`plain_loss_sum`) are ``[batch, T, vocab]`` float32 kept with their
-gradient for the backward (8.4 GB each at vocab 128k, 8 x 2048 tokens). :class:`LossFunction`
-runs the wrapped model's forward (its hooks fire) with the head's ``forward`` swapped for one
-that projects only target positions, a chunk at a time, taking each chunk's gradient in the
-forward (Liger's fused linear cross-entropy scheme; Liger's kernel itself on CUDA with a plain
-``nn.Linear`` head). Gemma-2's softcapped logits keep the plain path. Measured
-(``benchmarks/bench_loss_memory.py``, CPU, vocab 128k, T=2048): peak RSS 0.14x the plain path's.
-"""
+"""The training loss without the full logits (8.4 GB of float32 at vocab 128k, 8 x 2048
+tokens): the head projects only target positions, a chunk at a time, each chunk's gradient
+taken in the forward (Liger's scheme; its kernel on CUDA). Peak RSS 0.14x the plain path's
+(``benchmarks/bench_loss_memory.py``); Gemma-2's softcapped logits keep the plain path."""
 
 from __future__ import annotations
 
@@ -19,8 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.formatting import IGNORE_INDEX
-
-__all__ = ["LossFunction", "plain_loss_sum"]
 
 #: logits elements per chunk: 2**24 float32 values (64 MB, and as much for their gradient)
 CHUNK_ELEMENTS = 2**24

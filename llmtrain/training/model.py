@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -72,8 +73,7 @@ class TrainedModel:
         return f"TrainedModel({self.identifier!r}, version={self.version})"
 
     def use_checkpoint(self, checkpoint: str | int) -> None:
-        """Use a checkpoint of this model's run instead of the final weights: ``"best"`` (by
-        save_best_by) or a step."""
+        """Use a checkpoint of the run instead of the final weights: ``"best"`` or a step."""
         db = self._require_db()
         run_id = self.record.run_id
         if checkpoint == "best":
@@ -98,7 +98,6 @@ class TrainedModel:
                 )
         self._loaded = None
 
-    # -- loading -------------------------------------------------------------------------------
     def _require_db(self) -> Components:
         if self.db is None:
             raise ConfigError(
@@ -170,7 +169,6 @@ class TrainedModel:
         self._loaded = (model, tokenizer)
         return self._loaded
 
-    # -- several adapters on one base ------------------------------------------------------------
     def with_adapters(self, *others: str | TrainedModel) -> TrainedModel:
         """Load the adapters of ``others`` (identifiers or loaded models) trained on the same
         base beside this one (one base in memory); :meth:`set_adapter` switches."""
@@ -186,10 +184,8 @@ class TrainedModel:
             if loaded.identifier in self._adapters:
                 raise ConfigError(f"adapter {loaded.identifier!r} is loaded already")
             mine, theirs = self.record.base, loaded.record.base
-            if loaded.record.full_model or (mine.model_name_or_path, mine.revision) != (
-                theirs.model_name_or_path,
-                theirs.revision,
-            ):
+            source = attrgetter("model_name_or_path", "revision")
+            if loaded.record.full_model or source(mine) != source(theirs):
                 raise ConfigError(
                     f"model {loaded.identifier!r} was trained on "
                     f"{'all weights of ' if loaded.record.full_model else ''}"
@@ -236,7 +232,6 @@ class TrainedModel:
             )
         return self._formatters[record.identifier]
 
-    # -- inference -----------------------------------------------------------------------------
     def generate(
         self,
         X: str | list[str],
@@ -260,7 +255,6 @@ class TrainedModel:
         """:meth:`generate` by its scikit-learn name."""
         return self.generate(X, **kwargs)
 
-    # -- export ----------------------------------------------------------------------------------
     def export_adapter(self, dest: str | Path) -> Path:
         """Write the adapter in PEFT's layout to the new folder ``dest``."""
         from llmtrain.training.export import check_new_folder
@@ -268,9 +262,8 @@ class TrainedModel:
         return self._adapter_folder(check_new_folder(dest, "adapter destination"))
 
     def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
-        """Write the base with the adapter merged in, and the tokenizer, to the new folder
-        ``dest`` (nothing stored); returns what it was merged into. After QLoRA ``into=
-        "trained"`` merges into the dequantised weights training saw, ``"base"`` not."""
+        """Write the merged model and the tokenizer to the new folder ``dest`` (nothing stored);
+        returns what it was merged into (:mod:`llmtrain.training.export`)."""
         from llmtrain.training.export import check_new_folder, write_merged
 
         dest = check_new_folder(dest, "merged destination")
@@ -284,8 +277,6 @@ class TrainedModel:
         """Store the merged model as an artifact (and copy it to ``dest``), record it on this
         component and, with ``store``, store that as a new version; returns the artifact id."""
         db = self._require_db()
-        if self.record.full_model:
-            raise ConfigError("this model was fully fine-tuned: there is no adapter to merge")
         with tempfile.TemporaryDirectory(prefix="llmtrain-merge-") as scratch:
             merged = Path(scratch) / "merged"
             self.export_merged(merged, into=into)

@@ -34,14 +34,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 # mistyped path otherwise spends ~48 s in transformers' retries against an unreachable hub.
 HUB_CHECK_TIMEOUT_S = 3.0
 _TRUE = {"1", "true", "yes", "on"}
+_LAYER_LISTS = ("layers", "h", "blocks", "decoder_layers")
 
 
 def check_model_path(
     name: str, *, tokenizer: bool = False, revision: str | None = None
 ) -> dict[str, Any]:
-    """Refuse a model source that cannot load, at once and naming it; returns the extra
-    ``from_pretrained`` keywords (``local_files_only`` when the hub is offline but the
-    cache has the model). A name that is no local folder is a hub id."""
+    """Refuse a model source that cannot load, at once; returns the extra ``from_pretrained``
+    keywords (``local_files_only`` when the hub is offline but the cache has the model)."""
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         files = set(os.listdir(path))
@@ -89,22 +89,22 @@ def _reachable(endpoint: str) -> bool:
     import urllib.error
     import urllib.request
 
-    result: list[bool] = []
+    answered: list[bool] = []
 
     def probe() -> None:
         try:
             request = urllib.request.Request(endpoint, method="HEAD")
             urllib.request.urlopen(request, timeout=HUB_CHECK_TIMEOUT_S).close()  # noqa: S310
-            result.append(True)
         except urllib.error.HTTPError:  # an answer, if not a welcome one
-            result.append(True)
+            pass
         except (OSError, ValueError):
-            result.append(False)
+            return
+        answered.append(True)
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
     thread.join(HUB_CHECK_TIMEOUT_S + 0.5)
-    return bool(result and result[0])
+    return bool(answered)
 
 
 def load_tokenizer(args: ModelArguments) -> Any:
@@ -136,8 +136,7 @@ def load_model(
     quantize: bool = True,
     precision: Precision | None = None,
 ) -> Any:
-    """The base causal LM on ``device``; quantised with bitsandbytes when ``bits`` is set.
-    ``precision``: the run's (default: resolved here for ``device``)."""
+    """The base causal LM on ``device``, quantised with bitsandbytes when ``bits`` is set."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     precision = precision or Precision.resolve(args, device)
@@ -188,10 +187,8 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
     )
     targets = lora.target_modules
     if targets is None:
-        targets = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""))
-        if targets is None:
-            return "all-linear"
-        return [t for t in targets if t in available] or "all-linear"
+        defaults = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""), [])
+        return [t for t in defaults if t in available] or "all-linear"
     missing = [t for t in targets if t not in available]
     if missing:
         raise ConfigError(
@@ -204,8 +201,7 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
 def prepare_for_training(
     model: Any, lora: LoraArguments | None, *, quantized: bool, gradient_checkpointing: bool
 ) -> Any:
-    """The model as the loop trains it: gradient checkpointing (the only place it is switched
-    on), then the LoRA/DoRA adapter (PEFT) if any."""
+    """Gradient checkpointing (switched on only here), then the LoRA/DoRA adapter if any."""
     kwargs = {"use_reentrant": False}
     if lora is not None and quantized:
         from peft import prepare_model_for_kbit_training
@@ -237,11 +233,26 @@ def prepare_for_training(
     return get_peft_model(model, config)
 
 
-def compile_layers(model: Any) -> int:
-    """``torch.compile`` each decoder layer in place (state dict names unchanged); the
-    embedding, the head and the chunked loss stay eager. Returns how many layers."""
-    from llmtrain.training.strategies.fsdp import decoder_layers
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: classes named by ``_no_split_modules``, else a ``layers`` list."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and name.rsplit(".", 1)[-1] in _LAYER_LISTS
+            and len(module) > 0
+        ):
+            return list(module)
+    return []
 
+
+def compile_layers(model: Any) -> None:
+    """``torch.compile`` each decoder layer in place; the head and the chunked loss stay eager."""
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
@@ -250,4 +261,3 @@ def compile_layers(model: Any) -> int:
         )
     for layer in layers:
         layer.compile()
-    return len(layers)

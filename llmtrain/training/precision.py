@@ -1,7 +1,5 @@
-"""One precision policy: which dtypes a run loads and computes in, and whether it scales.
-fp16 compute always comes with a loss scaler: without one small gradients flush to zero and
-a GPU without bf16 (T4, V100) silently stops learning.
-"""
+"""Which dtypes a run loads and computes in. fp16 compute always comes with a loss scaler:
+without one a GPU without bf16 (T4, V100) silently stops learning."""
 
 from __future__ import annotations
 

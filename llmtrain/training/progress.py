@@ -27,12 +27,7 @@ class Bar(Progress):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(
-            total=total,
-            initial=initial,
-            unit="step",
-            dynamic_ncols=True,
-            desc=desc,
-            file=stream,
+            total=total, initial=initial, unit="step", dynamic_ncols=True, desc=desc, file=stream
         )
 
     def step(self, step: int, metrics: dict[str, float]) -> None:

@@ -311,12 +311,9 @@ class FitRun:
         return math.nan
 
     def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
-        """Forward/backward over the group, then one optimizer step; returns the mean loss.
-
-        The loss is normalised by the step's target tokens on all ranks (``targets``), so every
-        token weighs the same whatever the accumulation or world size. The step reads the
-        device once, at its end (loss, tokens and gradient norm after one all_reduce).
-        """
+        """One optimizer step over the group; returns the mean loss. Normalised by the step's
+        target tokens on all ranks, every token weighs the same whatever the accumulation or
+        world size; the device is read once, at the end."""
         s = self.strategy
         tokens = sum(b["num_tokens"] for b in group)  # plain ints: no device sync
         scale = s.world_size / max(targets, 1)
@@ -355,10 +352,8 @@ class FitRun:
         value = metrics.get(key) if key else None
         if key is None or value is None or value != value:  # nothing scored (nan)
             return
-        better = self.best is None or (
-            value > self.best if self.targs.best_is_greater() else value < self.best
-        )
-        if better:
+        greater = self.targs.best_is_greater()
+        if self.best is None or (value > self.best if greater else value < self.best):
             self.best = value
             record = self.save_checkpoint()
             if self.strategy.is_main:
@@ -376,7 +371,6 @@ class FitRun:
         loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
         model = s.unwrap(self.model)
-        limit = self.dargs.max_length
         model.eval()
         for rows in loader:
             pairs = [
@@ -386,7 +380,7 @@ class FitRun:
             ][: self.dargs.max_eval_rows - count]
             if pairs:
                 prompts = [self.formatter.prompt(x) for x, _ in pairs]
-                prompts = [replace(p, ids=p.ids[-limit:]) for p in prompts]
+                prompts = [replace(p, ids=p.ids[-self.dargs.max_length :]) for p in prompts]
                 with self.precision.autocast():
                     answers = generate_batch(model, self.tokenizer, prompts, t.eval_max_new_tokens)
                 for i, fn in enumerate(self.metrics.values()):
@@ -428,8 +422,7 @@ class FitRun:
         return float(total / count.clamp(min=1))
 
     def _eval_dataset(self) -> Any:
-        """This rank's view of the eval selection or the held-out rows, built once and rewound;
-        None when there is nothing to evaluate on."""
+        """This rank's eval rows (selection or held out), built once and rewound, or None."""
         fit, s = self.plan.fit, self.strategy
         other = fit.eval_query()
         held = other is None

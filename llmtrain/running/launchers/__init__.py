@@ -1,6 +1,5 @@
-"""``fit()`` on several processes (``launcher=Launcher(kind="torchrun"|"deepspeed", ...)``):
-the run is registered here, each worker reads its plan from the run record and trains its
-shard, and this process streams their output and returns the model."""
+"""``fit()`` on several processes (``launcher=``): the run is registered here, each worker
+reads its plan from the run record, and this process streams their output."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ from typing import TYPE_CHECKING
 from llmtrain.errors import DistributedError
 from llmtrain.running.launchers.command import build_command, free_port
 from llmtrain.running.launchers.process import WorkerJob
+from llmtrain.running.local import mark_failed
 from llmtrain.training.model import TrainedModel
 from llmtrain.training.plan import RunPlan
 
@@ -22,9 +22,8 @@ __all__ = ["build_command", "free_port", "launch_workers"]
 
 
 def launch_workers(plan: RunPlan, db: Datalayer, *, merge: bool) -> TrainedModel:
-    """Train ``plan`` in worker processes; return its model. On failure the run is marked
-    failed with the first failing rank's error, every worker is gone, and DistributedError
-    carries that error."""
+    """Train ``plan`` in worker processes; return its model. On failure every worker is gone
+    and the first failing rank's error is recorded and raised."""
     launcher, run_id = plan.config.launcher, plan.run_id
     assert launcher is not None
     job_dir = Path(tempfile.mkdtemp(prefix="llmtrain-job-"))
@@ -37,8 +36,6 @@ def launch_workers(plan: RunPlan, db: Datalayer, *, merge: bool) -> TrainedModel
         try:
             job.run()
         except BaseException as exc:
-            from llmtrain.running.local import mark_failed
-
             mark_failed(db, run_id, exc)
             if isinstance(exc, DistributedError):
                 exc.pids = job.pids()  # type: ignore[attr-defined]

@@ -1,6 +1,5 @@
-"""The worker command line and its environment, kept apart on purpose: the secrets (the
-database URIs) travel in the environment, which other users cannot read; the command line,
-which ``ps`` shows everyone, carries only the run id (and the checkpoint to resume)."""
+"""The worker command line and its environment: the secrets (the database URIs) travel in
+the environment, which other users cannot read, not on the command line ``ps`` shows."""
 
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def artifacts_location(db: Datalayer) -> str:
     """Where a worker reopens the artifact store: a folder, ``gridfs`` or an fsspec URL
-    (which carries no credentials: workers find theirs in the environment)."""
+    (credentials from the environment)."""
     from llmtrain.stores.artifacts import LocalArtifactStore
     from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
 
@@ -60,19 +59,17 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
         }
         pairs = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
         return [sys.executable, "-m", "torch.distributed.run", *pairs, "-m"]
-    if launcher.kind == "deepspeed":
-        argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
-        argv += ["--num_gpus", str(launcher.num_processes), "--master_port", str(port)]
-        if launcher.hostfile:
-            argv += ["--hostfile", launcher.hostfile]
-        if launcher.num_nodes > 1:
-            argv += ["--num_nodes", str(launcher.num_nodes)]
-        if launcher.node_rank:  # this node only, started by the caller on every node
-            argv += ["--no_ssh", "--node_rank", str(launcher.node_rank)]
-        if launcher.hostfile or launcher.node_rank:
-            argv += ["--master_addr", launcher.master_addr]
-        return [*argv, "--module"]
-    raise ConfigError(f"launcher kind {launcher.kind!r} starts no worker processes")
+    argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    argv += ["--num_gpus", str(launcher.num_processes), "--master_port", str(port)]
+    if launcher.hostfile:
+        argv += ["--hostfile", launcher.hostfile]
+    if launcher.num_nodes > 1:
+        argv += ["--num_nodes", str(launcher.num_nodes)]
+    if launcher.node_rank:  # this node only, started by the caller on every node
+        argv += ["--no_ssh", "--node_rank", str(launcher.node_rank)]
+    if launcher.hostfile or launcher.node_rank:
+        argv += ["--master_addr", launcher.master_addr]
+    return [*argv, "--module"]
 
 
 def build_command(

@@ -1,7 +1,6 @@
-"""Running the launcher: stream its output, notice the first failing rank, leave nothing.
-The launcher has a session of its own and every worker records its pid in the job folder
-(torchrun gives each worker another session): on failure, timeout or Ctrl-C all of them are
-signalled by process group, then killed if they linger."""
+"""Running the launcher: stream its output, notice the first failing rank, leave nothing. The
+launcher and every worker (pids in the job folder: torchrun gives each its own session) are
+signalled by process group on failure, timeout or Ctrl-C, then killed if they linger."""
 
 from __future__ import annotations
 
@@ -51,13 +50,13 @@ class WorkerJob:
         echo: IO[str] | None = None,
     ) -> None:
         self.argv, self.env, self.job_dir, self.timeout_s = argv, env, job_dir, timeout_s
-        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr  # default: as written
+        self.echo, self.echo_err = echo or sys.stdout, echo or sys.stderr
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.worker_pids: set[int] = set()
         self.proc: subprocess.Popen[str] | None = None
 
     def run(self) -> None:
-        """Start, wait; DistributedError (with the first failing rank's error) on failure."""
+        """DistributedError (with the first failing rank's error) on failure."""
         for sub in ("pids", "errors"):
             (self.job_dir / sub).mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(

@@ -1,6 +1,5 @@
-"""``python -m llmtrain.running.launchers.worker``: one rank of a launched fit. It connects
-from the environment, reads the run's plan from its record and trains its share; on failure
-its traceback goes to the job folder, where the parent finds which rank failed first."""
+"""``python -m llmtrain.running.launchers.worker``: one rank of a launched fit; on failure its
+traceback goes to the job folder, where the parent finds which rank failed first."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
     from llmtrain.running.local import run_here
     from llmtrain.training.plan import RunPlan
 
-    # popped: nothing this process starts (compilers, loader workers, the callbacks' code)
-    # inherits the secrets
+    # popped: nothing this process starts (loader workers, callbacks) inherits the secrets
     db = connect(
         os.environ.pop(DB_ENV),
         metadata_uri=os.environ.pop(METADATA_ENV, None),

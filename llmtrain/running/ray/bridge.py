@@ -1,10 +1,6 @@
-"""The one way Ray workers reach the database and the stores: calls the driver answers.
-
-Workers never hold the database URI. A call waits in a small :class:`Broker` actor on the
-driver's node until a driver thread runs it on the driver's connection. Rows and folders
-travel as one object-store object each, straight to the worker that asked; a worker has at
-most two windows in flight, so the driver holds a few windows per worker whatever the size.
-"""
+"""Ray workers reach the database and stores only through calls the driver answers (they
+never hold the URI): a call waits in a :class:`Broker` actor until a driver thread runs it.
+Rows and folders travel as one object-store object each, straight to the worker that asked."""
 
 from __future__ import annotations
 
@@ -69,7 +65,6 @@ class Broker:
             waiting.set_result(reply)
 
 
-# -- the worker's side -------------------------------------------------------------------------
 def call(broker: Any, target: str, method: str, *args: Any, **kwargs: Any) -> Any:
     """``target.method(*args, **kwargs)`` run by the driver; its error is raised here."""
     kind, value = ray.get(broker.call.remote((target, method, args, kwargs)))
@@ -87,15 +82,13 @@ class _Proxy:
     def __getattr__(self, method: str) -> Callable[..., Any]:
         if method not in SERVED[self._target]:
             raise AttributeError(f"a Ray worker cannot call {self._target}.{method}")
-        if (self._target, method) == ("artifacts", "get_dir"):
-            return self._get_dir
-        if (self._target, method) == ("artifacts", "put_dir"):  # a folder goes as its files
+        if (self._target, method) == ("artifacts", "get_dir"):  # a folder comes as its files
+            return lambda artifact_id, dest: write_files(
+                call(self._broker, "artifacts", "get_dir", artifact_id), Path(dest)
+            )
+        if (self._target, method) == ("artifacts", "put_dir"):
             return lambda path: str(call(self._broker, "artifacts", "put_dir", read_files(path)))
         return lambda *args, **kwargs: call(self._broker, self._target, method, *args, **kwargs)
-
-    def _get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        write_files(call(self._broker, "artifacts", "get_dir", artifact_id), Path(dest))
-        return Path(dest)
 
 
 class RemoteDB:
@@ -114,21 +107,20 @@ def read_files(folder: str | Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
-def write_files(files: dict[str, bytes], dest: Path) -> None:
+def write_files(files: dict[str, bytes], dest: Path) -> Path:
     for rel, data in files.items():
         path = dest / rel
         if dest.resolve() not in path.resolve().parents:
             raise DistributedError(f"refused a file outside its folder: {rel!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+    return dest
 
 
-# -- the driver's side -------------------------------------------------------------------------
 @contextlib.contextmanager
 def serving(db: Datalayer, extra: dict[str, Callable[..., Any]], *, threads: int) -> Iterator[Any]:
-    """A Broker on this node (yielded), answered by ``threads`` threads of the driver (one
-    window read each at a time bounds the driver's memory) while ``TorchTrainer.fit()``
-    blocks the main thread. ``extra`` adds the driver's own calls (``driver.<name>``)."""
+    """A Broker on this node (yielded), answered by ``threads`` driver threads (one window read
+    each bounds the driver's memory); ``extra`` adds the driver's own calls (``driver.<name>``)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)

@@ -1,6 +1,5 @@
-"""The driver of a Ray fit (the process that called fit()) keeps the database: it answers
-the workers' calls, copies each checkpoint they report into the artifact store, and stores
-the model and marks the run as a local rank 0 does."""
+"""The driver of a Ray fit keeps the database: it answers the workers' calls, copies their
+checkpoints into the artifact store, and stores the model as a local rank 0 does."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ if TYPE_CHECKING:
 
 
 def storage_location(storage: str | None) -> tuple[str, Any]:
-    """(path for Ray, pyarrow filesystem or None): a folder (absolute), or any fsspec URL
-    (``s3://``, ``gs://``, ...) through fsspec, as the artifact store reaches it: the same
-    credentials from the environment, handed to Ray as a pyarrow filesystem."""
+    """(path for Ray, pyarrow filesystem or None): a folder, or an fsspec URL reached as the
+    artifact store reaches it (credentials from the environment)."""
     if storage is None or "://" not in storage or storage.startswith("file://"):
         folder = (storage or "~/ray_results").removeprefix("file://")
         return str(Path(folder).expanduser().absolute()), None
@@ -69,25 +67,18 @@ class RayRun:
         self.checkpointer = Checkpointer(db, plan.run_id, None, keep=keep, workdir=self.workdir)  # type: ignore[arg-type]
 
     def loop_config(self, broker: Any) -> dict[str, Any]:
-        """What a worker gets, and nothing that locates the database: the plan without its
-        recipe's database URI, the callbacks, the broker."""
+        """What a worker gets, and nothing that locates the database."""
         fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})
         plan = replace(self.plan, config=self.plan.config.model_copy(update={"fit": fit}))
         quiet = os.environ.get(QUIET_ENV) == "1"  # as quiet as the fit on the driver
         return {"broker": broker, "plan": plan, "callbacks": self.callbacks, "quiet": quiet}
 
-    # -- the driver's own calls ------------------------------------------------------------
-    def database(self) -> str | None:
-        return self.db.secret_uri() if self.config.workers_read_database else None
-
     def resume_point(self) -> CheckpointRecord | None:
-        """The plan's checkpoint the first time, the newest one once this attempt recorded
-        one (Ray restarted the group)."""
+        """The newest checkpoint of this attempt (Ray restarted the group), else the plan's."""
         return self.checkpoints[-1] if self.checkpoints else self.plan.resume_from
 
     def record_checkpoint(self, step: int, epoch: int, world_size: int) -> CheckpointRecord:
-        """Copy a reported checkpoint from Ray's storage into the artifact store and record
-        it on the run, as a local run's is."""
+        """Copy a reported checkpoint from Ray's storage into the artifact store; record it."""
         name = checkpoint_name(step)
         source = ray.train.Checkpoint(f"{self.path}/{self.name}/{name}", self.filesystem)
         folder = self.workdir / name
@@ -104,9 +95,7 @@ class RayRun:
     def finish(self, outcome: Outcome) -> None:
         self.finished = outcome
 
-    # -- the job -------------------------------------------------------------------------------
     def ray_info(self, status: str, result: Any = None) -> dict[str, Any]:
-        """What the run record shows of Ray: its run, status, metrics and checkpoints."""
         info: dict[str, Any] = {
             "name": self.name,
             "storage": redact_uri(self.config.storage or self.path),
@@ -123,7 +112,7 @@ class RayRun:
     def fit(self, *, merge: bool) -> TrainedModel:
         db, run_id, c = self.db, self.plan.run_id, self.config
         calls: dict[str, Callable[..., Any]] = {
-            "database": self.database,
+            "database": lambda: db.secret_uri() if c.workers_read_database else None,
             "resume_point": self.resume_point,
             "record_checkpoint": self.record_checkpoint,
             "finished": self.finish,
@@ -176,9 +165,8 @@ def scaling(config: RayConfig) -> Any:
 
 @contextlib.contextmanager
 def ray_session(config: RayConfig) -> Iterator[None]:
-    """This process's Ray instance (or ``ray_config.address``'s); one it starts itself is shut
-    down after the fit. Workers the cluster could never place (``use_gpu`` without GPUs, for
-    which Ray would wait) are refused before anything is recorded."""
+    """This process's Ray instance (one it starts is shut down after); workers the cluster
+    could never place (Ray would wait for them) are refused before anything is recorded."""
     started = not ray.is_initialized()
     if started:  # a quiet fit hears from its workers through the driver only (progress)
         quiet = os.environ.get(QUIET_ENV) == "1"

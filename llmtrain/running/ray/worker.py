@@ -1,9 +1,5 @@
-"""One Ray Train worker: the same run body as a local or launched rank, at Ray's placement.
-
-Rows, stores and records go through the driver (:mod:`~llmtrain.running.ray.bridge`);
-checkpoints go to Ray Train (``ray.train.report`` on every rank) and rank 0 has the driver
-record them. After Ray restarts the group, the run continues from the last checkpoint.
-"""
+"""One Ray Train worker: the same run body as a local rank, with the driver's stores.
+Checkpoints go to Ray Train (every rank reports) and the driver records them."""
 
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ from llmtrain.training.checkpoint import Checkpointer, rng_state, seal, sha256_f
 
 
 def checkpoint_name(step: int) -> str:
-    """The folder of step ``step``'s checkpoint in the Ray run's storage."""
     return f"checkpoint-{step:08d}"
 
 
@@ -84,8 +79,7 @@ class RayCheckpointer(Checkpointer):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` of the TorchTrainer: the plan, trained as a local rank would,
-    at Ray's placement, with the driver's stores."""
+    """``train_loop_per_worker`` of the TorchTrainer."""
     from llmtrain.datalayer import connect
 
     context, broker = ray.train.get_context(), config["broker"]
@@ -95,8 +89,7 @@ def train_loop(config: dict[str, Any]) -> None:
         local_rank=context.get_local_rank(),
         launched=True,
     )
-    # rows from the driver too, unless the workers may read the database themselves (the
-    # driver then hands its address over, never in the worker's configuration)
+    # rows from the driver too, unless the workers may read the database (never configured)
     address = call(broker, "driver", "database")
     own = None if address is None else connect(address)
     db = RemoteDB(broker) if own is None else RemoteDB(broker, own.backend, own.uri)

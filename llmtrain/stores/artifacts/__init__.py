@@ -19,9 +19,8 @@ def is_url(spec: str | Path) -> bool:
 
 
 def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
-    """Checked before anything opens: ``"gridfs"`` needs a MongoDB metadata database, and a
-    URL's protocol must be one fsspec handles (never taken for a folder named ``s3:``), with
-    no credentials in it."""
+    """Before anything opens: ``"gridfs"`` needs MongoDB metadata, a URL a protocol fsspec
+    handles (never taken for a folder named ``s3:``) and no credentials."""
     if spec == "gridfs" and not is_mongo_uri(metadata_uri):
         raise ConfigError(
             f"artifacts='gridfs' needs a MongoDB metadata database, not {redact_uri(metadata_uri)}"
@@ -31,8 +30,7 @@ def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
 
 
 def open_artifacts(spec: str | Path, *, metadata_uri: str) -> ArtifactStore:
-    """``"gridfs"``: GridFS in the (MongoDB) metadata database; an fsspec URL: that store;
-    anything else (``file://`` included): a folder."""
+    """GridFS in the metadata database, an fsspec URL, or a folder (``file://`` included)."""
     check_artifacts_spec(spec, metadata_uri)
     if is_url(spec):
         return FsspecArtifactStore(str(spec))

@@ -1,10 +1,6 @@
-"""The artifact store contract, and everything about it that does not depend on where bytes live.
-
-Ids are ``"sha256:<hex>"`` (a blob) or ``"tree:<hex>"`` (the hash of a folder's JSON manifest
-of relative paths -> blob ids). Every store is content-addressed, atomic (no partial object
-under its final name), verified on read, streamed in ``CHUNK`` pieces, and its ids cannot
-name a path; ``tests/test_artifacts.py`` checks that once for all of them.
-"""
+"""The artifact store contract: ids are ``"sha256:<hex>"`` (a blob) or ``"tree:<hex>"`` (a
+folder's JSON manifest of relative paths -> blob ids), so every store is content-addressed,
+atomic, verified on read and its ids cannot name a path."""
 
 from __future__ import annotations
 
@@ -80,28 +76,6 @@ def manifest_bytes(files: dict[str, str]) -> bytes:
     ).encode()
 
 
-def parse_manifest(data: bytes, tree_id: str) -> dict[str, str]:
-    try:
-        manifest = json.loads(data)
-        files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
-    except (ValueError, AttributeError, KeyError):  # not JSON, not an object, no files
-        files = None
-    if not isinstance(files, dict):
-        raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
-    for relpath, blob_id in files.items():
-        check_relpath(relpath)
-        if parse_id(blob_id)[0] != BLOB:
-            raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
-    return files
-
-
-def corrupt(artifact_id: str, actual_hex: str) -> ArtifactCorruptError:
-    return ArtifactCorruptError(
-        f"artifact {artifact_id} is corrupt: its content now hashes "
-        f"to {actual_hex[:16]}...; restore it from a copy or delete it"
-    )
-
-
 def hashed_copy(source: BinaryIO, out: Any = None) -> str:
     """Copy ``source`` to ``out`` (if any) in ``CHUNK`` pieces; the sha256 of what was read."""
     digest = hashlib.sha256()
@@ -130,16 +104,14 @@ class ArtifactStore(ABC):
     """Ids, trees, verification and deletion over five storage primitives (``_has``,
     ``_save``, ``_open``, ``_remove``, ``_tree_ids``) that each store supplies."""
 
-    #: where the artifacts are, for messages; the storage's own exceptions, which
-    #: :meth:`_errors` turns into a StoreError naming the operation
+    #: where the artifacts are, for messages; the storage's exceptions that :meth:`_errors` wraps
     _label = "artifacts"
     _storage_errors: tuple[type[Exception], ...] = ()
 
     @property
     @abstractmethod
     def location(self) -> str:
-        """Where the artifacts are, as ``connect(artifacts=)`` takes it (no secret in it):
-        recorded on every run and model, so a reader can be told where to look."""
+        """As ``connect(artifacts=)`` takes it (no secret in it): recorded on runs and models."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
@@ -169,7 +141,7 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def _remove(self, artifact_id: str) -> None:
-        """Remove it if present."""
+        """If present."""
 
     @abstractmethod
     def _tree_ids(self) -> list[str]: ...
@@ -180,8 +152,7 @@ class ArtifactStore(ABC):
         yield
 
     def require(self, artifact_id: str, recorded: str | None, what: str) -> None:
-        """ArtifactNotFoundError naming where ``what`` recorded its artifacts, when
-        ``artifact_id`` is not here and that is another store."""
+        """ArtifactNotFoundError, naming where ``what`` recorded its artifacts if elsewhere."""
         if self.exists(artifact_id):
             return
         hint = ""
@@ -226,8 +197,7 @@ class ArtifactStore(ABC):
         return artifact_id
 
     def put_dir(self, path: str | Path) -> str:
-        """Files (and links to files) below ``path`` as a ``tree:`` id; links to folders are
-        not followed."""
+        """Files (and links to files, not folders) below ``path`` as a ``tree:`` id."""
         path = Path(path)
         if not path.is_dir():
             raise StoreError(f"cannot store {path}: not a folder")
@@ -248,18 +218,24 @@ class ArtifactStore(ABC):
         return self._has(artifact_id)
 
     def get_bytes(self, artifact_id: str) -> bytes:
-        """The blob's bytes, verified; ArtifactCorruptError if they no longer match."""
-        _, expected = parse_id(artifact_id)
-        with self._open(artifact_id) as raw:
-            data = raw.read()
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected:
-            raise corrupt(artifact_id, actual)
-        return data
+        parse_id(artifact_id)
+        out = io.BytesIO()
+        self._copy_verified(artifact_id, out)
+        return out.getvalue()
+
+    def _copy_verified(self, artifact_id: str, out: Any) -> None:
+        """ArtifactCorruptError if the bytes no longer hash to the id."""
+        with self._open(artifact_id) as source:
+            actual = hashed_copy(source, out)
+        if actual != parse_id(artifact_id)[1]:
+            raise ArtifactCorruptError(
+                f"artifact {artifact_id} is corrupt: its content now hashes "
+                f"to {actual[:16]}...; restore it from a copy or delete it"
+            )
 
     def get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        """Materialise a tree into ``dest`` (created; must be empty or absent), verified; built
-        in a hidden sibling folder, then renamed: ``dest`` is all there or absent."""
+        """Materialise a tree into ``dest`` (empty or absent) via a hidden sibling folder
+        renamed into place: ``dest`` is all there or absent."""
         if parse_id(artifact_id)[0] != TREE:
             raise StoreError(f"{artifact_id} is a blob, not a folder: use get_bytes")
         files = self._tree_files(artifact_id)
@@ -272,10 +248,8 @@ class ArtifactStore(ABC):
             for relpath, blob_id in files.items():
                 target = staging.joinpath(*relpath.split("/"))
                 target.parent.mkdir(parents=True, exist_ok=True)
-                with self._open(blob_id) as src, open(target, "xb") as out:
-                    actual = hashed_copy(src, out)
-                if actual != parse_id(blob_id)[1]:
-                    raise corrupt(blob_id, actual)
+                with open(target, "xb") as out:
+                    self._copy_verified(blob_id, out)
             os.replace(staging, dest)
         except OSError as exc:
             raise os_error(f"cannot restore {artifact_id} into {dest}", exc) from exc
@@ -285,12 +259,22 @@ class ArtifactStore(ABC):
         return dest
 
     def _tree_files(self, tree_id: str) -> dict[str, str]:
-        return parse_manifest(self.get_bytes(tree_id), tree_id)
+        try:
+            manifest = json.loads(self.get_bytes(tree_id))
+            files = manifest["files"] if manifest.get("format") == MANIFEST_FORMAT else None
+        except (ValueError, AttributeError, KeyError):  # not JSON, not an object, no files
+            files = None
+        if not isinstance(files, dict):
+            raise StoreError(f"{tree_id} is not a format-{MANIFEST_FORMAT} folder manifest")
+        for relpath, blob_id in files.items():
+            check_relpath(relpath)
+            if parse_id(blob_id)[0] != BLOB:
+                raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
+        return files
 
     # -- deleting -------------------------------------------------------------------------------
     def delete(self, artifact_id: str) -> None:
-        """Delete a blob, or a tree's manifest and those of its blobs no other tree uses.
-        Deleting an absent artifact is a no-op; a blob a tree still uses is refused."""
+        """A blob (refused while a tree uses it), or a tree with the blobs no other tree uses."""
         kind, _ = parse_id(artifact_id)
         with self._tree_lock(exclusive=True):
             if not self._has(artifact_id):

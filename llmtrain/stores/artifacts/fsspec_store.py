@@ -1,13 +1,7 @@
-"""Artifacts at any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``), laid out as
-the local folder is. Credentials and endpoints come from the environment (AWS settings,
-``FSSPEC_<PROTOCOL>_<OPTION>``), never the URL, which is stored, shown and handed to workers.
-
-Atomic publication: object stores (S3, GCS) write the final key with ``autocommit=False``, a
-multipart upload (``WRITE_BLOCK`` bytes in memory at most) completed by ``commit()`` only after
-the sha256 checked; other filesystems write ``<url>/tmp/<uuid>`` and move it into place.
-There is no lock across machines: ``delete`` racing a ``put_dir`` that shares blobs can drop
-one the new tree needs (``get_dir`` then fails naming it).
-"""
+"""Artifacts at any fsspec URL, laid out as the local folder is; credentials come from the
+environment, never the URL (it is stored and shown). Object stores (S3, GCS) publish a multipart
+upload on ``commit()`` after the hash checked; others write ``tmp/<uuid>`` and move it. No lock
+across machines: ``delete`` racing a ``put_dir`` that shares blobs can drop one it needs."""
 
 from __future__ import annotations
 
@@ -37,25 +31,19 @@ READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "r
 STORAGE_PACKAGES = frozenset({"fsspec", "s3fs", "botocore", "aiobotocore", "gcsfs", "google"})
 
 
-def shown_url(url: str) -> str:
-    """The URL without anything that could be a credential: for messages."""
-    parts = urlsplit(url)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    hidden = "***@" if "@" in parts.netloc else ""
-    return f"{parts.scheme}://{hidden}{host}{parts.path}" + ("?***" if parts.query else "")
-
-
 def check_url(url: str, option: str = "artifacts") -> str:
-    """The protocol of an fsspec URL that is safe to store; ConfigError naming ``option``
-    otherwise."""
+    """The protocol of an fsspec URL that is safe to store; else ConfigError naming ``option``."""
     match = URL_SCHEME.match(url)
     if match is None:
         raise ConfigError(f"{option}={url!r} is not a URL")
     protocol = match.group(1).lower()
     parts = urlsplit(url)
     if "@" in parts.netloc or parts.query or parts.fragment:
+        host = parts.netloc.rsplit("@", 1)[-1]
+        hidden = "***@" if "@" in parts.netloc else ""
+        shown = f"{parts.scheme}://{hidden}{host}{parts.path}" + ("?***" if parts.query else "")
         raise ConfigError(
-            f"{option}={shown_url(url)!r}: credentials and options do not belong in the "
+            f"{option}={shown!r}: credentials and options do not belong in the "
             "URL (it is stored and shown); set them in the environment "
             "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, AWS_ENDPOINT_URL, "
             "FSSPEC_<PROTOCOL>_<OPTION>)"
@@ -75,13 +63,6 @@ def check_url(url: str, option: str = "artifacts") -> str:
         hint = " (pip install 'llmtrain[s3]')" if protocol in ("s3", "s3a") else ""
         raise ConfigError(f"{option}={url!r} needs a package fsspec names: {exc}{hint}") from None
     return protocol
-
-
-def _from_storage(exc: BaseException) -> bool:
-    """An error of the filesystem (which fsspec drivers raise as OSError, or their client
-    library's own), not of the source being copied."""
-    package = type(exc).__module__.split(".", 1)[0]
-    return isinstance(exc, OSError) or package in STORAGE_PACKAGES
 
 
 class FsspecArtifactStore(ArtifactStore):
@@ -142,10 +123,10 @@ class FsspecArtifactStore(ArtifactStore):
                 self.fs.mv(target, final)
         except BaseException as exc:
             self._abandon(out, target, direct)
-            if not isinstance(exc, Exception) or isinstance(exc, LlmtrainError):
-                raise  # an interrupt, or ours: as it is
-            if not _from_storage(exc):
-                raise  # the source's (a file that cannot be read): as it is
+            package = type(exc).__module__.split(".", 1)[0]
+            storage = isinstance(exc, OSError) or package in STORAGE_PACKAGES
+            if not storage or not isinstance(exc, Exception) or isinstance(exc, LlmtrainError):
+                raise  # an interrupt, ours, or the source's (a file that cannot be read)
             raise self._error(f"storing {artifact_id}", exc) from exc
 
     def _abandon(self, out: Any, target: str, direct: bool) -> None:

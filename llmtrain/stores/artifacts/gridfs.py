@@ -22,16 +22,13 @@ COLLECTION = f"{TABLE_PREFIX}artifacts"  # GridFS adds .files and .chunks
 
 @functools.cache
 def _enable_mongomock_gridfs() -> None:
-    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that (once; two
-    threads racing here apply the same patch twice, which is harmless)."""
+    """gridfs checks ``isinstance(db, pymongo.Database)``; mongomock patches that (twice: fine)."""
     import mongomock.gridfs
 
     mongomock.gridfs.enable_gridfs_integration()
 
 
 class GridFSArtifactStore(ArtifactStore):
-    """Artifacts in ``_llmtrain_artifacts.files`` / ``.chunks`` of the metadata database."""
-
     _storage_errors = (PyMongoError,)
 
     def __init__(self, metadata_uri: str) -> None:

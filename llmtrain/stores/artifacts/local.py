@@ -1,6 +1,5 @@
-"""Artifacts in a local (or network-mounted) folder: ``root/blobs/ab/cdef...`` and
-``root/trees/ab/cdef...``, each written to a temporary file beside it, fsynced and renamed
-into place; a lock file keeps ``put_dir`` and ``delete`` from racing."""
+"""Artifacts in a local (or mounted) folder, each written to a temporary file beside it, fsynced
+and renamed into place; a lock file keeps ``put_dir`` and ``delete`` from racing."""
 
 from __future__ import annotations
 

@@ -7,9 +7,8 @@ from llmtrain.uri import is_mongo_uri
 
 
 def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:
-    """A store on ``uri``; nothing connects until the first call. ``missing_ok``: a database
-    that is not there yet (a separate SQLite metadata file) reads as empty and is created by
-    the first write, instead of being a DatabaseNotFoundError."""
+    """Connects on first use. ``missing_ok``: a database not there yet (a separate SQLite
+    metadata file) reads as empty until the first write creates it."""
     if is_mongo_uri(uri):
         from llmtrain.stores.metadata.mongo import MongoMetadataStore
 

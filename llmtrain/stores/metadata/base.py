@@ -1,7 +1,5 @@
-"""The metadata store: components (versioned JSON records), runs, metrics and checkpoints.
-
-Stored as plain JSON that a pydantic model validates on the way back; never pickled.
-"""
+"""The metadata store: components (versioned records), runs, metrics and checkpoints, stored as
+plain JSON that a pydantic model validates on the way back; never pickled."""
 
 from __future__ import annotations
 
@@ -76,13 +74,8 @@ Row = Mapping[str, Any]
 
 
 class MetadataStore(ABC):
-    """Versioned components plus the records of training runs.
-
-    The rules live here, once (payloads, encoding, errors, status changes); a backend supplies
-    the ``_``-primitives below, creates nothing when only read, and raises :class:`Conflict`
-    when a unique key is taken. Versions start at 0 and are made unique by a unique index:
-    concurrent adds retry on conflict. A store pickles as its URI and reconnects lazily.
-    """
+    """The rules, once; a backend supplies the ``_``-primitives below, creates nothing when only
+    read and raises :class:`Conflict` when a unique key is taken (concurrent adds retry)."""
 
     #: the driver's exceptions that become a StoreError naming the operation
     _driver_errors: tuple[type[BaseException], ...] = ()
@@ -96,7 +89,7 @@ class MetadataStore(ABC):
         return f"{type(self).__name__}({self._where!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its URI: another process opens (and checks) the store afresh."""
+        """Pickled as its URI: another process reconnects (and checks) lazily."""
         return (type(self), (self._uri,), {"_missing_ok": self._missing_ok})
 
     # -- components ---------------------------------------------------------------------------
@@ -134,14 +127,14 @@ class MetadataStore(ABC):
         self, type_id: str, identifier: str, version: int | None = None
     ) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
-        with self._errors(f"reading {type_id} {identifier!r}"):
-            rows = self._find(
-                "components",
-                version is None,
-                type_id=type_id,
-                identifier=identifier,
-                **_given(version=version),
-            )
+        rows = self._rows(
+            f"reading {type_id} {identifier!r}",
+            "components",
+            version is None,
+            type_id=type_id,
+            identifier=identifier,
+            **_given(version=version),
+        )
         if not rows:
             which = "any version" if version is None else f"version {version}"
             raise ComponentNotFoundError(f"no {type_id} {identifier!r} ({which}) in {self._where}")
@@ -150,10 +143,9 @@ class MetadataStore(ABC):
     def list_components(
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[ComponentRecord]:
-        """Ordered by type_id, identifier, version."""
-        with self._errors("listing components"):
-            rows = self._find("components", **_given(type_id=type_id, identifier=identifier))
-        # Sorted here: collations differ between databases, code points do not.
+        """Ordered by type_id, identifier, version: by code point, whatever the collation."""
+        filters = _given(type_id=type_id, identifier=identifier)
+        rows = self._rows("listing components", "components", **filters)
         return sorted(map(_component, rows), key=lambda r: (r.type_id, r.identifier, r.version))
 
     def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
@@ -193,8 +185,8 @@ class MetadataStore(ABC):
         info: dict[str, Any] | None = None,
         error: str | None = None,
     ) -> RunRecord:
-        """Set status/error; ``info`` keys are merged into the stored info. Moving to
-        ``running`` or ``completed`` without an error clears the stored one."""
+        """``info`` keys are merged into the stored info; moving to ``running`` or
+        ``completed`` without an error clears the stored one."""
         if status is not None and status not in _RUN_STATUSES:
             raise StoreError(
                 f"run status {status!r} is invalid: use one of {', '.join(sorted(_RUN_STATUSES))}"
@@ -219,8 +211,7 @@ class MetadataStore(ABC):
         return _run(row)
 
     def get_run(self, run_id: str) -> RunRecord:
-        with self._errors(f"reading run {run_id!r}"):
-            rows = self._find("runs", run_id=run_id)
+        rows = self._rows(f"reading run {run_id!r}", "runs", run_id=run_id)
         if not rows:
             raise StoreError(f"no run {run_id!r} in {self._where}")
         return _run(rows[0])
@@ -229,20 +220,17 @@ class MetadataStore(ABC):
         self, type_id: str | None = None, identifier: str | None = None
     ) -> list[RunRecord]:
         """Oldest first."""
-        with self._errors("listing runs"):
-            rows = self._find("runs", **_given(type_id=type_id, identifier=identifier))
+        rows = self._rows("listing runs", "runs", **_given(type_id=type_id, identifier=identifier))
         return [_run(r) for r in rows]
 
     def remove_run(self, run_id: str) -> None:
-        """Remove a run with its metrics and checkpoint records (not the checkpoints'
-        artifacts: :meth:`Datalayer.remove` deletes those). A missing run is a no-op."""
+        """With its metrics and checkpoint records (not their artifacts); a missing run: no-op."""
         with self._errors(f"removing run {run_id!r}"):
             self._delete(["checkpoints", "metrics", "runs"], run_id=run_id)
 
     # -- metrics and checkpoints ----------------------------------------------------------------
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
-        """Store ``values`` for ``step``; a metric the step already has is replaced, so a
-        step redone after a resume is listed once."""
+        """A metric the step already has is replaced: a step redone after a resume counts once."""
         try:
             numbers = {str(k): float(v) for k, v in values.items()}
         except (TypeError, ValueError, AttributeError) as exc:
@@ -263,8 +251,7 @@ class MetadataStore(ABC):
 
     def get_metrics(self, run_id: str) -> list[MetricRecord]:
         """Ordered by step, then insertion."""
-        with self._errors(f"reading metrics of run {run_id!r}"):
-            rows = self._find("metrics", run_id=run_id)
+        rows = self._rows(f"reading metrics of run {run_id!r}", "metrics", run_id=run_id)
         return [_record(MetricRecord, r, "values", f"metrics of run {run_id!r}") for r in rows]
 
     def add_checkpoint(
@@ -286,8 +273,7 @@ class MetadataStore(ABC):
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
-        with self._errors(f"listing checkpoints of run {run_id!r}"):
-            rows = self._find("checkpoints", run_id=run_id)
+        rows = self._rows(f"listing checkpoints of run {run_id!r}", "checkpoints", run_id=run_id)
         what = f"checkpoint info of run {run_id!r}"
         return [_record(CheckpointRecord, r, "info", what) for r in rows]
 
@@ -302,8 +288,8 @@ class MetadataStore(ABC):
     # -- shared plumbing ------------------------------------------------------------------------
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
-        """A driver error becomes one StoreError line naming the store and the operation; a
-        database the server does not have, or a login it refuses, is the user's mistake."""
+        """A driver error as one StoreError line; a database or login the server refuses is the
+        user's mistake (ConfigError)."""
         try:
             yield
         except self._driver_errors as exc:
@@ -317,26 +303,33 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
+    def _rows(self, doing: str, table: str, newest: bool = False, **equal: Any) -> list[Row]:
+        with self._errors(doing):
+            return self._find(table, newest, **equal)
+
     def _now(self) -> datetime:
         return datetime.now(UTC)
 
     # -- backend primitives: rows carry the record's fields, payload/info/values as JSON text --
-    @abstractmethod
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        """Insert ``row`` as version newest + 1 (0 for the first) and return that version;
-        Conflict if another writer took it. When ``same(newest row)``, insert nothing and
-        return the newest version."""
+        """Insert ``row`` as version newest + 1 (0 for the first) and return it; Conflict if
+        another writer took it. When ``same(newest row)``, return the newest version instead."""
+        found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
+        if found and same(found[0]):
+            return int(found[0]["version"])
+        version = int(found[0]["version"]) + 1 if found else 0
+        self._insert("components", {**row, "version": version})
+        return version
 
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
-        """The rows whose columns equal ``equal`` (None included), in the table's order:
-        components by version, runs oldest first, metrics by step then insertion, checkpoints
-        by step. ``newest``: only the last of them."""
+        """The rows whose columns equal ``equal`` (None included) in the table's order (see the
+        list methods); ``newest``: only the last of them."""
 
     @abstractmethod
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        """Remove the rows of ``tables`` whose columns equal ``equal`` (None included), in
-        one transaction where the database has them; returns how many went."""
+        """Remove the rows of ``tables`` whose columns equal ``equal``, in one transaction where
+        the database has them; returns how many went."""
 
     @abstractmethod
     def _insert(self, table: str, row: Row) -> None:
@@ -344,8 +337,8 @@ class MetadataStore(ABC):
 
     @abstractmethod
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
-        """Atomically apply ``change(stored row)`` (the columns to set) and return the new
-        row; None if there is no such run. Concurrent changes must all take effect."""
+        """Atomically set the columns ``change(stored row)`` gives and return the new row (None:
+        no such run). Concurrent changes must all take effect."""
 
     @abstractmethod
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
@@ -354,8 +347,7 @@ class MetadataStore(ABC):
 
 
 def _given(**filters: Any) -> dict[str, Any]:
-    """The optional filters that were given: only these may be left out (None: any value);
-    a required key is always matched, so a None there finds and removes nothing."""
+    """The optional filters given (None: any value); a required key is always matched."""
     return {k: v for k, v in filters.items() if v is not None}
 
 
@@ -392,8 +384,7 @@ def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
 
 
 def _record(cls: type[R], row: Row, field: str, what: str) -> R:
-    """A stored row as its record: ``field`` decoded from JSON, times as aware UTC (drivers
-    hand back naive UTC, like pymongo and mongomock, or aware times)."""
+    """``field`` decoded from JSON, times as aware UTC (drivers hand back naive or aware)."""
     data = {name: row.get(name) for name in cls.model_fields}
     data[field] = loads(row.get(field), what)
     for name in ("created_at", "updated_at"):

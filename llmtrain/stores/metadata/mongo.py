@@ -22,8 +22,7 @@ from llmtrain.stores.metadata.base import (
     pause,
 )
 
-#: each collection's order: runs oldest first, metrics by step then insertion (ObjectIds grow
-#: within a process, and one process writes a run's metrics)
+#: metrics by step then insertion: ObjectIds grow within a process, which writes a run's metrics
 _ORDER = {
     "components": ("version",),
     "runs": ("created_at", "_id"),
@@ -39,15 +38,13 @@ _INDEXES: dict[str, list[tuple[list[tuple[str, int]], bool]]] = {
 
 
 class MongoMetadataStore(MetadataStore):
-    """The unique indexes are created by the first write; reads create nothing (a missing
-    database reads as empty, so ``missing_ok`` changes nothing here)."""
+    """Indexes are created by the first write; reads create nothing (so ``missing_ok`` is moot)."""
 
     _driver_errors = (PyMongoError,)
     _indexes_ready = False
 
     def _coll(self, table: str, *, write: bool = False) -> Collection[Any]:
-        """The ``_llmtrain_`` collection; for a write, after the indexes exist (creating one
-        twice, from two threads, is harmless)."""
+        """For a write, after the indexes exist (creating one twice is harmless)."""
         db = mongo_database(self._uri)
         if write and not self._indexes_ready:
             for coll, specs in _INDEXES.items():
@@ -67,14 +64,6 @@ class MongoMetadataStore(MetadataStore):
         """BSON dates keep milliseconds: truncate so a returned record equals the stored one."""
         now = super()._now()
         return now.replace(microsecond=now.microsecond // 1000 * 1000)
-
-    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
-        if found and same(found[0]):
-            return int(found[0]["version"])
-        version = int(found[0]["version"]) + 1 if found else 0
-        self._insert("components", {**row, "version": version})
-        return version
 
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         order = [(key, -1 if newest else 1) for key in _ORDER[table]]

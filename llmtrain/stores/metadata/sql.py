@@ -16,8 +16,7 @@ from llmtrain.errors import StoreError
 from llmtrain.stores.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
 T = TypeVar("T")
-#: deadlocks and lock timeouts are retried this many times
-LOCK_TRIES = 5
+LOCK_TRIES = 5  # tries of a transaction that hit a deadlock or lock timeout
 
 
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
@@ -132,15 +131,11 @@ def _is_transient(exc: sa.exc.DBAPIError) -> bool:
 
 
 class SQLMetadataStore(MetadataStore):
-    """The engine is the data backend's (:func:`sql_engine`, one per process). A read of a
-    database without the tables finds nothing; of a SQLite file that is not there, it is a
-    DatabaseNotFoundError unless ``missing_ok`` (a separate metadata file)."""
+    """On the data backend's engine. A read of a database without the tables finds nothing; of
+    a SQLite file that is not there, DatabaseNotFoundError unless ``missing_ok``."""
 
     _driver_errors = (sa.exc.SQLAlchemyError,)
-
-    def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
-        super().__init__(uri, missing_ok=missing_ok)
-        self._schema_ready = False
+    _schema_ready = False
 
     def _create_schema(self, engine: sa.Engine) -> None:
         """``checkfirst`` can race with another thread or process creating a table: retry."""
@@ -164,16 +159,15 @@ class SQLMetadataStore(MetadataStore):
         return self._schema_ready
 
     def _absent(self) -> bool:
-        """A SQLite file that is not there, and may not be yet (``missing_ok``)."""
+        """A SQLite file that is not there and may not be yet (``missing_ok``)."""
         path = sqlite_path(self._uri) if self._missing_ok else None
         return path is not None and not path.exists()
 
     def _write(
         self, fn: Callable[[sa.Connection], T], *, creates: bool = True, empty: T | None = None
     ) -> T | None:
-        """Run ``fn`` in one transaction; a unique key another writer took is a Conflict, and
-        a lock conflict is retried a few times. A write that only deletes or updates
-        (``creates=False``) returns ``empty`` instead of creating the tables."""
+        """``fn`` in one transaction: a unique key taken is a Conflict, a lock conflict retried.
+        A write that only deletes or updates (``creates=False``) creates no tables: ``empty``."""
         if not creates and self._absent():
             return empty
         engine = sql_engine(self._uri, create=creates)
@@ -281,8 +275,7 @@ def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:
 
 
 def _select(name: str, newest: bool, equal: Mapping[str, Any]) -> sa.Select[Any]:
-    """The rows whose columns equal ``equal`` in the table's order (``newest``: the last),
-    each column under its key (``metric_values`` as ``values``)."""
+    """As ``_find`` says, each column under its key (``metric_values`` as ``values``)."""
     table = schema.tables[TABLE_PREFIX + name]
     order = [table.c[k] for k in _ORDER[name]]
     where = [table.c[k] == v for k, v in equal.items()]  # IS NULL for None

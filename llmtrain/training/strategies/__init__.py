@@ -8,8 +8,6 @@ from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
 from llmtrain.training.strategies.base import Strategy
 
-__all__ = ["Strategy", "make_strategy", "strategy_for"]
-
 
 def make_strategy(name: str, placement: Placement | None = None, **options: Any) -> Strategy:
     """The strategy ``name`` at ``placement`` (default: the environment's, resolved now)."""

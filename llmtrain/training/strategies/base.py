@@ -1,7 +1,5 @@
 """The strategy: all the loop needs that depends on how many processes train, so single,
-DDP, FSDP2 and DeepSpeed swap without the loop branching on them. What several share lives
-here (collectives, clipping, the loss scaler).
-"""
+DDP, FSDP2 and DeepSpeed swap without the loop branching on them."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def init_single_process_group(placement: Placement) -> None:
 
 
 class Strategy:
-    """One process's part of the job, at the ``placement`` it was given (resolved once);
-    the defaults are one process's."""
+    """One process's part of the job at its ``placement``; the defaults are one process's."""
 
     name: str = "base"
 

@@ -1,10 +1,6 @@
-"""DeepSpeed ZeRO (``deepspeed.initialize``, never through accelerate).
-
-The accumulation boundary is set per micro-batch (``set_gradient_accumulation_boundary``), so
-a short last group still steps; ``backward`` does not divide by the accumulation (the loop's
-loss is already normalised); the LR scheduler is the loop's own, on the torch optimizer ZeRO
-keeps; the engine's checkpoint files load with ``weights_only=True``.
-"""
+"""DeepSpeed ZeRO (``deepspeed.initialize``). The boundary is set per micro-batch, so a short
+last group still steps; ``backward`` does not divide by the accumulation (the loop's loss is
+normalised); the LR scheduler is the loop's own, on the torch optimizer ZeRO keeps."""
 
 from __future__ import annotations
 
@@ -49,9 +45,8 @@ def build_config(
     on_gpu: bool,
     fp16_compute: bool = False,
 ) -> dict[str, Any]:
-    """The DeepSpeed config: ``raw`` as given, else the stage and offload options; batch
-    sizes, accumulation and clipping from TrainingArguments where absent or "auto";
-    ``fp16_compute`` turns on DeepSpeed's fp16 mode (its loss scaling)."""
+    """The DeepSpeed config: ``raw``, else the stage and offload options; batch sizes,
+    accumulation and clipping from ``args`` where absent or "auto"."""
     if config.raw is None:
         zero: dict[str, Any] = {"stage": config.stage}
         if config.offload_optimizer:
@@ -113,7 +108,6 @@ def _weights_only_loads(engine: Any) -> Iterator[None]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     checkpoint_engine = engine.checkpoint_engine
-    # the only classes ZeRO checkpoints pickle besides tensors and builtins
     allowed = [LossScaler, ZeroStageEnum, fragment_address]
 
     def load(path: str, map_location: Any = None) -> Any:
@@ -181,8 +175,7 @@ class DeepSpeed(ProcessGroupStrategy):
         if ds_comm.is_initialized():
             # DeepSpeed's own also drops its cached groups (stale in this process's next run)
             ds_comm.destroy_process_group()
-        elif dist.is_initialized():
-            dist.destroy_process_group()
+        super().teardown()  # a group DeepSpeed did not join
         self._environment.close()
 
     def setup(

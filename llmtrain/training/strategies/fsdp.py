@@ -8,45 +8,31 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from llmtrain.config.args import FSDPConfig, dtype_name, quantization_problems, quantized_bits
 from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
+from llmtrain.training.modeling import decoder_layers
 from llmtrain.training.precision import MIXED_DTYPES, Precision
 from llmtrain.training.strategies.base import (
     MakeOptimizer,
     ProcessGroupStrategy,
     init_single_process_group,
-    trainable_parameters,
 )
-
-_LAYER_LISTS = ("layers", "h", "blocks", "decoder_layers")
-
-
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: classes named by ``_no_split_modules``, else a ``layers`` list."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    if found:
-        return found
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and name.rsplit(".", 1)[-1] in _LAYER_LISTS
-            and len(module) > 0
-        ):
-            return list(module)
-    return []
 
 
 def shard_model(model: torch.nn.Module, **options: Any) -> None:
-    """``fully_shard(..., **options)`` every decoder layer, then the root; a model left
-    replicated (nothing sharded) is a ConfigError, not a run without FSDP's savings."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
+    """``fully_shard(..., **options)`` every decoder layer, then the root; a model with no
+    layer to shard is a ConfigError, not a run without FSDP's savings."""
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
@@ -55,8 +41,6 @@ def shard_model(model: torch.nn.Module, **options: Any) -> None:
         )
     for module in [*layers, model]:
         fully_shard(module, **options)
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ConfigError(f"FSDP2 sharded no parameter of {type(model).__name__}")
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
@@ -90,15 +74,8 @@ class FSDP2(ProcessGroupStrategy):
     def setup(
         self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         check_quantization(model, self.device)
         cfg = self.config
-        if cfg.mixed_precision == "fp16" or precision.scaled:
-            # fp16 compute (autocast or the shards' param_dtype): scale, per shard
-            self.scaler = ShardedGradScaler(device=self.device.type)
         options: dict[str, Any] = {
             "mesh": init_device_mesh(self.device.type, (self.world_size,)),
             "reshard_after_forward": cfg.reshard_after_forward,
@@ -109,10 +86,12 @@ class FSDP2(ProcessGroupStrategy):
             )
         if cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        shard_model(model, **options)
-        # after sharding: fully_shard replaced the parameters with DTensor ones
-        self._params = trainable_parameters(model)
-        return model, make_optimizer(self._params)
+        shard_model(model, **options)  # before the optimizer: its parameters are DTensors
+        model, optimizer = super().setup(model, make_optimizer, precision)
+        if cfg.mixed_precision == "fp16" or precision.scaled:
+            # fp16 compute (autocast or the shards' param_dtype): scale, per shard
+            self.scaler = ShardedGradScaler(device=self.device.type)
+        return model, optimizer
 
     @contextlib.contextmanager
     def accumulate(self, model: Any, *, sync: bool) -> Iterator[None]:
@@ -121,8 +100,6 @@ class FSDP2(ProcessGroupStrategy):
 
     def trainable_state_dict(self, model: Any) -> dict[str, torch.Tensor]:
         """Collective: every rank gathers each tensor, in one order; rank 0 keeps them."""
-        from torch.distributed.tensor import DTensor
-
         state, full = self._named_state(model), {}
         for key in sorted(state):
             value = state[key]
@@ -143,8 +120,6 @@ class FSDP2(ProcessGroupStrategy):
 
     def load_trainable_state_dict(self, model: Any, state: dict[str, torch.Tensor]) -> None:
         """Every rank holds the full tensors: each keeps its own shard (no communication)."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
         current = self._named_state(model)
         sharded: dict[str, torch.Tensor] = {}
         for key, value in state.items():
@@ -159,19 +134,9 @@ class FSDP2(ProcessGroupStrategy):
 
     # the full (unsharded) optimizer state, gathered by every rank, written by rank 0
     def _optimizer_state(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(model, optimizer, options=options)
 
     def _load_optimizer_state(self, model: Any, optimizer: Any, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)
