@@ -234,3 +234,42 @@ def test_llmtrain_fit_takes_conversations_from_yaml(tiny: Path, tmp_path: Path) 
     fit = db.load("trainer", "yaml-chat").config.fit
     assert fit is not None and fit.X == "messages" and fit.query() == _select(uri)
     assert sorted(row.key for row in db.lineage("model", "yaml-chat")) == GOOD
+
+
+def test_a_json_column_of_messages_trains_as_conversations(any_uri: str, tiny: Path) -> None:
+    import json
+
+    chats = {c: _chat(c) for c in CHATS}
+    rows = [
+        {"id": c, "history": chat if any_uri.startswith("mongo") else json.dumps(chat)}
+        for c, chat in chats.items()
+    ]
+    rows.append({"id": 99, "history": "not json ["})
+    fill(any_uri, "chats", rows)
+    db = lt.connect(any_uri)
+    ds = lt.CachedQueryDataset(
+        db,
+        lt.Table("chats") if not any_uri.startswith("mongo") else lt.Collection("chats"),
+        "history",
+        shuffle=False,
+        on_bad_row="skip",
+        conversations=True,
+        return_keys=True,
+    )
+    read = {row["_key"]: row["history"] for row in ds}
+    assert read == {c: chats[c] for c in GOOD}  # parsed; bad shapes and bad JSON skipped
+    assert ds.stats.skipped == 4
+    if any_uri.startswith("sqlite"):  # and a fit on it: X names the column, no Y
+        trainer = lt.LLMTrainer(
+            "json-chat",
+            model=tiny,
+            chat_template=True,
+            on_bad_row="skip",
+            max_steps=1,
+            batch_size=8,
+            max_length=96,
+        )
+        artifacts = Path(any_uri.removeprefix("sqlite:///")).parent / "artifacts"
+        db = lt.connect(any_uri, artifacts=artifacts)
+        trainer.fit(X="history", db=db, select=lt.Table("chats"))
+        assert sorted(row.key for row in db.lineage("model", "json-chat")) == GOOD

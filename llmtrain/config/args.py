@@ -545,13 +545,8 @@ class TrainerConfig(_Args):
                 "data_args.chat_template=True and no data_args.version_column (a "
                 "conversation's version is its last turn)"
             ]
-        if documents and d.chat_template:
-            if conversations:
-                return []
-            return [
-                "data_args.chat_template=True with fit() of no Y trains conversations: "
-                "select=lt.Conversations(...) groups message rows into them"
-            ]
+        if documents and d.chat_template:  # conversations: lt.Conversations, or X's JSON lists
+            return []
         if documents and not d.packing:
             return [
                 "fit() with no Y (documents) needs data_args.packing=True: a long document's "

@@ -92,6 +92,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         snapshot: RunSnapshot | None = None,
         store: Any = None,
         version_column: str | None = None,
+        conversations: bool = False,
     ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
@@ -109,6 +110,8 @@ class CachedQueryDataset(IterableDataset[Row]):
             )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
+        #: the field is a list of messages (lt.Conversations, or a JSON column of them)
+        self.conversations = conversations or isinstance(select, Conversations)
         if isinstance(select, Conversations):  # a conversation's version: its last turn
             version_column = TURNS
         self.version_column = version_column if snapshot is not None else None
@@ -366,7 +369,6 @@ class CachedQueryDataset(IterableDataset[Row]):
     def _checked(self, key: Key, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
         source, logged = self.query.source, self.stats.skipped_once
-        conversation = isinstance(self.query, Conversations)
         try:
             if check_row(
                 source,
@@ -375,7 +377,7 @@ class CachedQueryDataset(IterableDataset[Row]):
                 self.fields,
                 self.on_bad_row,
                 logged=logged,
-                conversation=conversation,
+                conversation=self.conversations,
             ):
                 return row
         except BadRowError as exc:

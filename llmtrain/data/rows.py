@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Literal
@@ -53,6 +54,11 @@ ROLES = ("system", "user", "assistant", "tool")
 def conversation_problem(row: Mapping[str, object], field: str) -> str | None:
     """Why ``row[field]`` is not a conversation that can train, or None when it is."""
     messages = row.get(field)
+    if isinstance(messages, str):  # a JSON column read as text: parsed in place
+        try:
+            messages = row[field] = json.loads(messages)  # type: ignore[index]
+        except ValueError as exc:
+            return f"is not a JSON list of messages ({exc})"
     if not isinstance(messages, list) or not messages:
         return f"is {type(messages).__name__}, not a list of messages"
     for turn, message in enumerate(messages):

@@ -147,6 +147,7 @@ def view_dataset(
         eval_fraction=args.eval_fraction if split != "all" else 0.0,
         snapshot=snapshot,
         version_column=args.version_column,
+        conversations=args.chat_template and len(fields) == 1,  # fit() with no Y
     )
 
 
