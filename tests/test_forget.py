@@ -22,6 +22,7 @@ from llmtrain.db.engines import mongo_database, sql_engine
 from llmtrain.errors import ConfigError, DataError, QueryError
 from llmtrain.provenance.lineage import FORGOTTEN, RunLineage
 from llmtrain.testing import tiny_model
+from llmtrain.training.callbacks import Callback
 
 TEMPLATE = "Q: {X}\nA: {Y}"
 OPTIONS: dict[str, Any] = {
@@ -411,3 +412,34 @@ def test_an_untyped_sqlite_key_column_types_keys_as_its_rows_hold_them(tmp_path:
     assert db.backend.resolve("docs").typed(["2"]) == [2]  # the CLI's text, as the rows hold it
     assert db.backend.resolve("mixed").typed(["1"]) == ["1"]  # mixed: taken as given
     db.close()
+
+
+def test_forgotten_rows_of_an_eval_selection_are_not_evaluated_on(
+    sqlite_uri: str, tiny: Path, tmp_path: Path
+) -> None:
+    from llmtrain.data import RunSnapshot
+
+    fill(sqlite_uri, "docs", [_row(i) for i in range(16)])
+    fill(sqlite_uri, "evals", [_row(i) for i in range(100, 110)])
+    db = lt.connect(sqlite_uri, artifacts=tmp_path / "artifacts")
+    db.forget("evals", [103, 107])
+    sizes: list[int] = []
+
+    class EvalRows(Callback):
+        def on_step(self, run: Any, keys: list[str]) -> None:
+            if run._eval_data is not None:  # built at the first evaluation
+                sizes.append(len(run._eval_data))
+
+    _trainer(tiny, "evaluated", eval_steps=1).fit(
+        X="q",
+        Y="a",
+        db=db,
+        select=lt.Table("docs"),
+        eval_select=lt.Table("evals"),
+        callbacks=[EvalRows()],
+    )
+    assert sizes and set(sizes) == {8}  # what the evaluations read
+    (run,) = db.metadata.list_runs("trainer", "evaluated")
+    held = RunSnapshot.from_record(run.info["eval_snapshot"])  # taken with the run's
+    assert held.train.count == 8  # the two forgotten rows are left out
+    assert any("eval_loss" in m.values for m in db.metadata.get_metrics(run.run_id))

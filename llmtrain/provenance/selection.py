@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmtrain.config.args import build
+from llmtrain.data.snapshot import RunSnapshot, ViewWriter, take_snapshot
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.errors import ConfigError, DataError
 from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
-    from llmtrain.data.snapshot import RunSnapshot
     from llmtrain.stores.handle import Database
 
 log = logging.getLogger("llmtrain.training")
@@ -80,8 +80,6 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
 
 def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
     """A new KeySnapshot of the keys of ``view`` that ``keep(keys, versions)`` marks."""
-    from llmtrain.data.snapshot import ViewWriter
-
     has_versions = view.versions is not None
     writer = ViewWriter(store, view.chunk_size, has_versions)
     for start in range(0, view.count, view.chunk_size):
@@ -132,6 +130,24 @@ def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgott
         )
 
 
+def eval_rows(db: Database, config: TrainerConfig) -> RunSnapshot | None:
+    """The snapshot of ``fit(eval_select=)``'s rows, less forgotten ones (a forgotten row is
+    neither trained nor evaluated on), taken with the run's; None without an eval_select."""
+    query = config.fit.eval_query() if config.fit else None
+    if query is None:
+        return None
+    snapshot = take_snapshot(db, query, version_column=config.data_args.version_column)
+    gone, _ = forgotten(db, db.backend.resolve(query).identity)
+    if not len(gone):
+        return snapshot
+    return replace(snapshot, train=keep_rows(snapshot.train, db.artifacts, _not_in(gone)))
+
+
+def _not_in(gone: np.ndarray) -> Callable[[Any, Any], np.ndarray]:
+    """The ``keep`` of :func:`keep_rows` that leaves out the keys with these digests."""
+    return lambda keys, _: ~np.isin(key_digests(keys), gone)
+
+
 def select_rows(
     db: Database,
     config: TrainerConfig,
@@ -171,10 +187,7 @@ def select_rows(
         snapshot = replace(snapshot, train=view)
         log.info("%s: %d of the selection's rows left out", resolved.name, selected - view.count)
     if len(gone) and snapshot.held is not None:  # nor are forgotten rows evaluated on
-        held = keep_rows(
-            snapshot.held, db.artifacts, lambda keys, _: ~np.isin(key_digests(keys), gone)
-        )
-        snapshot = replace(snapshot, held=held)
+        snapshot = replace(snapshot, held=keep_rows(snapshot.held, db.artifacts, _not_in(gone)))
     if excluded:
         info["excluded_keys"] = sorted(excluded)
     if excluded and len(excluded) == selected:

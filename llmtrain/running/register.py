@@ -50,7 +50,7 @@ def register(
         # this attempt's callbacks, where its launched workers read them
         db.metadata.update_run(run.run_id, info={"callbacks": list(callbacks)})
         return replace(RunPlan.from_record(run), resume_from=checkpoint, callbacks=callbacks)
-    from llmtrain.provenance.selection import select_rows
+    from llmtrain.provenance.selection import eval_rows, select_rows
 
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
@@ -74,7 +74,10 @@ def register(
     if version is None:
         payload = config.model_dump(mode="json")
         version = db.metadata.add_component(TRAINER, config.identifier, payload)
-    plan = RunPlan(uuid.uuid4().hex, version, config, snapshot, None, rows.get("parent"), callbacks)
+    held = eval_rows(db, config)
+    plan = RunPlan(
+        uuid.uuid4().hex, version, config, snapshot, None, rows.get("parent"), callbacks, held
+    )
     db.metadata.create_run(
         plan.run_id,
         TRAINER,
@@ -91,6 +94,7 @@ def register(
             "versions": library_versions(),
             "allow_changed_data": allow_changed_data,
             "snapshot": snapshot.to_record(),
+            "eval_snapshot": held.to_record() if held else None,
             "callbacks": list(callbacks),
             **rows,
         },

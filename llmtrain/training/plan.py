@@ -21,6 +21,7 @@ class RunPlan:
     resume_from: CheckpointRecord | None = None  #: the checkpoint a resume continues from
     parent: dict[str, Any] | None = None  #: an incremental run's model it continues from
     callbacks: tuple[str, ...] = ()  #: ``module:Name`` callbacks every process builds
+    eval_snapshot: RunSnapshot | None = None  #: the keys of fit(eval_select=)'s rows
 
     @property
     def identifier(self) -> str:
@@ -42,6 +43,7 @@ class RunPlan:
             resume_from,
             info.get("parent"),
             tuple(info.get("callbacks") or ()),
+            RunSnapshot.from_record(info["eval_snapshot"]) if info.get("eval_snapshot") else None,
         )
 
 

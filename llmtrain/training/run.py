@@ -435,7 +435,7 @@ class FitRun:
                 fit.fields,
                 self.dargs,
                 split="held_out" if held else "all",
-                snapshot=self.snapshot if held else None,
+                snapshot=self.snapshot if held else self.plan.eval_snapshot,
                 shuffle=False,
                 drop_remainder=False,
                 rank=s.rank,
