@@ -273,3 +273,18 @@ def test_a_json_column_of_messages_trains_as_conversations(any_uri: str, tiny: P
         db = lt.connect(any_uri, artifacts=artifacts)
         trainer.fit(X="history", db=db, select=lt.Table("chats"))
         assert sorted(row.key for row in db.lineage("model", "json-chat")) == GOOD
+
+
+def test_forgetting_a_message_leaves_its_conversation_out(
+    any_uri: str, tiny: Path, tmp_path: Path
+) -> None:
+    rows = _message_rows({c: CHATS[c] for c in GOOD})
+    fill(any_uri, "messages", rows)
+    db = lt.connect(any_uri, artifacts=tmp_path / "artifacts")
+    message = next(r["id"] for r in rows if r["conversation_id"] == 3 and r["turn"] == 20)
+    db.forget("messages", [message])  # one message, by the message table's own key
+    trainer = lt.LLMTrainer("forgets", model=tiny, chat_template=True, max_steps=1, batch_size=8)
+    trainer.fit(db=db, select=_select(any_uri))
+    assert sorted(row.key for row in db.lineage("model", "forgets")) == [1, 2, 7]
+    (run,) = db.metadata.list_runs("trainer", "forgets")
+    assert run.info["excluded_keys"] == ["int:3"]

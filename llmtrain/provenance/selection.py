@@ -14,7 +14,8 @@ import numpy as np
 from llmtrain.config.args import build
 from llmtrain.data.snapshot import RunSnapshot, ViewWriter, take_snapshot
 from llmtrain.db.keys import Key, key_digests, key_repr
-from llmtrain.errors import ConfigError, DataError
+from llmtrain.db.queries import Conversations, Query, Table
+from llmtrain.errors import ConfigError, DataError, QueryError
 from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
@@ -137,10 +138,33 @@ def eval_rows(db: Database, config: TrainerConfig) -> RunSnapshot | None:
     if query is None:
         return None
     snapshot = take_snapshot(db, query, version_column=config.data_args.version_column)
-    gone, _ = forgotten(db, db.backend.resolve(query).identity)
+    gone = forgotten_rows(db, query, db.backend.resolve(query).identity)
     if not len(gone):
         return snapshot
     return replace(snapshot, train=keep_rows(snapshot.train, db.artifacts, _not_in(gone)))
+
+
+def forgotten_rows(db: Database, query: Query, identity: str) -> np.ndarray:
+    """Digests of the selection's forgotten rows: forgotten by its own key, and for
+    conversations also each one holding a message forgotten by the message table's key."""
+    gone, _ = forgotten(db, identity)
+    if not isinstance(query, Conversations):
+        return gone
+    try:
+        messages = db.backend.resolve(query.messages.name)  # keyed as the table is
+    except QueryError:  # no single key column: no message was forgotten by one
+        return gone
+    by_message, _ = forgotten(db, messages.identity)
+    if not len(by_message):
+        return gone
+    rows: Query = query.messages
+    if isinstance(rows, Table):
+        rows = Table(rows.name, schema=rows.schema, key=messages.key)
+    held: list[Any] = []  # the conversations of those messages: one pass over keys
+    for page in db.backend.key_pages(rows, query.by, 65_536):
+        hit = np.flatnonzero(np.isin(key_digests(page.keys), by_message)).tolist()
+        held += [page.versions[i] for i in hit] if page.versions else []
+    return np.union1d(gone, key_digests(held)) if held else gone
 
 
 def _not_in(gone: np.ndarray) -> Callable[[Any, Any], np.ndarray]:
@@ -162,7 +186,7 @@ def select_rows(
     assert fit is not None  # set by fit() before it registers
     resolved = db.backend.resolve(fit.query())
     source = resolved.identity
-    gone, _ = forgotten(db, source)
+    gone = forgotten_rows(db, fit.query(), source)
     info: dict[str, Any] = {"source": source}
     trained = parent = None
     if incremental:
