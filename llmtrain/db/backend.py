@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from llmtrain.db.keys import Key, KeyPage, check_keys, same_key
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import TURNS, Conversations, Query
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source
 from llmtrain.errors import DatabaseUnavailableError
@@ -54,12 +54,22 @@ class DataBackend(ABC):
     def key_name(self, query: Query) -> str:
         """The column/field the query is paged on; QueryError if there is no usable one."""
 
-    @abstractmethod
     def fetch_rows(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
         """Up to ``limit`` ``(key, {field: value})`` rows with key >= lower, in key order; a
-        field absent from the row is absent from the dict. Dotted Mongo paths are resolved."""
+        field absent from the row is absent from the dict. Dotted Mongo paths are resolved.
+        Conversations: their keys and last turns (``TURNS``) page; their messages come by key."""
+        if isinstance(query, Conversations) and tuple(fields) != (TURNS,):
+            keys = [key for key, _ in self._page(query, (TURNS,), lower, limit)]
+            return self.fetch_by_keys(query, fields, keys)
+        return self._page(query, fields, lower, limit)
+
+    @abstractmethod
+    def _page(
+        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
+    ) -> KeyedRows:
+        """:meth:`fetch_rows`, for conversations only their keys and last turns."""
 
     def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""

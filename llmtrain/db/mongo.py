@@ -118,14 +118,11 @@ class MongoBackend(DataBackend):
             for doc in docs
         ]
 
-    def fetch_rows(
+    def _page(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
         if isinstance(query, Conversations):
-            keys = self._conversation_keys(query, lower, limit)
-            if tuple(fields) == (TURNS,):
-                return keys
-            return self.fetch_by_keys(query, fields, [key for key, _ in keys])
+            return self._conversation_keys(query, lower, limit)
         return self._find(query, fields, {} if lower is None else key_after(lower), limit)
 
     def _conversation_keys(self, query: Conversations, lower: Key | None, limit: int) -> KeyedRows:

@@ -233,12 +233,9 @@ class SQLBackend(DataBackend):
     def key_name(self, query: Query) -> str:
         return self._source(query).key.name
 
-    def fetch_rows(
+    def _page(
         self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
     ) -> KeyedRows:
-        if isinstance(query, Conversations) and tuple(fields) != (TURNS,):
-            keys = [key for key, _ in self.fetch_rows(query, (TURNS,), lower, limit)]
-            return self.fetch_by_keys(query, fields, keys)
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
         lower_type = None if lower is None else (src.key >= lower).right.type

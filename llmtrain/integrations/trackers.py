@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,7 +110,7 @@ class RunFacts:
         }
 
 
-class Tracker(Callback):
+class Tracker(Callback, ABC):
     """A failure to start or send stops the fit (a silent gap in a dashboard is worse),
     except while finishing a run that already failed. Rank 0 alone holds trackers."""
 
@@ -142,14 +143,14 @@ class Tracker(Callback):
                 raise
             log.exception("could not finish the %s run", self.name)
 
-    def start(self, facts: RunFacts) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def start(self, facts: RunFacts) -> None: ...
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def finish(self, failed: bool) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def finish(self, failed: bool) -> None: ...
 
 
 class TensorBoardTracker(Tracker):
