@@ -6,7 +6,7 @@ from typing import Any
 
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, QueryDataset
 from llmtrain.datalayer import Datalayer, connect
-from llmtrain.db.queries import Collection, Conversations, Query, RawSQL, Table, sql
+from llmtrain.db.queries import Collection, Conversations, Mix, Query, RawSQL, Table, mix, sql
 from llmtrain.errors import (
     BadRowError,
     CheckpointError,
@@ -45,6 +45,7 @@ __all__ = [
     "DataError",
     "Datalayer",
     "LlmtrainError",
+    "Mix",
     "Query",
     "QueryDataLoader",
     "QueryDataset",
@@ -53,6 +54,7 @@ __all__ = [
     "StoreError",
     "Table",
     "connect",
+    "mix",
     "sql",
     *_LAZY,
 ]

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from llmtrain.config.metrics import logged_name, metric_problems
 from llmtrain.config.spec import FitSpec
+from llmtrain.db.queries import Conversations
 from llmtrain.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -531,51 +532,65 @@ class TrainerConfig(_Args):
         return problems
 
     def _template_problems(self) -> list[str]:
-        """{X} and {Y} (or the chat template) for responses; none, or {X} alone, for documents."""
+        """{X} and {Y} (or the chat template) for responses; none, or {X} alone, for documents;
+        each source of a mixture in its own shape."""
         fit, d = self.fit, self.data_args
-        documents = fit is not None and fit.Y is None
         if self.prompt_template is not None and d.chat_template:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if d.stride >= d.max_length - 1:
             return [f"data_args.stride={d.stride} leaves no new token in a window of max_length"]
-        conversations = fit is not None and fit.select.get("kind") == "conversations"
-        if conversations and fit and (fit.Y is not None or not d.chat_template or d.version_column):
-            return [
-                "select=lt.Conversations(...) trains conversations: fit() with no Y, "
-                "data_args.chat_template=True and no data_args.version_column (a "
-                "conversation's version is its last turn)"
-            ]
-        if documents and d.chat_template:  # conversations: lt.Conversations, or X's JSON lists
-            return []
-        if documents and not d.packing:
-            return [
-                "fit() with no Y (documents) needs data_args.packing=True: a long document's "
-                "windows are packed under the step's token budget, not stacked in one batch"
-            ]
-        if self.prompt_template is None:
-            if d.chat_template or fit is None or documents:
-                return []
-            return [
-                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True "
-                "or fit() has no Y (continued pre-training)"
-            ]
         from llmtrain.formatting.template import PromptTemplate
 
         try:
-            template = PromptTemplate(self.prompt_template)
+            documents = (
+                PromptTemplate(self.prompt_template).documents if self.prompt_template else None
+            )
         except ConfigError as exc:
             return [f"prompt_template: {exc}"]
-        if fit is not None and template.documents != documents:
-            if documents:
-                return [
-                    f"prompt_template {self.prompt_template!r} has {{Y}} but fit() has no Y: "
-                    "give Y=, or a template with {X} alone for continued pre-training"
-                ]
-            return [
-                f"prompt_template {self.prompt_template!r} has no {{Y}}: it formats documents "
-                f"(fit() with no Y), not responses from Y={fit.Y!r}"
-            ]
+        mixed = fit is not None and len(fit.parts()) > 1
+        for part in fit.parts() if fit else ():
+            y = part.fields_or(fit.fields)[1:] if fit else []
+            conversations = isinstance(part.select, Conversations)
+            if problem := self._shape_problem(y, conversations, mixed, documents):
+                return [problem]
         return []
+
+    def _shape_problem(
+        self, y: list[str], conversations: bool, mixed: bool, documents: bool | None
+    ) -> str | None:
+        """What keeps rows of this shape (a Y or not, conversations) from training."""
+        d, template = self.data_args, self.prompt_template
+        if conversations and (y or not d.chat_template or d.version_column):
+            return (
+                "select=lt.Conversations(...) trains conversations: fit() with no Y, "
+                "data_args.chat_template=True and no data_args.version_column (a "
+                "conversation's version is its last turn)"
+            )
+        if not y and d.chat_template:  # conversations: lt.Conversations, or X's JSON lists
+            return None
+        if not y and not d.packing:
+            return (
+                "fit() with no Y (documents) needs data_args.packing=True: a long document's "
+                "windows are packed under the step's token budget, not stacked in one batch"
+            )
+        if template is None:
+            if d.chat_template or not y:
+                return None
+            return (
+                "prompt_template: needed (with {X} and {Y}) unless data_args.chat_template=True "
+                "or fit() has no Y (continued pre-training)"
+            )
+        if documents == bool(y) and not (mixed and not y):  # a mixture's documents go bare
+            if not y:
+                return (
+                    f"prompt_template {template!r} has {{Y}} but fit() has no Y: "
+                    "give Y=, or a template with {X} alone for continued pre-training"
+                )
+            return (
+                f"prompt_template {template!r} has no {{Y}}: it formats documents "
+                f"(fit() with no Y), not responses from Y={y[0]!r}"
+            )
+        return None
 
     def method(self) -> str:
         """What trains, for people: ``LoRA r=16``, ``DoRA r=8, 4-bit``, ``full``."""

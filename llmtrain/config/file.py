@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.config.spec import DataSelection
-from llmtrain.db.queries import Collection, Conversations, Query, RawSQL, Table
+from llmtrain.db.queries import Collection, Conversations, Mix, Query, RawSQL, Table
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.uri import scheme_of
 
@@ -61,8 +61,10 @@ _FORMS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "sql": (RawSQL, ("key", "params")),
     "conversations": (Conversations, ("by", "order", "role", "content")),
 }
+#: A mixture: ``{mix: [{table: docs, X: body}, {table: qa, X: q, Y: a}], weights: [3, 1]}``
+_MIX = ("mix", "weights", "epoch_rows", "X", "Y")
 #: Every key a selection may have: the stored form's, or a friendlier form's.
-SELECT_KEYS = ("kind", "name", "text", "messages", *_FORMS) + tuple(
+SELECT_KEYS = ("kind", "name", "text", "messages", "parts", *_FORMS, *_MIX) + tuple(
     dict.fromkeys(key for _, keys in _FORMS.values() for key in keys)
 )
 #: Fields holding free-form mappings: any key below them is allowed.
@@ -202,6 +204,8 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
             f"{where}: unknown key(s) {unknown}; a selection has one of "
             "kind:, table:, collection:, sql: or conversations:"
         )
+    if "mix" in spec and "kind" not in spec:
+        return _mix(spec, where)
     forms = [k for k in ("kind", *_FORMS) if k in spec]
     if len(forms) != 1:
         raise ConfigError(
@@ -224,6 +228,24 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
             spec["allow_javascript"] = bool(spec["allow_javascript"])
         return query_class(spec.pop(form), **spec)
     except (QueryError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _mix(spec: dict[str, Any], where: str) -> Mix:
+    extra = sorted(set(spec) - {"mix", "weights", "epoch_rows"})
+    if extra or not isinstance(spec["mix"], list):
+        raise ConfigError(f"{where}: mix: a list of selections (with weights:, epoch_rows:)")
+    parts = []
+    for i, item in enumerate(spec["mix"]):
+        if not isinstance(item, Mapping):
+            raise ConfigError(f"{where}.mix[{i}] must be a mapping like {{table: docs, X: body}}")
+        item = dict(item)
+        x, y = item.pop("X", None), item.pop("Y", None)
+        query = build_query(item, f"{where}.mix[{i}]")
+        parts.append(query.fields(x, y) if x else query)
+    try:
+        return Mix(parts, weights=spec.get("weights"), epoch_rows=spec.get("epoch_rows"))
+    except QueryError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 

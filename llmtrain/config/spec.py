@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmtrain.db.queries import MESSAGES, Query
+from llmtrain.db.queries import MESSAGES, Mix, Part, Query
 
 
 class DataSelection(BaseModel):
@@ -25,17 +25,31 @@ class DataSelection(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _conversations_field(cls, data: Any) -> Any:
-        """Conversations come as one field of messages: X needs no naming."""
-        if isinstance(data, dict) and data.get("X") is None:
-            select = data.get("select")
-            if isinstance(select, dict) and "conversations" in (select.get("kind"), *select):
-                return {**data, "X": MESSAGES}
+    def _default_x(cls, data: Any) -> Any:
+        """X needs no naming for conversations (one field of messages), nor for a mixture
+        whose every source names its own (the first one's is recorded)."""
+        select = data.get("select") if isinstance(data, dict) else None
+        if not isinstance(select, dict) or data.get("X") is not None:
+            return data
+        if x := _conversations_x(select):
+            return {**data, "X": x}
+        parts = select.get("parts") or select.get("mix")
+        if isinstance(parts, list) and parts and all(isinstance(p, dict) for p in parts):
+            named = [p.get("X") or _conversations_x(p.get("select", p)) for p in parts]
+            return {**data, "X": named[0]} if all(named) else data
         return data
 
     @property
     def fields(self) -> list[str]:
         return [self.X] if self.Y is None else [self.X, self.Y]
+
+
+def _conversations_x(select: Any) -> str | None:
+    return (
+        MESSAGES
+        if isinstance(select, dict) and "conversations" in (select.get("kind"), *select)
+        else None
+    )
 
 
 class FitSpec(DataSelection):
@@ -51,3 +65,16 @@ class FitSpec(DataSelection):
 
     def eval_query(self) -> Query | None:
         return Query.from_dict(self.eval_select) if self.eval_select else None
+
+    def sources(self) -> list[tuple[Query, list[tuple[str, str]]]]:
+        """Each source read (a mixture's each, the eval rows') with its (role, field) pairs."""
+        evaluated = [Part(q) for q in filter(None, [self.eval_query()])]
+        return [
+            (p.select, list(zip("XY", p.fields_or(self.fields))))
+            for p in [*self.parts(), *evaluated]
+        ]
+
+    def parts(self) -> tuple[Part, ...]:
+        """The training sources: a mixture's, or the one selection."""
+        query = self.query()
+        return query.parts if isinstance(query, Mix) else (Part(query),)

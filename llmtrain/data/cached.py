@@ -16,13 +16,20 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from llmtrain.data.loader import QueryDataLoader
-from llmtrain.data.plan import Order
+from llmtrain.data.plan import MixOrder, Order
 from llmtrain.data.position import Position, Positioned
 from llmtrain.data.rows import check_on_bad_row, check_row, normalise_fields
-from llmtrain.data.snapshot import KeySnapshot, MemoryStore, RunSnapshot, Split, take_snapshot
+from llmtrain.data.snapshot import (
+    MemoryStore,
+    MixedView,
+    RunSnapshot,
+    Split,
+    View,
+    take_snapshot,
+)
 from llmtrain.db.backend import Key, Row
 from llmtrain.db.keys import key_repr
-from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Query
+from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Mix, Part, Query
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 
@@ -110,11 +117,15 @@ class CachedQueryDataset(IterableDataset[Row]):
             )
         self.db, self.query = db, select
         self.fields = normalise_fields(fields)
-        #: the field is a list of messages (lt.Conversations, or a JSON column of them)
-        self.conversations = conversations or isinstance(select, Conversations)
-        if isinstance(select, Conversations):  # a conversation's version: its last turn
-            version_column = TURNS
+        mixed = isinstance(select, Mix)
+        parts = select.parts if isinstance(select, Mix) else (Part(select),)
+        self.sources = [
+            _Source.of(p, i if mixed else None, self.fields, conversations, version_column)
+            for i, p in enumerate(parts)
+        ]
         self.version_column = version_column if snapshot is not None else None
+        if any(isinstance(p.select, Conversations) for p in parts) and snapshot is not None:
+            self.version_column = TURNS  # a conversation's version: its last turn
         self.cache_size, self.shuffle_block = cache_size, shuffle_block
         self.shuffle, self.seed = shuffle, int(seed)
         self.drop_remainder, self.return_keys, self.prefetch = drop_remainder, return_keys, prefetch
@@ -154,7 +165,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         return self._snapshot
 
     @property
-    def view(self) -> KeySnapshot:
+    def view(self) -> View:
         """The keys of the rows this dataset reads, in key order."""
         return self.snapshot().view(self.split)
 
@@ -163,15 +174,8 @@ class CachedQueryDataset(IterableDataset[Row]):
         return self.snapshot().fingerprint
 
     @property
-    def order(self) -> Order:
-        return Order(
-            self.view.count,
-            self.shuffle_block,
-            self.seed,
-            self.shuffle,
-            self.drop_remainder,
-            self.world_size,
-        )
+    def order(self) -> Order | MixOrder:
+        return epoch_order(self.view, self.query, self, self.seed, self.world_size)
 
     def __len__(self) -> int:
         return self.order.per_rank
@@ -273,27 +277,18 @@ class CachedQueryDataset(IterableDataset[Row]):
         self, epoch: int, start: int, chunk: int, worker: int, workers: int
     ) -> Iterator[WindowKeys]:
         """This worker's rows, ``cache_size`` a window, their keys read from the snapshot."""
-        view, block = self.view, self.shuffle_block
-        for piece in self.order.pieces(epoch, self.placement.rank, start):
-            positions = piece.offset + np.arange(len(piece))
+        view = self.view
+        for offset, indexes in self.order.spans(epoch, self.placement.rank, start):
+            positions = offset + np.arange(len(indexes))
             mine = positions >= start
             if workers > 1:
                 mine &= (positions - start) // chunk % workers == worker
             picks = np.flatnonzero(mine)
-            if not len(picks):
-                continue
-            first = piece.block * block + piece.start
-            stop = first + len(piece)
-            keys = view.keys(self.store, first, stop)
-            versions = view.versions_of(self.store, first, stop) if self.version_column else None
-            visit = piece.order()[picks]
             for i in range(0, len(picks), self.cache_size):
-                at = visit[i : i + self.cache_size].tolist()
-                yield (
-                    positions[picks[i : i + self.cache_size]],
-                    [keys[j] for j in at],
-                    None if versions is None else [versions[j] for j in at],
-                )
+                window = picks[i : i + self.cache_size]
+                at = indexes[window]
+                versions = view.versions_at(self.store, at) if self.version_column else None
+                yield positions[window], view.keys_at(self.store, at), versions
 
     def _prefetched(self, windows: Iterator[WindowKeys]) -> Generator[Window, None, None]:
         """Fetch window i+1 on a thread while window i is consumed; the thread hands over each
@@ -328,28 +323,18 @@ class CachedQueryDataset(IterableDataset[Row]):
 
     # -- reading the view ------------------------------------------------------------------
     def _fetch(self, window: WindowKeys) -> Window:
-        """One window's rows by key (one statement); a row deleted since the snapshot comes as
-        None, a row updated since with the version read."""
+        """One window's rows by key (one statement a source); a row deleted since the
+        snapshot comes as None, a row updated since with the version read."""
         positions, wanted, versions = window
-        fields, column = self.fields, self.version_column
-        read_too = bool(column) and column not in fields  # fetched only to compare
-        if column and read_too:
-            fields = (*fields, column)
-        # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
-        pairs = self.db.backend.fetch_by_keys(self.query, fields, wanted)
-        found = {key_repr(k): row for k, row in pairs}
         reprs = [key_repr(k) for k in wanted]
-        if column and versions is not None:
-            for name, version in zip(reprs, versions):
-                row = found.get(name)
-                if row is None:
-                    continue
-                read = row.pop(column, None) if read_too else row.get(column)
-                if isinstance(self.query, Conversations):
-                    read = _as_snapshotted(row, read, version)
-                if read != version:
-                    row["_version"] = read
-        self.stats.statements += 1
+        found: dict[str, tuple[_Source, Row]] = {}
+        for source in self.sources:
+            picks = [i for i, k in enumerate(wanted) if source.holds(k)]
+            if picks:
+                keys = [source.own(wanted[i]) for i in picks]
+                read = source.read(self.db, keys, versions and [versions[i] for i in picks])
+                found |= {reprs[i]: (source, row) for i, row in zip(picks, read) if row is not None}
+                self.stats.statements += 1
         self.stats.rows_fetched += len(found)
         missing = [r for r in reprs if r not in found]
         if missing:
@@ -362,22 +347,21 @@ class CachedQueryDataset(IterableDataset[Row]):
                 len(self.stats.deleted),
             )
         return [
-            (p, k, self._checked(k, found[r]) if r in found else None)
+            (p, k, self._checked(k, *found[r]) if r in found else None)
             for p, k, r in zip(positions.tolist(), wanted, reprs)
         ]
 
-    def _checked(self, key: Key, row: Row) -> Any:
+    def _checked(self, key: Key, source: _Source, row: Row) -> Any:
         """The row, None (skipped) or the BadRowError to raise when the row is reached."""
-        source, logged = self.query.source, self.stats.skipped_once
         try:
             if check_row(
-                source,
-                key,
+                source.query.source,
+                source.own(key),
                 row,
-                self.fields,
+                source.fields,
                 self.on_bad_row,
-                logged=logged,
-                conversation=self.conversations,
+                logged=self.stats.skipped_once,
+                conversation=source.conversations,
             ):
                 return row
         except BadRowError as exc:
@@ -386,6 +370,72 @@ class CachedQueryDataset(IterableDataset[Row]):
         if len(self.stats.skipped_keys) < 100:
             self.stats.skipped_keys.append(key)
         return None
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One query a dataset reads (a mixture's each source), with the fields it trains."""
+
+    query: Query
+    fields: tuple[str, ...]
+    conversations: bool  # its one field is a list of messages
+    version_column: str | None  # read to compare with the snapshot's (None: not compared)
+    part: int | None  # a mixture's source index: its keys come tagged with it
+
+    @classmethod
+    def of(
+        cls,
+        part: Part,
+        index: int | None,
+        fields: tuple[str, ...],
+        chat: bool,
+        version_column: str | None,
+    ) -> _Source:
+        own = normalise_fields(part.fields_or(fields))
+        conversation = isinstance(part.select, Conversations)
+        if conversation:  # a conversation's version: its last turn
+            version_column = TURNS
+        return cls(part.select, own, conversation or chat and len(own) == 1, version_column, index)
+
+    def holds(self, key: Key) -> bool:
+        return self.part is None or key["part"] == self.part
+
+    def own(self, key: Key) -> Key:
+        return key if self.part is None else key["key"]
+
+    def read(self, db: Database, keys: list[Key], versions: list[Any] | None) -> list[Row | None]:
+        """The rows of ``keys`` (None: deleted); one updated since the snapshot carries the
+        version read under ``"_version"``."""
+        fields = self.fields
+        column = self.version_column if versions is not None else None
+        read_too = bool(column) and column not in fields  # fetched only to compare
+        if column and read_too:
+            fields = (*fields, column)
+        # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
+        found = {key_repr(k): row for k, row in db.backend.fetch_by_keys(self.query, fields, keys)}
+        rows = [found.get(key_repr(k)) for k in keys]
+        if column and versions is not None:  # (both, for mypy)
+            for row, version in zip(rows, versions):
+                if row is None:
+                    continue
+                read = row.pop(column, None) if read_too else row.get(column)
+                if isinstance(self.query, Conversations):
+                    read = _as_snapshotted(row, read, version)
+                if read != version:
+                    row["_version"] = read
+        return rows
+
+
+def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> Order | MixOrder:
+    """The epoch order of ``view`` (of ``query``), by ``args``' shuffle_block, shuffle and
+    drop_remainder: what a dataset reads and lineage derives."""
+    options = (args.shuffle_block, seed, args.shuffle, args.drop_remainder, world)
+    if not isinstance(view, MixedView):
+        return Order(view.count, *options)
+    assert isinstance(query, Mix)
+    counts = tuple(p.count for p in view.parts)
+    rows = (query.epoch_rows or sum(counts)) if sum(counts) else 0
+    return MixOrder(counts, query.weights, rows, *options)
 
 
 def _as_snapshotted(row: Row, turns: Any, last: Any) -> Any:

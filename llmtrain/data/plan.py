@@ -4,6 +4,7 @@ to steps. No state between epochs, so resume and lineage are arithmetic (NumPy o
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy as np
 
 _SALT_BLOCKS = 0x6C74_0001
 _SALT_PIECE = 0x6C74_0002
+_SALT_MIX = 0x6C74_0003
 
 
 def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
@@ -98,9 +100,15 @@ class Order:
                 i += 1
             offset += span_hi - span_lo
 
+    def spans(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        """(position of the first, the view's key indexes in visit order) of each piece of
+        ``rank``'s rows this epoch, from the one holding ``start`` on: what a reader reads."""
+        for p in self.pieces(epoch, rank, start):
+            yield p.offset, p.block * self.block + p.start + p.order()
+
     def indexes(self, epoch: int, rank: int) -> np.ndarray:
         """The view's key indexes of ``rank``'s rows this epoch, in visit order."""
-        parts = [p.block * self.block + p.start + p.order() for p in self.pieces(epoch, rank)]
+        parts = [indexes for _, indexes in self.spans(epoch, rank)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
@@ -117,12 +125,88 @@ class Order:
 
 
 @dataclass(frozen=True)
+class MixOrder:
+    """One epoch of a mixture: ``rows`` positions, each source's share by ``weights``
+    (largest remainder), spread evenly through the epoch from a seeded phase; the k-th row of
+    source s continues its stream of passes, each pass an :class:`Order` of its ``counts[s]``
+    rows, so no row repeats before its whole source was seen. Indexes run over the sources'
+    keys end to end (source s from ``sum(counts[:s])``)."""
+
+    counts: tuple[int, ...]
+    weights: tuple[float, ...]
+    rows: int
+    block: int
+    seed: int = 0
+    shuffle: bool = True
+    drop_remainder: bool = True
+    world_size: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.rows
+
+    @property
+    def per_rank(self) -> int:
+        return rows_per_rank(self.rows, self.world_size, self.drop_remainder)
+
+    def shares(self) -> np.ndarray:
+        """Each source's rows an epoch (a source with no rows gets none)."""
+        weights = np.asarray(self.weights) * (np.asarray(self.counts) > 0)
+        exact = self.rows * weights / weights.sum()
+        shares = np.floor(exact).astype(np.int64)
+        shares[np.argsort(shares - exact, kind="stable")[: self.rows - shares.sum()]] += 1
+        return shares
+
+    def epoch(self, epoch: int) -> np.ndarray:
+        """Every position's key index this epoch (all ranks): computed once per epoch."""
+        return _mixed_epoch(self, epoch)
+
+    def spans(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        """As :meth:`Order.spans`: ``rank``'s rows from ``start``, ``block`` at a time."""
+        mine = self.indexes(epoch, rank)
+        for lo in range(start, len(mine), self.block):
+            yield lo, mine[lo : lo + self.block]
+
+    def indexes(self, epoch: int, rank: int) -> np.ndarray:
+        positions = (rank * self.per_rank + np.arange(self.per_rank)) % max(self.rows, 1)
+        return self.epoch(epoch)[positions]
+
+    def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
+        return [
+            (rank, int(at))
+            for rank in range(self.world_size)
+            for at in np.flatnonzero(self.indexes(epoch, rank) == index)
+        ]
+
+
+@functools.lru_cache(maxsize=4)
+def _mixed_epoch(order: MixOrder, epoch: int) -> np.ndarray:
+    shares, counts = order.shares(), np.asarray(order.counts)
+    phase = np.random.default_rng([order.seed, epoch, _SALT_MIX]).random(len(shares))
+    times = np.concatenate([(np.arange(n) + p) / max(n, 1) for n, p in zip(shares, phase)])
+    source = np.repeat(np.arange(len(shares)), shares)[np.argsort(times, kind="stable")]
+    out = np.empty(order.rows, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for s in np.flatnonzero(shares).tolist():
+        # this epoch's rows of source s continue its stream: passes of its own order
+        stream = epoch * int(shares[s]) + np.arange(shares[s])
+        passes, at = np.divmod(stream, counts[s])
+        seed = int(np.random.default_rng([order.seed, s, _SALT_MIX]).integers(2**62))
+        own = Order(int(counts[s]), order.block, seed, order.shuffle)
+        where = np.flatnonzero(source == s)
+        for n in np.unique(passes).tolist():
+            hit = passes == n
+            out[where[hit]] = starts[s] + own.indexes(n, 0)[at[hit]]
+    return out
+
+
+@dataclass(frozen=True)
 class StepRule:
     """How a rank's rows become optimizer steps (the loop and lineage follow it): ``rows``
     consecutive positions make a step, ``micro`` of them a micro-batch; steps are numbered
     from 1 across epochs. A skipped row leaves a hole: no step depends on which were skipped."""
 
-    order: Order
+    order: Order | MixOrder
     rows: int
     micro: int
 

@@ -16,13 +16,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 from bson import ObjectId
 
 from llmtrain.db.keys import DIGEST, Key, held_mask, key_digests
-from llmtrain.db.queries import TURNS, Conversations, Query
+from llmtrain.db.queries import TURNS, Conversations, Mix, Query
 from llmtrain.errors import ConfigError, QueryError
 
 if TYPE_CHECKING:
@@ -199,15 +199,23 @@ class KeySnapshot:
 
     def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
         """The keys at ``indexes`` (any order), reading each chunk they fall in once."""
+        return self._at(store, self.chunks, indexes)
+
+    def versions_at(self, store: Any, indexes: np.ndarray) -> list[Any]:
+        if self.versions is None:
+            raise ConfigError("this snapshot was taken without a version column")
+        return self._at(store, self.versions, indexes)
+
+    def _at(self, store: Any, chunks: Sequence[str], indexes: np.ndarray) -> list[Any]:
         chunk_of = indexes // self.chunk_size
         firsts = np.unique(chunk_of)
         if len(firsts) == 1:  # the usual case: a step's rows are a piece of one block
             base = int(firsts[0]) * self.chunk_size
-            return list(_chunk(store, self.chunks[int(firsts[0])])[indexes - base].tolist())
+            return list(_chunk(store, chunks[int(firsts[0])])[indexes - base].tolist())
         out = np.empty(len(indexes), dtype=object)
         for c in firsts.tolist():
             mine = chunk_of == c
-            out[mine] = _chunk(store, self.chunks[c])[indexes[mine] - c * self.chunk_size]
+            out[mine] = _chunk(store, chunks[c])[indexes[mine] - c * self.chunk_size]
         return out.tolist()
 
     def digests(self, store: Any) -> Iterator[np.ndarray]:
@@ -230,14 +238,106 @@ class KeySnapshot:
         return out
 
 
+#: a mixture's key: its source's index and the key there (the same key in two sources is
+#: two rows; a dict keeps its type through the snapshot codec and the skip records)
+def tagged(part: int, key: Key) -> dict[str, Any]:
+    return {"part": part, "key": key}
+
+
+@dataclass(frozen=True)
+class MixedView:
+    """A mixture's views end to end, read as one: index ``i`` of source ``s`` is
+    ``starts[s] + i`` and its key comes :func:`tagged`."""
+
+    parts: tuple[KeySnapshot, ...]
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.parts)
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([p.count for p in self.parts])])
+
+    @property
+    def chunk_size(self) -> int:
+        return self.parts[0].chunk_size
+
+    @property
+    def chunks(self) -> tuple[str, ...]:
+        return tuple(c for p in self.parts for c in p.chunks)
+
+    @property
+    def versions(self) -> tuple[str, ...] | None:
+        found = [c for p in self.parts for c in p.versions or ()]
+        return tuple(found) if any(p.versions is not None for p in self.parts) else None
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([p.fingerprint for p in self.parts]).encode()).hexdigest()[
+            :32
+        ]
+
+    def _split(self, indexes: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(source, which of ``indexes``, their indexes in its view) per source they hit."""
+        starts = self.starts
+        part_of = np.searchsorted(starts, indexes, side="right") - 1
+        for s in np.unique(part_of).tolist():
+            mine = np.flatnonzero(part_of == s)
+            yield s, mine, indexes[mine] - starts[s]
+
+    def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
+        out: list[Any] = [None] * len(indexes)
+        for s, mine, at in self._split(np.asarray(indexes, dtype=np.int64)):
+            for i, key in zip(mine.tolist(), self.parts[s].keys_at(store, at)):
+                out[i] = tagged(s, key)
+        return out
+
+    def versions_at(self, store: Any, indexes: np.ndarray) -> list[Any]:
+        out: list[Any] = [None] * len(indexes)
+        for s, mine, at in self._split(np.asarray(indexes, dtype=np.int64)):
+            if self.parts[s].versions is not None:
+                for i, version in zip(mine.tolist(), self.parts[s].versions_at(store, at)):
+                    out[i] = version
+        return out
+
+    def keys(self, store: Any, start: int, stop: int) -> list[Key]:
+        return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
+
+    def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
+        return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
+
+    def digests(self, store: Any) -> Iterator[np.ndarray]:
+        for s, part in enumerate(self.parts):
+            for start in range(0, part.count, part.chunk_size):
+                keys = part.keys(store, start, start + part.chunk_size)
+                yield key_digests([tagged(s, k) for k in keys])
+
+    def iter_keys(self, store: Any) -> Iterator[Key]:
+        for s, part in enumerate(self.parts):
+            yield from (tagged(s, k) for k in part.iter_keys(store))
+
+    def to_record(self) -> dict[str, Any]:
+        return {"parts": [p.to_record() for p in self.parts]}
+
+
+View = KeySnapshot | MixedView
+
+
+def view_from_record(data: dict[str, Any]) -> View:
+    if isinstance(data, dict) and "parts" in data:
+        return MixedView(tuple(KeySnapshot.from_record(p) for p in data["parts"]))
+    return KeySnapshot.from_record(data)
+
+
 @dataclass(frozen=True)
 class RunSnapshot:
     """A run's snapshot: the training view and, with ``eval_fraction``, the held-out view
     (split by each key's digest). Without a split the training view is all rows."""
 
     query: str  # the query's fingerprint: a snapshot serves only the query it describes
-    train: KeySnapshot
-    held: KeySnapshot | None = None
+    train: View
+    held: View | None = None
     eval_fraction: float = 0.0
     #: the data fingerprint runs and models record: changes when any key changes
     fingerprint: str = ""
@@ -247,7 +347,7 @@ class RunSnapshot:
     def count(self) -> int:
         return self.train.count + (self.held.count if self.held else 0)
 
-    def view(self, split: Split) -> KeySnapshot:
+    def view(self, split: Split) -> View:
         """The keys a ``split`` reads: all rows, the training rows or the held-out rows."""
         if split == "held_out":
             return self.held or KeySnapshot(0, self.train.chunk_size, (), CODEC, "")
@@ -281,8 +381,8 @@ class RunSnapshot:
             )
         return cls(
             str(data["query"]),
-            KeySnapshot.from_record(data["train"]),
-            None if held is None else KeySnapshot.from_record(held),
+            view_from_record(data["train"]),
+            None if held is None else view_from_record(held),
             float(data["eval_fraction"]),
             str(data["fingerprint"]),
         )
@@ -351,6 +451,19 @@ def take_snapshot(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     store = db.artifacts if store is None else store
+    if isinstance(query, Mix):  # each source its own snapshot, read as one
+        parts = [
+            take_snapshot(
+                db,
+                p.select,
+                eval_fraction=eval_fraction,
+                chunk_size=chunk_size,
+                version_column=version_column,
+                store=store,
+            )
+            for p in query.parts
+        ]
+        return _mixed(query, parts, eval_fraction)
     version_column = TURNS if isinstance(query, Conversations) else version_column
     split = eval_fraction > 0
     train = ViewWriter(store, chunk_size, bool(version_column))
@@ -373,7 +486,17 @@ def take_snapshot(
     return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)
 
 
-def data_fingerprint(fraction: float, train: KeySnapshot, held: KeySnapshot | None) -> str:
+def _mixed(query: Mix, parts: list[RunSnapshot], eval_fraction: float) -> RunSnapshot:
+    views = [(p.view("train"), p.view("held_out")) for p in parts]
+    train = MixedView(tuple(cast("KeySnapshot", t) for t, _ in views))
+    held = MixedView(tuple(cast("KeySnapshot", h) for _, h in views)) if eval_fraction > 0 else None
+    fraction = float(eval_fraction) if held else 0.0
+    fingerprint = data_fingerprint(fraction, train, held)
+    statements = sum(p.statements for p in parts)
+    return RunSnapshot(query.fingerprint(), train, held, fraction, fingerprint, statements)
+
+
+def data_fingerprint(fraction: float, train: View, held: View | None) -> str:
     """What runs and models record of their rows: changes with any key, version or split."""
     digest = json.dumps([fraction, DIGEST, train.fingerprint, held.fingerprint if held else None])
     return hashlib.sha256(digest.encode()).hexdigest()[:32]

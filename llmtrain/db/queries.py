@@ -8,6 +8,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from bson import json_util
@@ -68,6 +69,11 @@ class Query(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.to_dict()!r})"
+
+    def fields(self, X: str, Y: str | None = None) -> Part:  # noqa: N803 - fit()'s names
+        """This selection with its own X (and Y) inside :func:`mix`: no Y trains its rows as
+        documents, a Y as prompt and response."""
+        return Part(self, _check_name("X field", X), None if Y is None else _check_name("Y", Y))
 
 
 class Table(Query):
@@ -288,7 +294,89 @@ def conversations(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, dict[str, An
     return out
 
 
-_KINDS: dict[str, type[Query]] = {q.kind: q for q in (Table, RawSQL, Collection, Conversations)}
+@dataclass(frozen=True)
+class Part:
+    """One source of a :class:`Mix`: its rows and the fields it trains (None: fit()'s)."""
+
+    select: Query
+    X: str | None = None  # noqa: N815 - fit()'s names
+    Y: str | None = None  # noqa: N815
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"select": self.select.to_dict(), "X": self.X, "Y": self.Y}
+
+    def fields_or(self, default: Sequence[str]) -> list[str]:
+        """The fields this source trains: its own, else ``default`` (fit()'s X and Y)."""
+        if self.X is None:
+            return list(default)
+        return [self.X] if self.Y is None else [self.X, self.Y]
+
+
+class Mix(Query):
+    """Several sources of one database trained together, each step's rows drawn by
+    ``weights`` (:class:`~llmtrain.data.plan.MixOrder`); ``epoch_rows`` rows make an epoch
+    (default: every source's rows once). A source that runs out starts a new pass."""
+
+    kind = "mix"
+
+    def __init__(
+        self,
+        parts: Sequence[Query | Part | dict[str, Any]],
+        *,
+        weights: Sequence[float] | None = None,
+        epoch_rows: int | None = None,
+    ) -> None:
+        self.parts = tuple(_part(p) for p in parts)
+        if len(self.parts) < 2:
+            raise QueryError("mix() needs at least two sources")
+        weights = [1.0] * len(self.parts) if weights is None else list(weights)
+        if len(weights) != len(self.parts) or not all(
+            isinstance(w, (int, float)) and w > 0 for w in weights
+        ):
+            raise QueryError(
+                f"mix(weights={weights!r}): one positive number for each of the "
+                f"{len(self.parts)} sources"
+            )
+        self.weights = tuple(float(w) for w in weights)
+        if epoch_rows is not None and (not isinstance(epoch_rows, int) or epoch_rows < 1):
+            raise QueryError(f"mix(epoch_rows={epoch_rows!r}): a positive number of rows")
+        self.epoch_rows = epoch_rows
+
+    @property
+    def source(self) -> str:
+        return "mix of " + ", ".join(p.select.source for p in self.parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "parts": [p.to_dict() for p in self.parts],
+            "weights": list(self.weights),
+            "epoch_rows": self.epoch_rows,
+        }
+
+
+def _part(part: Query | Part | dict[str, Any]) -> Part:
+    if isinstance(part, dict):  # the stored form
+        return Part(Query.from_dict(part["select"]), part.get("X"), part.get("Y"))
+    if isinstance(part, Conversations):  # one field: its messages
+        return Part(part, MESSAGES)
+    if isinstance(part, Query) and not isinstance(part, Mix):
+        return Part(part)
+    if isinstance(part, Part) and not isinstance(part.select, Mix):
+        return part
+    raise QueryError(f"mix(): a source is a llmtrain query, not {type(part).__name__}")
+
+
+def mix(
+    *sources: Query | Part, weights: Sequence[float] | None = None, epoch_rows: int | None = None
+) -> Mix:
+    """``mix(lt.Table("docs").fields(X="body"), lt.Table("qa"), weights=[0.75, 0.25])``."""
+    return Mix(sources, weights=weights, epoch_rows=epoch_rows)
+
+
+_KINDS: dict[str, type[Query]] = {
+    q.kind: q for q in (Table, RawSQL, Collection, Conversations, Mix)
+}
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from llmtrain.config.args import TrainerConfig, build
-from llmtrain.data.plan import Order, StepRule
+from llmtrain.data.cached import epoch_order
+from llmtrain.data.plan import StepRule
 from llmtrain.data.skips import read_skips
-from llmtrain.data.snapshot import KeySnapshot, RunSnapshot
+from llmtrain.data.snapshot import RunSnapshot, View, tagged
 from llmtrain.db.backend import Key
 from llmtrain.db.keys import key_digests, key_repr, same_key
 from llmtrain.db.sources import Source
@@ -46,7 +47,7 @@ class RunLineage:
     """A run's derived lineage: its training keys, order, steps and skips."""
 
     run_id: str
-    view: KeySnapshot
+    view: View
     store: Any
     rule: StepRule
     limit: int  # the last step the run trained
@@ -68,7 +69,8 @@ class RunLineage:
         config = build(TrainerConfig, info["config"], f"run {run.run_id}")
         d, t = config.data_args, config.training_args
         world = int(info.get("world_size") or 1)
-        order = Order(view.count, d.shuffle_block, t.seed, d.shuffle, d.drop_remainder, world)
+        assert config.fit is not None
+        order = epoch_order(view, config.fit.query(), d, t.seed, world)
         rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
         rule = StepRule(order, rows, rows)
         if steps is None:  # its last known step: final or reached, or its newest checkpoint's
@@ -234,18 +236,26 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         parent = parent if isinstance(parent, dict) else {}
         if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
-        if run.info.get("source") != found_source.identity:
+        sources = run_sources(run.info)
+        if found_source.identity not in sources:
             continue
         try:
             lineage = RunLineage.of(db, run)
         except StoreError:
             result.underivable.append(run.run_id)
             continue
+        mixed = "sources" in run.info  # a mixture's keys are tagged with their source
+        wanted = [
+            tagged(part, k) if mixed else k
+            for part, identity in enumerate(sources)
+            if identity == found_source.identity
+            for k in keys
+        ]
         uses = [
-            Use(key, run.run_id, run.identifier, run.version, epoch, step, rank, version)
-            for key, index in find(lineage.view, db.artifacts, keys)
+            Use(key["key"] if mixed else key, run.run_id, run.identifier, run.version, *use)
+            for key, index in find(lineage.view, db.artifacts, wanted)
             for version in [lineage.version_of(index)]
-            for epoch, step, rank in lineage.uses(index)
+            for use in ((e, s, r, version) for e, s, r in lineage.uses(index))
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
@@ -264,7 +274,12 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     return result
 
 
-def find(view: KeySnapshot, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:
+def run_sources(info: dict[str, Any]) -> list[Any]:
+    """The identities of the sources a run read (a mixture's, in order)."""
+    return list(info["sources"]) if "sources" in info else [info.get("source")]
+
+
+def find(view: View, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:
     """(key, index) of each of ``keys`` in ``view`` (of the same type: ``1`` is not
     ``True``), by their digests over each chunk in turn: 10M int keys in well under a
     second (``benchmarks/bench_lineage.py``); a digest match is confirmed on the key."""
@@ -283,7 +298,7 @@ def find(view: KeySnapshot, store: Any, keys: Sequence[Key]) -> list[tuple[Key, 
     return found
 
 
-def by_index(view: KeySnapshot, store: Any, pairs: Collection[tuple[Key, Any]]) -> dict[int, Any]:
+def by_index(view: View, store: Any, pairs: Collection[tuple[Key, Any]]) -> dict[int, Any]:
     """The values of (key, value) ``pairs`` by their key's index in ``view``."""
     values = {key_repr(k): v for k, v in pairs}
     return {i: values[key_repr(k)] for k, i in find(view, store, [k for k, _ in pairs])}

@@ -7,14 +7,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from llmtrain.config.args import build
-from llmtrain.data.snapshot import RunSnapshot, ViewWriter, take_snapshot
+from llmtrain.data.snapshot import (
+    KeySnapshot,
+    MixedView,
+    RunSnapshot,
+    ViewWriter,
+    tagged,
+    take_snapshot,
+)
 from llmtrain.db.keys import Key, key_digests, key_repr
-from llmtrain.db.queries import Conversations, Query, Table
+from llmtrain.db.queries import Conversations, Mix, Query, Table
 from llmtrain.errors import ConfigError, DataError, QueryError
 from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
@@ -167,6 +174,36 @@ def forgotten_rows(db: Database, query: Query, identity: str) -> np.ndarray:
     return np.union1d(gone, key_digests(held)) if held else gone
 
 
+def _mixed_rows(db: Database, query: Mix, snapshot: RunSnapshot) -> tuple[RunSnapshot, dict]:
+    """A mixture's snapshot less each source's forgotten rows, and its sources' identities."""
+    train, held = cast(MixedView, snapshot.train), cast("MixedView | None", snapshot.held)
+    identities: list[str] = []
+    excluded: list[str] = []
+    views: list[list[KeySnapshot]] = [list(train.parts), list(held.parts if held else ())]
+    for s, part in enumerate(query.parts):
+        identity = db.backend.resolve(part.select).identity
+        gone = forgotten_rows(db, part.select, identity)
+        identities.append(identity)
+        if not len(gone):
+            continue
+
+        def keep(keys: Any, _: Any, source: int = s, gone: np.ndarray = gone) -> np.ndarray:
+            out = np.isin(key_digests(keys), gone)
+            excluded.extend(key_repr(tagged(source, keys[i])) for i in np.flatnonzero(out))
+            return ~out
+
+        views[0][s] = keep_rows(views[0][s], db.artifacts, keep)
+        if held:
+            views[1][s] = keep_rows(views[1][s], db.artifacts, _not_in(gone))
+    if not sum(v.count for v in views[0]):
+        raise DataError(f"{query.source}: every row selected is forgotten: nothing to train on")
+    snapshot = replace(snapshot, train=MixedView(tuple(views[0])))
+    if held:
+        snapshot = replace(snapshot, held=MixedView(tuple(views[1])))
+    info: dict[str, Any] = {"sources": identities}
+    return snapshot, info | ({"excluded_keys": sorted(excluded)} if excluded else {})
+
+
 def _not_in(gone: np.ndarray) -> Callable[[Any, Any], np.ndarray]:
     """The ``keep`` of :func:`keep_rows` that leaves out the keys with these digests."""
     return lambda keys, _: ~np.isin(key_digests(keys), gone)
@@ -184,6 +221,13 @@ def select_rows(
     to record on the run about it. Every refusal comes before anything is recorded."""
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
+    if isinstance(fit.query(), Mix):
+        if incremental:
+            raise ConfigError(
+                "fit(incremental=True) with select=lt.mix(...): incremental fits continue "
+                "one source's new rows; fit the mixture in full"
+            )
+        return _mixed_rows(db, cast(Mix, fit.query()), snapshot)
     resolved = db.backend.resolve(fit.query())
     source = resolved.identity
     gone = forgotten_rows(db, fit.query(), source)

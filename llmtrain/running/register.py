@@ -195,8 +195,7 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
     if folder is not None and config.lora_args is not None:
         check_lora_targets(folder, config)
-    named = [("X", fit.X)] if fit.Y is None else [("X", fit.X), ("Y", fit.Y)]
-    for query in filter(None, (fit.query(), fit.eval_query())):
+    for query, named in fit.sources():
         rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
         for role, name in named:
             if rows and not any(name in row for _, row in rows):

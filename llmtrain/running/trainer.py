@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from llmtrain.config.args import TrainerConfig, build, keyword_reference
 from llmtrain.config.spec import FitSpec
 from llmtrain.console import quiet_unless_verbose
-from llmtrain.db.queries import MESSAGES, Conversations, Query
+from llmtrain.db.queries import MESSAGES, Conversations, Mix, Query
 from llmtrain.errors import ConfigError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.placement import Placement
@@ -173,6 +173,13 @@ class LLMTrainer:
             return self.config.fit.model_copy(update={"db": db.uri})
         if X is None and isinstance(select, Conversations):
             X = MESSAGES  # a conversation is one field: its messages
+        if X is None and isinstance(select, Mix) and all(p.X for p in select.parts):
+            X = select.parts[0].X  # every source names its own: the first one's is recorded
+        if X is None and isinstance(select, Mix):
+            raise ConfigError(
+                "fit(select=lt.mix(...)) needs X= (and Y=) for its sources without "
+                ".fields(X=..., Y=...)"
+            )
         if X is None or select is None:
             raise ConfigError("fit() needs X= and select= (and Y=, unless the rows are documents)")
         if not isinstance(select, Query):
@@ -184,6 +191,11 @@ class LLMTrainer:
             raise ConfigError(f"X and Y name the same field {X!r}")
         if eval_select is not None and not isinstance(eval_select, Query):
             raise ConfigError("eval_select= must be a llmtrain query")
+        if isinstance(eval_select, Mix):
+            raise ConfigError(
+                "eval_select= takes one source, not lt.mix(...): evaluate a mixture on its "
+                "held-out rows (data_args.eval_fraction)"
+            )
         return FitSpec(
             X=X,
             Y=Y,

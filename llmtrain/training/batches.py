@@ -38,14 +38,14 @@ class Collate:
     """(key, row) pairs -> tokenized, padded (or packed) batch; with ``max_tokens``, a step's
     rows -> its packed micro-batches of at most ``max_tokens`` tokens."""
 
-    formatter: Formatter
+    formatters: Sequence[Formatter]  # one a source: a mixture's by the part in each key
     pad_id: int
     source: str
     packer: PackedCollator | None
     max_tokens: int | None = None
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        made = self.formatter.format_batch(rows, source=self.source)
+        made = self._format(rows)
         examples = [e for e in made if e.input_ids]  # an empty one: a row the formatter skipped
         skipped = {"skipped": [e.key for e in made if not e.input_ids]}
         if self.max_tokens is None:
@@ -60,6 +60,18 @@ class Collate:
             | (skipped if i == 0 else {})
             for i, rows in enumerate(packed)
         ] or [skipped]
+
+    def _format(self, rows: list[tuple[Any, dict[str, Any]]]) -> list[Example]:
+        if len(self.formatters) == 1:
+            return self.formatters[0].format_batch(rows, source=self.source)
+        parts: dict[int, list[tuple[Any, dict[str, Any]]]] = {}
+        for key, row in rows:
+            parts.setdefault(key["part"], []).append((key, row))
+        return [
+            example
+            for part, mine in sorted(parts.items())
+            for example in self.formatters[part].format_batch(mine, source=self.source)
+        ]
 
 
 def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
@@ -99,7 +111,7 @@ def micro_batches(
 
 
 def make_collate(
-    formatter: Formatter,
+    formatter: Formatter | Sequence[Formatter],
     tokenizer: Any,
     model: Any,
     args: DataArguments,
@@ -113,7 +125,8 @@ def make_collate(
         # flash kernels find packed examples from position ids only in a one-row batch
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
-    return Collate(formatter, tokenizer.pad_token_id, source, packer, token_budget)
+    formatters = [formatter] if isinstance(formatter, Formatter) else list(formatter)
+    return Collate(formatters, tokenizer.pad_token_id, source, packer, token_budget)
 
 
 def view_dataset(
@@ -147,7 +160,7 @@ def view_dataset(
         eval_fraction=args.eval_fraction if split != "all" else 0.0,
         snapshot=snapshot,
         version_column=args.version_column,
-        conversations=args.chat_template and len(fields) == 1,  # fit() with no Y
+        conversations=args.chat_template,  # a source of one field: conversations
     )
 
 

@@ -22,8 +22,10 @@ from llmtrain.config.metrics import logged_name, resolve
 from llmtrain.data import RunSnapshot
 from llmtrain.data.skips import SKIPS, Skips
 from llmtrain.db.keys import key_repr
+from llmtrain.db.queries import Mix, Query
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
+from llmtrain.formatting.template import PromptTemplate
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.batches import (
@@ -111,22 +113,10 @@ class FitRun:
         self.loss = LossFunction(model)
 
         fit = self.plan.fit
-        self.formatter = Formatter(
-            self.tokenizer,
-            None if self.dargs.chat_template else cfg.prompt_template,
-            chat_template=self.dargs.chat_template,
-            max_length=self.dargs.max_length,
-            train_on_inputs=self.dargs.train_on_inputs,
-            x_field=fit.X,
-            y_field=fit.Y,
-            stride=self.dargs.stride,
-            conversations=self.dargs.chat_template and fit.Y is None,
-            assistant_turns=self.dargs.assistant_turns,
-            on_bad_row=self.dargs.on_bad_row,
-        )
+        self.formatter = self._formatter(fit.fields)
         select = fit.query()
         collate = make_collate(
-            self.formatter,
+            self._formatters(select),
             self.tokenizer,
             model,
             self.dargs,
@@ -173,6 +163,32 @@ class FitRun:
         self.metrics = {logged_name(e): resolve(e) for e in self.targs.eval_metrics}
         if self.plan.resume_from is not None:
             self._restore(self.plan.resume_from)
+
+    def _formatter(self, fields: list[str]) -> Formatter:
+        """The formatter of rows with these fields: responses from Y, or documents (a
+        template with {Y} formats only the responses of a mixture's sources with a Y)."""
+        d, template = self.dargs, None if self.dargs.chat_template else self.config.prompt_template
+        if template and len(fields) == 1 and not PromptTemplate(template).documents:
+            template = None
+        return Formatter(
+            self.tokenizer,
+            template,
+            chat_template=d.chat_template,
+            max_length=d.max_length,
+            train_on_inputs=d.train_on_inputs,
+            x_field=fields[0],
+            y_field=fields[1] if len(fields) > 1 else None,
+            stride=d.stride,
+            conversations=d.chat_template and len(fields) == 1,
+            assistant_turns=d.assistant_turns,
+            on_bad_row=d.on_bad_row,
+        )
+
+    def _formatters(self, query: Query) -> list[Formatter]:
+        """One formatter a source (a mixture's each in its own shape)."""
+        if not isinstance(query, Mix):
+            return [self.formatter]
+        return [self._formatter(p.fields_or(self.plan.fit.fields)) for p in query.parts]
 
     def _start_from_parent(self, model: Any) -> None:
         """An incremental run starts from its parent model's adapter (a checkpoint overrides it)."""
@@ -399,7 +415,7 @@ class FitRun:
         if ds is None:
             return float("nan")
         collate = make_collate(
-            self.formatter, self.tokenizer, self.base_model, self.dargs, ds.query.source
+            self._formatters(ds.query), self.tokenizer, self.base_model, self.dargs, ds.query.source
         )
         batches = ds.loader(
             self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True

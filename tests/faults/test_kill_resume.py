@@ -262,3 +262,56 @@ def test_a_checkpoint_killed_half_way_through_its_write_is_never_used(world: Wor
     for i, record in enumerate(world.db.metadata.list_checkpoints(run.run_id)):
         folder = store.get_dir(record.artifact_id, world.root / f"verify-{i}")
         verify(folder)
+
+
+def test_a_mixture_killed_mid_run_resumes_the_same_interleave(tiny: Path, tmp_path: Path) -> None:
+    """kill -9 after step 5 of a 32-row and 8-row mixture at 0.5/0.5 (the small source in
+    its third pass by then), then a resume: the steps, their rows and the adapter are the
+    uninterrupted run's."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", doc_rows(32))
+    fill(uri, "extra", doc_rows(8, start=100))
+    parts = [lt.Table(t).fields("instruction", "output") for t in ("docs", "extra")]
+    base = {
+        "uri": uri,
+        "artifacts": str(tmp_path / "artifacts"),
+        "model": str(tiny),
+        "options": OPTIONS,
+        "select": lt.mix(*parts, weights=[0.5, 0.5]).to_dict(),
+    }
+    hold = {"kind": "after-step", "step": 5, "marker": str(tmp_path / "mix.held")}
+    procs = {
+        name: launch(
+            {**base, "identifier": name, **extra},
+            tmp_path / f"{name}.trace",
+            tmp_path / f"{name}.first.log",
+        )
+        for name, extra in (("reference", {}), ("mix", {"hold": hold}))
+    }
+    try:
+        kill_when_held({"mix": procs["mix"]}, tmp_path)
+        assert procs["mix"].wait(timeout=60) == -signal.SIGKILL
+        finish(procs["reference"], tmp_path / "reference.first.log")
+        first = read_trace(tmp_path / "mix.trace")
+        again = launch(
+            {**base, "identifier": "mix", "resume": True},
+            tmp_path / "mix.resumed",
+            tmp_path / "mix.resumed.log",
+        )
+        finish(again, tmp_path / "mix.resumed.log")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    reference = read_trace(tmp_path / "reference.trace")
+    resumed = read_trace(tmp_path / "mix.resumed")
+    assert [s for s, _ in resumed] == list(range(4, OPTIONS["max_steps"] + 1))  # from step 3
+    timeline = [e for e in first if e[0] <= 3] + resumed
+    assert timeline == reference  # the same rows at the same steps, in the same order
+    extra = [k for _, keys in reference for k in keys if "'part': 1" in k]
+    assert len(extra) == 24 and len(set(extra[:8])) == 8  # 3 passes, each whole
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    resumed_model, reference_model = db.load("model", "mix"), db.load("model", "reference")
+    assert_same_weights(
+        adapter(db, reference_model, tmp_path), adapter(db, resumed_model, tmp_path)
+    )

@@ -1,0 +1,294 @@
+"""Preference tuning's pieces: per-sequence log-probabilities without the full logits, and the
+DPO, KTO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
+
+A batch for :func:`sequence_logprobs` is one of
+  * padded: ``input_ids``, ``labels``, ``attention_mask`` [B, T]; sequence ``i`` is row ``i``;
+  * packed: ``input_ids``, ``labels``, ``position_ids`` [B, T] restarting at 0 per sequence
+    (no ``attention_mask``: transformers then keeps packed sequences apart, as in training),
+    and ``sequence_index`` [B, T]: each token's sequence, 0..S-1 (read at targets only).
+``labels`` are the tokens to score, :data:`IGNORE_INDEX` elsewhere (prompt, padding)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from llmtrain.formatting import IGNORE_INDEX
+from llmtrain.training.loss import CHUNK_ELEMENTS, LossFunction, _model_inputs
+
+Metrics = dict[str, torch.Tensor]
+
+
+def _targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask over the shifted positions, target ids, their sequence): a token at position 0
+    has nothing of its own sequence before it, so it is never a target."""
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    if "position_ids" in batch:
+        keep &= batch["position_ids"][:, 1:] != 0
+    index = batch.get("sequence_index")
+    if index is None:
+        rows = torch.arange(labels.size(0), device=labels.device)
+        index = rows[:, None].expand_as(batch["labels"])
+    return keep, labels[keep], index[:, 1:][keep]
+
+
+def _per_sequence(
+    logps: torch.Tensor, index: torch.Tensor, batch: dict[str, Any], size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
+        packed = "sequence_index" in batch
+        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
+    total = logps.new_zeros(size).index_add(0, index, logps)
+    return total, torch.bincount(index, minlength=size)
+
+
+def plain_sequence_logprobs(
+    model: Any, batch: dict[str, Any], *, num_sequences: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` from the full logits (the reference; softcapped heads)."""
+    keep, targets, index = _targets(batch)
+    logits = model(**_model_inputs(batch), use_cache=False).logits[:, :-1][keep]
+    logps = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return _per_sequence(logps, index, batch, num_sequences)
+
+
+def sequence_logprobs(
+    model: Any,
+    batch: dict[str, Any],
+    *,
+    base: Any = None,
+    num_sequences: int | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log p(target) [S] float32, target count [S]) per sequence. The body runs to its
+    hidden states and the head (``base``'s, default ``model``'s) projects only targets, a
+    chunk at a time; under grad each chunk is recomputed in backward (checkpointed), since
+    the preference loss's gradient per sequence is only known after the forward."""
+    found = LossFunction(model if base is None else base, chunk_elements=chunk_elements)
+    if not found.chunked:
+        return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
+    keep, targets, index = _targets(batch)
+    head = found.head
+    own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
+
+    def chunk_logps(hidden: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+        logits = own_forward(hidden).float()
+        return logits.log_softmax(-1).gather(-1, picked[:, None]).squeeze(-1)
+
+    def logps_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        selected = hidden[:, :-1][keep]
+        parts = []
+        for start in range(0, selected.size(0), found.chunk):
+            rows = slice(start, start + found.chunk)
+            if torch.is_grad_enabled():
+                part = checkpoint(chunk_logps, selected[rows], targets[rows], use_reentrant=False)
+            else:
+                part = chunk_logps(selected[rows], targets[rows])
+            parts.append(part)
+        return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
+
+    head.forward = logps_from_hidden  # for this call (module hooks still run around it)
+    try:
+        logps = model(**_model_inputs(batch), use_cache=False).logits
+    finally:
+        del head.forward
+    return _per_sequence(logps, index, batch, num_sequences)
+
+
+def _smoothed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """-log sigmoid(x), the label flipped with probability ``eps`` (conservative DPO)."""
+    return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+
+
+def _pair_metrics(good: torch.Tensor, bad: torch.Tensor, beta: float, *logps: Any) -> Metrics:
+    """TRL's logged names, batch means of detached tensors (no read of the device); rewards
+    are ``beta`` * ``good``/``bad``."""
+    chosen, rejected = beta * good.detach(), beta * bad.detach()
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+        "logps/chosen": logps[0].detach().mean(),
+        "logps/rejected": logps[1].detach().mean(),
+    }
+
+
+def dpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """DPO on summed log-probs. ``sigmoid`` with ``label_smoothing`` is conservative DPO
+    (TRL 1.16's sigmoid has none; ``robust`` is its smoothed form); ``ipo`` divides each
+    log-ratio by its token count (``*_tokens``), as TRL does; rewards stay unnormalised."""
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    delta = chosen - rejected
+    eps = label_smoothing
+    if loss_type == "sigmoid":
+        losses = _smoothed(beta * delta, eps)
+    elif loss_type == "robust":  # unbiased: the flipped label's term subtracted, rescaled
+        flipped = eps * F.logsigmoid(-beta * delta)
+        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + flipped) / (1 - 2 * eps)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo_loss: loss_type='ipo' needs chosen_tokens and rejected_tokens")
+        delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+        losses = (delta - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo_loss: unknown loss_type {loss_type!r}")
+    return losses.mean(), _pair_metrics(chosen, rejected, beta, chosen_logps, rejected_logps)
+
+
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl_logps: torch.Tensor | None,
+    ref_kl_logps: torch.Tensor | None,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """KTO on summed log-probs; ``desirable`` [N] bool. The reference point is the batch's
+    mean policy/reference log-ratio on mismatched completions (``kl_*``), detached and
+    clamped at 0 (zero without them). Metrics of a kind the batch lacks are nan."""
+    kl = torch.zeros((), device=logps.device)
+    if kl_logps is not None and ref_kl_logps is not None:
+        kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    ratios = logps - ref_logps
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (ratios - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratios))),
+    )
+    good, bad = desirable.float(), 1 - desirable.float()
+
+    def mean(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
+        return (x.detach() * of).sum() / of.sum()
+
+    chosen, rejected = mean(beta * ratios, good), mean(beta * ratios, bad)
+    return losses.mean(), {
+        "kl": kl,
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/margins": chosen - rejected,
+        "logps/chosen": mean(logps, good),
+        "logps/rejected": mean(logps, bad),
+    }
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, by the branch that does not cancel."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_nll: torch.Tensor,
+    *,
+    beta: float = 0.1,
+) -> tuple[torch.Tensor, Metrics]:
+    """ORPO: ``chosen_nll`` - ``beta`` (the paper's lambda) * mean log sigmoid(log odds
+    ratio), on token-averaged log-probs. TRL's ``chosen_nll`` is the token-mean cross-entropy
+    of the chosen rows over prompt and response; the paper's, the response only."""
+    chosen, rejected = chosen_logps.float(), rejected_logps.float()
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    metrics = _pair_metrics(chosen, rejected, beta, chosen, rejected)
+    metrics.update(
+        nll_loss=chosen_nll.detach(),
+        log_odds_ratio=ratio.detach().mean(),
+        log_odds_chosen=log_odds.detach().mean(),
+    )
+    return chosen_nll - (beta * ratio).mean(), metrics
+
+
+def simpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    *,
+    beta: float = 0.1,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    cpo_alpha: float = 0.0,
+    chosen_nll: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """SimPO (TRL's CPO with ``loss_type="simpo"``; ``gamma`` is its ``simpo_gamma``, the
+    margin itself): -log sigmoid(beta * (chosen - rejected) - gamma) on token-averaged
+    log-probs, no reference; plus ``cpo_alpha`` * ``chosen_nll`` (CPO's term, off here)."""
+    if cpo_alpha and chosen_nll is None:
+        raise ValueError("simpo_loss: cpo_alpha needs chosen_nll")
+    losses = _smoothed(beta * (chosen_logps - rejected_logps - gamma / beta), label_smoothing)
+    metrics = _pair_metrics(chosen_logps, rejected_logps, beta, chosen_logps, rejected_logps)
+    nll = chosen_nll if chosen_nll is not None else torch.zeros((), device=losses.device)
+    metrics["nll_loss"] = nll.detach()
+    return losses.mean() + cpo_alpha * nll, metrics
+
+
+#: the objectives trained on (prompt, chosen, rejected) rows, and those with a reference model
+PAIRED = ("dpo", "orpo", "simpo")
+WITH_REFERENCE = ("dpo",)
+
+
+class PreferenceLoss:
+    """``loss(model, batch)`` of a paired objective, as :class:`LossFunction` is SFT's: the
+    batch holds ``pairs`` chosen sequences then as many rejected (``sequence_index``); the
+    reference is the same model with its adapter off (no second copy). Returns the sum over
+    the pairs (the loop divides by the step's pairs); the metrics add up until
+    :meth:`logged`."""
+
+    def __init__(self, base: Any, args: Any) -> None:
+        self.base, self.args = base, args
+        self.sums: dict[str, torch.Tensor] = {}
+        self.pairs = 0
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        a, n = self.args, int(batch["pairs"])
+        logps, counts = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+        means = logps / counts.clamp(min=1)
+        if a.objective == "dpo":
+            with torch.no_grad(), self.base.disable_adapter():
+                ref, _ = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+            loss, metrics = dpo_loss(
+                logps[:n],
+                logps[n:],
+                ref[:n],
+                ref[n:],
+                beta=a.beta,
+                loss_type=a.loss_type,
+                label_smoothing=a.label_smoothing,
+                chosen_tokens=counts[:n],
+                rejected_tokens=counts[n:],
+            )
+        elif a.objective == "orpo":  # the NLL of the chosen answers, as SFT would train them
+            nll = -logps[:n].sum() / counts[:n].sum().clamp(min=1)
+            loss, metrics = orpo_loss(means[:n], means[n:], nll, beta=a.beta)
+        else:
+            loss, metrics = simpo_loss(means[:n], means[n:], beta=a.beta, gamma=a.simpo_gamma)
+        for name, value in metrics.items():
+            self.sums[name] = self.sums.get(name, 0) + value.detach().float() * n
+        self.pairs += n
+        return loss * n
+
+    def logged(self) -> dict[str, float]:
+        """The mean of each metric over the pairs since the last call (reads the device)."""
+        out = {name: float(total) / max(self.pairs, 1) for name, total in self.sums.items()}
+        self.sums, self.pairs = {}, 0
+        return out
