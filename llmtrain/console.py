@@ -1,5 +1,4 @@
-"""Terminal output for the CLI and the demo: quiet third-party noise, print aligned tables.
-Only programs call :func:`quiet`; a fit is quiet for its own duration (:func:`quieted`)."""
+"""Terminal output for the CLI and the demo: quiet third-party noise, print aligned tables."""
 
 from __future__ import annotations
 
@@ -31,13 +30,6 @@ _NOISY_WARNINGS = (
 _THIRD_PARTY = r"(transformers|peft|accelerate|bitsandbytes|deepspeed|torch)(\.|$)"
 
 
-def _ignore_noisy_warnings() -> None:
-    for category, pattern in _NOISY_WARNINGS:
-        warnings.filterwarnings("ignore", message=pattern, category=category)
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
-
-
 #: set (to "1") while a fit is quiet; the launched worker processes read it
 QUIET_ENV = "LLMTRAIN_QUIET"
 
@@ -58,8 +50,7 @@ _FILTERS = {name: functools.partial(_keep, prefix=prefix) for name, prefix in _N
 
 
 def _silence(all_loggers: bool) -> list[tuple[logging.Logger, Any]]:
-    """Quiet environment, log filters (only on loggers without a level of their own unless
-    ``all_loggers``) and warning filters; returns the filters it added."""
+    """Quiet environment, log filters and warning filters; returns the log filters it added."""
     for name, value in _QUIET_ENV.items():
         os.environ.setdefault(name, value)
     added = []
@@ -68,7 +59,10 @@ def _silence(all_loggers: bool) -> list[tuple[logging.Logger, Any]]:
         if keep not in logger.filters and (all_loggers or logger.level == logging.NOTSET):
             logger.addFilter(keep)
             added.append((logger, keep))
-    _ignore_noisy_warnings()
+    for category, pattern in _NOISY_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
     return added
 
 
@@ -93,14 +87,13 @@ def quieted(enabled: bool = True) -> Iterator[None]:
     from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
-    env = {name: os.environ.get(name) for name in _QUIET_ENV}
     verbosity = hf_logging.get_verbosity()
-    lower = env["TRANSFORMERS_VERBOSITY"] is None and verbosity == logging.WARNING
+    lower = "TRANSFORMERS_VERBOSITY" not in os.environ and verbosity == logging.WARNING
     bars = hf_logging.is_progress_bar_enabled()
     hub_bars = not hub_utils.are_progress_bars_disabled()
     added: list[tuple[logging.Logger, Any]] = []
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), restored_env(*_QUIET_ENV):
             added = _silence(all_loggers=False)
             if lower:
                 hf_logging.set_verbosity_error()
@@ -115,11 +108,20 @@ def quieted(enabled: bool = True) -> Iterator[None]:
             hub_utils.enable_progress_bars()
         for logger, log_filter in added:
             logger.removeFilter(log_filter)
-        for name, old in env.items():
-            if old is None:
+
+
+@contextlib.contextmanager
+def restored_env(*names: str) -> Iterator[None]:
+    """The environment variables ``names`` as they were, once the block ends."""
+    old = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
                 os.environ.pop(name, None)
             else:
-                os.environ[name] = old
+                os.environ[name] = value
 
 
 def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:

@@ -49,22 +49,21 @@ def check_uri(uri: object, where: str) -> None:
 
     from llmtrain.db.engines import sqlalchemy_url
 
+    shown = redact_uri(uri)
     try:
         sa.engine.make_url(sqlalchemy_url(uri)).get_dialect().import_dbapi()
+        return
     except sa.exc.NoSuchModuleError:
-        raise ConfigError(
-            f"{where}: no database backend serves {scheme_of(uri)!r} URIs "
-            f"({redact_uri(uri)}); use sqlite://, postgresql://, mysql://, mariadb://, "
-            "mongodb:// or another installed SQLAlchemy dialect"
-        ) from None
+        problem = (
+            f"no database backend serves {scheme_of(uri)!r} URIs ({shown}); use sqlite://, "
+            "postgresql://, mysql://, mariadb://, mongodb:// or another installed "
+            "SQLAlchemy dialect"
+        )
     except ImportError as exc:
-        raise ConfigError(
-            f"{where}: the database driver for {redact_uri(uri)} is not installed ({exc})"
-        ) from None
+        problem = f"the database driver for {shown} is not installed ({exc})"
     except sa.exc.ArgumentError as exc:
-        raise ConfigError(
-            f"{where}: {redact_uri(uri)} is not a valid database URI: {exc}"
-        ) from None
+        problem = f"{shown} is not a valid database URI: {exc}"
+    raise ConfigError(f"{where}: {problem}") from None
 
 
 def require_datalayer(db: object, where: str) -> None:
@@ -212,16 +211,10 @@ class Datalayer:
         runs: list[RunRecord] = []
         models: list[ComponentRecord] = []
         if type_id == "trainer":  # its runs, and the model versions they produced
-            runs = [
-                r
-                for r in self.metadata.list_runs(type_id, identifier)
-                if version is None or r.version == version
-            ]
-            models = [
-                m
-                for m in self.metadata.list_components("model", identifier)
-                if version is None or m.payload.get("trainer_version") == version
-            ]
+            runs = self.metadata.list_runs(type_id, identifier)
+            runs = [r for r in runs if version in (None, r.version)]
+            models = self.metadata.list_components("model", identifier)
+            models = [m for m in models if version in (None, m.payload.get("trainer_version"))]
         if (runs or models) and not force:
             what = [f"{len(runs)} run(s) ({', '.join(r.run_id for r in runs)})"] if runs else []
             if models:

@@ -174,21 +174,18 @@ def tiny_model(
     ``<pad>`` is never EOS) in ``path`` and return the path. Idempotent: the same arguments
     leave it untouched, another tiny model there is replaced, any other non-empty directory
     is refused. ``num_kv_heads`` (grouped-query attention) defaults to ``num_heads``."""
-    if arch not in ARCHES:
-        raise ConfigError(f"tiny_model: arch must be one of {ARCHES}, got {arch!r}")
-    if hidden_size % num_heads:
-        raise ConfigError(
-            f"tiny_model: hidden_size {hidden_size} is not divisible by num_heads {num_heads}"
-        )
-    if tokenizer not in TOKENIZER_STYLES:
-        raise ConfigError(
-            f"tiny_model: tokenizer must be one of {TOKENIZER_STYLES}, got {tokenizer!r}"
-        )
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    if num_heads % kv_heads:
-        raise ConfigError(
-            f"tiny_model: num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}"
-        )
+    problem = ""
+    if arch not in ARCHES:
+        problem = f"arch must be one of {ARCHES}, got {arch!r}"
+    elif hidden_size % num_heads:
+        problem = f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}"
+    elif tokenizer not in TOKENIZER_STYLES:
+        problem = f"tokenizer must be one of {TOKENIZER_STYLES}, got {tokenizer!r}"
+    elif num_heads % kv_heads:
+        problem = f"num_heads {num_heads} is not divisible by num_kv_heads {kv_heads}"
+    if problem:
+        raise ConfigError(f"tiny_model: {problem}")
     args = {
         "recipe": _RECIPE_VERSION,
         "arch": arch,

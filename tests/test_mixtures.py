@@ -72,7 +72,7 @@ def _part(key: str) -> int:
 
 
 def test_the_interleave_follows_the_weights_and_walks_each_source_in_passes() -> None:
-    order = MixOrder((400, 100), (0.5, 0.5), 500, 64, seed=7)
+    order = MixOrder(500, 64, 7, counts=(400, 100), weights=(0.5, 0.5))
     streams: list[list[np.ndarray]] = [[], []]
     for epoch in range(3):
         indexes = order.epoch(epoch)
@@ -89,13 +89,13 @@ def test_the_interleave_follows_the_weights_and_walks_each_source_in_passes() ->
     assert sorted(big[:400].tolist()) == list(range(400))  # sub-sampled, in passes too
     assert not np.array_equal(little[:100], little[100:200])  # a new pass, a new order
     # ranks split each epoch's interleave; locate finds a row where it is read
-    two = MixOrder((400, 100), (0.5, 0.5), 500, 64, seed=7, world_size=2)
+    two = MixOrder(500, 64, 7, world_size=2, counts=(400, 100), weights=(0.5, 0.5))
     first, second = two.indexes(0, 0), two.indexes(0, 1)
     assert np.array_equal(np.concatenate([first, second]), order.epoch(0))
     assert (1, 3) in two.locate(int(second[3]), 0)
     # weights, epoch_rows and an empty source
-    assert MixOrder((10, 10), (3, 1), 40, 8).shares().tolist() == [30, 10]
-    assert MixOrder((0, 10), (3, 1), 40, 8).shares().tolist() == [0, 40]
+    assert MixOrder(40, 8, counts=(10, 10), weights=(3, 1)).shares().tolist() == [30, 10]
+    assert MixOrder(40, 8, counts=(0, 10), weights=(3, 1)).shares().tolist() == [0, 40]
 
 
 def test_a_mixture_trains_each_source_in_its_shape_by_weight(

@@ -1,5 +1,3 @@
-import sys
-
 from llmtrain.cli.main import main
 
-sys.exit(main())
+raise SystemExit(main())

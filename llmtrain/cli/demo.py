@@ -127,13 +127,8 @@ def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
     data = rows()
     english = sum(r["lang"] == "en" for r in data)
     say(f"1. Data: table 'docs' in {redact_uri(uri)}: {len(data)} rows, {english} in English")
-    say(
-        _table(
-            [(r["id"], r["instruction"], r["output"], r["lang"]) for r in data[:5]],
-            ["id", "instruction", "output", "lang"],
-        )
-        + "\n   ...\n"
-    )
+    header = ["id", "instruction", "output", "lang"]
+    say(_table([tuple(r[k] for k in header) for r in data[:5]], header) + "\n   ...\n")
     trainer = lt.LLMTrainer(
         "demo-qa",
         model=base_model,

@@ -64,10 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
     )
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
+    fit.set_defaults(run=cmd_fit)
     _flag(fit, "--resume", "continue the newest run that has checkpoints instead of a new one")
     _flag(fit, "--merge", "also store the merged model")
 
-    show = _with_db(sub, "show", help="list trainers, models and runs stored in a database")
+    what = "list trainers, models and runs stored in a database"
+    show = _with_db(sub, "show", cmd_show, help=what)
     show.add_argument("type", nargs="?", choices=["trainer", "model", "run"])
     show.add_argument(
         "name",
@@ -83,13 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "into this PNG file (needs matplotlib: pip install 'llmtrain[plot]')",
     )
 
-    replay = _stored(
-        sub, "replay", "trainer", help="fit a stored trainer again with its stored recipe"
-    )
+    what = "fit a stored trainer again with its stored recipe"
+    replay = _stored(sub, "replay", cmd_replay, "trainer", help=what)
     _flag(replay, "--resume", "continue its newest interrupted run instead")
     _flag(replay, "--allow-changed-data", "train though the selected rows changed since")
 
-    merge = _stored(sub, "merge", "model", help="merge a trained adapter into its base model")
+    what = "merge a trained adapter into its base model"
+    merge = _stored(sub, "merge", cmd_merge, "model", help=what)
     merge.add_argument(
         "--out", type=Path, help="also write the merged model to this new folder (safetensors)"
     )
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     export = _stored(
         sub,
         "export",
+        cmd_export,
         "model",
         help="write a model for serving stacks: the adapter (PEFT) and/or the merged model",
         description="Write a trained model to folders that serving stacks load. Nothing is "
@@ -125,17 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         "default: answers as the trained model) or into the full-precision base",
     )
 
-    _stored(sub, "lineage", "model", help="the rows that trained a model: key, epoch, step, rank")
+    what = "the rows that trained a model: key, epoch, step, rank"
+    _stored(sub, "lineage", cmd_lineage, "model", help=what)
 
-    trained_on = _with_db(
-        sub, "trained-on", help="the runs, checkpoints and models that trained on a row"
-    )
+    what = "the runs, checkpoints and models that trained on a row"
+    trained_on = _with_db(sub, "trained-on", cmd_trained_on, help=what)
     trained_on.add_argument("table", help="the table or collection")
     trained_on.add_argument("key", help="the row's key (typed as the key column holds it)")
 
-    forget = _with_db(
-        sub, "forget", help="forget rows: later runs leave them out; list who used them"
-    )
+    what = "forget rows: later runs leave them out; list who used them"
+    forget = _with_db(sub, "forget", cmd_forget, help=what)
     forget.add_argument("table", help="the table or collection")
     forget.add_argument("keys", nargs="+", help="row keys (typed as the key column holds them)")
     _flag(forget, "--retrain", "fit the affected trainers again without them")
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="database and model folder")
     demo.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help="training steps")
+    demo.set_defaults(run=lambda args: run_demo(args.dir, args.steps))
     return parser
 
 
@@ -153,10 +156,11 @@ def _flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
     parser.add_argument(name, action="store_true", help=help)
 
 
-def _with_db(sub: Any, command: str, **kwargs: Any) -> argparse.ArgumentParser:
+def _with_db(sub: Any, command: str, run: Any, **kwargs: Any) -> argparse.ArgumentParser:
     """A command that opens a database; its help line is its description too."""
     kwargs.setdefault("description", kwargs.get("help"))
     parser: argparse.ArgumentParser = sub.add_parser(command, **kwargs)
+    parser.set_defaults(run=run)
     parser.add_argument(
         "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"
     )
@@ -168,9 +172,9 @@ def _with_db(sub: Any, command: str, **kwargs: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _stored(sub: Any, command: str, what: str, **kwargs: Any) -> argparse.ArgumentParser:
+def _stored(sub: Any, command: str, run: Any, what: str, **kwargs: Any) -> argparse.ArgumentParser:
     """A command on one stored trainer or model: NAME [--version V]."""
-    parser = _with_db(sub, command, **kwargs)
+    parser = _with_db(sub, command, run, **kwargs)
     parser.add_argument("name", help=f"the {what}'s identifier")
     parser.add_argument("--version", type=int, help=f"{what} version (default: the newest)")
     return parser
@@ -197,19 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()
-    handler = {
-        "fit": lambda args: cmd_fit(args, extra),
-        "show": cmd_show,
-        "replay": cmd_replay,
-        "merge": cmd_merge,
-        "export": cmd_export,
-        "demo": lambda args: run_demo(args.dir, args.steps),
-        "lineage": cmd_lineage,
-        "trained-on": cmd_trained_on,
-        "forget": cmd_forget,
-    }
+    args.overrides = extra
     try:
-        handler[args.command](args)
+        args.run(args)
     except BrokenPipeError:  # the reader stopped reading (`| head`): not an error
         # stdout to /dev/null: no "Exception ignored ... BrokenPipeError" at the final flush
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -250,8 +244,8 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
     return closing(db)
 
 
-def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
-    job = load_job(args.config, overrides, flags=("resume", "merge"))
+def cmd_fit(args: argparse.Namespace) -> None:
+    job = load_job(args.config, args.overrides, flags=("resume", "merge"))
     from llmtrain.running.trainer import LLMTrainer
 
     trainer = LLMTrainer(job.config.name, **job.options)
@@ -265,6 +259,8 @@ def cmd_fit(args: argparse.Namespace, overrides: Sequence[str]) -> None:
             job.config.data.Y,
             db,
             job.select,
+            chosen=job.config.data.chosen,
+            rejected=job.config.data.rejected,
             eval_select=job.eval_select,
             resume=args.resume,
             merge=args.merge,
@@ -337,9 +333,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     if args.adapter is None and args.merged is None:
         raise ConfigError("export needs --adapter DIR and/or --merged DIR")
     with _connect(args) as db:
-        checkpoint = args.checkpoint
-        if checkpoint is not None and checkpoint.isdigit():
-            checkpoint = int(checkpoint)
+        checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
         model = db.load("model", args.name, args.version, checkpoint=checkpoint)
         which = f"{model.identifier} v{model.version}" + (
             f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
@@ -353,7 +347,3 @@ def cmd_export(args: argparse.Namespace) -> None:
                 f"wrote {which} merged into the {what} to {args.merged.resolve()} "
                 "(safetensors, with the tokenizer)"
             )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

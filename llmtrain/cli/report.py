@@ -1,5 +1,4 @@
-"""What the ``llmtrain`` commands print, read only from what was recorded, so any run shows:
-finished, failed or still going."""
+"""What the ``llmtrain`` commands print, read only from records: any run shows, finished or not."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
 
 
 def show(db: Datalayer, type_id: str | None, name: str | None, plot: Path | None) -> None:
-    """``llmtrain show [TYPE [NAME]] [--plot PNG]``."""
     if type_id is None:
         show_all(db)
     elif type_id == "run":
@@ -72,13 +70,9 @@ def show_all(db: Datalayer) -> None:
     if not records:
         say(f"nothing stored in {db.uri} yet")
         return
-    say(
-        table(
-            [(*key, v) for key, v in sorted(_versions(records).items())],
-            ["type", "identifier", "versions"],
-        ),
-        f"{len(db.metadata.list_runs())} run(s): llmtrain show run",
-    )
+    rows = [(*key, v) for key, v in sorted(_versions(records).items())]
+    runs = f"{len(db.metadata.list_runs())} run(s): llmtrain show run"
+    say(table(rows, ["type", "identifier", "versions"]), runs)
 
 
 def show_identifiers(db: Datalayer, type_id: str) -> None:
@@ -112,7 +106,11 @@ def show_trainer(db: Datalayer, name: str) -> None:
     for r in stored_records(db, "trainer", name):
         config, fit = recipe(r.payload), r.payload.get("fit")
         target = fit and (
-            f"{fit['X']} -> {fit['Y']}" if fit.get("Y") else f"{fit['X']} (documents)"
+            f"{fit['X']} -> {fit['Y']}"
+            if fit.get("Y")
+            else f"{fit['X']} -> {fit['chosen']} over {fit['rejected']}"
+            if fit.get("rejected")
+            else f"{fit['X']} (documents)"
         )
         data = f"{target} from {query_text(fit['select'])}" if fit else "-"
         base = config.model_args.model_name_or_path
@@ -165,11 +163,8 @@ def show_runs(db: Datalayer, name: str | None) -> Any:
 def report_usage(found: Any) -> None:
     """What :func:`~llmtrain.provenance.lineage.trained_on` found."""
     uses = [(u.run_id, f"{u.trainer} v{u.version}", u.key, u.epoch, u.step) for u in found.uses]
-    say(
-        table(uses, ["run id", "trainer", "key", "epoch", "step"])
-        if uses
-        else "no run trained on it"
-    )
+    header = ["run id", "trainer", "key", "epoch", "step"]
+    say(table(uses, header) if uses else "no run trained on it")
     if found.checkpoints:
         checkpoints = [(c.run_id, c.step, c.artifact_id) for c in found.checkpoints]
         say(table(checkpoints, ["run id", "step", "checkpoint"]))
@@ -267,8 +262,7 @@ def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str
 
 
 def recipe_changes(db: Datalayer, run: Any) -> list[str]:
-    """Against the trainer's previous stored version, both read through today's schema (an
-    option added since shows at its default, not as a change)."""
+    """Against the previous version, both read through today's schema (a new option: no change)."""
     versions = {
         r.version: r.payload for r in db.metadata.list_components(run.type_id, run.identifier)
     }
@@ -306,8 +300,7 @@ def _show(value: Any) -> str:
 
 
 def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
-    """Train and eval loss, learning rate (right axis) against steps, as a PNG. matplotlib's
-    object API: no pyplot, no global backend."""
+    """Train and eval loss, and lr on a right axis, against steps as a PNG (no pyplot's globals)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

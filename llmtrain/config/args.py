@@ -259,6 +259,22 @@ class DataArguments(_Args):
         return self.max_tokens_per_batch or batch_size * self.max_length
 
 
+class ObjectiveArguments(_Args):
+    """What the loss trains: the responses (sft), or which of two answers a user preferred, on
+    rows of (prompt, chosen, rejected); formulas and defaults as TRL's."""
+
+    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
+    """dpo: against the reference (the model with its adapter off); orpo, simpo: without."""
+    beta: float = Field(default=0.1, gt=0)
+    """DPO's and SimPO's inverse temperature; ORPO's lambda."""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """DPO's loss."""
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """DPO: how likely a preference is flipped (conservative and robust DPO)."""
+    simpo_gamma: float = Field(default=0.5, ge=0)
+    """SimPO's target reward margin."""
+
+
 class DeepspeedConfig(_Args):
     """DeepSpeed ZeRO: a stage and offload options, or a raw config dict/path."""
 
@@ -394,6 +410,10 @@ class TrainerConfig(_Args):
     """The optimisation loop."""
     data_args: DataArguments = Field(default_factory=DataArguments, json_schema_extra=_FLAT)
     """Rows to token ids, and evaluation."""
+    objective_args: ObjectiveArguments = Field(
+        default_factory=ObjectiveArguments, json_schema_extra=_FLAT
+    )
+    """What the loss trains: responses, or preferences."""
     deepspeed_config: DeepspeedConfig | None = None
     """Train with DeepSpeed ZeRO ({} for the defaults)."""
     fsdp_config: FSDPConfig | None = None
@@ -454,7 +474,7 @@ class TrainerConfig(_Args):
                 f"data_args.max_tokens_per_batch={d.max_tokens_per_batch} is less than one "
                 f"row of max_length={d.max_length}"
             )
-        problems += self._evaluation_problems()
+        problems += self._evaluation_problems() + self._objective_problems()
         m = self.model_args
         if self.training_args.torch_compile:
             # bitsandbytes breaks the graph at every layer; FSDP2's and DeepSpeed's hooks are
@@ -502,6 +522,37 @@ class TrainerConfig(_Args):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _objective_problems(self) -> list[str]:
+        """A preference objective trains (prompt, chosen, rejected) rows of one source; DPO's
+        reference is the model with its adapter off, so it needs an adapter."""
+        objective, fit = self.objective_args.objective, self.fit
+        paired = fit is not None and fit.rejected is not None
+        if objective == "sft":
+            return (
+                [
+                    "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' or "
+                    "'simpo'"
+                ]
+                if paired
+                else []
+            )
+        problems = []
+        if fit is not None and (not paired or fit.Y is not None):
+            problems.append(f"objective={objective!r} trains fit(X=, chosen=, rejected=), no Y")
+        if fit is not None and fit.query().kind == "mix":
+            problems.append(f"objective={objective!r} trains one source, not lt.mix(...)")
+        if objective == "dpo" and self.lora_args is None:
+            problems.append(
+                "objective='dpo' with lora_args=None: the reference is the model with its "
+                "adapter off; train an adapter"
+            )
+        if self.training_args.eval_metrics:
+            problems.append(
+                f"training_args.eval_metrics compare answers with Y; "
+                f"objective={objective!r} logs preference accuracy and margins"
+            )
+        return problems
 
     def _evaluation_problems(self) -> list[str]:
         """eval_metrics and save_best_by need rows to evaluate on and the whole model."""
@@ -596,7 +647,9 @@ class TrainerConfig(_Args):
         """What trains, for people: ``LoRA r=16``, ``DoRA r=8, 4-bit``, ``full``."""
         lora = self.lora_args
         text = "full" if lora is None else f"{'DoRA' if lora.use_dora else 'LoRA'} r={lora.r}"
-        return text + (f", {self.model_args.bits}-bit" if self.model_args.bits else "")
+        text += f", {self.model_args.bits}-bit" if self.model_args.bits else ""
+        objective = self.objective_args.objective
+        return text if objective == "sft" else f"{objective.upper()}, {text}"
 
 
 def quantization_problems(

@@ -18,6 +18,10 @@ class DataSelection(BaseModel):
     """The field rendered as the prompt ({X})."""
     Y: str | None = Field(default=None, min_length=1)
     """The field trained on as the response ({Y}); None: continued pre-training on X's text."""
+    chosen: str | None = Field(default=None, min_length=1)
+    """Preference rows: the field of the answer the user preferred."""
+    rejected: str | None = Field(default=None, min_length=1)
+    """Preference rows: the field of the answer the user did not."""
     select: dict[str, Any]
     """The training rows: a stored query."""
     eval_select: dict[str, Any] | None = None
@@ -41,6 +45,8 @@ class DataSelection(BaseModel):
 
     @property
     def fields(self) -> list[str]:
+        if self.rejected is not None and self.chosen is not None:
+            return [self.X, self.chosen, self.rejected]
         return [self.X] if self.Y is None else [self.X, self.Y]
 
 

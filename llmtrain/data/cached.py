@@ -174,7 +174,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         return self.snapshot().fingerprint
 
     @property
-    def order(self) -> Order | MixOrder:
+    def order(self) -> Order:
         return epoch_order(self.view, self.query, self, self.seed, self.world_size)
 
     def __len__(self) -> int:
@@ -426,7 +426,7 @@ class _Source:
         return rows
 
 
-def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> Order | MixOrder:
+def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> Order:
     """The epoch order of ``view`` (of ``query``), by ``args``' shuffle_block, shuffle and
     drop_remainder: what a dataset reads and lineage derives."""
     options = (args.shuffle_block, seed, args.shuffle, args.drop_remainder, world)
@@ -435,7 +435,7 @@ def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> O
     assert isinstance(query, Mix)
     counts = tuple(p.count for p in view.parts)
     rows = (query.epoch_rows or sum(counts)) if sum(counts) else 0
-    return MixOrder(counts, query.weights, rows, *options)
+    return MixOrder(rows, *options, counts, query.weights)
 
 
 def _as_snapshotted(row: Row, turns: Any, last: Any) -> Any:

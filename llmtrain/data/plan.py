@@ -125,36 +125,22 @@ class Order:
 
 
 @dataclass(frozen=True)
-class MixOrder:
-    """One epoch of a mixture: ``rows`` positions, each source's share by ``weights``
+class MixOrder(Order):
+    """One epoch of a mixture: ``count`` positions, each source's share by ``weights``
     (largest remainder), spread evenly through the epoch from a seeded phase; the k-th row of
     source s continues its stream of passes, each pass an :class:`Order` of its ``counts[s]``
     rows, so no row repeats before its whole source was seen. Indexes run over the sources'
     keys end to end (source s from ``sum(counts[:s])``)."""
 
-    counts: tuple[int, ...]
-    weights: tuple[float, ...]
-    rows: int
-    block: int
-    seed: int = 0
-    shuffle: bool = True
-    drop_remainder: bool = True
-    world_size: int = 1
-
-    @property
-    def count(self) -> int:
-        return self.rows
-
-    @property
-    def per_rank(self) -> int:
-        return rows_per_rank(self.rows, self.world_size, self.drop_remainder)
+    counts: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
 
     def shares(self) -> np.ndarray:
         """Each source's rows an epoch (a source with no rows gets none)."""
         weights = np.asarray(self.weights) * (np.asarray(self.counts) > 0)
-        exact = self.rows * weights / weights.sum()
+        exact = self.count * weights / weights.sum()
         shares = np.floor(exact).astype(np.int64)
-        shares[np.argsort(shares - exact, kind="stable")[: self.rows - shares.sum()]] += 1
+        shares[np.argsort(shares - exact, kind="stable")[: self.count - shares.sum()]] += 1
         return shares
 
     def epoch(self, epoch: int) -> np.ndarray:
@@ -168,7 +154,7 @@ class MixOrder:
             yield lo, mine[lo : lo + self.block]
 
     def indexes(self, epoch: int, rank: int) -> np.ndarray:
-        positions = (rank * self.per_rank + np.arange(self.per_rank)) % max(self.rows, 1)
+        positions = (rank * self.per_rank + np.arange(self.per_rank)) % max(self.count, 1)
         return self.epoch(epoch)[positions]
 
     def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
@@ -185,7 +171,7 @@ def _mixed_epoch(order: MixOrder, epoch: int) -> np.ndarray:
     phase = np.random.default_rng([order.seed, epoch, _SALT_MIX]).random(len(shares))
     times = np.concatenate([(np.arange(n) + p) / max(n, 1) for n, p in zip(shares, phase)])
     source = np.repeat(np.arange(len(shares)), shares)[np.argsort(times, kind="stable")]
-    out = np.empty(order.rows, dtype=np.int64)
+    out = np.empty(order.count, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)])
     for s in np.flatnonzero(shares).tolist():
         # this epoch's rows of source s continue its stream: passes of its own order
@@ -206,7 +192,7 @@ class StepRule:
     consecutive positions make a step, ``micro`` of them a micro-batch; steps are numbered
     from 1 across epochs. A skipped row leaves a hole: no step depends on which were skipped."""
 
-    order: Order | MixOrder
+    order: Order
     rows: int
     micro: int
 

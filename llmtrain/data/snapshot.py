@@ -190,12 +190,10 @@ class KeySnapshot:
         return snap
 
     def keys(self, store: Any, start: int, stop: int) -> list[Key]:
-        return self._slice(store, self.chunks, start, stop)
+        return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
     def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
-        if self.versions is None:
-            raise ConfigError("this snapshot was taken without a version column")
-        return self._slice(store, self.versions, start, stop)
+        return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
     def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
         """The keys at ``indexes`` (any order), reading each chunk they fall in once."""
@@ -205,6 +203,11 @@ class KeySnapshot:
         if self.versions is None:
             raise ConfigError("this snapshot was taken without a version column")
         return self._at(store, self.versions, indexes)
+
+    def iter_keys(self, store: Any) -> Iterator[Key]:
+        """Every key in order, one chunk in memory at a time."""
+        for chunk_id in self.chunks:
+            yield from decode_chunk(store.get_bytes(chunk_id)).tolist()
 
     def _at(self, store: Any, chunks: Sequence[str], indexes: np.ndarray) -> list[Any]:
         chunk_of = indexes // self.chunk_size
@@ -223,19 +226,6 @@ class KeySnapshot:
         for chunk_id in self.chunks:
             values = decode_chunk(store.get_bytes(chunk_id))
             yield key_digests(values if values.dtype == np.int64 else values.tolist())
-
-    def iter_keys(self, store: Any) -> Iterator[Key]:
-        """Every key in order, one chunk in memory at a time."""
-        for chunk_id in self.chunks:
-            yield from decode_chunk(store.get_bytes(chunk_id)).tolist()
-
-    def _slice(self, store: Any, chunks: Sequence[str], start: int, stop: int) -> list[Any]:
-        start, stop = max(start, 0), min(stop, self.count)
-        out: list[Any] = []
-        for index in range(start // self.chunk_size, -(-stop // self.chunk_size)):
-            base = index * self.chunk_size
-            out += _chunk(store, chunks[index])[max(start - base, 0) : stop - base].tolist()
-        return out
 
 
 #: a mixture's key: its source's index and the key there (the same key in two sources is
@@ -312,10 +302,6 @@ class MixedView:
             for start in range(0, part.count, part.chunk_size):
                 keys = part.keys(store, start, start + part.chunk_size)
                 yield key_digests([tagged(s, k) for k in keys])
-
-    def iter_keys(self, store: Any) -> Iterator[Key]:
-        for s, part in enumerate(self.parts):
-            yield from (tagged(s, k) for k in part.iter_keys(store))
 
     def to_record(self) -> dict[str, Any]:
         return {"parts": [p.to_record() for p in self.parts]}

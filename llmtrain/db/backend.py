@@ -1,6 +1,5 @@
-"""The data backend: the few keyset operations every dataset is built from. Every read is one
-short statement (``key >= lower ORDER BY key LIMIT n``): no cursor or transaction stays open
-between calls, so a slow consumer never pins the database."""
+"""The keyset reads every dataset is built from, each one short statement (``key >= lower ORDER
+BY key LIMIT n``): no cursor stays open, so a slow consumer never pins the database."""
 
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from llmtrain.uri import redact_uri
 
 Row = dict[str, Any]
 KeyedRows = list[tuple[Key, Row]]  # (key, {field: value}) pairs
+Fields = Sequence[str]  # the fields (columns) to read
 T = TypeVar("T")
 log = logging.getLogger("llmtrain.db")
 _IN_CHUNK = 1000  # keys a statement of fetch_by_keys
@@ -28,10 +28,8 @@ NO_KEY = object()  # no key before the first page
 def keyset(
     fetch: Callable[[Any, int], Sequence[Any]], page_size: int
 ) -> Iterator[tuple[Sequence[Any], Any]]:
-    """Keyset paging: ``fetch(lower, limit)`` returns rows (key first) in key order from
-    ``lower`` on (``NO_KEY``: the start). Each later page starts *at* the last key seen, one
-    row more, so a key repeated across the boundary shows as a repeat; that overlapping row
-    is dropped. Yields (rows, the key before them)."""
+    """(rows, the key before them) pages of ``fetch(lower, limit)``; a later page starts *at* the
+    last key seen, so a key repeated across pages shows as a repeat (the overlap is dropped)."""
     lower: Any = NO_KEY
     while True:
         limit = page_size if lower is NO_KEY else page_size + 1
@@ -54,24 +52,19 @@ class DataBackend(ABC):
     def key_name(self, query: Query) -> str:
         """The column/field the query is paged on; QueryError if there is no usable one."""
 
-    def fetch_rows(
-        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> KeyedRows:
-        """Up to ``limit`` ``(key, {field: value})`` rows with key >= lower, in key order; a
-        field absent from the row is absent from the dict. Dotted Mongo paths are resolved.
-        Conversations: their keys and last turns (``TURNS``) page; their messages come by key."""
+    def fetch_rows(self, query: Query, fields: Fields, lower: Key | None, limit: int) -> KeyedRows:
+        """Up to ``limit`` ``(key, {field: value})`` rows from key ``lower`` on, in key order (an
+        absent field absent); conversations page on keys and last turns, messages come by key."""
         if isinstance(query, Conversations) and tuple(fields) != (TURNS,):
             keys = [key for key, _ in self._page(query, (TURNS,), lower, limit)]
             return self.fetch_by_keys(query, fields, keys)
         return self._page(query, fields, lower, limit)
 
     @abstractmethod
-    def _page(
-        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> KeyedRows:
+    def _page(self, query: Query, fields: Fields, lower: Key | None, limit: int) -> KeyedRows:
         """:meth:`fetch_rows`, for conversations only their keys and last turns."""
 
-    def fetch_by_keys(self, query: Query, fields: Sequence[str], keys: Sequence[Key]) -> KeyedRows:
+    def fetch_by_keys(self, query: Query, fields: Fields, keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
         out: KeyedRows = []
         for i in range(0, len(keys), _IN_CHUNK):
@@ -79,15 +72,13 @@ class DataBackend(ABC):
         return out
 
     @abstractmethod
-    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
-        """:meth:`fetch_by_keys` for one statement's keys."""
+    def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows: ...
 
     @abstractmethod
     def resolve(self, source: Query | str) -> Source:
-        """The table or collection (a name, or what a query's keys come from) as the database
-        names it (:mod:`llmtrain.db.sources`); QueryError if there is none."""
+        """The table or collection (a name, or a query's source) as the database names it."""
 
-    def pages(self, query: Query, fields: Sequence[str], page_size: int) -> Iterator[KeyedRows]:
+    def pages(self, query: Query, fields: Fields, page_size: int) -> Iterator[KeyedRows]:
         """The selection's rows in key order, ``page_size`` a statement, keys checked."""
 
         def fetch(lower: Any, limit: int) -> KeyedRows:
@@ -106,7 +97,7 @@ class DataBackend(ABC):
             versions = [r.get(version_column) for _, r in rows] if version_column else None
             yield KeyPage([k for k, _ in rows], versions)
 
-    def close(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
+    def close(self) -> None:
         """Drop connections; they reopen on the next call."""
 
     def reconnect(self) -> None:
@@ -120,9 +111,8 @@ class DataBackend(ABC):
         transient: tuple[type[BaseException], ...],
         permanent: Callable[[BaseException], bool] = lambda exc: False,
     ) -> T:
-        """Run ``call`` (one idempotent statement); on a transient fault reconnect, back off
-        and try again. ``permanent`` picks out errors of a transient type no retry can cure
-        (a missing table), so they surface at once."""
+        """Run ``call`` (one idempotent statement), reconnecting and backing off on a transient
+        fault; ``permanent`` picks out those no retry can cure (a missing table)."""
         for delay in [*self.retry.delays(), None]:  # None: the last attempt
             try:
                 return call()

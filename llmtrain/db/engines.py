@@ -42,9 +42,7 @@ def sqlite_path(uri: str) -> Path | None:
 
 
 def sql_engine(uri: str, *, create: bool = False) -> Any:
-    """The shared engine for ``uri``. A SQLite file that is not there is a
-    DatabaseNotFoundError unless ``create`` (a first write) asks for it to be made: a
-    mistyped path must not turn into a new empty database."""
+    """The shared engine; a missing SQLite file is made only on ``create`` (never from a typo)."""
     import sqlalchemy as sa
 
     path = sqlite_path(uri)
@@ -57,11 +55,9 @@ def sql_engine(uri: str, *, create: bool = False) -> Any:
         engine = _engines.get(key)
         if engine is None:
             url = sqlalchemy_url(uri)
-            kwargs: dict[str, Any] = {"pool_pre_ping": True}
-            if url.startswith("sqlite"):
-                kwargs["connect_args"] = {"timeout": 60}
+            connect_args = {"timeout": 60} if url.startswith("sqlite") else {}
             try:
-                engine = sa.create_engine(url, **kwargs)
+                engine = sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
             except Exception as exc:  # noqa: BLE001 - driver errors vary; name the URI
                 raise ConfigError(f"cannot open {redact_uri(uri)}: {exc}") from None
             if url.startswith("sqlite"):
@@ -86,8 +82,7 @@ def dispose_sql_engine(uri: str) -> None:
 
 
 def mongo_database(uri: str) -> Any:
-    """The URI's database on a shared pymongo client, or on a mongomock one for
-    ``mongomock://`` (same API, in-process)."""
+    """The URI's database on a shared pymongo client (``mongomock://``: a mongomock one)."""
     name = urlsplit(uri).path.lstrip("/").split("?", 1)[0]
     if not name:
         raise ConfigError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
@@ -20,8 +20,12 @@ Key = Any
 #: the digest's rule, recorded with every split it decided
 DIGEST = "splitmix64-xxh3-1"
 _XXH3 = xxhash.xxh3_64_intdigest
-_UTF8 = operator.methodcaller("encode", "utf-8", "surrogatepass")
-_UUID_BYTES = operator.attrgetter("bytes")
+#: the bytes of a key of each type XXH3 digests, and its seed (any other type: key_repr's, 1)
+_AS_BYTES: dict[type, tuple[Callable[[Any], bytes], int]] = {
+    str: (operator.methodcaller("encode", "utf-8", "surrogatepass"), 2),
+    uuid.UUID: (operator.attrgetter("bytes"), 3),
+    bytes: (bytes, 4),
+}
 _NEVER_NAN = {int, str, bytes, uuid.UUID}
 _UUID_INT = operator.attrgetter("int")
 
@@ -45,31 +49,24 @@ def _splitmix(values: np.ndarray) -> np.ndarray:
 
 
 def _bytes(key: Key) -> tuple[bytes, int]:
-    kind = type(key)
-    if kind is str:
-        return key.encode("utf-8", "surrogatepass"), 2
-    if kind is uuid.UUID:
-        return key.bytes, 3
-    if kind is bytes:
-        return key, 4
+    if type(key) in _AS_BYTES:
+        to_bytes, seed = _AS_BYTES[type(key)]
+        return to_bytes(key), seed
     return key_repr(key).encode("utf-8", "surrogatepass"), 1
 
 
 def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
-    """The uint64 digest of each key (module docstring)."""
     if isinstance(keys, np.ndarray) and keys.dtype == np.int64:
         return _splitmix(keys)
     kinds = set(map(type, keys))
-    if kinds == {str}:  # one C-level pass per step: the common text and uuid-as-text keys
-        data: Any = map(_UTF8, keys)
-        return np.fromiter(map(_XXH3, data, repeat(2)), dtype=np.uint64, count=len(keys))
-    if kinds == {uuid.UUID}:
-        data = map(_UUID_BYTES, keys)
-        return np.fromiter(map(_XXH3, data, repeat(3)), dtype=np.uint64, count=len(keys))
-    out = np.empty(len(keys), dtype=np.uint64)
+    if len(kinds) == 1 and (kind := kinds.pop()) in _AS_BYTES:  # one C-level pass per step
+        to_bytes, seed = _AS_BYTES[kind]
+        digests = map(_XXH3, map(to_bytes, keys), repeat(seed))
+        return np.fromiter(digests, dtype=np.uint64, count=len(keys))
     ints = [i for i, k in enumerate(keys) if type(k) is int and -(2**63) <= k < 2**63]
     if len(ints) == len(keys):
         return _splitmix(np.array(keys, dtype=np.int64))
+    out = np.empty(len(keys), dtype=np.uint64)
     out[ints] = _splitmix(np.array([keys[i] for i in ints], dtype=np.int64))
     rest = sorted(set(range(len(keys))) - set(ints))
     out[rest] = np.fromiter(
@@ -92,17 +89,15 @@ def held_out(key: Key, fraction: float) -> bool:
 
 @dataclass(frozen=True)
 class KeyPage:
-    """One statement's keys, in key order (an int64 array for integer keys, else a list),
-    and each key's version (a version column's value) when asked for."""
+    """One statement's keys in key order (integers: an int64 array) and, if asked, versions."""
 
     keys: Any
     versions: list[Any] | None
 
 
 def check_keys(keys: Any, before: Any, key_name: str, source: str) -> None:
-    """Refuse a NULL or NaN key (a NaN equals itself to PostgreSQL, not to Python), or a key
-    equal to the one before it (keys come sorted): paging would read rows twice or skip them.
-    ``before``: the previous page's last key (or anything else for none)."""
+    """Refuse a NULL or NaN key (equal to itself to PostgreSQL, not Python), or one equal to the
+    one before (``before``: the last page's last): paging would read rows twice or skip them."""
     if isinstance(keys, np.ndarray):  # integers, sorted by value: one C pass
         bad = np.flatnonzero(np.diff(keys) <= 0)
         if len(bad) or (len(keys) and type(before) is int and keys[0] <= before):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from bson import Binary, Decimal128, Int64, ObjectId
 from pymongo.errors import ConnectionFailure
 
-from llmtrain.db.backend import DataBackend, Key, KeyedRows
+from llmtrain.db.backend import DataBackend, Fields, Key, KeyedRows
 from llmtrain.db.engines import drop_mongo_client, mongo_database
 from llmtrain.db.queries import TURNS, Collection, Conversations, Query, conversations
 from llmtrain.db.sources import Source, match_name
@@ -91,8 +91,7 @@ class MongoBackend(DataBackend):
         return query
 
     def _read(self, what: str, name: str, read: Callable[[Any], Any]) -> list[Any]:
-        """``read(collection)``'s documents, retried on a ConnectionFailure (AutoReconnect and
-        NetworkTimeout are ones too)."""
+        """``read(collection)``'s documents, retried on a ConnectionFailure (AutoReconnect too)."""
 
         def call() -> list[Any]:
             return list(read(mongo_database(self._uri)[name]))
@@ -100,7 +99,7 @@ class MongoBackend(DataBackend):
         return self._with_retry(what, call, (ConnectionFailure,))
 
     def _find(
-        self, query: Query, fields: Sequence[str], cond: dict[str, Any], limit: int | None = None
+        self, query: Query, fields: Fields, cond: dict[str, Any], limit: int | None = None
     ) -> KeyedRows:
         """The documents matching the filter and ``cond``; with a ``limit``, in ``_id`` order."""
         query = self._query(query)
@@ -118,15 +117,9 @@ class MongoBackend(DataBackend):
             for doc in docs
         ]
 
-    def _page(
-        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> KeyedRows:
-        if isinstance(query, Conversations):
-            return self._conversation_keys(query, lower, limit)
-        return self._find(query, fields, {} if lower is None else key_after(lower), limit)
-
-    def _conversation_keys(self, query: Conversations, lower: Key | None, limit: int) -> KeyedRows:
-        """Up to ``limit`` conversations from ``lower`` on: their keys and last turns."""
+    def _page(self, query: Query, fields: Fields, lower: Key | None, limit: int) -> KeyedRows:
+        if not isinstance(query, Conversations):
+            return self._find(query, fields, {} if lower is None else key_after(lower), limit)
         by, order, messages = f"${query.by}", f"${query.order}", self._query(query)
         pipeline: list[dict[str, Any]] = [
             {"$match": {"$and": [messages.filter, {query.by: {"$exists": True}}]}},
@@ -138,7 +131,7 @@ class MongoBackend(DataBackend):
         groups = self._read("reading conversations", messages.name, lambda c: c.aggregate(pipeline))
         return [(g["_id"], {TURNS: g[TURNS]}) for g in groups]
 
-    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
+    def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if not isinstance(query, Conversations):
             return self._find(query, fields, {"_id": {"$in": keys}})
         by, order, _, _ = query.columns

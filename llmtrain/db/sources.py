@@ -1,6 +1,5 @@
-"""A source is resolved, not spelled: ``schema.table`` as the catalog spells it (or
-``database.collection``), so ``docs`` and ``public.docs`` are one table to forget, lineage and
-run records; an ``lt.sql`` source is named by ``source=`` or parsed (sqlglot), never guessed."""
+"""A source is resolved, not spelled: ``schema.table`` as the catalog spells it, so ``docs`` and
+``public.docs`` are one table; an ``lt.sql`` source is named by ``source=`` or parsed."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ _INTEGER = re.compile(r"^-?\d+$")
 
 @dataclass(frozen=True)
 class Source:
-    """Where a selection's keys come from: canonical ``name``, key column and the Python type
-    it holds (None: unknown or mixed)."""
+    """Where a selection's keys come from: canonical ``name``, key column, the type it holds."""
 
     name: str
     key: str
@@ -34,8 +32,7 @@ class Source:
         return f"{self.name}({self.key})"
 
     def typed(self, keys: Sequence[Any], where: str = "forget()") -> list[Key]:
-        """``keys`` as the key column holds them (digit strings and integral floats as ints,
-        24-hex strings as ObjectIds, UUID text as UUIDs); anything else is a ConfigError."""
+        """``keys`` as the key column holds them (digit strings as ints, hex as ObjectIds, ...)."""
         return [self._typed(k, where) for k in keys]
 
     def _typed(self, key: Any, where: str) -> Key:
@@ -119,7 +116,6 @@ def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: b
 
 
 def split_name(name: Any) -> tuple[str | None, str]:
-    """``"schema.table"`` -> (schema, table); ``"table"`` -> (None, table)."""
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"a source is a table or collection name or a query, got {name!r}")
     schema, _, table = name.strip().rpartition(".")

@@ -1,6 +1,5 @@
-"""SQL backend (SQLAlchemy Core): keyset pages on a unique, ordered key. Names reach SQL only
-as quoted identifiers, values only as bound parameters; each call runs one SELECT (page
-statements built once per shape; on PostgreSQL in autocommit, saving BEGIN/ROLLBACK trips)."""
+"""SQL backend (SQLAlchemy Core): keyset pages on a unique key. Names reach SQL only quoted,
+values only bound; one SELECT a call (on PostgreSQL in autocommit: no BEGIN/ROLLBACK trips)."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from llmtrain.db.backend import NO_KEY, DataBackend, KeyedRows, keyset
+from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
 from llmtrain.db.keys import Key, KeyPage, check_keys
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
@@ -35,8 +34,7 @@ def _python_type(column_type: Any) -> type | None:
 
 
 def _converts(column_type: Any, dialect: Any) -> bool:
-    """Whether SQLAlchemy turns this column's driver values into others (a SQLite DATE's text
-    into a date): then keys come through it."""
+    """Whether SQLAlchemy converts the column's driver values (a SQLite DATE's text to a date)."""
     try:
         return bool(column_type.dialect_impl(dialect).result_processor(dialect, None))
     except Exception:  # noqa: BLE001 - a processor that needs the driver's type code
@@ -44,13 +42,11 @@ def _converts(column_type: Any, dialect: Any) -> bool:
 
 
 def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
-    """``(key, {field: value})`` from rows laid out as (key, *fields)."""
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
 def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
-    """``stmt`` again with invalid UTF-8 kept as surrogate escapes, so the row checks name the
-    bad row. Only on this error path: a Python ``text_factory`` would slow every read."""
+    """``stmt`` again, invalid UTF-8 kept as surrogate escapes so the row checks name the row."""
     raw: Any = conn.connection.dbapi_connection
     raw.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
     try:
@@ -107,8 +103,8 @@ class SQLBackend(DataBackend):
         self._pages.clear()
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
-        """``call`` with retries for faults that heal; any other error becomes a ConfigError
-        (database or credentials) or a QueryError (the statement), with the database's message."""
+        """``call`` retried on faults that heal; others become a ConfigError (database or
+        login) or a QueryError (the statement), with the database's message."""
         try:
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
@@ -128,16 +124,12 @@ class SQLBackend(DataBackend):
                 if conn.dialect.name == "postgresql":
                     conn.execution_options(isolation_level="AUTOCOMMIT")
                 if raw:
-                    result = conn.execute(stmt, params)
-                    try:
+                    with conn.execute(stmt, params) as result:
                         return list(result.cursor.fetchall())
-                    finally:
-                        result.close()
                 try:
                     return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
-                    # SQLite's error for a TEXT value that is not UTF-8: a bad row, not a lost
-                    # connection (retrying would only end in DatabaseUnavailableError, no row)
+                    # SQLite's error for TEXT that is not UTF-8: a bad row, not a lost connection
                     undecodable = "Could not decode to UTF-8" in str(exc.orig)
                     if conn.dialect.name != "sqlite" or not undecodable:
                         raise
@@ -186,14 +178,11 @@ class SQLBackend(DataBackend):
                     "llmtrain.sql(select, key=...) with a unique expression"
                 )
             key = pk[0]
-        names = query.columns or tuple(c.name for c in table.c)
-        columns = {}
-        for name in names:
-            if name not in table.c:
-                raise QueryError(
-                    f"{query.source} has no column {name!r}; columns: {[c.name for c in table.c]}"
-                )
-            columns[name] = table.c[name]
+        names = [c.name for c in table.c]
+        missing = [name for name in query.columns or () if name not in table.c]
+        if missing:
+            raise QueryError(f"{query.source} has no column {missing[0]!r}; columns: {names}")
+        columns = {name: table.c[name] for name in query.columns or names}
         where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
         return _Source(key, columns, where, query.source)
 
@@ -233,14 +222,11 @@ class SQLBackend(DataBackend):
     def key_name(self, query: Query) -> str:
         return self._source(query).key.name
 
-    def _page(
-        self, query: Query, fields: Sequence[str], lower: Key | None, limit: int
-    ) -> KeyedRows:
+    def _page(self, query: Query, fields: Fields, lower: Key | None, limit: int) -> KeyedRows:
         fingerprint, names = query.fingerprint(), tuple(fields)
         src = self._source(query, fingerprint)
         lower_type = None if lower is None else (src.key >= lower).right.type
-        # bound types are keyed by identity (SQLAlchemy reuses them): capped in case a key
-        # type makes a new one each call
+        # bound types are keyed by identity: capped in case a key type makes one per call
         shape = (fingerprint, names, lower_type)
         stmt = self._pages.get(shape)
         if stmt is None:
@@ -298,8 +284,7 @@ class SQLBackend(DataBackend):
 
     def _held_type(self, schema: str, table: str, column: str) -> type | None:
         """The one Python type of the smallest and largest key, or None (mixed, or empty)."""
-        found = sa.Table(table, sa.MetaData(), sa.Column(column), schema=schema)
-        key = found.c[column]
+        key = sa.Table(table, sa.MetaData(), sa.Column(column), schema=schema).c[column]
         with self.engine.connect() as conn:
             ends = [
                 conn.execute(sa.select(key).order_by(order).limit(1)).scalar()
@@ -311,8 +296,7 @@ class SQLBackend(DataBackend):
     def key_pages(
         self, query: Query, version_column: str | None, page_size: int
     ) -> Iterator[KeyPage]:
-        """As the base class's, but rows straight from the driver's cursor (3x faster) and
-        integer keys as one int64 array; only where SQLAlchemy would not convert the values."""
+        """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys."""
         src = self._source(query)
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
         dialect = self.engine.dialect
@@ -334,7 +318,7 @@ class SQLBackend(DataBackend):
             check_keys(keys, lower, src.key.name, query.source)
             yield KeyPage(keys, [r[1] for r in rows] if version_column else None)
 
-    def _by_keys(self, query: Query, fields: Sequence[str], keys: list[Key]) -> KeyedRows:
+    def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if isinstance(query, Conversations):
             src = self._source(query.messages)
             cols = [src.column(c) for c in query.columns]

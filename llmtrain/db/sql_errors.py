@@ -1,6 +1,5 @@
-"""Which SQL errors can heal (lost connections, restarts, lock waits: retry them) and which
-cannot (a missing column, a denied login: report them at once with the database's message,
-not after the 4-6 s retry budget as an outage)."""
+"""Which SQL errors heal (lost connections, restarts, lock waits: retried) and which do not (a
+missing column, a denied login: reported at once, not after the retry budget as an outage)."""
 
 from __future__ import annotations
 
@@ -18,6 +17,9 @@ _PG_TRANSIENT = frozenset({"57P01", "57P02", "57P03", "40001", "40P01", "55P03"}
 # lock wait timeout, deadlock, connection killed, idle disconnect.
 _MYSQL_TRANSIENT = frozenset({2002, 2003, 2006, 2013, 2055, 1040, 1053, 1205, 1213, 1927, 4031})
 _SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o error")
+_MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb")
+# a server that answered and turned the connection away for good (libpq gives no SQLSTATE)
+_PG_REFUSALS = ("does not exist", "authentication failed", "no password supplied", "pg_hba.conf")
 
 
 def database_message(exc: BaseException) -> str:
@@ -30,17 +32,12 @@ def database_message(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(orig).__name__
 
 
-# a server that answered and turned the connection away for good (libpq gives no SQLSTATE)
-_PG_REFUSALS = ("does not exist", "authentication failed", "no password supplied", "pg_hba.conf")
-
-
 def _mysql_code(orig: Any) -> int | None:
     args = getattr(orig, "args", ())
     return args[0] if args and isinstance(args[0], int) else None
 
 
 def _pg_refused(orig: object) -> bool:
-    """libpq's error (no SQLSTATE) for a database or login the server turned away."""
     return any(p in str(orig) for p in _PG_REFUSALS)
 
 
@@ -55,7 +52,7 @@ def is_transient(exc: BaseException) -> bool:
         if state is None:  # libpq's own error: refused, reset, timed out, or turned away
             return not _pg_refused(orig)
         return state in _PG_TRANSIENT or state[:2] in _PG_TRANSIENT_CLASSES
-    if module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
+    if module.startswith(_MYSQL_DRIVERS):
         return _mysql_code(orig) in _MYSQL_TRANSIENT
     if module.startswith("sqlite3"):
         return any(p in str(orig).lower() for p in _SQLITE_TRANSIENT)
@@ -64,14 +61,13 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def refusal(exc: BaseException, where: str) -> ConfigError | None:
-    """A database or login the server turned away for good: DatabaseNotFoundError for a
-    missing database, else ConfigError (credentials, an unopenable SQLite file); else None."""
+    """The error for a database (DatabaseNotFoundError) or login the server turned away."""
     orig = getattr(exc, "orig", None)
     module = type(orig).__module__
     if module.startswith("psycopg"):
         state = getattr(orig, "sqlstate", None)
         refused = _pg_refused(orig) if state is None else state == "3D000" or state[:2] == "28"
-    elif module.startswith(("pymysql", "MySQLdb", "mysql", "mariadb")):
+    elif module.startswith(_MYSQL_DRIVERS):
         refused = _mysql_code(orig) in (1044, 1045, 1049)
     else:
         refused = "unable to open database file" in str(orig).lower()

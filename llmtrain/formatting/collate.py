@@ -4,8 +4,7 @@ Packed rows carry ``position_ids`` restarting at 0 per example and no ``attentio
 transformers 5.x finds the example boundaries from them (eager, SDPA, flex; flash attention
 only in a single row, hence ``flat``). Call the model with ``use_cache=False``: with a cache it
 skips the detection and examples silently attend to each other. Each example's first label is
-ignored (it would be predicted from the previous example); padding is its own run of positions.
-"""
+ignored (it would be predicted from the previous example); padding is its own run of positions."""
 
 from __future__ import annotations
 
@@ -101,27 +100,35 @@ class PackedCollator:
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
         return self.collate_rows(pack_examples(examples, self.max_length))
 
-    def collate_rows(self, rows: Sequence[Sequence[Example]]) -> dict[str, torch.Tensor]:
-        """The batch of rows already packed (each at most ``max_length`` tokens)."""
+    def collate_rows(
+        self, rows: Sequence[Sequence[Example]], sequences: Sequence[Example] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The batch of rows already packed (each at most ``max_length`` tokens); with
+        ``sequences``, each token's index in it as ``sequence_index`` (padding: 0)."""
         if not rows:
             raise ValueError("PackedCollator: no examples")
         if self.flat:
             rows = [[e for row in rows for e in row]]
         width = _round_up(max(sum(map(len, row)) for row in rows), self.pad_to_multiple_of)
-        ids, labels, positions = [], [], []
+        index = {id(e): i for i, e in enumerate(sequences or ())}
+        ids, labels, positions, owners = [], [], [], []
         for row in rows:
             row_ids: list[int] = []
             row_labels: list[int] = []
             row_pos: list[int] = []
+            row_owner: list[int] = []
             for e in row:
                 row_ids += e.input_ids
                 row_labels += [IGNORE_INDEX, *e.labels[1:]]
                 row_pos += range(len(e))
+                row_owner += [index.get(id(e), 0)] * len(e)
             pad = width - len(row_ids)
             ids.append(row_ids + [self.pad_id] * pad)
             labels.append(row_labels + [IGNORE_INDEX] * pad)
             positions.append(row_pos + list(range(pad)))
-        return _batch(ids, labels, "position_ids", positions)
+            owners.append(row_owner + [0] * pad)
+        batch = _batch(ids, labels, "position_ids", positions)
+        return batch | ({"sequence_index": _long(owners)} if sequences is not None else {})
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ class PromptTemplate:
                 continue
             if field not in ("X", "Y"):
                 raise ConfigError(
-                    f"template {text!r} has an unknown placeholder {{{field}}}; "
-                    f"only {{X}} and {{Y}} are allowed (write literal braces as "
-                    f"'{{{{' and '}}}}')"
+                    f"template {text!r} has an unknown placeholder {{{field}}}; only {{X}} and "
+                    f"{{Y}} are allowed (write literal braces as '{{{{' and '}}}}')"
                 )
             if spec or conversion:
                 raise ConfigError(
@@ -66,10 +65,6 @@ class PromptTemplate:
     def prompt(self, x: str) -> str:
         """The prompt for input ``x``: everything before ``{Y}``. Use it at inference too."""
         return f"{self._before_x}{x}{self.between}"
-
-    def render(self, x: str, y: str) -> tuple[str, str]:
-        """``(prompt_text, response_text)``; their concatenation is the full training text."""
-        return self.prompt(x), y
 
     def __repr__(self) -> str:
         return f"PromptTemplate({self.text!r})"

@@ -1,18 +1,14 @@
 """Rows to token ids and labels (:class:`Example`).
 
-Prompt and response are tokenized as one text, so the trained ids are the tokenizer's own
-(tokenizing the response alone would add a spurious ``▁`` with Llama-2 style tokenizers);
-character offsets split them. A prompt ending in text the response's first token can absorb
-(``"Fruit: "`` + ``"banana"`` is ``Ġbanana``) is cut, for every example, before the characters
-any response may absorb, found once by probing; generation re-spells them and drops them from
-the answer (:class:`Prompt`, token healing), so a model answers as it was trained.
+Prompt and response are tokenized as one text (the response alone would get a spurious ``▁``
+from Llama-2 style tokenizers), split by character offsets. A prompt ending in text a response's
+first token can absorb (``"Fruit: "`` + ``"banana"`` is ``Ġbanana``) is cut before it, found once
+by probing; generation re-spells it (:class:`Prompt`, token healing), as the model was trained.
 
-Prompt tokens are ignored (``IGNORE_INDEX``) unless ``train_on_inputs``; the response and its
-EOS are trained, so the model learns to stop. Truncation to ``max_length``, in order: drop a
-chat template's untrained tail; cut the prompt from the LEFT (keeping BOS and at least
-``min_prompt_tokens``); cut the response from the RIGHT, losing its EOS on purpose (teaching a
-model to stop mid-answer would be wrong). Such examples have ``truncated=True``.
-"""
+Prompt tokens are ignored unless ``train_on_inputs``; the response and its EOS are trained. Past
+``max_length``, in order: drop a chat template's untrained tail; cut the prompt from the LEFT
+(keeping BOS and ``min_prompt_tokens``); cut the response from the RIGHT, EOS too (teaching a
+model to stop mid-answer would be wrong). Such examples have ``truncated=True``."""
 
 from __future__ import annotations
 
@@ -32,6 +28,7 @@ if TYPE_CHECKING:
 
 #: The label that the causal-LM loss ignores (``torch.nn.CrossEntropyLoss`` default).
 IGNORE_INDEX = -100
+KeyedRows = Sequence[tuple[object, Mapping[str, object]]]  # (key, row) pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +91,7 @@ def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
 
 
 class Formatter:
-    """Rows to :class:`Example` objects through a prompt template or the chat template, whose
-    ``{% generation %}`` tags must include the end-of-turn token (so the model learns to stop)."""
+    """Rows to :class:`Example` objects through a prompt template or the chat template."""
 
     def __init__(
         self,
@@ -134,7 +130,7 @@ class Formatter:
         #: conversations (with the chat template): X holds a list of messages
         self.conversations = conversations
         self.assistant_turns, self.on_bad_row = assistant_turns, check_on_bad_row(on_bad_row)
-        self._skipped: set[str] = set()  # conversations skipped: logged once
+        self.skipped_keys: set[str] = set()  # rows skipped here (conversations, pairs): logged once
         self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
@@ -148,8 +144,7 @@ class Formatter:
         self._backend = None if chat_template else _backend_encoder(tokenizer)
         self._prefix = self._check_chat_template() if chat_template else _special_prefix(tokenizer)
         self._absorbed = 0 if chat_template or self.documents else self._absorbable()
-        # a document starts after BOS, or after EOS (the separator) where there is no BOS,
-        # so that its first token is a target too
+        # a document starts after BOS, else after EOS (the separator): its first token is trained
         self._head = self._prefix or [self.eos_id]
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
             raise ConfigError(
@@ -158,16 +153,13 @@ class Formatter:
                 f"min_prompt_tokens={min_prompt_tokens}"
             )
 
-    # -- public API ------------------------------------------------------------------------
     def format(
         self, row: Mapping[str, object], *, key: object = None, source: str = "rows"
     ) -> Example:
         """One row to one example; ``BadRowError`` names ``source``, ``key`` and the field."""
         return self.format_batch([(key, row)], source=source)[0]
 
-    def format_batch(
-        self, rows: Sequence[tuple[object, Mapping[str, object]]], *, source: str = "rows"
-    ) -> list[Example]:
+    def format_batch(self, rows: KeyedRows, *, source: str = "rows") -> list[Example]:
         """``(key, row)`` pairs to examples, in order, in batched tokenizer calls."""
         if self.documents:
             return self._documents(rows, source)
@@ -180,16 +172,13 @@ class Formatter:
         if not texts:
             return []
         if self.chat_template:
-            return [
-                self._assemble(key, *parts)
-                for (key, _), parts in zip(rows, self._split_chats(texts))
-            ]
+            chats = self._split_chats(texts)
+            return [self._assemble(key, *parts) for (key, _), parts in zip(rows, chats)]
         assert self.template is not None
         prompts = [self.template.prompt(x) for x, _ in texts]
+        encoded = self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)])
         examples = []
-        for (key, _), prompt, (ids, offsets) in zip(
-            rows, prompts, self._encode_offsets([p + y for p, (_, y) in zip(prompts, texts)])
-        ):
+        for (key, _), prompt, (ids, offsets) in zip(rows, prompts, encoded):
             cut = _first_response_token(offsets, len(prompt) - self._absorbed)
             response = ids[cut:] + [self.eos_id]
             examples.append(self._assemble(key, self._prefix, ids[:cut], response, response, []))
@@ -210,11 +199,8 @@ class Formatter:
         ((ids, offsets),) = self._encode_offsets([text + _PROBES[0]])
         return Prompt(self._prefix + ids[: _first_response_token(offsets, end)], text[end:])
 
-    def _documents(
-        self, rows: Sequence[tuple[object, Mapping[str, object]]], source: str
-    ) -> list[Example]:
-        """Each document (through a template with {X} alone, if any) between BOS and EOS, in
-        windows (:meth:`_windows`)."""
+    def _documents(self, rows: KeyedRows, source: str) -> list[Example]:
+        """Each document (through an {X}-only template, if any) between BOS and EOS, in windows."""
         for key, row in rows:
             check_row(source, key, row, (self.x_field,))
         texts = [cast("str", row[self.x_field]) for _, row in rows]
@@ -226,21 +212,17 @@ class Formatter:
             for window in self._windows(key, [*self._head, *ids, self.eos_id])
         ]
 
-    def _conversations(
-        self, rows: Sequence[tuple[object, Mapping[str, object]]], source: str
-    ) -> list[Example]:
-        """Each conversation rendered whole, its assistant tokens the targets. One too long loses
-        its earliest exchanges until it fits; one whose last exchange alone does not fit is a
-        bad row (``on_bad_row="skip"``: an empty example, counted as skipped)."""
+    def _conversations(self, rows: KeyedRows, source: str) -> list[Example]:
+        """Each conversation whole, its assistant tokens the targets; one too long loses its first
+        exchanges until it fits, else is a bad row (skipped: an empty example)."""
         for key, row in rows:
             check_row(source, key, row, (self.x_field,), conversation=True)
         chats = [cast("list[dict[str, str]]", row[self.x_field]) for _, row in rows]
         out = self._chat(chats) if chats else {"input_ids": [], "assistant_masks": []}
         examples = []
-        for (key, _), whole, *rendered in zip(
-            rows, chats, out["input_ids"], out["assistant_masks"]
-        ):
-            chat, (ids, mask) = whole, map(list, rendered)
+        rendered = zip(out["input_ids"], out["assistant_masks"])
+        for (key, _), whole, (ids, mask) in zip(rows, chats, rendered):
+            chat, ids, mask = whole, list(ids), list(mask)
             while self.max_length is not None and len(ids) > self.max_length and chat:
                 chat = _without_first_exchange(chat)
                 if chat:
@@ -248,7 +230,7 @@ class Formatter:
                     ids, mask = list(again["input_ids"][0]), list(again["assistant_masks"][0])
             if not chat:
                 problem = f"is longer than max_length={self.max_length} from its last user turn on"
-                bad_row(source, key, self.x_field, problem, self.on_bad_row, self._skipped)
+                bad_row(source, key, self.x_field, problem, self.on_bad_row, self.skipped_keys)
                 examples.append(Example([], [], key, True))
                 continue
             if self.assistant_turns == "last":
@@ -281,11 +263,6 @@ class Formatter:
             starts += [offsets[cut][0]] if cut < len(ids) else []
         return min(len(text) - min(starts), len(self.template.between))
 
-    def prompt_ids(self, x: str) -> list[int]:
-        """The ids of :meth:`prompt`."""
-        return self.prompt(x).ids
-
-    # -- internals -------------------------------------------------------------------------
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of ``texts`` without offsets (a third of the encoder's time)."""
         if self._backend is None or not hasattr(self._backend, "encode_batch_fast"):
@@ -294,14 +271,13 @@ class Formatter:
 
     def _encode_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """(token ids, character spans) of ``texts`` without special tokens."""
-        if self._backend is None:
-            out = self.tokenizer(
-                texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False
-            )
-            return list(zip(out["input_ids"], out["offset_mapping"]))
-        return [
-            (e.ids, e.offsets) for e in self._backend.encode_batch(texts, add_special_tokens=False)
-        ]
+        if self._backend is not None:
+            encoded = self._backend.encode_batch(texts, add_special_tokens=False)
+            return [(e.ids, e.offsets) for e in encoded]
+        out = self.tokenizer(
+            texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False
+        )
+        return list(zip(out["input_ids"], out["offset_mapping"]))
 
     def _chat(
         self, conversations: list[list[dict[str, str]]], *, generation_prompt: bool = False
@@ -356,7 +332,7 @@ class Formatter:
                 f"token, so the model would never learn to stop; put the end-of-turn token "
                 f"inside the generation block"
             )
-        if head + prompt != self.prompt_ids(user):
+        if head + prompt != self.prompt(user).ids:
             warnings.warn(
                 "the chat template renders the prompt differently with "
                 "add_generation_prompt=True than before an assistant reply; "
@@ -375,20 +351,17 @@ class Formatter:
         tail: list[int],
     ) -> Example:
         """Truncate as the module docstring says, then build the labels."""
-        limit = self.max_length
-        truncated = (
-            limit is not None and len(head) + len(prompt) + len(response) + len(tail) > limit
-        )
+        ids, limit = head + prompt + response + tail, self.max_length
+        truncated = limit is not None and len(ids) > limit
         if truncated:
             assert limit is not None
-            tail = []
             room = limit - len(head) - len(response)
             keep = min(len(prompt), max(room, self.min_prompt_tokens))
             prompt = prompt[len(prompt) - keep :]
             cut = max(0, len(head) + len(prompt) + len(response) - limit)
             response = response[: len(response) - cut]
-            labels = labels[: len(response)]
-        ids = head + prompt + response + tail
+            labels, tail = labels[: len(response)], []
+            ids = head + prompt + response
         if self.train_on_inputs:
             return Example(ids, list(ids), key, truncated)
         ignored = [IGNORE_INDEX] * (len(head) + len(prompt))

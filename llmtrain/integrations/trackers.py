@@ -1,6 +1,5 @@
-"""Trackers (``training_args.report_to``): a run's metrics and recipe sent to the tools
-users already watch, through each tool's own library (where it writes is that library's
-setting). No secret reaches one: URIs are redacted, W&B collects no command line."""
+"""Trackers (``training_args.report_to``): a run's metrics and recipe sent through each tool's
+own library, as it is set up. No secret reaches one: URIs are redacted, W&B gets no argv."""
 
 from __future__ import annotations
 
@@ -183,8 +182,7 @@ class TensorBoardTracker(Tracker):
 
 
 class MLflowTracker(Tracker):
-    """A run in ``$MLFLOW_TRACKING_URI``, experiment ``$MLFLOW_EXPERIMENT_NAME`` (default the
-    trainer's identifier)."""
+    """A run in ``$MLFLOW_TRACKING_URI``, experiment ``$MLFLOW_EXPERIMENT_NAME`` or the trainer."""
 
     name = "mlflow"
 
@@ -202,9 +200,8 @@ class MLflowTracker(Tracker):
             "llmtrain.run_id": facts.run_id,
             "llmtrain.data_fingerprint": str(facts.data_fingerprint),
         }
-        self.run_id = self.client.create_run(
-            experiment_id, run_name=facts.name, tags=tags
-        ).info.run_id
+        run = self.client.create_run(experiment_id, run_name=facts.name, tags=tags)
+        self.run_id = run.info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in flatten(facts.params()).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])

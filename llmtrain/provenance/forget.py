@@ -1,6 +1,5 @@
-"""``db.forget(source, keys)``: a right-to-be-forgotten request, from the record alone: the
-source and keys are checked, then one new version of its ``forgotten`` record is written, which
-every later run reading the table honours. Nothing is deleted (``db.remove`` does that)."""
+"""``db.forget(source, keys)``: checks the source and keys, then writes one new version of its
+``forgotten`` record, which every later run honours. Nothing is deleted (``db.remove`` does)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class Forgotten:
         return self.found.runs
 
     def retrain(self, **fit_options: Any) -> list[Any]:
-        """Fit every affected trainer again from its stored recipe, in full, without the
-        forgotten rows. Returns the new models."""
+        """Fit every affected trainer again, in full, without the forgotten rows: the new models."""
         return [
             self.db.load("trainer", identifier, version).fit(allow_changed_data=True, **fit_options)
             for identifier, version in self.trainers

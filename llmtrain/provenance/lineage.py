@@ -1,14 +1,12 @@
 """Row lineage, derived not logged: a run's rows and steps are a pure function of its record
-(its key snapshot, its order, the one :class:`~llmtrain.data.plan.StepRule`, the step it
-reached); the rows it skipped are the only per-key facts it records (:mod:`llmtrain.data.skips`).
-"""
+(key snapshot, order, :class:`~llmtrain.data.plan.StepRule`, the step it reached); the rows it
+skipped are the only per-key facts it records (:mod:`llmtrain.data.skips`)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -98,8 +96,7 @@ class RunLineage:
         return indexes[keep], steps[keep]
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(steps, ranks, key indexes) of every row trained in ``epoch``, in step order (ranks
-        in turn within a step, each rank's rows in visit order)."""
+        """(steps, ranks, key indexes) of every row trained in ``epoch``, in step order."""
         parts = [self._trained(epoch, rank) for rank in range(self.rule.order.world_size)]
         ranks = np.concatenate([np.full(len(i), r) for r, (i, _) in enumerate(parts)])
         indexes = np.concatenate([i for i, _ in parts])
@@ -112,16 +109,10 @@ class RunLineage:
         for epoch in self.epochs():
             steps, ranks, indexes = self._epoch(epoch)
             for lo in range(0, len(steps), _ROWS_AT_ONCE):
-                hi = lo + _ROWS_AT_ONCE
-                keys = self.view.keys_at(self.store, indexes[lo:hi])
-                yield from map(
-                    Consumed,
-                    keys,
-                    repeat(epoch),
-                    steps[lo:hi].tolist(),
-                    ranks[lo:hi].tolist(),
-                    repeat(self.run_id),
-                )
+                at = slice(lo, lo + _ROWS_AT_ONCE)
+                keys = self.view.keys_at(self.store, indexes[at])
+                for key, step, rank in zip(keys, steps[at].tolist(), ranks[at].tolist()):
+                    yield Consumed(key, epoch, step, rank, self.run_id)
 
     def trained(self) -> np.ndarray:
         """A mask over the run's keys: which rows it trained at least once."""
@@ -132,8 +123,7 @@ class RunLineage:
         return mask
 
     def version_of(self, index: int) -> Any:
-        """The row's version as read for training (a row updated mid-run is recorded as
-        changed), else the snapshot's; None without a version column."""
+        """The row's version as trained (recorded if it changed mid-run, else the snapshot's)."""
         if index in self.changed:
             return self.changed[index]
         if self.view.versions is None:
@@ -220,10 +210,8 @@ class TrainedOn:
 
 
 def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
-    """Who consumed the rows ``keys`` of ``source`` (a name, a query or a resolved
-    :class:`Source`; keys typed as its key column holds them). Cost: one pass over the
-    snapshot of each run of the source, chunk by chunk (never the table), comparing 8-byte
-    key digests, then plan arithmetic per key found."""
+    """Who consumed the rows ``keys`` of ``source`` (a name, a query or a :class:`Source`): one
+    pass over each of its runs' snapshots (never the table) by key digests, then plan arithmetic."""
     found_source = source if isinstance(source, Source) else db.backend.resolve(source)
     keys = found_source.typed(keys, "trained_on()")
     result = TrainedOn(found_source.name, keys)
@@ -236,7 +224,8 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         parent = parent if isinstance(parent, dict) else {}
         if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
-        sources = run_sources(run.info)
+        mixed = "sources" in run.info  # a mixture's keys are tagged with their source
+        sources = list(run.info["sources"]) if mixed else [run.info.get("source")]
         if found_source.identity not in sources:
             continue
         try:
@@ -244,7 +233,6 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         except StoreError:
             result.underivable.append(run.run_id)
             continue
-        mixed = "sources" in run.info  # a mixture's keys are tagged with their source
         wanted = [
             tagged(part, k) if mixed else k
             for part, identity in enumerate(sources)
@@ -252,10 +240,10 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
             for k in keys
         ]
         uses = [
-            Use(key["key"] if mixed else key, run.run_id, run.identifier, run.version, *use)
+            Use(key["key"] if mixed else key, run.run_id, run.identifier, run.version, *use, v)
             for key, index in find(lineage.view, db.artifacts, wanted)
-            for version in [lineage.version_of(index)]
-            for use in ((e, s, r, version) for e, s, r in lineage.uses(index))
+            for v in [lineage.version_of(index)]  # the row's version as trained
+            for use in lineage.uses(index)
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
@@ -274,15 +262,9 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     return result
 
 
-def run_sources(info: dict[str, Any]) -> list[Any]:
-    """The identities of the sources a run read (a mixture's, in order)."""
-    return list(info["sources"]) if "sources" in info else [info.get("source")]
-
-
 def find(view: View, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:
-    """(key, index) of each of ``keys`` in ``view`` (of the same type: ``1`` is not
-    ``True``), by their digests over each chunk in turn: 10M int keys in well under a
-    second (``benchmarks/bench_lineage.py``); a digest match is confirmed on the key."""
+    """(key, index) of each of ``keys`` in ``view`` (same type: ``1`` is not ``True``), found by
+    digests chunk by chunk (10M int keys well under a second), each match confirmed on the key."""
     if not len(keys):
         return []
     wanted = key_digests(list(keys))

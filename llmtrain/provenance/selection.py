@@ -1,6 +1,5 @@
-"""Which rows a new run trains on: its snapshot less forgotten rows (incrementally, less the
-rows the trainer trained on). Key sets are sorted arrays of 8-byte digests tested with
-``np.isin``: 80 MB for 10M keys, where a Python set of keys takes about 1 GB."""
+"""Which rows a new run trains on: its snapshot less forgotten (incrementally, trained) rows. Key
+sets are sorted 8-byte digest arrays (``np.isin``): 80 MB for 10M keys, a Python set ~1 GB."""
 
 from __future__ import annotations
 
@@ -86,16 +85,22 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
     return Trained(k, p, pk, list(finished)), parent
 
 
-def keep_rows(view: Any, store: Any, keep: Callable[[list[Key], list[Any] | None], Any]) -> Any:
-    """A new KeySnapshot of the keys of ``view`` that ``keep(keys, versions)`` marks."""
+def keep_rows(
+    view: Any, store: Any, gone: np.ndarray, new: Callable[[Any, Any], np.ndarray] | None = None
+) -> tuple[Any, list[Key]]:
+    """A new KeySnapshot of the keys of ``view`` not in ``gone`` (digests) and, with ``new``,
+    marked by ``new(keys, versions)``; and the keys ``gone`` left out."""
     has_versions = view.versions is not None
     writer = ViewWriter(store, view.chunk_size, has_versions)
+    excluded: list[Key] = []
     for start in range(0, view.count, view.chunk_size):
         keys = view.keys(store, start, start + view.chunk_size)
         versions = view.versions_of(store, start, start + view.chunk_size) if has_versions else None
-        kept = np.flatnonzero(np.asarray(keep(keys, versions), dtype=bool)).tolist()
+        out = np.isin(key_digests(keys), gone)
+        excluded += [keys[i] for i in np.flatnonzero(out).tolist()]
+        kept = np.flatnonzero(~out if new is None else ~out & new(keys, versions)).tolist()
         writer.extend([keys[i] for i in kept], [versions[i] for i in kept] if versions else [])
-    return writer.done()
+    return writer.done(), excluded
 
 
 #: a parent's adapter must have these as the continuing fit has them
@@ -139,8 +144,7 @@ def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgott
 
 
 def eval_rows(db: Database, config: TrainerConfig) -> RunSnapshot | None:
-    """The snapshot of ``fit(eval_select=)``'s rows, less forgotten ones (a forgotten row is
-    neither trained nor evaluated on), taken with the run's; None without an eval_select."""
+    """The snapshot of ``fit(eval_select=)``'s rows less forgotten ones (None: no eval_select)."""
     query = config.fit.eval_query() if config.fit else None
     if query is None:
         return None
@@ -148,7 +152,7 @@ def eval_rows(db: Database, config: TrainerConfig) -> RunSnapshot | None:
     gone = forgotten_rows(db, query, db.backend.resolve(query).identity)
     if not len(gone):
         return snapshot
-    return replace(snapshot, train=keep_rows(snapshot.train, db.artifacts, _not_in(gone)))
+    return replace(snapshot, train=keep_rows(snapshot.train, db.artifacts, gone)[0])
 
 
 def forgotten_rows(db: Database, query: Query, identity: str) -> np.ndarray:
@@ -177,24 +181,17 @@ def forgotten_rows(db: Database, query: Query, identity: str) -> np.ndarray:
 def _mixed_rows(db: Database, query: Mix, snapshot: RunSnapshot) -> tuple[RunSnapshot, dict]:
     """A mixture's snapshot less each source's forgotten rows, and its sources' identities."""
     train, held = cast(MixedView, snapshot.train), cast("MixedView | None", snapshot.held)
-    identities: list[str] = []
+    identities = [db.backend.resolve(part.select).identity for part in query.parts]
     excluded: list[str] = []
     views: list[list[KeySnapshot]] = [list(train.parts), list(held.parts if held else ())]
-    for s, part in enumerate(query.parts):
-        identity = db.backend.resolve(part.select).identity
+    for s, (part, identity) in enumerate(zip(query.parts, identities)):
         gone = forgotten_rows(db, part.select, identity)
-        identities.append(identity)
         if not len(gone):
             continue
-
-        def keep(keys: Any, _: Any, source: int = s, gone: np.ndarray = gone) -> np.ndarray:
-            out = np.isin(key_digests(keys), gone)
-            excluded.extend(key_repr(tagged(source, keys[i])) for i in np.flatnonzero(out))
-            return ~out
-
-        views[0][s] = keep_rows(views[0][s], db.artifacts, keep)
+        views[0][s], out = keep_rows(views[0][s], db.artifacts, gone)
+        excluded += [key_repr(tagged(s, k)) for k in out]
         if held:
-            views[1][s] = keep_rows(views[1][s], db.artifacts, _not_in(gone))
+            views[1][s] = keep_rows(views[1][s], db.artifacts, gone)[0]
     if not sum(v.count for v in views[0]):
         raise DataError(f"{query.source}: every row selected is forgotten: nothing to train on")
     snapshot = replace(snapshot, train=MixedView(tuple(views[0])))
@@ -202,11 +199,6 @@ def _mixed_rows(db: Database, query: Mix, snapshot: RunSnapshot) -> tuple[RunSna
         snapshot = replace(snapshot, held=MixedView(tuple(views[1])))
     info: dict[str, Any] = {"sources": identities}
     return snapshot, info | ({"excluded_keys": sorted(excluded)} if excluded else {})
-
-
-def _not_in(gone: np.ndarray) -> Callable[[Any, Any], np.ndarray]:
-    """The ``keep`` of :func:`keep_rows` that leaves out the keys with these digests."""
-    return lambda keys, _: ~np.isin(key_digests(keys), gone)
 
 
 def select_rows(
@@ -219,21 +211,26 @@ def select_rows(
 ) -> tuple[RunSnapshot, dict[str, Any]]:
     """The run's snapshot less forgotten rows (and, incrementally, trained ones), and what
     to record on the run about it. Every refusal comes before anything is recorded."""
-    fit = config.fit
-    assert fit is not None  # set by fit() before it registers
-    if isinstance(fit.query(), Mix):
+    assert config.fit is not None  # set by fit() before it registers
+    query = config.fit.query()
+    if isinstance(query, Mix):
         if incremental:
             raise ConfigError(
                 "fit(incremental=True) with select=lt.mix(...): incremental fits continue "
                 "one source's new rows; fit the mixture in full"
             )
-        return _mixed_rows(db, cast(Mix, fit.query()), snapshot)
-    resolved = db.backend.resolve(fit.query())
+        return _mixed_rows(db, query, snapshot)
+    resolved = db.backend.resolve(query)
     source = resolved.identity
-    gone = forgotten_rows(db, fit.query(), source)
+    gone = forgotten_rows(db, query, source)
     info: dict[str, Any] = {"source": source}
     trained = parent = None
     if incremental:
+        if config.objective_args.objective == "dpo":
+            raise ConfigError(
+                "fit(incremental=True) with objective='dpo': the reference would be the bare "
+                "base, not the model continued from; fit in full"
+            )
         if config.lora_args is None:
             raise ConfigError(
                 "fit(incremental=True) continues from the newest model's adapter; a fully "
@@ -243,24 +240,20 @@ def select_rows(
         if parent is not None:
             check_parent(db, config, parent, allow_forgotten_parent)
     excluded: list[str] = []
-
-    def keep(keys: Any, versions: list[Any] | None) -> np.ndarray:
-        out = np.isin(key_digests(keys), gone)
-        excluded.extend(key_repr(keys[i]) for i in np.flatnonzero(out).tolist())
-        return ~out if trained is None else ~out & trained.new(keys, versions)
-
     selected = snapshot.train.count
     if len(gone) or trained is not None:
-        view = keep_rows(snapshot.train, db.artifacts, keep)
+        new = None if trained is None else trained.new
+        view, out = keep_rows(snapshot.train, db.artifacts, gone, new)
+        excluded = [key_repr(k) for k in out]
         snapshot = replace(snapshot, train=view)
         log.info("%s: %d of the selection's rows left out", resolved.name, selected - view.count)
     if len(gone) and snapshot.held is not None:  # nor are forgotten rows evaluated on
-        snapshot = replace(snapshot, held=keep_rows(snapshot.held, db.artifacts, _not_in(gone)))
+        snapshot = replace(snapshot, held=keep_rows(snapshot.held, db.artifacts, gone)[0])
     if excluded:
         info["excluded_keys"] = sorted(excluded)
     if excluded and len(excluded) == selected:
         raise DataError(
-            f"{fit.query().source} selects {selected} row(s), every one forgotten "
+            f"{query.source} selects {selected} row(s), every one forgotten "
             f"(db.forget on {resolved.name}): nothing to train on"
         )
     if parent is not None:

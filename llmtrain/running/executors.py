@@ -7,6 +7,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.args import TrainerConfig
@@ -21,16 +22,13 @@ if TYPE_CHECKING:
     from llmtrain.datalayer import Datalayer
 
 
-@contextlib.contextmanager
-def execution(config: TrainerConfig, placement: Placement) -> Iterator[None]:
+def execution(config: TrainerConfig, placement: Placement) -> AbstractContextManager[None]:
     """Before registration: on Ray, the Ray session the fit runs in."""
     if config.ray_config is None or placement.launched:
-        yield
-        return
+        return contextlib.nullcontext()
     from llmtrain.running.ray.driver import ray_session
 
-    with ray_session(config.ray_config):
-        yield
+    return ray_session(config.ray_config)
 
 
 def execute(

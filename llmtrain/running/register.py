@@ -103,11 +103,7 @@ def register(
 
 
 def new_snapshot(
-    db: Datalayer,
-    config: TrainerConfig,
-    loaded_version: int | None,
-    allow: bool,
-    incremental: bool = False,
+    db: Datalayer, config: TrainerConfig, loaded: int | None, allow: bool, incremental: bool
 ) -> RunSnapshot:
     """A new run's snapshot; a replay (not incremental) compares it with the fit it replays."""
     fit, data = config.fit, config.data_args
@@ -121,7 +117,7 @@ def new_snapshot(
     if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (
             f"the rows of {fit.query().source} changed since trainer {config.identifier!r} "
-            f"v{loaded_version} was fitted (data fingerprint {fit.data_fingerprint} -> "
+            f"v{loaded} was fitted (data fingerprint {fit.data_fingerprint} -> "
             f"{snapshot.fingerprint})"
         )
         if not allow:
@@ -192,9 +188,7 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     fit = config.fit
     assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
-    folder = local_model_folder(config.model_args.model_name_or_path)  # no row read for these
-    if folder is not None and config.lora_args is not None:
-        check_lora_targets(folder, config)
+    check_model_folder(config)  # no row read for these
     for query, named in fit.sources():
         rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
         for role, name in named:
@@ -205,27 +199,21 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
                 )
 
 
-def local_model_folder(name: str) -> Path | None:
-    """The local model folder ``name`` names, or None for a hub id."""
-    from llmtrain.training.modeling import check_model_path
+def check_model_folder(config: TrainerConfig) -> None:
+    """A local model folder, and the LoRA targets against its linear layers (on a skeleton)."""
+    from llmtrain.training.modeling import check_model_path, target_modules_for
 
-    check_model_path(name)  # a folder without config.json is refused here
-    path = Path(os.path.expanduser(name))
-    if not path.exists():
-        return None
-    if not path.is_dir():
+    margs = config.model_args
+    name = margs.model_name_or_path
+    check_model_path(name)
+    folder = Path(os.path.expanduser(name))
+    if folder.exists() and not folder.is_dir():
         raise ConfigError(f"model_args.model_name_or_path: {name!r} is a file, not a model folder")
-    return path
-
-
-def check_lora_targets(folder: Path, config: TrainerConfig) -> None:
-    """The LoRA targets against the model's linear layers, on a weightless skeleton."""
+    if not folder.exists() or config.lora_args is None:
+        return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from llmtrain.training.modeling import target_modules_for
-
-    margs = config.model_args
     try:
         hf_config = AutoConfig.from_pretrained(
             folder, revision=margs.revision, trust_remote_code=margs.trust_remote_code
@@ -236,5 +224,4 @@ def check_lora_targets(folder: Path, config: TrainerConfig) -> None:
             )
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model_args.model_name_or_path: cannot read {folder}: {exc}") from None
-    assert config.lora_args is not None
     target_modules_for(skeleton, config.lora_args)

@@ -77,6 +77,8 @@ class LLMTrainer:
         db: Datalayer | None = None,  # noqa: N803
         select: Query | None = None,
         *,
+        chosen: str | None = None,
+        rejected: str | None = None,
         eval_select: Query | None = None,
         resume: bool | str = False,
         merge: bool = False,
@@ -96,6 +98,8 @@ class LLMTrainer:
         refused, a completed run returns its model.
         ``allow_changed_data=True`` replays a fit although the rows changed since: for this
         call only, recorded on the run (default: ``data_args.allow_changed_data``).
+        ``chosen=``, ``rejected=`` (with ``objective="dpo"``, ``"orpo"`` or ``"simpo"``) name
+        the preferred and the other answer to the prompt ``X``.
         ``incremental=True`` trains only the selected rows no completed run of this trainer
         trained (new keys; with ``data_args.version_column`` also changed versions), from the
         newest model's adapter, recording it as the parent; with nothing new that model is
@@ -125,7 +129,7 @@ class LLMTrainer:
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
-        spec = self._fit_spec(X, Y, db, select, eval_select)
+        spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected)
         data = {**self.config.model_dump(), "fit": spec.model_dump()}
         config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
         placement = Placement.from_environment()  # resolved once for the whole fit
@@ -163,8 +167,10 @@ class LLMTrainer:
         db: Datalayer,
         select: Query | None,  # noqa: N803
         eval_select: Query | None,
+        chosen: str | None = None,
+        rejected: str | None = None,
     ) -> FitSpec:
-        if X is None and Y is None and select is None:
+        if X is None and Y is None and select is None and chosen is None and rejected is None:
             if self.config.fit is None:
                 raise ConfigError(
                     "fit() needs X=, Y= and select= (only a trainer that was "
@@ -187,8 +193,11 @@ class LLMTrainer:
                 f"select= must be a llmtrain query (Table, sql, Collection), "
                 f"got {type(select).__name__}"
             )
-        if X == Y:
-            raise ConfigError(f"X and Y name the same field {X!r}")
+        named = [f for f in (X, Y, chosen, rejected) if f]
+        if len(set(named)) < len(named):
+            raise ConfigError(
+                f"fit(): X, Y, chosen and rejected name the same field twice: {named}"
+            )
         if eval_select is not None and not isinstance(eval_select, Query):
             raise ConfigError("eval_select= must be a llmtrain query")
         if isinstance(eval_select, Mix):
@@ -199,6 +208,8 @@ class LLMTrainer:
         return FitSpec(
             X=X,
             Y=Y,
+            chosen=chosen,
+            rejected=rejected,
             select=select.to_dict(),
             eval_select=eval_select.to_dict() if eval_select else None,
             db=db.uri,

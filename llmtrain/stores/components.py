@@ -50,9 +50,6 @@ def component_class(type_id: str) -> type[Any]:
         # the built-in types register on import; an ImportError (a missing dependency) is real
         for module in ("llmtrain.running.trainer", "llmtrain.training.model"):
             importlib.import_module(module)
-    try:
-        return _registry[type_id]
-    except KeyError:
-        raise StoreError(
-            f"unknown component type {type_id!r}; known: {sorted(_registry)}"
-        ) from None
+    if type_id not in _registry:
+        raise StoreError(f"unknown component type {type_id!r}; known: {sorted(_registry)}")
+    return _registry[type_id]

@@ -113,10 +113,9 @@ class Checkpointer:
         """Keep the newest ``keep`` checkpoints and the best one (save_best_by)."""
         if self.keep is None:
             return
-        records = self.db.metadata.list_checkpoints(self.run_id)
-        best = self.best_record()
-        for old in records[: -self.keep]:
-            if best is not None and old.step == best["step"]:
+        best = self.best_record() or {}
+        for old in self.db.metadata.list_checkpoints(self.run_id)[: -self.keep]:
+            if old.step == best.get("step"):
                 continue
             self.db.metadata.remove_checkpoint(self.run_id, old.step)
             if not any(

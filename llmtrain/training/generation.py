@@ -1,5 +1,4 @@
-"""Generation: answers to prompts (greedy by default), their healed text re-spelled first
-(:class:`llmtrain.formatting.Prompt`)."""
+"""Generation: answers to prompts (greedy by default), their healed text re-spelled first."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def token_texts(tokenizer: Any) -> list[str]:
 def generate_batch(
     model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int, **kwargs: Any
 ) -> list[str]:
-    """Answers (greedy unless ``kwargs`` say otherwise) to prompts, in one left-padded batch;
-    a prompt's ``heal`` is generated first and left out of its answer."""
+    """Answers to ``prompts`` in one left-padded batch, each without its generated ``heal``."""
     from transformers import LogitsProcessorList
 
     pad = tokenizer.pad_token_id

@@ -18,13 +18,13 @@ CHUNK_ELEMENTS = 2**24
 _INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
-def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: batch[k] for k in _INPUTS if k in batch}
 
 
 def plain_loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """Summed next-token loss over target tokens from the full logits (the reference)."""
-    logits = model(**_model_inputs(batch), use_cache=False).logits[:, :-1]
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1]
     targets = batch["labels"][:, 1:]
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
@@ -105,9 +105,8 @@ class LossFunction:
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE_INDEX
         head = self.head
-        own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
 
-        def loss_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
+        def loss_from_hidden(hidden: torch.Tensor, own_forward: Callable[..., Any]) -> Any:
             selected = hidden[:, :-1][keep]
             picked = targets[keep]
             if _liger_available(selected.device, head):
@@ -119,8 +118,17 @@ class LossFunction:
             params = [p for p in head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
-        head.forward = loss_from_hidden  # for this call (module hooks still run around it)
+        return self.through_head(model, batch, loss_from_hidden)
+
+    def through_head(
+        self, model: Any, batch: dict[str, Any], on_hidden: Callable[..., Any]
+    ) -> torch.Tensor:
+        """One forward of ``model`` whose head returns ``on_hidden(hidden states, the head's
+        own forward)`` instead of logits, for this call (module hooks still run around it)."""
+        head = self.head
+        own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
+        head.forward = lambda hidden: on_hidden(hidden, own_forward)
         try:
-            return model(**_model_inputs(batch), use_cache=False).logits
+            return model(**model_inputs(batch), use_cache=False).logits
         finally:
             del head.forward

@@ -1,6 +1,5 @@
 """TrainedModel: the result of a fit, stored as a component; it generates with the exact
-prompt formatting of training (serving prompts never drift) and exports or merges its adapter.
-"""
+prompt formatting of training (serving prompts never drift) and exports or merges its adapter."""
 
 from __future__ import annotations
 
@@ -233,11 +232,7 @@ class TrainedModel:
         return self._formatters[record.identifier]
 
     def generate(
-        self,
-        X: str | list[str],
-        *,
-        max_new_tokens: int = 64,  # noqa: N803
-        **generate_kwargs: Any,
+        self, X: str | list[str], *, max_new_tokens: int = 64, **generate_kwargs: Any
     ) -> str | list[str]:
         """Responses to ``X`` through the training prompt, one at a time; greedy by default."""
         from llmtrain.training.generation import generate_batch

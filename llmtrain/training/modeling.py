@@ -45,21 +45,16 @@ def check_model_path(
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         files = set(os.listdir(path))
-        if "config.json" not in files and not files.intersection(_TOKENIZER_FILES):
-            raise ConfigError(
-                f"model_args.model_name_or_path: the folder {name!r} has no model "
-                "(no config.json, no tokenizer files)"
-            )
-        if tokenizer and not files.intersection(_TOKENIZER_FILES):
-            raise ConfigError(
-                f"model_args.model_name_or_path: the folder {name!r} has no tokenizer "
-                f"(none of {', '.join(_TOKENIZER_FILES)})"
-            )
-        if not tokenizer and "config.json" not in files:
-            raise ConfigError(
-                f"model_args.model_name_or_path: the folder {name!r} has no model (no config.json)"
-            )
-        return {}
+        has_model, has_tokenizer = "config.json" in files, bool(files & set(_TOKENIZER_FILES))
+        if not has_model and not has_tokenizer:
+            missing = "model (no config.json, no tokenizer files)"
+        elif tokenizer and not has_tokenizer:
+            missing = f"tokenizer (none of {', '.join(_TOKENIZER_FILES)})"
+        elif not tokenizer and not has_model:
+            missing = "model (no config.json)"
+        else:
+            return {}
+        raise ConfigError(f"model_args.model_name_or_path: the folder {name!r} has no {missing}")
     local = name.startswith(("/", "./", "../", "~")) or os.sep + os.sep in name
     if local or name.count("/") > 1:
         raise ConfigError(f"model_args.model_name_or_path: no model folder at {name!r}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from llmtrain.formatting import IGNORE_INDEX
-from llmtrain.training.loss import CHUNK_ELEMENTS, LossFunction, _model_inputs
+from llmtrain.training.loss import CHUNK_ELEMENTS, LossFunction, model_inputs
 
 Metrics = dict[str, torch.Tensor]
 
@@ -52,7 +52,7 @@ def plain_sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_logprobs` from the full logits (the reference; softcapped heads)."""
     keep, targets, index = _targets(batch)
-    logits = model(**_model_inputs(batch), use_cache=False).logits[:, :-1][keep]
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1][keep]
     logps = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     return _per_sequence(logps, index, batch, num_sequences)
 
@@ -73,14 +73,12 @@ def sequence_logprobs(
     if not found.chunked:
         return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
     keep, targets, index = _targets(batch)
-    head = found.head
-    own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
 
-    def chunk_logps(hidden: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-        logits = own_forward(hidden).float()
-        return logits.log_softmax(-1).gather(-1, picked[:, None]).squeeze(-1)
+    def logps_from_hidden(hidden: torch.Tensor, own_forward: Any) -> torch.Tensor:
+        def chunk_logps(hidden: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+            logits = own_forward(hidden).float()
+            return logits.log_softmax(-1).gather(-1, picked[:, None]).squeeze(-1)
 
-    def logps_from_hidden(hidden: torch.Tensor) -> torch.Tensor:
         selected = hidden[:, :-1][keep]
         parts = []
         for start in range(0, selected.size(0), found.chunk):
@@ -92,11 +90,7 @@ def sequence_logprobs(
             parts.append(part)
         return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
 
-    head.forward = logps_from_hidden  # for this call (module hooks still run around it)
-    try:
-        logps = model(**_model_inputs(batch), use_cache=False).logits
-    finally:
-        del head.forward
+    logps = found.through_head(model, batch, logps_from_hidden)
     return _per_sequence(logps, index, batch, num_sequences)
 
 

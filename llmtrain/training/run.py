@@ -48,6 +48,7 @@ from llmtrain.training.modeling import (
 )
 from llmtrain.training.plan import RunPlan
 from llmtrain.training.precision import Precision
+from llmtrain.training.preference import PAIRED, PreferenceLoss
 from llmtrain.training.progress import Progress, make_progress
 from llmtrain.training.strategies.base import Strategy
 
@@ -110,7 +111,9 @@ class FitRun:
             compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
-        self.loss = LossFunction(model)
+        objective = cfg.objective_args
+        paired = objective.objective in PAIRED
+        self.loss = PreferenceLoss(model, objective) if paired else LossFunction(model)
 
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
@@ -122,6 +125,8 @@ class FitRun:
             self.dargs,
             select.source,
             token_budget=self.dargs.token_budget(self.targs.per_device_train_batch_size),
+            pairs=(fit.chosen, fit.rejected) if fit.chosen and fit.rejected else None,
+            batch_size=self.targs.per_device_train_batch_size,
         )
         train = view_dataset(
             self.db,
@@ -274,6 +279,8 @@ class FitRun:
                     "tokens": float(self.tokens_seen),
                     "tokens_per_s": rate,
                 }
+                if isinstance(self.loss, PreferenceLoss):  # the step's rewards and margins
+                    metrics |= self.loss.logged()
                 self.history.append({"step": self.step, "loss": loss})
                 progress.step(self.step, metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
@@ -362,6 +369,8 @@ class FitRun:
         """Collective. Evaluate, log, and checkpoint the model when it is the best so far by
         save_best_by (all ranks see the same values)."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
+        if isinstance(self.loss, PreferenceLoss):  # preference accuracy and mean margin
+            metrics |= {f"eval_{name}": v for name, v in self.loss.logged().items()}
         self._log(metrics)
         progress.evaluated(self.step, metrics["eval_loss"])
         key = self.targs.best_key()
@@ -414,8 +423,14 @@ class FitRun:
         s, ds = self.strategy, self._eval_dataset()
         if ds is None:
             return float("nan")
+        fit = self.plan.fit
         collate = make_collate(
-            self._formatters(ds.query), self.tokenizer, self.base_model, self.dargs, ds.query.source
+            self._formatters(ds.query),
+            self.tokenizer,
+            self.base_model,
+            self.dargs,
+            ds.query.source,
+            pairs=(fit.chosen, fit.rejected) if fit.chosen and fit.rejected else None,
         )
         batches = ds.loader(
             self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True

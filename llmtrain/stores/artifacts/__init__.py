@@ -1,5 +1,4 @@
-"""Where checkpoints, adapters and models are kept: a folder, GridFS next to the metadata, or
-any fsspec URL (``s3://bucket/prefix``, ``gs://``, ``memory://``)."""
+"""Where checkpoints, adapters and models are kept: a folder, GridFS or an fsspec URL."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def is_url(spec: str | Path) -> bool:
 
 
 def check_artifacts_spec(spec: str | Path, metadata_uri: str) -> None:
-    """Before anything opens: ``"gridfs"`` needs MongoDB metadata, a URL a protocol fsspec
-    handles (never taken for a folder named ``s3:``) and no credentials."""
+    """Before anything opens: ``"gridfs"`` needs MongoDB metadata, a URL a safe fsspec URL."""
     if spec == "gridfs" and not is_mongo_uri(metadata_uri):
         raise ConfigError(
             f"artifacts='gridfs' needs a MongoDB metadata database, not {redact_uri(metadata_uri)}"

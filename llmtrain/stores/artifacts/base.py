@@ -1,6 +1,5 @@
-"""The artifact store contract: ids are ``"sha256:<hex>"`` (a blob) or ``"tree:<hex>"`` (a
-folder's JSON manifest of relative paths -> blob ids), so every store is content-addressed,
-atomic, verified on read and its ids cannot name a path."""
+"""The artifact store contract: ids are ``sha256:<hex>`` (a blob) or ``tree:<hex>`` (a folder's
+JSON manifest: relative path -> blob id); content-addressed, atomic, verified on read."""
 
 from __future__ import annotations
 
@@ -165,7 +164,6 @@ class ArtifactStore(ABC):
             f"artifact {artifact_id} of {what} is not in {self.location}{hint}"
         )
 
-    # -- writing --------------------------------------------------------------------------------
     def put(self, obj: bytes | str | Path) -> str:
         """Bytes, a file path or a folder path."""
         if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -212,7 +210,6 @@ class ArtifactStore(ABC):
                         files[relpath] = self.put_file(file)
             return self._put_data(TREE, manifest_bytes(files))
 
-    # -- reading --------------------------------------------------------------------------------
     def exists(self, artifact_id: str) -> bool:
         parse_id(artifact_id)
         return self._has(artifact_id)
@@ -234,8 +231,7 @@ class ArtifactStore(ABC):
             )
 
     def get_dir(self, artifact_id: str, dest: str | Path) -> Path:
-        """Materialise a tree into ``dest`` (empty or absent) via a hidden sibling folder
-        renamed into place: ``dest`` is all there or absent."""
+        """A tree into ``dest`` (empty or absent) via a sibling folder renamed into place."""
         if parse_id(artifact_id)[0] != TREE:
             raise StoreError(f"{artifact_id} is a blob, not a folder: use get_bytes")
         files = self._tree_files(artifact_id)
@@ -272,7 +268,6 @@ class ArtifactStore(ABC):
                 raise StoreError(f"{tree_id}: entry {relpath!r} is not a blob id")
         return files
 
-    # -- deleting -------------------------------------------------------------------------------
     def delete(self, artifact_id: str) -> None:
         """A blob (refused while a tree uses it), or a tree with the blobs no other tree uses."""
         kind, _ = parse_id(artifact_id)

@@ -66,8 +66,7 @@ def check_url(url: str, option: str = "artifacts") -> str:
 
 
 class FsspecArtifactStore(ArtifactStore):
-    """Artifacts under an fsspec URL; the filesystem is opened on first use (and again after
-    pickling: only the URL travels)."""
+    """The filesystem opens on first use (and again after pickling: only the URL travels)."""
 
     _storage_errors = (Exception,)  # whatever the driver raises
 
@@ -104,9 +103,8 @@ class FsspecArtifactStore(ArtifactStore):
         return self._join(*id_path(artifact_id))
 
     def _has(self, artifact_id: str) -> bool:
-        path = self._path(artifact_id)
         with self._errors(f"looking up {artifact_id}"):
-            return bool(self.fs.isfile(path))
+            return bool(self.fs.isfile(self._path(artifact_id)))
 
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         final = self._path(artifact_id)
@@ -140,9 +138,9 @@ class FsspecArtifactStore(ArtifactStore):
                 self.fs.rm_file(target)
 
     def _open(self, artifact_id: str) -> BinaryIO:
-        path = self._path(artifact_id)
         with self._errors(f"reading {artifact_id}"):
             try:
+                path = self._path(artifact_id)
                 return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
             except FileNotFoundError:
                 raise ArtifactNotFoundError(

@@ -5,7 +5,6 @@ never sees a partial artifact; a writer that loses a race removes only its own c
 from __future__ import annotations
 
 import functools
-import io
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
 
@@ -65,8 +64,7 @@ class GridFSArtifactStore(ArtifactStore):
 
     def _file_doc(self, artifact_id: str) -> dict[str, Any] | None:
         with self._errors(f"looking up {artifact_id}"):
-            doc: dict[str, Any] | None = self._files().find_one({"filename": artifact_id})
-            return doc
+            return self._files().find_one({"filename": artifact_id})
 
     def _has(self, artifact_id: str) -> bool:
         return self._file_doc(artifact_id) is not None
@@ -98,7 +96,18 @@ class GridFSArtifactStore(ArtifactStore):
                 f"artifact {artifact_id} not found in {self._where} (GridFS)"
             )
         with self._errors(f"reading {artifact_id}"):
-            return cast(BinaryIO, _GridReader(self._fs().get(doc["_id"]), artifact_id, self))
+            return cast(BinaryIO, self._fs().get(doc["_id"]))
+
+    def _copy_verified(self, artifact_id: str, out: Any) -> None:
+        """Damaged chunks surface as ArtifactCorruptError, like a bad hash."""
+        import gridfs
+
+        try:
+            super()._copy_verified(artifact_id, out)
+        except gridfs.errors.CorruptGridFile as exc:
+            raise ArtifactCorruptError(f"artifact {artifact_id} is corrupt: {exc}") from exc
+        except PyMongoError as exc:
+            raise self._error(f"reading {artifact_id}", exc) from exc
 
     def _remove(self, artifact_id: str) -> None:
         doc = self._file_doc(artifact_id)
@@ -110,28 +119,3 @@ class GridFSArtifactStore(ArtifactStore):
         with self._errors("listing folder artifacts"):
             docs = self._files().find({"filename": {"$regex": f"^{TREE}:"}}, {"filename": 1})
             return sorted(d["filename"] for d in docs)
-
-
-class _GridReader(io.RawIOBase):
-    """A GridOut whose damaged chunks surface as ArtifactCorruptError, like a bad hash."""
-
-    def __init__(self, grid_out: Any, artifact_id: str, store: GridFSArtifactStore) -> None:
-        super().__init__()
-        self._grid_out, self._id, self._store = grid_out, artifact_id, store
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int | None = -1) -> bytes:
-        import gridfs
-
-        try:
-            return bytes(self._grid_out.read(-1 if size is None else size))
-        except gridfs.errors.CorruptGridFile as exc:
-            raise ArtifactCorruptError(f"artifact {self._id} is corrupt: {exc}") from exc
-        except PyMongoError as exc:
-            raise self._store._error(f"reading {self._id}", exc) from exc
-
-    def close(self) -> None:
-        self._grid_out.close()
-        super().close()

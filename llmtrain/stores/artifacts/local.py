@@ -95,12 +95,9 @@ class LocalArtifactStore(ArtifactStore):
             return
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise os_error(f"cannot write artifacts under {self.root}", exc) from exc
-        try:
             handle = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held across the yield
         except OSError as exc:
-            raise os_error(f"cannot lock {self.root}", exc) from exc
+            raise os_error(f"cannot write artifacts under {self.root}", exc) from exc
         with handle:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             try:

@@ -7,8 +7,7 @@ from llmtrain.uri import is_mongo_uri
 
 
 def open_metadata(uri: str, *, missing_ok: bool = False) -> MetadataStore:
-    """Connects on first use. ``missing_ok``: a database not there yet (a separate SQLite
-    metadata file) reads as empty until the first write creates it."""
+    """Connects on first use; ``missing_ok``: a database not there yet reads as empty."""
     if is_mongo_uri(uri):
         from llmtrain.stores.metadata.mongo import MongoMetadataStore
 

@@ -92,7 +92,6 @@ class MetadataStore(ABC):
         """Pickled as its URI: another process reconnects (and checks) lazily."""
         return (type(self), (self._uri,), {"_missing_ok": self._missing_ok})
 
-    # -- components ---------------------------------------------------------------------------
     def add_component(
         self,
         type_id: str,
@@ -101,8 +100,7 @@ class MetadataStore(ABC):
         *,
         unless_unchanged: bool = False,
     ) -> int:
-        """Store a new version and return its number; with ``unless_unchanged``, return the
-        newest version instead when its payload equals ``payload``."""
+        """The new version's number; ``unless_unchanged``: the newest's if its payload is equal."""
         what = f"{type_id} {identifier!r}"
         if not isinstance(payload, dict):
             raise StoreError(f"{what}: payload must be a dict, got {type(payload).__name__}")
@@ -127,17 +125,12 @@ class MetadataStore(ABC):
         self, type_id: str, identifier: str, version: int | None = None
     ) -> ComponentRecord:
         """The given version, or the newest; ComponentNotFoundError if absent."""
-        rows = self._rows(
-            f"reading {type_id} {identifier!r}",
-            "components",
-            version is None,
-            type_id=type_id,
-            identifier=identifier,
-            **_given(version=version),
-        )
+        what = f"{type_id} {identifier!r}"
+        filters = {"type_id": type_id, "identifier": identifier, **_given(version=version)}
+        rows = self._rows(f"reading {what}", "components", version is None, **filters)
         if not rows:
             which = "any version" if version is None else f"version {version}"
-            raise ComponentNotFoundError(f"no {type_id} {identifier!r} ({which}) in {self._where}")
+            raise ComponentNotFoundError(f"no {what} ({which}) in {self._where}")
         return _component(rows[0])
 
     def list_components(
@@ -155,7 +148,6 @@ class MetadataStore(ABC):
                 ["components"], type_id=type_id, identifier=identifier, **_given(version=version)
             )
 
-    # -- runs ---------------------------------------------------------------------------------
     def create_run(
         self, run_id: str, type_id: str, identifier: str, version: int, info: dict[str, Any]
     ) -> RunRecord:
@@ -185,24 +177,19 @@ class MetadataStore(ABC):
         info: dict[str, Any] | None = None,
         error: str | None = None,
     ) -> RunRecord:
-        """``info`` keys are merged into the stored info; moving to ``running`` or
-        ``completed`` without an error clears the stored one."""
+        """Merges ``info`` into the stored info; ``running``/``completed`` clear the error."""
         if status is not None and status not in _RUN_STATUSES:
             raise StoreError(
                 f"run status {status!r} is invalid: use one of {', '.join(sorted(_RUN_STATUSES))}"
             )
 
+        changes: dict[str, Any] = _given(status=status, error=error)
+        if error is None and status in ("running", "completed"):
+            changes["error"] = None  # a run going again, or done, carries no old failure
+
         def change(row: Row) -> dict[str, Any]:
-            changes: dict[str, Any] = {"updated_at": self._now()}
-            if status is not None:
-                changes["status"] = status
-            if error is not None:
-                changes["error"] = error
-            elif status in ("running", "completed"):
-                changes["error"] = None  # a run going again, or done, carries no old failure
-            merged = {**_run(row).info, **(info or {})}
-            changes["info"] = dumps(merged, f"run {run_id!r} info")
-            return changes
+            merged = dumps({**_run(row).info, **(info or {})}, f"run {run_id!r} info")
+            return {**changes, "updated_at": self._now(), "info": merged}
 
         with self._errors(f"updating run {run_id!r}"):
             row = self._change_run(run_id, change)
@@ -228,7 +215,6 @@ class MetadataStore(ABC):
         with self._errors(f"removing run {run_id!r}"):
             self._delete(["checkpoints", "metrics", "runs"], run_id=run_id)
 
-    # -- metrics and checkpoints ----------------------------------------------------------------
     def log_metrics(self, run_id: str, step: int, values: dict[str, float]) -> None:
         """A metric the step already has is replaced: a step redone after a resume counts once."""
         try:
@@ -240,7 +226,6 @@ class MetadataStore(ABC):
         what = f"run {run_id!r} metrics"
 
         def without_these(row: Row) -> str | None:
-            """The row's values less the metrics logged again (None: nothing left)."""
             old = loads(row["values"], f"metrics of run {run_id!r}")
             kept = {k: v for k, v in old.items() if k not in numbers}
             return dumps(kept, what) if kept else None
@@ -285,11 +270,9 @@ class MetadataStore(ABC):
     def close(self) -> None:
         """Release connections; the store reopens lazily if used again."""
 
-    # -- shared plumbing ------------------------------------------------------------------------
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
-        """A driver error as one StoreError line; a database or login the server refuses is the
-        user's mistake (ConfigError)."""
+        """A driver error as one StoreError line; a database or login refused: ConfigError."""
         try:
             yield
         except self._driver_errors as exc:
@@ -312,8 +295,7 @@ class MetadataStore(ABC):
 
     # -- backend primitives: rows carry the record's fields, payload/info/values as JSON text --
     def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        """Insert ``row`` as version newest + 1 (0 for the first) and return it; Conflict if
-        another writer took it. When ``same(newest row)``, return the newest version instead."""
+        """Insert as newest + 1 (or 0), Conflict if taken; the newest's version if ``same``."""
         found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
         if found and same(found[0]):
             return int(found[0]["version"])
@@ -323,13 +305,11 @@ class MetadataStore(ABC):
 
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
-        """The rows whose columns equal ``equal`` (None included) in the table's order (see the
-        list methods); ``newest``: only the last of them."""
+        """Rows whose columns equal ``equal`` (None too), in the table's order; ``newest``: last."""
 
     @abstractmethod
     def _delete(self, tables: list[str], **equal: Any) -> int:
-        """Remove the rows of ``tables`` whose columns equal ``equal``, in one transaction where
-        the database has them; returns how many went."""
+        """Remove the matching rows of ``tables``, in one transaction where there are any."""
 
     @abstractmethod
     def _insert(self, table: str, row: Row) -> None:
@@ -337,17 +317,15 @@ class MetadataStore(ABC):
 
     @abstractmethod
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
-        """Atomically set the columns ``change(stored row)`` gives and return the new row (None:
-        no such run). Concurrent changes must all take effect."""
+        """Set ``change(stored row)`` atomically, none lost to a race; the new row (or None)."""
 
     @abstractmethod
     def _insert_metrics(self, row: Row, without_these: Callable[[Row], str | None]) -> None:
-        """In one write: every stored row of the same run and step gets ``without_these(row)``
-        as its values (removed when None, untouched when unchanged), then ``row`` goes in."""
+        """In one write: old rows of the step get ``without_these`` (None: gone), then ``row``."""
 
 
 def _given(**filters: Any) -> dict[str, Any]:
-    """The optional filters given (None: any value); a required key is always matched."""
+    """The arguments that are not None (as filters: None is any value)."""
     return {k: v for k, v in filters.items() if v is not None}
 
 
@@ -360,8 +338,7 @@ def dumps(value: Any, what: str) -> str:
 
 
 def loads(value: Any, what: str) -> Any:
-    """Stored JSON text back, or a StoreError: a value edited outside llmtrain (bytes, a
-    pickle, another type) is refused, never decoded as anything but JSON."""
+    """Stored JSON text back; anything else (bytes, a pickle) is a StoreError, never decoded."""
     if not isinstance(value, str):
         raise StoreError(
             f"{what} is not JSON text but {type(value).__name__}; was it edited outside llmtrain?"
@@ -396,7 +373,6 @@ def _record(cls: type[R], row: Row, field: str, what: str) -> R:
 
 
 def _component(row: Row) -> ComponentRecord:
-    """StoreError if any part of the row is not what llmtrain writes."""
     type_id, identifier, version = (row.get(k) for k in ("type_id", "identifier", "version"))
     what = f"stored component {type_id!r} {identifier!r} v{version!r}"
     try:

@@ -1,6 +1,5 @@
-"""The metadata store in MongoDB (or mongomock): ``_llmtrain_*`` collections, unique indexes.
-JSON is stored as strings, as in SQL: a payload may hold a Mongo query whose ``$``-keys a
-document field could not take."""
+"""The metadata store in MongoDB: ``_llmtrain_*`` collections; JSON as strings, as in SQL (a
+payload may hold a Mongo query whose ``$``-keys a document field could not take)."""
 
 from __future__ import annotations
 

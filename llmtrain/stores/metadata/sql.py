@@ -1,6 +1,5 @@
-"""The metadata store on any SQLAlchemy database: four ``_llmtrain_*`` tables, created on first
-write. JSON goes in TEXT columns (LONGTEXT on MySQL) so every backend stores the same thing;
-strings are binary-collated on MySQL so ``"Foo"`` and ``"foo"`` stay distinct there too."""
+"""The metadata store on any SQLAlchemy database: four ``_llmtrain_*`` tables made by the first
+write, JSON as text, strings binary-collated on MySQL (``"Foo"`` and ``"foo"`` stay distinct)."""
 
 from __future__ import annotations
 
@@ -22,13 +21,9 @@ LOCK_TRIES = 5  # tries of a transaction that hit a deadlock or lock timeout
 class UTCDateTime(sa.types.TypeDecorator[datetime]):
     """Naive UTC in the database (portable); read back naive, made aware by ``_record``."""
 
-    impl = sa.DateTime
+    # MySQL's plain DATETIME drops the microseconds
+    impl = sa.DateTime().with_variant(mysql.DATETIME(fsp=6), "mysql", "mariadb")
     cache_ok = True
-
-    def load_dialect_impl(self, dialect: sa.Dialect) -> sa.types.TypeEngine[Any]:
-        if dialect.name in ("mysql", "mariadb"):  # plain DATETIME drops the microseconds
-            return dialect.type_descriptor(mysql.DATETIME(fsp=6))
-        return dialect.type_descriptor(sa.DateTime())
 
     def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> datetime | None:
         if value is not None and value.tzinfo is not None:
@@ -46,9 +41,14 @@ _TABLE_KW: dict[str, Any] = {
 }
 
 schema = sa.MetaData()
-components = sa.Table(
-    f"{TABLE_PREFIX}components",
-    schema,
+
+
+def _table(name: str, *items: sa.schema.SchemaItem) -> sa.Table:
+    return sa.Table(f"{TABLE_PREFIX}{name}", schema, *items, **_TABLE_KW)
+
+
+components = _table(
+    "components",
     sa.Column("id", _ID, primary_key=True, autoincrement=True),
     sa.Column("type_id", sa.String(128), nullable=False),
     sa.Column("identifier", sa.String(255), nullable=False),
@@ -59,11 +59,9 @@ components = sa.Table(
     sa.UniqueConstraint(
         "type_id", "identifier", "version", name=f"uq_{TABLE_PREFIX}components_version"
     ),
-    **_TABLE_KW,
 )
-runs = sa.Table(
-    f"{TABLE_PREFIX}runs",
-    schema,
+runs = _table(
+    "runs",
     sa.Column("seq", _ID, primary_key=True, autoincrement=True),
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("type_id", sa.String(128), nullable=False),
@@ -75,22 +73,18 @@ runs = sa.Table(
     sa.Column("info", _JSON, nullable=False),
     sa.Column("error", sa.Text, nullable=True),
     sa.UniqueConstraint("run_id", name=f"uq_{TABLE_PREFIX}runs_run_id"),
-    **_TABLE_KW,
 )
-metrics = sa.Table(
-    f"{TABLE_PREFIX}metrics",
-    schema,
+metrics = _table(
+    "metrics",
     sa.Column("id", _ID, primary_key=True, autoincrement=True),  # insertion order
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
     sa.Column("metric_values", _JSON, nullable=False, key="values"),
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Index(f"ix_{TABLE_PREFIX}metrics_run_step", "run_id", "step"),
-    **_TABLE_KW,
 )
-checkpoints = sa.Table(
-    f"{TABLE_PREFIX}checkpoints",
-    schema,
+checkpoints = _table(
+    "checkpoints",
     sa.Column("id", _ID, primary_key=True, autoincrement=True),
     sa.Column("run_id", sa.String(128), nullable=False),
     sa.Column("step", sa.BigInteger, nullable=False),
@@ -98,7 +92,6 @@ checkpoints = sa.Table(
     sa.Column("created_at", UTCDateTime(), nullable=False),
     sa.Column("info", _JSON, nullable=False),
     sa.UniqueConstraint("run_id", "step", name=f"uq_{TABLE_PREFIX}checkpoints_step"),
-    **_TABLE_KW,
 )
 
 
@@ -131,8 +124,7 @@ def _is_transient(exc: sa.exc.DBAPIError) -> bool:
 
 
 class SQLMetadataStore(MetadataStore):
-    """On the data backend's engine. A read of a database without the tables finds nothing; of
-    a SQLite file that is not there, DatabaseNotFoundError unless ``missing_ok``."""
+    """A read without the tables finds nothing; of a missing SQLite file raises (not missing_ok)."""
 
     _driver_errors = (sa.exc.SQLAlchemyError,)
     _schema_ready = False
@@ -261,7 +253,6 @@ class SQLMetadataStore(MetadataStore):
         dispose_sql_engine(self._uri)
 
 
-#: each table's order: runs oldest first, metrics by step then insertion
 _ORDER = {
     "components": ("version",),
     "runs": ("seq",),

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
 from llmtrain.training.strategies.base import Strategy
 
+#: name -> class in the module of that name, imported on use (FSDP2 and DeepSpeed are heavy)
+_CLASSES = {"single": "SingleProcess", "ddp": "DDP", "fsdp": "FSDP2", "deepspeed": "DeepSpeed"}
+
 
 def make_strategy(name: str, placement: Placement | None = None, **options: Any) -> Strategy:
     """The strategy ``name`` at ``placement`` (default: the environment's, resolved now)."""
-    if name == "single":
-        from llmtrain.training.strategies.single import SingleProcess
-
-        return SingleProcess(placement)
-    if name == "ddp":
-        from llmtrain.training.strategies.ddp import DDP
-
-        return DDP(placement)
-    if name == "fsdp":
-        from llmtrain.training.strategies.fsdp import FSDP2
-
-        return FSDP2(placement=placement, **options)
-    if name == "deepspeed":
-        from llmtrain.training.strategies.deepspeed import DeepSpeed
-
-        return DeepSpeed(placement=placement, **options)
-    raise ConfigError(f"unknown strategy {name!r}: use single, ddp, fsdp or deepspeed")
+    if name not in _CLASSES:
+        raise ConfigError(f"unknown strategy {name!r}: use single, ddp, fsdp or deepspeed")
+    module = importlib.import_module(f"llmtrain.training.strategies.{name}")
+    strategy: type[Strategy] = getattr(module, _CLASSES[name])
+    return strategy(placement=placement, **options)
 
 
 def strategy_for(config: Any, placement: Placement) -> Strategy:

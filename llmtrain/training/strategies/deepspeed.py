@@ -22,6 +22,7 @@ from llmtrain.config.args import (
     quantization_problems,
     quantized_bits,
 )
+from llmtrain.console import restored_env
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.placement import Placement
 from llmtrain.training.precision import Precision
@@ -121,34 +122,14 @@ def _weights_only_loads(engine: Any) -> Iterator[None]:
         del checkpoint_engine.load  # the class's method again
 
 
-@contextlib.contextmanager
-def _local_rank_for_deepspeed(local_rank: int) -> Iterator[None]:
-    """DeepSpeed reads LOCAL_RANK all run long, which an unlaunched process lacks: set it
-    for DeepSpeed alone, then put it back (llmtrain reads its Placement)."""
-    previous = os.environ.get("LOCAL_RANK")
-    os.environ["LOCAL_RANK"] = str(local_rank)
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("LOCAL_RANK", None)
-        else:
-            os.environ["LOCAL_RANK"] = previous
-
-
 class DeepSpeed(ProcessGroupStrategy):
     name = "deepspeed"
 
     def __init__(
-        self,
-        config: DeepspeedConfig | None = None,
-        training_args: TrainingArguments | None = None,
-        placement: Placement | None = None,
+        self, config: DeepspeedConfig, training_args: TrainingArguments, placement: Placement | None
     ) -> None:
         super().__init__(placement)
-        self.config = config or DeepspeedConfig()
-        self.training_args = training_args or TrainingArguments()
-        self.stage = 0
+        self.config, self.training_args, self.stage = config, training_args, 0
         self._environment = contextlib.ExitStack()
 
     def launch(self) -> None:
@@ -162,7 +143,9 @@ class DeepSpeed(ProcessGroupStrategy):
             if builder is not None:
                 ops.__compatible_ops__[builder.NAME] = False
         if not self.placement.launched:
-            self._environment.enter_context(_local_rank_for_deepspeed(self.placement.local_rank))
+            # DeepSpeed reads LOCAL_RANK all run long: set for it alone, until teardown
+            self._environment.enter_context(restored_env("LOCAL_RANK"))
+            os.environ["LOCAL_RANK"] = str(self.placement.local_rank)
         init_single_process_group(self.placement)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

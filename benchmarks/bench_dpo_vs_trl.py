@@ -1,0 +1,365 @@
+"""llmtrain's DPO against TRL's DPOTrainer, side by side, packing off and on:
+
+    python benchmarks/bench_dpo_vs_trl.py [--rows 400] [--steps 12] [--batch-size 8]
+                                          [--max-length 256] [--hidden 64] [--layers 2]
+                                          [--repeats 3]
+
+The same tiny random Llama (``llmtrain.testing.tiny_model``), the same preference pairs (the
+synthetic rows of ``bench_vs_trl.py``: a row's prompt, its answer as ``chosen`` and the answer
+of the row half the table away as ``rejected``; answers cut at a word boundary so that every
+prompt + answer + EOS fits ``max_length``: neither side truncates, and they truncate
+differently), a SQLite table for llmtrain and a prompt/chosen/rejected ``datasets.Dataset`` for
+TRL, the prompt rendered with the same template. The same recipe on both sides: LoRA r=8,
+alpha 16, dropout 0 on all attention and MLP projections; AdamW (lr 2e-4, linear schedule, no
+warmup, clipping at 1.0), full precision, no gradient checkpointing; DPO with beta 0.1 and the
+sigmoid loss; the reference is the model with its adapter disabled (TRL's default for a PEFT
+model with ``ref_model=None``), computed in each step (``precompute_ref_log_probs`` off); the
+same number of optimizer steps of ``batch_size`` pairs each (a chosen and a rejected sequence
+a pair), the rows read in key order on both sides (no shuffle: the same pairs in every step).
+
+* padded: ``batch_size`` pairs a step, right-padded, on both sides;
+* packed: llmtrain packs each step's ``2 x batch_size`` sequences padding-free into rows of
+  ``max_length`` (position ids; no cross-attention). TRL's ``padding_free=True`` is probed
+  first: TRL 1.16 warns and falls back to padding, so its packed contender is then left out
+  and llmtrain-packed is compared with trl-padded (TRL's only mode).
+
+Each contender runs in its own subprocess (one torch thread: the machine is shared), which
+reports: real tokens/s (non-padding tokens of the chosen and rejected sequences fed to the
+policy over the training loop's time: TRL from ``on_train_begin`` to ``on_train_end``, after
+its tokenization; llmtrain's ``tokens_per_s`` metric, which includes reading and tokenizing
+the rows), the peak RSS of the process, the real-token fraction of the positions fed to the
+model and the loss of the last step (the same pairs a step on both sides: the losses should
+agree closely; both start at log 2). Every contender runs ``--repeats`` times, the order
+rotating each round, and the medians are shown (the machine these ran on is shared and
+noisy). Ratios are llmtrain / TRL.
+Goal: tokens/s >= 1.0x at peak RSS <= 1.0x TRL's, packing on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# the SFT benchmark's rows, recipe and helpers (it also puts the repository on sys.path)
+from bench_vs_trl import LLAMA_TARGETS, LORA_ALPHA, LORA_R, LR, TEMPLATE, _peak_mb, make_rows
+
+BETA = 0.1
+PROMPT = TEMPLATE.replace("{Y}", "")  # what TRL gets as the prompt; llmtrain renders the same
+
+
+def make_pairs(n: int, tokenizer: Any, max_length: int) -> tuple[list[dict[str, Any]], int]:
+    """``n`` (id, prompt, chosen, rejected) rows from the synthetic rows: ``rejected`` is
+    another row's answer. Answers lose words from the end until BOS + prompt + answer + EOS
+    fits ``max_length`` (a margin of 2 tokens for a boundary merged differently); returns the
+    rows and how many answers were cut."""
+    rows, cut = make_rows(n), 0
+
+    def fit(x: str, y: str) -> str:
+        nonlocal cut
+        words = y.removesuffix(".").split()
+        while words:
+            text = TEMPLATE.replace("{X}", x).replace("{Y}", " ".join(words) + ".")
+            if len(tokenizer(text).input_ids) + 1 <= max_length - 2:
+                break
+            words.pop()
+        if len(words) < len(y.removesuffix(".").split()):
+            cut += 1
+        if not words:
+            raise SystemExit(f"a prompt fills max_length={max_length}: raise it")
+        return " ".join(words) + "."
+
+    pairs = []
+    for i, x, y in rows:
+        j = (i + n // 2) % n
+        while rows[j][2] == y and j != i:  # an answer that differs
+            j = (j + 1) % n
+        pairs.append({"id": i, "prompt": x, "chosen": fit(x, y), "rejected": fit(x, rows[j][2])})
+    return pairs, cut
+
+
+def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
+    import sqlite3
+
+    import llmtrain as lt
+    from llmtrain.training import run as run_module
+
+    folder = Path(args.workdir)
+    pairs = json.loads(Path(args.pairs).read_text())
+    con = sqlite3.connect(folder / "pairs.db")
+    con.execute(
+        "CREATE TABLE pairs (id INTEGER PRIMARY KEY, prompt TEXT, chosen TEXT, rejected TEXT)"
+    )
+    con.executemany(
+        "INSERT INTO pairs VALUES (?, ?, ?, ?)",
+        [(p["id"], p["prompt"], p["chosen"], p["rejected"]) for p in pairs],
+    )
+    con.commit()
+    con.close()
+    positions = {"n": 0}
+    to_device = run_module.to_device
+
+    def counted(batch: dict[str, Any], device: Any) -> dict[str, Any]:
+        positions["n"] += batch["input_ids"].numel()  # once a micro-batch: the policy's forward
+        return to_device(batch, device)
+
+    run_module.to_device = counted  # type: ignore[assignment]
+    trainer = lt.LLMTrainer(
+        f"dpo-bench-{packing}",
+        model=args.model,
+        objective="dpo",
+        beta=BETA,
+        loss_type="sigmoid",
+        prompt_template=TEMPLATE,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        max_grad_norm=1.0,
+        lora_r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=LLAMA_TARGETS,
+        max_steps=args.steps,
+        packing=packing,
+        shuffle=False,
+        mixed_precision="no",
+        torch_dtype="float32",
+        progress_bar=False,
+        logging_steps=1,
+    )
+    db = lt.connect(f"sqlite:///{folder / 'pairs.db'}", artifacts=folder / "artifacts")
+    model = trainer.fit(
+        X="prompt", chosen="chosen", rejected="rejected", db=db, select=lt.Table("pairs")
+    )
+    last = db.metadata.get_metrics(model.record.run_id)[-1].values
+    return {
+        "tok_s": last["tokens_per_s"],
+        "tokens": last["tokens"],
+        "fraction": last["tokens"] / max(positions["n"], 1),
+        "loss": last["loss"],
+        "peak_mb": _peak_mb(),
+    }
+
+
+def trl_trainer(args: argparse.Namespace, padding_free: bool, callbacks: list[Any]) -> Any:
+    """TRL's DPOTrainer on the same pairs and recipe."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    pairs = json.loads(Path(args.pairs).read_text())
+    rows = [
+        {
+            "prompt": PROMPT.replace("{X}", p["prompt"]),
+            "chosen": p["chosen"],
+            "rejected": p["rejected"],
+        }
+        for p in pairs
+    ]
+    config = DPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=LR,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        max_length=args.max_length,
+        padding_free=padding_free,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=False,
+        train_sampling_strategy="sequential",  # key order, as llmtrain with shuffle=False
+        gradient_checkpointing=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    lora = LoraConfig(
+        r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=LLAMA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+    return DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
+        ref_model=None,  # with a PEFT model: the reference is the adapter disabled
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(args.model),
+        peft_config=lora,
+        callbacks=callbacks,
+    )
+
+
+def probe_trl_padding_free(args: argparse.Namespace) -> dict[str, Any]:
+    """Whether TRL's DPOTrainer honours ``padding_free=True`` here (1.16: warns, pads)."""
+    try:
+        trainer = trl_trainer(args, True, [])
+    except Exception as exc:  # reported, not raised: TRL then runs padded
+        return {"honoured": False, "why": f"{type(exc).__name__}: {exc}"[:300]}
+    honoured = bool(getattr(trainer, "padding_free", False))
+    why = "" if honoured else "DPOTrainer warns that it is temporarily unavailable and pads"
+    return {"honoured": honoured, "why": why}
+
+
+def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
+    import torch
+    from transformers import TrainerCallback
+
+    clock: dict[str, float] = {}
+    counts = {"real": 0, "positions": 0}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            clock["start"] = time.perf_counter()
+
+        def on_train_end(self, *a: Any, **k: Any) -> None:
+            clock["end"] = time.perf_counter()
+
+    trainer = trl_trainer(args, packing, [Clock()])
+    if packing and not trainer.padding_free:
+        raise SystemExit("TRL fell back to padding: trl-packed would be trl-padded again")
+
+    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        """The policy's forward only (the reference's runs without grad), counted where the
+        model receives the batch."""
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        if ids is None or not torch.is_grad_enabled():
+            return
+        counts["real"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
+        counts["positions"] += ids.numel()
+
+    inner = trainer.model.get_base_model().model  # the LlamaModel inside the PEFT wrapper
+    inner.register_forward_pre_hook(count, with_kwargs=True)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    seconds = clock["end"] - clock["start"]
+    return {
+        "tok_s": counts["real"] / seconds,
+        "tokens": counts["real"],
+        "fraction": counts["real"] / max(counts["positions"], 1),
+        "loss": losses[-1],
+        "peak_mb": _peak_mb(),
+    }
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.child == "trl-probe":
+        print("RESULT " + json.dumps(probe_trl_padding_free(args)))
+        return
+    side, mode = args.child.split("-")
+    fn = run_llmtrain if side == "llmtrain" else run_trl
+    print("RESULT " + json.dumps(fn(args, mode == "packed")))
+
+
+def run_child(name: str, args: argparse.Namespace, model: Path, pairs: Path, folder: Path) -> Any:
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
+    cmd += ["--workdir", str(folder), "--pairs", str(pairs)]
+    for flag in ("steps", "batch_size", "max_length", "threads"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not line:
+        sys.exit(f"{name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(line[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.rows < args.steps * args.batch_size:
+        sys.exit(f"--rows {args.rows} < steps x batch-size: an epoch would end mid-run")
+
+    from transformers import AutoTokenizer
+
+    from llmtrain.testing import tiny_model
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-dpo-vs-trl-"))
+    try:
+        model = tiny_model(workdir / "model", hidden_size=args.hidden, num_layers=args.layers)
+        pairs, cut = make_pairs(args.rows, AutoTokenizer.from_pretrained(model), args.max_length)
+        pairs_file = workdir / "pairs.json"
+        pairs_file.write_text(json.dumps(pairs))
+        probe = run_child("trl-probe", args, model, pairs_file, workdir / "probe")
+        names = ["llmtrain-padded", "trl-padded", "llmtrain-packed"]
+        if probe["honoured"]:
+            names.append("trl-packed")
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for i in range(args.repeats):  # the order rotates: load bursts hit every contender
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                result = run_child(name, args, model, pairs_file, workdir / f"round{i}" / name)
+                rounds[name].append(result)
+        results = {
+            name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+            for name, runs in rounds.items()
+        }
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print(
+        f"DPO (beta {BETA}, sigmoid), tiny Llama hidden {args.hidden} x {args.layers} layers, "
+        f"{args.steps} steps of {args.batch_size} pairs, max_length {args.max_length} "
+        f"({cut} of {2 * args.rows} answers cut to fit), {args.threads} thread(s), median of "
+        f"{args.repeats} rounds"
+    )
+    if not probe["honoured"]:
+        print(f"TRL padding_free=True: not honoured ({probe['why']}); TRL runs padded only")
+    header = ("run", "tokens/s", "peak RSS MB", "real frac", "tokens", "last loss")
+    print("{:<17} {:>9} {:>12} {:>10} {:>8} {:>10}".format(*header))
+    for name, r in results.items():
+        print(
+            f"{name:<17} {r['tok_s']:>9.0f} {r['peak_mb']:>12.0f} {r['fraction']:>10.3f} "
+            f"{r['tokens']:>8.0f} {r['loss']:>10.4f}"
+        )
+    for mode in ("padded", "packed"):
+        against = f"trl-{mode}" if f"trl-{mode}" in results else "trl-padded"
+        ours, theirs = results[f"llmtrain-{mode}"], results[against]
+        speed = ours["tok_s"] / theirs["tok_s"]
+        memory = ours["peak_mb"] / theirs["peak_mb"]
+        ok = "PASS" if speed >= 1.0 and memory <= 1.0 else "FAIL"
+        print(f"llmtrain-{mode} / {against}: tokens/s {speed:.2f}x, peak RSS {memory:.2f}x  [{ok}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Preference tuning through fit(): ``objective="dpo"`` (against the model with its adapter
+off), ``"orpo"`` and ``"simpo"`` (reference-free) on rows of (prompt, chosen, rejected). Each
+pair's two answers are rendered by the SFT formatter and trained in one forward; the step
+is normalised by pairs; the run, lineage and replay are SFT's."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import fill
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import llmtrain as lt
+from llmtrain.errors import BadRowError, ConfigError
+from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.testing import tiny_model
+
+TEMPLATE = "Q: {X}\nA: {Y}"
+COLORS = ["red", "blue", "green", "black"]
+ROWS = [
+    {"id": i, "prompt": f"what color is item {i}", "chosen": COLORS[i % 4], "rejected": "unsure"}
+    for i in range(8)
+]
+OPTIONS: dict[str, Any] = {
+    "prompt_template": TEMPLATE,
+    "max_length": 32,
+    "batch_size": 4,
+    "learning_rate": 1e-2,
+    "lora_dropout": 0.0,
+    "logging_steps": 1,
+    "progress_bar": False,
+}
+FIELDS = {"X": "prompt", "chosen": "chosen", "rejected": "rejected"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+def _db(tmp_path: Path, rows: list[dict[str, Any]] = ROWS) -> Any:
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "feedback", rows)
+    return lt.connect(uri, artifacts=tmp_path / "artifacts")
+
+
+def _margins(folder: Path | str, tokenizer: Any) -> list[float]:
+    """log p(chosen) - log p(rejected) of each pair, by stock transformers."""
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    formatter = Formatter(tokenizer, TEMPLATE, max_length=32, x_field="prompt", y_field="a")
+    out = []
+    for row in ROWS:
+        sums = []
+        for answer in (row["chosen"], row["rejected"]):
+            example = formatter.format({"prompt": row["prompt"], "a": answer})
+            ids, labels = torch.tensor([example.input_ids]), torch.tensor([example.labels])
+            with torch.no_grad():
+                logps = model(ids).logits[:, :-1].log_softmax(-1)
+            targets = labels[:, 1:]
+            keep = targets != IGNORE_INDEX
+            sums.append(
+                float(logps.gather(-1, targets.clamp(min=0)[..., None])[..., 0][keep].sum())
+            )
+        out.append(sums[0] - sums[1])
+    return out
+
+
+@pytest.mark.parametrize("objective", ["dpo", "orpo", "simpo"])
+def test_preference_tuning_widens_every_pairs_margin(
+    objective: str, tiny: Path, tmp_path: Path
+) -> None:
+    db = _db(tmp_path)
+    trainer = lt.LLMTrainer(
+        objective, model=tiny, objective=objective, num_train_epochs=8, **OPTIONS
+    )
+    model = trainer.fit(db=db, select=lt.Table("feedback"), **FIELDS)
+    assert model is not None
+    (run,) = db.metadata.list_runs("trainer", objective)
+    metrics = [m.values for m in db.metadata.get_metrics(run.run_id)]
+    assert len(metrics) == 16 and all("rewards/margins" in m for m in metrics)
+    if objective == "dpo":  # a fresh adapter is the reference: ln 2, no margin
+        assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert metrics[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model.export_merged(tmp_path / "merged")
+    merged = tmp_path / "merged"
+    before, after = _margins(tiny, tokenizer), _margins(merged, tokenizer)
+    assert all(b < a for b, a in zip(before, after)), list(zip(before, after))
+    # the feedback rows are the lineage; the stored recipe replays
+    assert sorted(c.key for c in db.lineage("model", objective)) == sorted(list(range(8)) * 8)
+    stored = db.load("trainer", objective)
+    assert stored.to_dict()["fit"]["rejected"] == "rejected"
+    assert stored.to_dict()["objective_args"]["objective"] == objective
+    if objective == "dpo":
+        again = stored.fit()
+        assert again is not None and again.version == model.version + 1
+
+
+def test_packed_and_padded_pairs_train_alike(tiny: Path, tmp_path: Path) -> None:
+    """Packed padding-free, each token knows its sequence: the same losses as padded rows."""
+    db = _db(tmp_path)
+    losses = []
+    for packing in (False, True):
+        name = f"dpo-packed-{packing}"
+        options = {**OPTIONS, "packing": packing, "max_steps": 4}
+        lt.LLMTrainer(name, model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+        (run,) = db.metadata.list_runs("trainer", name)
+        losses.append([m.values["loss"] for m in db.metadata.get_metrics(run.run_id)])
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    assert losses[0][0] != losses[0][-1]
+
+
+def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hooks import crash_after_checkpoint
+    from safetensors.torch import load_file
+
+    db = _db(tmp_path, [*ROWS, *({**r, "id": r["id"] + 8} for r in ROWS)])
+    options = {**OPTIONS, "max_steps": 4, "save_steps": 2, "eval_fraction": 0.25, "eval_steps": 2}
+    whole = lt.LLMTrainer("dpo-whole", model=tiny, objective="dpo", **options)
+    model = whole.fit(db=db, select=lt.Table("feedback"), **FIELDS)
+    (run,) = db.metadata.list_runs("trainer", "dpo-whole")
+    evaluated = [m.values for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
+    assert len(evaluated) == 2
+    assert all(0 <= m["eval_rewards/accuracies"] <= 1 for m in evaluated)
+    undo = crash_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        lt.LLMTrainer("dpo-resumed", model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+    undo()
+    resumed = db.load("trainer", "dpo-resumed").fit(resume=True)
+    assert model is not None and resumed is not None
+    weights = []
+    for m in (model, resumed):
+        db.artifacts.get_dir(m.record.adapter, tmp_path / m.identifier)
+        weights.append(load_file(str(tmp_path / m.identifier / "adapter_model.safetensors")))
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0)
+
+
+def test_a_pair_without_a_preference_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
+    rows = [*ROWS]
+    rows[3] = {**rows[3], "rejected": rows[3]["chosen"]}
+    rows[5] = {**rows[5], "rejected": "  "}
+    db = _db(tmp_path, rows)
+    options = {**OPTIONS, "max_steps": 2, "shuffle": False}
+    with pytest.raises(BadRowError, match=r"key 3: field 'rejected' equals field 'chosen'"):
+        lt.LLMTrainer("bad", model=tiny, objective="simpo", **options).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+    skipping = lt.LLMTrainer("skip", model=tiny, objective="simpo", on_bad_row="skip", **options)
+    skipping.fit(db=db, select=lt.Table("feedback"), **FIELDS)
+    assert sorted(c.key for c in db.lineage("model", "skip")) == [0, 1, 2, 4, 6, 7]
+
+
+def test_preference_options_are_checked_before_anything_is_recorded(
+    tiny: Path, tmp_path: Path
+) -> None:
+    db = _db(tmp_path)
+    select = lt.Table("feedback")
+    cases = [
+        ({"objective": "dpo"}, {"X": "prompt", "Y": "chosen"}, "trains fit.X=, chosen=, rejected="),
+        ({}, FIELDS, "set objective='dpo', 'orpo' or 'simpo'"),
+        ({"objective": "dpo", "lora_args": None}, FIELDS, "the reference is the model with its"),
+        ({"objective": "dpo", "loss_type": "kto"}, FIELDS, "loss_type"),
+        ({"objective": "orpo"}, {**FIELDS, "rejected": "chosen"}, "name the same field twice"),
+    ]
+    for options, fields, message in cases:
+        full = {k: v for k, v in {**OPTIONS, **options}.items() if k != "lora_dropout"}
+        with pytest.raises(ConfigError, match=message):
+            lt.LLMTrainer("refused", model=tiny, **full).fit(db=db, select=select, **fields)
+    with pytest.raises(ConfigError, match="bare base"):
+        lt.LLMTrainer("refused", model=tiny, objective="dpo", **OPTIONS).fit(
+            db=db, select=select, incremental=True, **FIELDS
+        )
+    assert db.metadata.list_runs() == []
+
+
+def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, capsys: Any) -> None:
+    import yaml
+
+    from llmtrain.cli import main
+
+    db = _db(tmp_path)
+    config = {
+        "name": "dpo-yaml",
+        "db": db.uri,
+        "artifacts": str(tmp_path / "artifacts"),
+        "prompt_template": TEMPLATE,
+        "model_args": {"model_name_or_path": str(tiny)},
+        "objective_args": {"objective": "dpo", "beta": 0.2, "loss_type": "ipo"},
+        "training_args": {"max_steps": 2, "per_device_train_batch_size": 4, "progress_bar": False},
+        "data": {**FIELDS, "select": {"table": "feedback"}},
+    }
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", str(path)]) == 0
+    stored = lt.connect(db.uri, artifacts=tmp_path / "artifacts").load("trainer", "dpo-yaml")
+    assert stored.to_dict()["objective_args"]["loss_type"] == "ipo"
+    capsys.readouterr()
+    where = ["--db", db.uri, "--artifacts", str(tmp_path / "artifacts")]
+    assert main(["show", "trainer", "dpo-yaml", *where]) == 0
+    shown = capsys.readouterr().out
+    assert "DPO, LoRA r=8" in shown and "prompt -> chosen over rejected" in shown
