@@ -125,12 +125,16 @@ def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
 
     db = _db(tmp_path, [*ROWS, *({**r, "id": r["id"] + 8} for r in ROWS)])
     options = {**OPTIONS, "max_steps": 4, "save_steps": 2, "eval_fraction": 0.25, "eval_steps": 2}
+    options["save_best_by"] = "rewards/margins"  # the best checkpoint by a preference metric
     whole = lt.LLMTrainer("dpo-whole", model=tiny, objective="dpo", **options)
     model = whole.fit(db=db, select=lt.Table("feedback"), **FIELDS)
     (run,) = db.metadata.list_runs("trainer", "dpo-whole")
     evaluated = [m.values for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
     assert len(evaluated) == 2
     assert all(0 <= m["eval_rewards/accuracies"] <= 1 for m in evaluated)
+    best = db.metadata.get_run(run.run_id).info["best_checkpoint"]
+    assert best["metric"] == "eval_rewards/margins"
+    assert best["value"] == max(m["eval_rewards/margins"] for m in evaluated)
     undo = crash_after_checkpoint(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
         lt.LLMTrainer("dpo-resumed", model=tiny, objective="dpo", **options).fit(
@@ -173,6 +177,11 @@ def test_preference_options_are_checked_before_anything_is_recorded(
         ({"objective": "dpo", "lora_args": None}, FIELDS, "the reference is the model with its"),
         ({"objective": "dpo", "loss_type": "kto"}, FIELDS, "loss_type"),
         ({"objective": "orpo"}, {**FIELDS, "rejected": "chosen"}, "name the same field twice"),
+        (
+            {"save_best_by": "eval_rewards/margins", "eval_fraction": 0.5},
+            {"X": "prompt", "Y": "chosen"},
+            "rewards are a preference objective's",
+        ),
     ]
     for options, fields, message in cases:
         full = {k: v for k, v in {**OPTIONS, **options}.items() if k != "lora_dropout"}

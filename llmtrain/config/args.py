@@ -529,14 +529,23 @@ class TrainerConfig(_Args):
         objective, fit = self.objective_args.objective, self.fit
         paired = fit is not None and fit.rejected is not None
         if objective == "sft":
-            return (
-                [
-                    "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' or "
-                    "'simpo'"
-                ]
-                if paired
-                else []
-            )
+            best = self.training_args.best_key()
+            return [
+                problem
+                for problem, found in (
+                    (
+                        "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' "
+                        "or 'simpo'",
+                        paired,
+                    ),
+                    (
+                        f"training_args.save_best_by={best!r}: rewards are a preference "
+                        "objective's",
+                        best is not None and best.startswith("eval_rewards/"),
+                    ),
+                )
+                if found
+            ]
         problems = []
         if fit is not None and (not paired or fit.Y is not None):
             problems.append(f"objective={objective!r} trains fit(X=, chosen=, rejected=), no Y")

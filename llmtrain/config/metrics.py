@@ -17,6 +17,10 @@ BUILTIN: dict[str, Metric] = {
 }
 
 
+#: what every evaluation logs (the rewards: a preference objective's), save_best_by may name
+SCORED = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")
+
+
 def logged_name(entry: str) -> str:
     """``exact_match`` -> ``eval_exact_match``, ``pkg.mod:f1`` -> ``eval_f1``; ``eval_*`` stays."""
     name = entry.rsplit(":", 1)[-1]
@@ -53,7 +57,7 @@ def metric_problems(entries: Sequence[str], save_best_by: str | None) -> list[st
     names = [logged_name(e) for e in entries]
     if len(set(names)) < len(names):
         problems.append(f"eval_metrics: two entries log as the same name {names}")
-    if save_best_by is not None and logged_name(save_best_by) not in {"eval_loss", *names}:
-        choices = ", ".join(["eval_loss", *entries])
+    if save_best_by is not None and logged_name(save_best_by) not in {*SCORED, *names}:
+        choices = ", ".join([*SCORED, *entries])
         problems.append(f"save_best_by={save_best_by!r} is not scored: choose one of {choices}")
     return problems
