@@ -44,12 +44,20 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 # the SFT benchmark's rows, recipe and helpers (it also puts the repository on sys.path)
-from bench_vs_trl import LLAMA_TARGETS, LORA_ALPHA, LORA_R, LR, TEMPLATE, _peak_mb, make_rows
+from bench_vs_trl import (  # noqa: E402
+    LLAMA_TARGETS,
+    LORA_ALPHA,
+    LORA_R,
+    LR,
+    TEMPLATE,
+    _peak_mb,
+    make_rows,
+    timed_train,
+)
 
 BETA = 0.1
 PROMPT = TEMPLATE.replace("{Y}", "")  # what TRL gets as the prompt; llmtrain renders the same
@@ -224,44 +232,14 @@ def probe_trl_padding_free(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
-    import torch
-    from transformers import TrainerCallback
+    def make(callbacks: list[Any]) -> Any:
+        trainer = trl_trainer(args, packing, callbacks)
+        if packing and not trainer.padding_free:
+            raise SystemExit("TRL fell back to padding: trl-packed would be trl-padded again")
+        return trainer
 
-    clock: dict[str, float] = {}
-    counts = {"real": 0, "positions": 0}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            clock["start"] = time.perf_counter()
-
-        def on_train_end(self, *a: Any, **k: Any) -> None:
-            clock["end"] = time.perf_counter()
-
-    trainer = trl_trainer(args, packing, [Clock()])
-    if packing and not trainer.padding_free:
-        raise SystemExit("TRL fell back to padding: trl-packed would be trl-padded again")
-
-    def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        """The policy's forward only (the reference's runs without grad), counted where the
-        model receives the batch."""
-        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-        if ids is None or not torch.is_grad_enabled():
-            return
-        counts["real"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
-        counts["positions"] += ids.numel()
-
-    inner = trainer.model.get_base_model().model  # the LlamaModel inside the PEFT wrapper
-    inner.register_forward_pre_hook(count, with_kwargs=True)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    seconds = clock["end"] - clock["start"]
-    return {
-        "tok_s": counts["real"] / seconds,
-        "tokens": counts["real"],
-        "fraction": counts["real"] / max(counts["positions"], 1),
-        "loss": losses[-1],
-        "peak_mb": _peak_mb(),
-    }
+    # the LlamaModel inside the PEFT wrapper; the reference's forward runs without grad
+    return timed_train(make, lambda trainer: trainer.model.get_base_model().model)
 
 
 def child(args: argparse.Namespace) -> None:

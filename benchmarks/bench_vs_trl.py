@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +161,7 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
 def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTTrainer
     from trl_recipe import trl_configs
 
@@ -182,6 +183,27 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
         lora_alpha=LORA_ALPHA,
         targets=LLAMA_TARGETS,
     )
+
+    def make(callbacks: list[Any]) -> Any:
+        return SFTTrainer(
+            model=model,
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            peft_config=lora,
+            callbacks=callbacks,
+        )
+
+    return timed_train(make, lambda trainer: model.model)  # the inner LlamaModel
+
+
+def timed_train(make: Callable[[list[Any]], Any], inner: Callable[[Any], Any]) -> dict[str, Any]:
+    """Train ``make(callbacks)``: the real tokens ``inner(trainer)`` (the model inside the
+    wrappers) receives with grad on (the policy's forward; the loader may fetch ahead), over
+    the time from on_train_begin to on_train_end."""
+    import torch
+    from transformers import TrainerCallback
+
     clock: dict[str, float] = {}
     counts = {"real": 0, "positions": 0}
 
@@ -192,24 +214,16 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
         def on_train_end(self, *a: Any, **k: Any) -> None:
             clock["end"] = time.perf_counter()
 
-    trainer = SFTTrainer(
-        model=model,
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        peft_config=lora,
-        callbacks=[Clock()],
-    )
+    trainer = make([Clock()])
 
     def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        """Counted where the model receives them (the loader may fetch batches ahead)."""
         ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         if ids is None or not torch.is_grad_enabled():
             return
         counts["real"] += int(mask.sum()) if mask is not None and mask.dim() == 2 else ids.numel()
         counts["positions"] += ids.numel()
 
-    model.model.register_forward_pre_hook(count, with_kwargs=True)  # the inner LlamaModel
+    inner(trainer).register_forward_pre_hook(count, with_kwargs=True)
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     seconds = clock["end"] - clock["start"]
