@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from bench_vs_trl import (  # noqa: E402
     TEMPLATE,
     _peak_mb,
     make_rows,
+    median_rounds,
     timed_train,
 )
 
@@ -302,16 +302,11 @@ def main() -> None:
         names = ["llmtrain-padded", "trl-padded", "llmtrain-packed"]
         if probe["honoured"]:
             names.append("trl-packed")
-        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        for i in range(args.repeats):  # the order rotates: load bursts hit every contender
-            k = i % len(names)
-            for name in names[k:] + names[:k]:
-                result = run_child(name, args, model, pairs_file, workdir / f"round{i}" / name)
-                rounds[name].append(result)
-        results = {
-            name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            for name, runs in rounds.items()
-        }
+        results = median_rounds(
+            names,
+            args.repeats,
+            lambda name, i: run_child(name, args, model, pairs_file, workdir / f"round{i}" / name),
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

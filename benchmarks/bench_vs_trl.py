@@ -197,6 +197,22 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
     return timed_train(make, lambda trainer: model.model)  # the inner LlamaModel
 
 
+def median_rounds(
+    names: list[str], repeats: int, run: Callable[[str, int], dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Each contender ``repeats`` times, the order rotating each round (load bursts hit every
+    contender), and the median of each figure."""
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for i in range(repeats):
+        k = i % len(names)
+        for name in names[k:] + names[:k]:
+            rounds[name].append(run(name, i))
+    return {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for name, runs in rounds.items()
+    }
+
+
 def timed_train(make: Callable[[list[Any]], Any], inner: Callable[[Any], Any]) -> dict[str, Any]:
     """Train ``make(callbacks)``: the real tokens ``inner(trainer)`` (the model inside the
     wrappers) receives with grad on (the policy's forward; the loader may fetch ahead), over
@@ -279,23 +295,20 @@ def main() -> None:
         mean = sum(min(n, args.max_length) for n in lengths) / len(lengths)
         packed_rows = max(1, round(args.batch_size * args.max_length / mean))
         names = ["llmtrain-padded", "trl-padded", "llmtrain-packed", "trl-packed"]
-        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        for i in range(args.repeats):  # the order rotates: load bursts hit every contender
-            for name in names[i % 4 :] + names[: i % 4]:
-                cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
-                cmd += ["--workdir", str(workdir / f"round{i}"), "--packed-rows", str(packed_rows)]
-                for flag in ("rows", "steps", "batch_size", "max_length", "threads"):
-                    cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-                (workdir / f"round{i}").mkdir(exist_ok=True)
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-                if done.returncode or not line:
-                    sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
-                rounds[name].append(json.loads(line[-1].removeprefix("RESULT ")))
-        results = {
-            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            for name, runs in rounds.items()
-        }
+
+        def run(name: str, i: int) -> dict[str, Any]:
+            cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
+            cmd += ["--workdir", str(workdir / f"round{i}"), "--packed-rows", str(packed_rows)]
+            for flag in ("rows", "steps", "batch_size", "max_length", "threads"):
+                cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+            (workdir / f"round{i}").mkdir(exist_ok=True)
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+            if done.returncode or not line:
+                sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+            return json.loads(line[-1].removeprefix("RESULT "))
+
+        results = median_rounds(names, args.repeats, run)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
