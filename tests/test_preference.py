@@ -151,6 +151,45 @@ def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0)
 
 
+def test_reference_log_probs_are_computed_once_per_pair_and_kept(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second epoch and a replay run no reference forward for the pairs already seen (the
+    values come from the artifact store), and train the same; a pair whose text changed is
+    computed again, with its micro-batch."""
+    import sqlite3
+
+    from llmtrain.training import preference
+
+    references: list[int] = []  # the pairs of each reference forward (the policy's has grad)
+    compute = preference.sequence_logprobs
+
+    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            references.append(int(batch["pairs"]))
+        return compute(model, batch, **kwargs)
+
+    monkeypatch.setattr(preference, "sequence_logprobs", counted)
+    db = _db(tmp_path)
+    options = {**OPTIONS, "num_train_epochs": 2, "shuffle": False}
+    lt.LLMTrainer("cached", model=tiny, objective="dpo", **options).fit(
+        db=db, select=lt.Table("feedback"), **FIELDS
+    )
+    assert references == [4, 4]  # the first epoch's two micro-batches, then none
+
+    def losses(run: Any) -> list[float]:
+        return [m.values["loss"] for m in db.metadata.get_metrics(run.run_id)]
+
+    references.clear()
+    db.load("trainer", "cached").fit()
+    first, replay = db.metadata.list_runs("trainer", "cached")
+    assert references == [] and losses(replay) == losses(first)
+    with sqlite3.connect(tmp_path / "data.db") as conn:
+        conn.execute("UPDATE feedback SET chosen = 'violet' WHERE id = 6")
+    db.load("trainer", "cached").fit(allow_changed_data=True)
+    assert references == [4]  # rows 4-7, once
+
+
 def test_a_pair_without_a_preference_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
     rows = [*ROWS]
     rows[3] = {**rows[3], "rejected": rows[3]["chosen"]}

@@ -29,6 +29,7 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
+from llmtrain.training.reference import pair_digest
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -127,7 +128,16 @@ class PairCollate:
         else:
             packed = pack_examples(examples, self.packer.max_length)
             batch = self.packer.collate_rows(packed, sequences=examples)
-        return _counted(batch, examples) | {"num_target_tokens": len(rows), "pairs": len(rows)}
+        n = len(rows)
+        digests = [
+            pair_digest(key, c.input_ids, r.input_ids)
+            for (key, _), c, r in zip(rows, examples[:n], examples[n:])
+        ]
+        return _counted(batch, examples) | {
+            "num_target_tokens": n,
+            "pairs": n,
+            "pair_digests": digests,
+        }
 
 
 def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:

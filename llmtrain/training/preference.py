@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llmtrain.formatting import IGNORE_INDEX
 from llmtrain.training.loss import CHUNK_ELEMENTS, LossFunction, model_inputs
+from llmtrain.training.reference import ReferenceCache
 
 Metrics = dict[str, torch.Tensor]
 
@@ -248,18 +249,19 @@ class PreferenceLoss:
     the pairs (the loop divides by the step's pairs); the metrics add up until
     :meth:`logged`."""
 
-    def __init__(self, base: Any, args: Any) -> None:
-        self.base, self.args = base, args
+    def __init__(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> None:
+        self.base, self.args, self.cache = base, args, cache
         self.sums: dict[str, torch.Tensor] = {}
         self.pairs = 0
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        a, n = self.args, int(batch["pairs"])
+        a, n = self.args, int(batch.get("pairs", 0))
         logps, counts = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+        if n == 0:  # a rank's filler batch (every row skipped): its collectives, no gradient
+            return logps.sum()
         means = logps / counts.clamp(min=1)
         if a.objective == "dpo":
-            with torch.no_grad(), self.base.disable_adapter():
-                ref, _ = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+            ref = self._reference(model, batch, n).to(logps.device)
             loss, metrics = dpo_loss(
                 logps[:n],
                 logps[n:],
@@ -280,6 +282,20 @@ class PreferenceLoss:
             self.sums[name] = self.sums.get(name, 0) + value.detach().float() * n
         self.pairs += n
         return loss * n
+
+    def _reference(self, model: Any, batch: dict[str, Any], n: int) -> torch.Tensor:
+        """The reference's log-probs, chosen then rejected: kept ones from the cache, else a
+        forward with the adapter off (kept for next time)."""
+        digests = batch.get("pair_digests") or []
+        kept = self.cache.get(digests) if self.cache is not None else None
+        if kept is not None:
+            return torch.tensor([c for c, _ in kept] + [r for _, r in kept])
+        with torch.no_grad(), self.base.disable_adapter():
+            ref, _ = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+        if self.cache is not None:
+            values = ref.float().cpu().tolist()
+            self.cache.add(digests, values[:n], values[n:])
+        return ref
 
     def logged(self) -> dict[str, float]:
         """The mean of each metric over the pairs since the last call (reads the device)."""

@@ -50,6 +50,7 @@ from llmtrain.training.plan import RunPlan
 from llmtrain.training.precision import Precision
 from llmtrain.training.preference import PAIRED, PreferenceLoss
 from llmtrain.training.progress import Progress, make_progress
+from llmtrain.training.reference import ReferenceCache, reference_fingerprint
 from llmtrain.training.strategies.base import Strategy
 
 log = logging.getLogger("llmtrain.training")
@@ -113,7 +114,11 @@ class FitRun:
         self.base_model = model
         objective = cfg.objective_args
         paired = objective.objective in PAIRED
-        self.loss = PreferenceLoss(model, objective) if paired else LossFunction(model)
+        cache = None
+        if objective.objective == "dpo":
+            fingerprint = reference_fingerprint(cfg.model_args, str(self.precision))
+            cache = ReferenceCache(self.db, fingerprint)
+        self.loss = PreferenceLoss(model, objective, cache) if paired else LossFunction(model)
 
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
@@ -490,6 +495,7 @@ class FitRun:
             skips = [*(info.get(SKIPS) or []), blob]
             self.db.metadata.update_run(self.run_id, info={SKIPS: skips, "deleted_rows": deleted})
         self.skips = Skips()
+        self._keep_references()
         state = {
             "step": self.step,
             "epoch": self.batches.rule.epoch_of(self.step) if self.step else 0,
@@ -500,8 +506,18 @@ class FitRun:
         self._saved_step = self.step
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 
+    def _keep_references(self) -> None:
+        """Collective. Rank 0 stores the reference values every rank computed since the last
+        call (:mod:`llmtrain.training.reference`)."""
+        cache = getattr(self.loss, "cache", None)
+        if cache is not None:
+            gathered = self.strategy.gather_object(cache.take_new())
+            if self.strategy.is_main:
+                cache.store({k: v for new in gathered for k, v in new.items()})
+
     def save_adapter(self) -> str | None:
         """Collective. Rank 0 stores the adapter (PEFT format) or full model; returns its id."""
+        self._keep_references()
         weights = self.strategy.trainable_state_dict(self.model)
         artifact = None
         if self.strategy.is_main:
