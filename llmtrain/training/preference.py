@@ -1,5 +1,5 @@
 """Preference tuning's pieces: per-sequence log-probabilities without the full logits, and the
-DPO, KTO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
+DPO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
 
 A batch for :func:`sequence_logprobs` is one of
   * padded: ``input_ids``, ``labels``, ``attention_mask`` [B, T]; sequence ``i`` is row ``i``;
@@ -147,45 +147,6 @@ def dpo_loss(
     else:
         raise ValueError(f"dpo_loss: unknown loss_type {loss_type!r}")
     return losses.mean(), _pair_metrics(chosen, rejected, beta, chosen_logps, rejected_logps)
-
-
-def kto_loss(
-    logps: torch.Tensor,
-    ref_logps: torch.Tensor,
-    desirable: torch.Tensor,
-    kl_logps: torch.Tensor | None,
-    ref_kl_logps: torch.Tensor | None,
-    *,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> tuple[torch.Tensor, Metrics]:
-    """KTO on summed log-probs; ``desirable`` [N] bool. The reference point is the batch's
-    mean policy/reference log-ratio on mismatched completions (``kl_*``), detached and
-    clamped at 0 (zero without them). Metrics of a kind the batch lacks are nan."""
-    kl = torch.zeros((), device=logps.device)
-    if kl_logps is not None and ref_kl_logps is not None:
-        kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
-    ratios = logps - ref_logps
-    losses = torch.where(
-        desirable,
-        desirable_weight * (1 - torch.sigmoid(beta * (ratios - kl))),
-        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratios))),
-    )
-    good, bad = desirable.float(), 1 - desirable.float()
-
-    def mean(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
-        return (x.detach() * of).sum() / of.sum()
-
-    chosen, rejected = mean(beta * ratios, good), mean(beta * ratios, bad)
-    return losses.mean(), {
-        "kl": kl,
-        "rewards/chosen": chosen,
-        "rewards/rejected": rejected,
-        "rewards/margins": chosen - rejected,
-        "logps/chosen": mean(logps, good),
-        "logps/rejected": mean(logps, bad),
-    }
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
