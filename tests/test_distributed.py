@@ -727,3 +727,36 @@ def test_dpo_under_ddp_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(env: Env
     (run,) = env.db.metadata.list_runs("trainer", "dist-dpo")
     metrics = env.db.metadata.get_metrics(run.run_id)
     assert metrics[0].values["loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_a_mixture_under_ddp_splits_each_epochs_interleave_between_the_ranks(env: Env) -> None:
+    """Two real ranks of a 0.5/0.5 mixture of a 32-row and an 8-row table: each reads its own
+    run of the interleave (both sources on both ranks), they end in sync, and lineage (the
+    plan's arithmetic) names exactly what the ranks traced."""
+    fill(env.uri, "extra", [{**_row(i), "id": 100 + i} for i in range(8)])
+    trace, prefix = env.root / "trace-mix", env.root / "report-mix"
+    launcher = lt.Launcher(kind="torchrun", num_processes=WORLD)
+    mixed = lt.mix(lt.Table("docs"), lt.Table("extra"), weights=[0.5, 0.5])
+    with environ(**_hooks(trace=trace, report=prefix)):
+        model = _trainer(env, "dist-mix", launcher=launcher).fit(
+            X="instruction",
+            Y="output",
+            db=env.db,
+            select=mixed,
+            callbacks=["hooks:key_trace", "hooks:RankReport"],
+        )
+    assert model is not None
+    reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
+    assert reports[0]["pid"] != reports[1]["pid"] and [r["rank"] for r in reports] == [0, 1]
+    keys = [[k for line in _lines(trace, r) for k in json.loads(line)["keys"]] for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD  # 4 steps x 4 rows a rank
+    # the 32-row source is sub-sampled (20 of an epoch's 40 positions): no row twice; the
+    # 8-row one up-sampled (2.5 passes an epoch), so both ranks read some of its rows
+    big = [{k for k in mine if "'part': 0" in k} for mine in keys]
+    assert big[0] and big[1] and not big[0] & big[1]
+    assert all(any("'part': 1" in k for k in mine) for mine in keys)
+    local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
+    for name in local0:
+        torch.testing.assert_close(local0[name], local1[name], rtol=0, atol=0)
+    traced = sorted(k for mine in keys for k in mine)
+    assert sorted(f"dict:{c.key}" for c in env.db.lineage("model", "dist-mix")) == traced
