@@ -694,25 +694,30 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
-def test_dpo_under_ddp_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(env: Env) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dpo_on_two_ranks_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(
+    env: Env, strategy: str
+) -> None:
     """The preference objective changes only the collate and the loss: two real ranks read
-    their own pairs, the reference (adapter off) runs inside the DDP-wrapped model, the
-    gradients are averaged (the ranks end with the same adapter) and step 1 is at ln 2."""
+    their own pairs, the reference (adapter off) runs inside the wrapped model, the ranks end
+    with the same adapter (FSDP2: complementary shards of it) and step 1 is at ln 2."""
     rows = [_row(i) for i in range(N_ROWS)]
     pairs = [
         {"id": r["id"], "prompt": r["instruction"], "chosen": r["output"], "rejected": "unsure"}
         for r in rows
     ]
-    fill(env.uri, "pairs", pairs)
-    trace, prefix = env.root / "trace-dpo", env.root / "report-dpo"
-    launcher = lt.Launcher(kind="torchrun", num_processes=WORLD)
+    table, name = f"pairs_{strategy}", f"dist-dpo-{strategy}"
+    fill(env.uri, table, pairs)
+    trace, prefix = env.root / f"trace-{name}", env.root / f"report-{name}"
+    options = {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)}
+    options |= {"fsdp_config": {}} if strategy == "fsdp" else {}
     with environ(**_hooks(trace=trace, report=prefix)):
-        model = _trainer(env, "dist-dpo", objective="dpo", launcher=launcher).fit(
+        model = _trainer(env, name, objective="dpo", **options).fit(
             X="prompt",
             chosen="chosen",
             rejected="rejected",
             db=env.db,
-            select=lt.Table("pairs"),
+            select=lt.Table(table),
             callbacks=["hooks:key_trace", "hooks:RankReport"],
         )
     assert model is not None
@@ -721,10 +726,18 @@ def test_dpo_under_ddp_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(env: Env
     keys = [{k for line in _lines(trace, r) for k in json.loads(line)["keys"]} for r in (0, 1)]
     assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD and not keys[0] & keys[1]
     local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
-    assert any(not torch.equal(v, torch.zeros_like(v)) for v in local0.values())
-    for name in local0:
-        torch.testing.assert_close(local0[name], local1[name], rtol=0, atol=0)
-    (run,) = env.db.metadata.list_runs("trainer", "dist-dpo")
+    adapter = _adapter(env, model)
+    assert any(not torch.equal(v, torch.zeros_like(v)) for v in adapter.values())
+    for key in local0:
+        full = adapter[_peft_key(key)]
+        if strategy == "fsdp":
+            assert local0[key].numel() < full.numel(), f"{key} is not sharded"
+            both = _assemble([local0[key], local1[key]], list(full.shape))
+            torch.testing.assert_close(both, full, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(local0[key], local1[key], rtol=0, atol=0)
+            torch.testing.assert_close(local0[key], full, rtol=0, atol=0)
+    (run,) = env.db.metadata.list_runs("trainer", name)
     metrics = env.db.metadata.get_metrics(run.run_id)
     assert metrics[0].values["loss"] == pytest.approx(math.log(2), abs=1e-6)
 
