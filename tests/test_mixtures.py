@@ -168,7 +168,9 @@ def _adapter(db: Any, model: Any, folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
-def test_a_mixture_reads_each_source_by_key_on_every_backend(any_uri: str, tiny: Path) -> None:
+def test_a_mixture_reads_each_source_by_key_on_every_backend(
+    any_uri: str, tiny: Path, tmp_path: Path
+) -> None:
     fill(any_uri, "big", _docs(40))
     fill(any_uri, "small", _qa(10))
     mongo = any_uri.startswith("mongo")
@@ -183,8 +185,7 @@ def test_a_mixture_reads_each_source_by_key_on_every_backend(any_uri: str, tiny:
         source = _docs(40)[key] if part == 0 else _qa(10)[key]
         assert row == {f: source[f] for f in (["body"] if part == 0 else ["q", "a"])}
     # a fit on it: lineage names each source's rows, and the run its sources
-    root = Path(any_uri.removeprefix("sqlite:///")).parent if not mongo else None
-    db = lt.connect(any_uri, artifacts=root / "artifacts") if root else db
+    db = lt.connect(any_uri, artifacts=tmp_path / "artifacts")
     options = {**OPTIONS, "max_steps": 3, "save_steps": 100}
     lt.LLMTrainer("mx-any", model=tiny, **options).fit(db=db, select=mixed)
     consumed = list(db.lineage("model", "mx-any"))
