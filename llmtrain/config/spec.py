@@ -44,9 +44,14 @@ class DataSelection(BaseModel):
         return data
 
     @property
+    def pairs(self) -> tuple[str, str] | None:
+        """Preference rows: the (chosen, rejected) fields; None for responses or documents."""
+        return (self.chosen, self.rejected) if self.chosen and self.rejected else None
+
+    @property
     def fields(self) -> list[str]:
-        if self.rejected is not None and self.chosen is not None:
-            return [self.X, self.chosen, self.rejected]
+        if self.pairs:
+            return [self.X, *self.pairs]
         return [self.X] if self.Y is None else [self.X, self.Y]
 
 

@@ -329,10 +329,14 @@ class CachedQueryDataset(IterableDataset[Row]):
         reprs = [key_repr(k) for k in wanted]
         found: dict[str, tuple[_Source, Row]] = {}
         for source in self.sources:
-            picks = [i for i, k in enumerate(wanted) if source.holds(k)]
+            if source.part is None:  # one source: every key, as read (the hot path)
+                picks, keys, mine = list(range(len(wanted))), wanted, versions
+            else:
+                picks = [i for i, k in enumerate(wanted) if k["part"] == source.part]
+                keys = [wanted[i]["key"] for i in picks]
+                mine = versions and [versions[i] for i in picks]
             if picks:
-                keys = [source.own(wanted[i]) for i in picks]
-                read = source.read(self.db, keys, versions and [versions[i] for i in picks])
+                read = source.read(self.db, keys, mine)
                 found |= {reprs[i]: (source, row) for i, row in zip(picks, read) if row is not None}
                 self.stats.statements += 1
         self.stats.rows_fetched += len(found)
@@ -396,9 +400,6 @@ class _Source:
         if conversation:  # a conversation's version: its last turn
             version_column = TURNS
         return cls(part.select, own, conversation or chat and len(own) == 1, version_column, index)
-
-    def holds(self, key: Key) -> bool:
-        return self.part is None or key["part"] == self.part
 
     def own(self, key: Key) -> Key:
         return key if self.part is None else key["key"]

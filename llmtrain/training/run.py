@@ -130,7 +130,7 @@ class FitRun:
             self.dargs,
             select.source,
             token_budget=self.dargs.token_budget(self.targs.per_device_train_batch_size),
-            pairs=(fit.chosen, fit.rejected) if fit.chosen and fit.rejected else None,
+            pairs=fit.pairs,
             batch_size=self.targs.per_device_train_batch_size,
         )
         train = view_dataset(
@@ -435,7 +435,7 @@ class FitRun:
             self.base_model,
             self.dargs,
             ds.query.source,
-            pairs=(fit.chosen, fit.rejected) if fit.chosen and fit.rejected else None,
+            pairs=fit.pairs,
         )
         batches = ds.loader(
             self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True
