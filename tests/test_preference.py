@@ -226,11 +226,50 @@ def test_preference_options_are_checked_before_anything_is_recorded(
         full = {k: v for k, v in {**OPTIONS, **options}.items() if k != "lora_dropout"}
         with pytest.raises(ConfigError, match=message):
             lt.LLMTrainer("refused", model=tiny, **full).fit(db=db, select=select, **fields)
-    with pytest.raises(ConfigError, match="bare base"):
-        lt.LLMTrainer("refused", model=tiny, objective="dpo", **OPTIONS).fit(
-            db=db, select=select, incremental=True, **FIELDS
+    with pytest.raises(ConfigError, match="init_from='sft': this database has no model 'sft'"):
+        lt.LLMTrainer("refused", model=tiny, objective="dpo", init_from="sft", **OPTIONS).fit(
+            db=db, select=select, **FIELDS
         )
     assert db.metadata.list_runs() == []
+
+
+def test_dpo_from_an_sft_model_has_that_model_as_its_reference(tiny: Path, tmp_path: Path) -> None:
+    """init_from= starts from an earlier model's adapter, and DPO's reference is that model,
+    not the bare base: at step 1 the policy is the reference (ln 2, no margin). The version
+    started from is pinned in the recipe, the new model's lineage holds the SFT rows, and an
+    incremental DPO fit on new pairs has its parent as reference (ln 2 again)."""
+    from safetensors.torch import load_file
+
+    db = _db(tmp_path)
+    options = {**OPTIONS, "max_steps": 4}
+    sft = lt.LLMTrainer("sft", model=tiny, **options)
+    sft.fit(db=db, select=lt.Table("feedback"), X="prompt", Y="chosen")
+    dpo = lt.LLMTrainer("dpo", model=tiny, objective="dpo", init_from="sft", **options)
+    model = dpo.fit(db=db, select=lt.Table("feedback").where("id < 6"), **FIELDS)
+    assert model is not None
+    (run,) = db.metadata.list_runs("trainer", "dpo")
+    assert run.info["parent"]["model_version"] == 0 and run.info["config"]["init_from"] == "sft:0"
+    assert db.load("trainer", "dpo").to_dict()["init_from"] == "sft:0"
+    first = db.metadata.get_metrics(run.run_id)[0].values
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    bare = lt.LLMTrainer("bare", model=tiny, objective="dpo", **options)  # against the base
+    bare.fit(db=db, select=lt.Table("feedback").where("id < 6"), **FIELDS)
+    (other,) = db.metadata.list_runs("trainer", "bare")
+    assert db.metadata.get_metrics(other.run_id)[0].values["loss"] == pytest.approx(math.log(2))
+    assert [c.key for c in db.lineage("model", "dpo")][:16] == [
+        c.key for c in db.lineage("model", "sft")
+    ]
+    db.artifacts.get_dir(model.record.adapter, tmp_path / "adapter")
+    stored = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert stored and not [name for name in stored if "reference" in name]
+    more = dpo.fit(db=db, select=lt.Table("feedback"), incremental=True, **FIELDS)
+    assert more is not None
+    newest = db.metadata.list_runs("trainer", "dpo")[-1]
+    assert newest.info["parent"]["run_id"] == run.run_id
+    assert db.metadata.get_metrics(newest.run_id)[0].values["loss"] == pytest.approx(
+        math.log(2), abs=1e-5
+    )
 
 
 def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, capsys: Any) -> None:
@@ -259,3 +298,115 @@ def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, c
     assert main(["show", "trainer", "dpo-yaml", *where]) == 0
     shown = capsys.readouterr().out
     assert "DPO, LoRA r=8" in shown and "prompt -> chosen over rejected" in shown
+    fill(db.uri, "thumbs", FEEDBACK)  # KTO on feedback, from the DPO model
+    kto = {
+        **config,
+        "name": "kto-yaml",
+        "init_from": "dpo-yaml",
+        "objective_args": {"objective": "kto", "beta": 0.2},
+        "data": {**KTO_FIELDS, "select": {"table": "thumbs"}},
+    }
+    path.write_text(yaml.safe_dump(kto))
+    assert main(["fit", str(path)]) == 0
+    assert main(["show", "trainer", "kto-yaml", *where]) == 0
+    shown = capsys.readouterr().out
+    assert "KTO, LoRA r=8" in shown and "prompt -> answer (liked: liked)" in shown
+
+
+# -- KTO: thumbs up/down on single answers ------------------------------------------------------
+FEEDBACK = [
+    {"id": i, "prompt": f"what color is item {i % 8}", "answer": COLORS[i % 4], "liked": 1}
+    for i in range(8)
+] + [
+    {"id": i, "prompt": f"what color is item {i % 8}", "answer": "unsure", "liked": 0}
+    for i in range(8, 12)
+]
+KTO_FIELDS = {"X": "prompt", "Y": "answer", "label": "liked"}
+
+
+def test_kto_makes_liked_answers_likelier_than_disliked_ones(tiny: Path, tmp_path: Path) -> None:
+    """8 liked and 4 disliked rows: the weights default from those counts (liked 4/8, so
+    each kind weighs the same in all) and are recorded; at a fresh adapter the policy is the
+    reference (KL 0, loss 0.5 x weight); after training every prompt's liked answer gained
+    log-probability against the disliked one, through stock transformers."""
+    db = _db(tmp_path, FEEDBACK)
+    options = {**OPTIONS, "num_train_epochs": 6, "shuffle": False}
+    trainer = lt.LLMTrainer("kto", model=tiny, objective="kto", **options)
+    model = trainer.fit(db=db, select=lt.Table("feedback"), **KTO_FIELDS)
+    assert model is not None
+    (run,) = db.metadata.list_runs("trainer", "kto")
+    recorded = run.info["config"]["objective_args"]
+    assert (recorded["desirable_weight"], recorded["undesirable_weight"]) == (0.5, 1.0)
+    assert db.load("trainer", "kto").to_dict()["objective_args"]["desirable_weight"] is None
+    metrics = [m.values for m in db.metadata.get_metrics(run.run_id)]
+    assert len(metrics) == 18
+    assert metrics[0]["loss"] == pytest.approx(0.5 * 0.5, abs=1e-6)  # rows 0-3: all liked
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert "rewards/rejected" not in metrics[0] and "rewards/rejected" in metrics[2]
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model.export_merged(tmp_path / "merged")
+    before, after = _margins(tiny, tokenizer), _margins(tmp_path / "merged", tokenizer)
+    assert all(b < a for b, a in zip(before, after)), list(zip(before, after))
+    assert sorted(c.key for c in db.lineage("model", "kto")) == sorted(list(range(12)) * 6)
+    again = db.load("trainer", "kto").fit()
+    assert again is not None and again.version == model.version + 1
+
+
+def test_kto_feedback_that_is_no_label_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
+    rows = [*FEEDBACK]
+    rows[2] = {**rows[2], "liked": "yes"}
+    rows[9] = {**rows[9], "answer": " "}
+    db = _db(tmp_path, rows)
+    options = {**OPTIONS, "max_steps": 3, "shuffle": False}
+    with pytest.raises(BadRowError, match=r"key 2: field 'liked' is 'yes', not a label"):
+        lt.LLMTrainer("bad", model=tiny, objective="kto", **options).fit(
+            db=db, select=lt.Table("feedback"), **KTO_FIELDS
+        )
+    skipping = lt.LLMTrainer("skip", model=tiny, objective="kto", on_bad_row="skip", **options)
+    skipping.fit(db=db, select=lt.Table("feedback"), **KTO_FIELDS)
+    trained = sorted(c.key for c in db.lineage("model", "skip"))
+    assert trained == [0, 1, 3, 4, 5, 6, 7, 8, 10, 11]
+    with pytest.raises(ConfigError, match="per_device_train_batch_size=1: KTO's KL estimate"):
+        lt.LLMTrainer("one", model=tiny, objective="kto", **{**options, "batch_size": 1}).fit(
+            db=db, select=lt.Table("feedback"), **KTO_FIELDS
+        )
+    with pytest.raises(ConfigError, match="fit.label=. trains feedback on single answers"):
+        lt.LLMTrainer("dpo", model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table("feedback"), **KTO_FIELDS
+        )
+    with pytest.raises(ConfigError, match="objective='kto' trains fit.X=, Y=, label=."):
+        lt.LLMTrainer("nolabel", model=tiny, objective="kto", **options).fit(
+            db=db, select=lt.Table("feedback"), X="prompt", Y="answer"
+        )
+
+
+def test_kto_reference_values_are_kept_for_each_pairing(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KTO's reference values (the answer, and the prompt with its neighbour's answer) are
+    computed once: an epoch over the same micro-batches and a replay run no reference forward."""
+    from llmtrain.training import preference
+
+    references: list[int] = []
+    compute = preference.sequence_logprobs
+
+    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            references.append(int(batch["pairs"]))
+        return compute(model, batch, **kwargs)
+
+    monkeypatch.setattr(preference, "sequence_logprobs", counted)
+    db = _db(tmp_path, FEEDBACK)
+    options = {**OPTIONS, "num_train_epochs": 2, "shuffle": False}
+    lt.LLMTrainer("kto-cached", model=tiny, objective="kto", **options).fit(
+        db=db, select=lt.Table("feedback"), **KTO_FIELDS
+    )
+    assert references == [4, 4, 4]
+    references.clear()
+    db.load("trainer", "kto-cached").fit()
+    first, replay = db.metadata.list_runs("trainer", "kto-cached")
+    assert references == []
+    losses = [
+        [m.values["loss"] for m in db.metadata.get_metrics(r.run_id)] for r in (first, replay)
+    ]
+    assert losses[0] == losses[1]

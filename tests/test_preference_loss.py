@@ -18,6 +18,7 @@ from llmtrain.formatting import IGNORE_INDEX
 from llmtrain.testing import tiny_model
 from llmtrain.training.preference import (
     dpo_loss,
+    kto_loss,
     orpo_loss,
     plain_sequence_logprobs,
     sequence_logprobs,
@@ -163,6 +164,55 @@ def test_conservative_dpo_is_trls_smoothed_sigmoid_on_the_log_ratios() -> None:
     expected, _, _ = cpo.cpo_loss(chosen - ref_c, rejected - ref_r)
     loss, _ = dpo_loss(chosen, rejected, ref_c, ref_r, beta=0.2, label_smoothing=0.15)
     _close(loss, expected.mean())
+
+
+@pytest.mark.parametrize("kl_sign", [1.0, -1.0], ids=["kl_positive", "kl_clamped"])
+def test_kto_equals_trl(kl_sign: float) -> None:
+    """KTOTrainer._compute_loss with the KL term; attributes it reads: beta, loss_type,
+    desirable_weight, undesirable_weight, calculate_KL, precompute_ref_logps,
+    aux_loss_enabled, accelerator, model.training, _metrics, _total_train_tokens, _tp_size."""
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    n = 8
+    ids, mask, per_token = _completions(n, seed=4)
+    kl_ids, kl_mask, kl_per_token = _completions(n, seed=5)
+    g = torch.Generator().manual_seed(6)
+    ref = per_token.detach().sum(1) + torch.randn(n, generator=g)
+    ref_kl = kl_per_token.detach().sum(1) - kl_sign * (0.5 + torch.rand(n, generator=g))
+    desirable = torch.tensor([1, 0, 1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    model = _Model((ids, per_token), (kl_ids, kl_per_token))
+    options = {"beta": 0.2, "desirable_weight": 1.3, "undesirable_weight": 0.7}
+    trainer = _trainer(
+        KTOTrainer,
+        loss_type="kto",
+        calculate_KL=True,
+        precompute_ref_logps=True,
+        model=model,
+        **options,
+    )
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "completion_mask": mask,
+        "label": desirable,
+        "KL_input_ids": kl_ids,
+        "KL_attention_mask": torch.ones_like(ids),
+        "KL_completion_mask": kl_mask,
+        "ref_logps": ref,
+        "ref_KL_logps": ref_kl,
+    }
+    expected = trainer._compute_loss(model, inputs, return_outputs=False)
+    (expected_grad,) = torch.autograd.grad(expected, per_token)
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    with torch.no_grad():
+        kl_logps = kl_per_token.sum(1)
+    loss, metrics = kto_loss(per_token.sum(1), ref, desirable, kl_logps, ref_kl, **options)
+    _close(loss, expected)
+    _close(torch.autograd.grad(loss, per_token)[0], expected_grad)
+    assert (metrics["kl"] > 0) == (kl_sign > 0)
+    names = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", *LOGPS)
+    for name in names:
+        _close(metrics[name], trl_metrics[name])
 
 
 def _forward_stub(chosen: torch.Tensor, rejected: torch.Tensor, nll: torch.Tensor) -> Any:

@@ -261,6 +261,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
             job.select,
             chosen=job.config.data.chosen,
             rejected=job.config.data.rejected,
+            label=job.config.data.label,
             eval_select=job.eval_select,
             resume=args.resume,
             merge=args.merge,

@@ -106,7 +106,9 @@ def show_trainer(db: Datalayer, name: str) -> None:
     for r in stored_records(db, "trainer", name):
         config, fit = recipe(r.payload), r.payload.get("fit")
         target = fit and (
-            f"{fit['X']} -> {fit['Y']}"
+            f"{fit['X']} -> {fit['Y']} (liked: {fit['label']})"
+            if fit.get("label")
+            else f"{fit['X']} -> {fit['Y']}"
             if fit.get("Y")
             else f"{fit['X']} -> {fit['chosen']} over {fit['rejected']}"
             if fit.get("rejected")

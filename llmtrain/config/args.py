@@ -263,16 +263,24 @@ class ObjectiveArguments(_Args):
     """What the loss trains: the responses (sft), or which of two answers a user preferred, on
     rows of (prompt, chosen, rejected); formulas and defaults as TRL's."""
 
-    objective: Literal["sft", "dpo", "orpo", "simpo"] = "sft"
-    """dpo: against the reference (the model with its adapter off); orpo, simpo: without."""
+    objective: Literal["sft", "dpo", "kto", "orpo", "simpo"] = "sft"
+    """dpo, kto: against the reference (the model the run starts from: the base with its
+    adapter off, or an earlier model's adapter); orpo, simpo: without. kto trains rows of
+    (prompt, completion, liked or not)."""
     beta: float = Field(default=0.1, gt=0)
-    """DPO's and SimPO's inverse temperature; ORPO's lambda."""
+    """DPO's, KTO's and SimPO's inverse temperature; ORPO's lambda."""
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """DPO's loss."""
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
     """DPO: how likely a preference is flipped (conservative and robust DPO)."""
     simpo_gamma: float = Field(default=0.5, ge=0)
     """SimPO's target reward margin."""
+    desirable_weight: float | None = Field(default=None, gt=0)
+    """KTO: the weight of liked completions. Both None: from the snapshot's label counts,
+    disliked / liked (undesirable 1), so each kind weighs the same in all (the run records
+    the values); one None: 1."""
+    undesirable_weight: float | None = Field(default=None, gt=0)
+    """KTO: the weight of disliked completions (see desirable_weight)."""
 
 
 class DeepspeedConfig(_Args):
@@ -404,6 +412,10 @@ class TrainerConfig(_Args):
     """The base model."""
     lora_args: LoraArguments | None = Field(default_factory=LoraArguments, json_schema_extra=_FLAT)
     """The adapter; None: full fine-tuning."""
+    init_from: str | None = Field(default=None, min_length=1)
+    """An earlier model of this database to start from, 'name' (newest; the fit records
+    'name:N') or 'name:N': training continues its adapter, and it is DPO's and KTO's
+    reference. Its lineage is the new model's too."""
     training_args: TrainingArguments = Field(
         default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
@@ -524,37 +536,56 @@ class TrainerConfig(_Args):
         return self
 
     def _objective_problems(self) -> list[str]:
-        """A preference objective trains (prompt, chosen, rejected) rows of one source; DPO's
-        reference is the model with its adapter off, so it needs an adapter."""
+        """A preference objective trains rows of one source in its shape: (prompt, chosen,
+        rejected), or KTO's (prompt, completion, label); DPO's and KTO's reference is the
+        model with its adapter off (or as it started), so they need an adapter."""
         objective, fit = self.objective_args.objective, self.fit
-        paired = fit is not None and fit.rejected is not None
+        shape = fit.shape if fit is not None else None
+        best = self.training_args.best_key()
+        wanted = {"pairs": ("dpo", "orpo", "simpo"), "feedback": ("kto",)}
+        asks = [
+            (
+                "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' "
+                "or 'simpo'",
+                shape == "pairs" and objective not in wanted["pairs"],
+            ),
+            (
+                "fit(label=) trains feedback on single answers: set objective='kto'",
+                shape == "feedback" and objective != "kto",
+            ),
+            (
+                f"training_args.save_best_by={best!r}: rewards are a preference objective's",
+                objective == "sft" and best is not None and best.startswith("eval_rewards/"),
+            ),
+            (
+                f"training_args.save_best_by={best!r}: KTO has no pairs to be accurate on; "
+                "use eval_rewards/margins",
+                objective == "kto" and best == "eval_rewards/accuracies",
+            ),
+            (
+                f"init_from={self.init_from!r} continues an earlier model's adapter; "
+                "lora_args=None trains none",
+                self.init_from is not None and self.lora_args is None,
+            ),
+        ]
+        problems = [problem for problem, found in asks if found]
         if objective == "sft":
-            best = self.training_args.best_key()
-            return [
-                problem
-                for problem, found in (
-                    (
-                        "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' "
-                        "or 'simpo'",
-                        paired,
-                    ),
-                    (
-                        f"training_args.save_best_by={best!r}: rewards are a preference "
-                        "objective's",
-                        best is not None and best.startswith("eval_rewards/"),
-                    ),
-                )
-                if found
-            ]
-        problems = []
-        if fit is not None and (not paired or fit.Y is not None):
+            return problems
+        if objective == "kto" and fit is not None and shape != "feedback":
+            problems.append("objective='kto' trains fit(X=, Y=, label=): the label says liked")
+        if objective in wanted["pairs"] and fit is not None and shape != "pairs":
             problems.append(f"objective={objective!r} trains fit(X=, chosen=, rejected=), no Y")
         if fit is not None and fit.query().kind == "mix":
             problems.append(f"objective={objective!r} trains one source, not lt.mix(...)")
-        if objective == "dpo" and self.lora_args is None:
+        if objective in ("dpo", "kto") and self.lora_args is None:
             problems.append(
-                "objective='dpo' with lora_args=None: the reference is the model with its "
-                "adapter off; train an adapter"
+                f"objective={objective!r} with lora_args=None: the reference is the model "
+                "with its adapter off; train an adapter"
+            )
+        if objective == "kto" and self.training_args.per_device_train_batch_size < 2:
+            problems.append(
+                "objective='kto' with per_device_train_batch_size=1: KTO's KL estimate pairs "
+                "each prompt with another row's completion of its micro-batch; use 2 or more"
             )
         if self.training_args.eval_metrics:
             problems.append(

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from llmtrain.data.rows import Shape
 from llmtrain.db.queries import MESSAGES, Mix, Part, Query
 
 
@@ -22,6 +23,8 @@ class DataSelection(BaseModel):
     """Preference rows: the field of the answer the user preferred."""
     rejected: str | None = Field(default=None, min_length=1)
     """Preference rows: the field of the answer the user did not."""
+    label: str | None = Field(default=None, min_length=1)
+    """Feedback rows: the field saying whether the user liked Y (true/false or 1/0)."""
     select: dict[str, Any]
     """The training rows: a stored query."""
     eval_select: dict[str, Any] | None = None
@@ -52,7 +55,14 @@ class DataSelection(BaseModel):
     def fields(self) -> list[str]:
         if self.pairs:
             return [self.X, *self.pairs]
+        if self.label and self.Y:
+            return [self.X, self.Y, self.label]
         return [self.X] if self.Y is None else [self.X, self.Y]
+
+    @property
+    def shape(self) -> Shape:
+        """What the fields hold: pairs, feedback or text (a conversation is its source's)."""
+        return "pairs" if self.pairs else "feedback" if self.label and self.Y else "text"
 
 
 def _conversations_x(select: Any) -> str | None:
@@ -80,8 +90,10 @@ class FitSpec(DataSelection):
     def sources(self) -> list[tuple[Query, list[tuple[str, str]]]]:
         """Each source read (a mixture's each, the eval rows') with its (role, field) pairs."""
         evaluated = [Part(q) for q in filter(None, [self.eval_query()])]
+        roles = {"pairs": ("X", "chosen", "rejected"), "feedback": ("X", "Y", "label")}
+        role = roles.get(self.shape, ("X", "Y"))
         return [
-            (p.select, list(zip("XY", p.fields_or(self.fields))))
+            (p.select, list(zip(role, p.fields_or(self.fields))))
             for p in [*self.parts(), *evaluated]
         ]
 

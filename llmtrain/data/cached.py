@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import MixOrder, Order
 from llmtrain.data.position import Position, Positioned
-from llmtrain.data.rows import check_on_bad_row, check_row, normalise_fields
+from llmtrain.data.rows import Shape, check_on_bad_row, check_row, normalise_fields
 from llmtrain.data.snapshot import (
     MemoryStore,
     MixedView,
@@ -76,7 +76,8 @@ class CachedQueryDataset(IterableDataset[Row]):
     :func:`~llmtrain.data.plan.rows_per_rank`). ``split`` with ``eval_fraction`` reads the
     training or held-out view. ``snapshot``: the run's, its chunks in ``store`` (default
     ``db.artifacts``); else one is taken into memory. With ``version_column``, a row whose
-    version differs from the snapshot's carries the version read under ``"_version"``."""
+    version differs from the snapshot's carries the version read under ``"_version"``.
+    ``shape``: what the fields hold, checked per row (:func:`~llmtrain.data.rows.check_row`)."""
 
     def __init__(
         self,
@@ -100,6 +101,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         store: Any = None,
         version_column: str | None = None,
         conversations: bool = False,
+        shape: Shape = "text",
     ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
@@ -120,7 +122,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         mixed = isinstance(select, Mix)
         parts = select.parts if isinstance(select, Mix) else (Part(select),)
         self.sources = [
-            _Source.of(p, i if mixed else None, self.fields, conversations, version_column)
+            _Source.of(p, i if mixed else None, self.fields, conversations, version_column, shape)
             for i, p in enumerate(parts)
         ]
         self.version_column = version_column if snapshot is not None else None
@@ -365,7 +367,7 @@ class CachedQueryDataset(IterableDataset[Row]):
                 source.fields,
                 self.on_bad_row,
                 logged=self.stats.skipped_once,
-                conversation=source.conversations,
+                shape=source.shape,
             ):
                 return row
         except BadRowError as exc:
@@ -382,7 +384,7 @@ class _Source:
 
     query: Query
     fields: tuple[str, ...]
-    conversations: bool  # its one field is a list of messages
+    shape: Shape  # what its fields hold ("conversation": its one field is a list of messages)
     version_column: str | None  # read to compare with the snapshot's (None: not compared)
     part: int | None  # a mixture's source index: its keys come tagged with it
 
@@ -394,12 +396,15 @@ class _Source:
         fields: tuple[str, ...],
         chat: bool,
         version_column: str | None,
+        shape: Shape = "text",
     ) -> _Source:
         own = normalise_fields(part.fields_or(fields))
         conversation = isinstance(part.select, Conversations)
         if conversation:  # a conversation's version: its last turn
             version_column = TURNS
-        return cls(part.select, own, conversation or chat and len(own) == 1, version_column, index)
+        if conversation or chat and len(own) == 1:
+            shape = "conversation"
+        return cls(part.select, own, shape, version_column, index)
 
     def own(self, key: Key) -> Key:
         return key if self.part is None else key["key"]

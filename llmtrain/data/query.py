@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import Dataset
 
 from llmtrain.data.cached import ReadStats
-from llmtrain.data.rows import check_on_bad_row, check_row, normalise_fields
+from llmtrain.data.rows import Shape, check_on_bad_row, check_row, normalise_fields
 from llmtrain.data.snapshot import CHUNK_SIZE, MemoryStore, ViewWriter, data_fingerprint
 from llmtrain.db.backend import Row
 from llmtrain.db.queries import Conversations, Query
@@ -39,15 +39,13 @@ class QueryDataset(Dataset[Row]):
         self.keys: list[Any] = []
         self.rows: list[Row] = []
         keys = ViewWriter(MemoryStore(), CHUNK_SIZE, with_versions=False)
-        chat = isinstance(select, Conversations)
+        shape: Shape = "conversation" if isinstance(select, Conversations) else "text"
         for page in db.backend.pages(select, self.fields, page_size):
             keys.extend([k for k, _ in page])
             self.stats.statements += 1
             self.stats.rows_fetched += len(page)
             for key, row in page:
-                if check_row(
-                    select.source, key, row, self.fields, self.on_bad_row, conversation=chat
-                ):
+                if check_row(select.source, key, row, self.fields, self.on_bad_row, shape=shape):
                     self.keys.append(key)
                     self.rows.append({**row, "_key": key} if return_keys else row)
                 else:

@@ -14,6 +14,9 @@ from llmtrain.errors import BadRowError, ConfigError
 
 log = logging.getLogger("llmtrain.data")
 OnBadRow = Literal["raise", "skip"]
+#: what a row's fields hold: text; one conversation; (prompt, chosen, rejected) answers to
+#: prefer between; or (prompt, completion, label) feedback on one answer
+Shape = Literal["text", "conversation", "pairs", "feedback"]
 
 
 def check_on_bad_row(value: str) -> OnBadRow:
@@ -87,20 +90,45 @@ def check_row(
     on_bad_row: OnBadRow = "raise",
     *,
     logged: set[str] | None = None,
-    conversation: bool = False,
+    shape: Shape = "text",
 ) -> bool:
     """True: use the row. False: skip it (``on_bad_row="skip"``). Otherwise raise BadRowError
-    naming the source, key and first bad field. A skipped row is logged once per ``logged``."""
-    readable = isinstance(row, (dict, Mapping))  # dict first: skips the ABC check
-    for field in fields:
-        problem = (
-            (conversation_problem if conversation else text_problem)(row, field)  # type: ignore[arg-type]
-            if readable
-            else f"cannot be read: the row is a {type(row).__name__}, not a mapping"
-        )
+    naming the source, key and first bad field. A skipped row is logged once per ``logged``.
+    A feedback row's label is made a bool in place."""
+    problem = _row_problem(row, fields, shape)
+    return True if problem is None else bad_row(source, key, *problem, on_bad_row, logged)
+
+
+def _row_problem(row: object, fields: Sequence[str], shape: Shape) -> tuple[str, str] | None:
+    if not isinstance(row, (dict, Mapping)):  # dict first: skips the ABC check
+        return fields[0], f"cannot be read: the row is a {type(row).__name__}, not a mapping"
+    texts = fields[:-1] if shape == "feedback" else fields
+    for field in texts:
+        check = conversation_problem if shape == "conversation" else text_problem
+        problem = check(row, field)
         if problem is not None:
-            return bad_row(source, key, field, problem, on_bad_row, logged)
-    return True
+            return field, problem
+    if shape == "pairs":
+        _, chosen, rejected = fields
+        if row[chosen] == row[rejected]:
+            return rejected, f"equals field {chosen!r}: there is nothing to prefer"
+    if shape == "feedback":
+        problem = label_problem(row, fields[-1])  # type: ignore[arg-type]
+        if problem is not None:
+            return fields[-1], problem
+    for field in fields[1:] if shape in ("pairs", "feedback") else ():
+        if isinstance(row[field], str) and not row[field].strip():
+            return field, "is empty: there is no answer to judge"
+    return None
+
+
+def label_problem(row: dict[str, object], field: str) -> str | None:
+    """Why ``row[field]`` is not a like (true, 1) or a dislike (false, 0); made a bool."""
+    value = row.get(field)
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        row[field] = bool(value)
+        return None
+    return f"is {value!r}, not a label (true/false or 1/0)"
 
 
 def bad_row(

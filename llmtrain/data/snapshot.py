@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import numpy as np
 from bson import ObjectId
 
+from llmtrain.data.rows import label_problem
 from llmtrain.db.keys import DIGEST, Key, held_mask, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Mix, Query
 from llmtrain.errors import ConfigError, QueryError
@@ -470,6 +471,20 @@ def take_snapshot(
     views = (train.done(), held.done() if held is not None else None)
     fingerprint = data_fingerprint(fraction, *views)
     return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)
+
+
+def label_counts(db: Database, query: Query, view: View, label: str) -> tuple[int, int]:
+    """(liked, disliked): the rows of ``view`` by their ``label``, read in keyset pages of
+    keys and labels (rows added since the snapshot are not counted, nor a value that is no
+    label: the reader skips or refuses its row)."""
+    ours = np.concatenate([np.zeros(0, dtype=np.uint64), *view.digests(db.artifacts)])
+    liked = disliked = 0
+    for page in db.backend.pages(query, (label,), _KEY_PAGE):
+        inside = np.isin(key_digests([k for k, _ in page]), ours)
+        for (_, row), counted in zip(page, inside.tolist()):
+            if counted and label_problem(row, label) is None:
+                liked, disliked = liked + row[label], disliked + (not row[label])
+    return liked, disliked
 
 
 def _mixed(query: Mix, parts: list[RunSnapshot], eval_fraction: float) -> RunSnapshot:

@@ -130,7 +130,7 @@ class Formatter:
         #: conversations (with the chat template): X holds a list of messages
         self.conversations = conversations
         self.assistant_turns, self.on_bad_row = assistant_turns, check_on_bad_row(on_bad_row)
-        self.skipped_keys: set[str] = set()  # rows skipped here (conversations, pairs): logged once
+        self.skipped_keys: set[str] = set()  # rows skipped here (conversations): logged once
         self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
@@ -216,7 +216,7 @@ class Formatter:
         """Each conversation whole, its assistant tokens the targets; one too long loses its first
         exchanges until it fits, else is a bad row (skipped: an empty example)."""
         for key, row in rows:
-            check_row(source, key, row, (self.x_field,), conversation=True)
+            check_row(source, key, row, (self.x_field,), shape="conversation")
         chats = [cast("list[dict[str, str]]", row[self.x_field]) for _, row in rows]
         out = self._chat(chats) if chats else {"input_ids": [], "assistant_masks": []}
         examples = []

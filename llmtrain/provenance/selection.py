@@ -21,7 +21,7 @@ from llmtrain.data.snapshot import (
 )
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.db.queries import Conversations, Mix, Query, Table
-from llmtrain.errors import ConfigError, DataError, QueryError
+from llmtrain.errors import ComponentNotFoundError, ConfigError, DataError, QueryError
 from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
@@ -107,17 +107,45 @@ def keep_rows(
 _SAME_ADAPTER = ("r", "target_modules", "use_dora", "modules_to_save")
 
 
-def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgotten: bool) -> None:
-    """Refuse a parent model trained on another base or with an adapter of other shapes, or
-    one whose lineage holds rows forgotten since (unless ``allow_forgotten``)."""
+def starting_model(db: Database, named: str) -> Any:
+    """The model record ``init_from`` names: ``"name"`` (its newest version) or ``"name:N"``."""
+    name, _, number = named.rpartition(":")
+    if not (name and number.isdigit()):
+        name, number = named, ""
+    try:
+        return db.metadata.get_component("model", name, int(number) if number else None)
+    except ComponentNotFoundError:
+        which = f"{name!r} v{number}" if number else repr(name)
+        raise ConfigError(f"init_from={named!r}: this database has no model {which}") from None
+
+
+def pin_init_from(db: Database, config: TrainerConfig) -> TrainerConfig:
+    """The config with ``init_from`` naming the version it starts from (the recipe, replayed
+    from the same model even after that model has newer versions)."""
+    if config.init_from is None:
+        return config
+    model = starting_model(db, config.init_from)
+    return config.model_copy(update={"init_from": f"{model.identifier}:{model.version}"})
+
+
+def check_parent(
+    db: Database,
+    config: TrainerConfig,
+    parent: Any,
+    allow_forgotten: bool,
+    asked: str = "fit(incremental=True)",
+) -> None:
+    """Refuse a parent model (the one a run continues, as ``asked``) trained on another base
+    or with an adapter of other shapes, or one whose lineage holds rows forgotten since
+    (unless ``allow_forgotten``)."""
     run = db.metadata.get_run(parent.payload["run_id"])
     theirs = build(type(config), run.info["config"], f"run {run.run_id}")
-    name = f"{parent.identifier} v{parent.version}"
+    name = f"{asked}: the model {parent.identifier} v{parent.version}"
     for field_name in ("model_name_or_path", "revision"):
         a, b = getattr(theirs.model_args, field_name), getattr(config.model_args, field_name)
         if a != b:
             raise ConfigError(
-                f"fit(incremental=True): the parent model {name} was trained on "
+                f"{name} was trained on "
                 f"{field_name}={a!r}, this trainer has {b!r}; its adapter belongs to that base"
             )
     assert config.lora_args is not None
@@ -126,7 +154,7 @@ def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgott
         b = getattr(config.lora_args, field_name)
         if a != b:
             raise ConfigError(
-                f"fit(incremental=True): the parent model {name} has an adapter with "
+                f"{name} has an adapter with "
                 f"{field_name}={a!r}, this trainer asks for {b!r}; an adapter continues only "
                 "in its own shape (fit without incremental=True to train a new one)"
             )
@@ -136,7 +164,7 @@ def check_parent(db: Database, config: TrainerConfig, parent: Any, allow_forgott
     if carried and not allow_forgotten:
         shown = sorted({k for keys in carried.values() for k in keys})
         raise ConfigError(
-            f"fit(incremental=True): the parent model {name} trained on rows forgotten since "
+            f"{name} trained on rows forgotten since "
             f"({', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''} of {source}): "
             "retrain it without them (db.forget(..., retrain=True)), or pass "
             "allow_forgotten_parent=True to continue from it anyway (recorded on the run)"
@@ -226,11 +254,6 @@ def select_rows(
     info: dict[str, Any] = {"source": source}
     trained = parent = None
     if incremental:
-        if config.objective_args.objective == "dpo":
-            raise ConfigError(
-                "fit(incremental=True) with objective='dpo': the reference would be the bare "
-                "base, not the model continued from; fit in full"
-            )
         if config.lora_args is None:
             raise ConfigError(
                 "fit(incremental=True) continues from the newest model's adapter; a fully "
@@ -239,6 +262,9 @@ def select_rows(
         trained, parent = trained_by(db, config.identifier, source)
         if parent is not None:
             check_parent(db, config, parent, allow_forgotten_parent)
+    if parent is None and config.init_from is not None:  # the first run from an earlier model
+        parent = starting_model(db, config.init_from)
+        check_parent(db, config, parent, allow_forgotten_parent, f"init_from={config.init_from!r}")
     excluded: list[str] = []
     selected = snapshot.train.count
     if len(gone) or trained is not None:

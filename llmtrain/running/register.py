@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
-from llmtrain.data.snapshot import RunSnapshot, take_snapshot
+from llmtrain.data.snapshot import RunSnapshot, label_counts, take_snapshot
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
@@ -40,7 +40,10 @@ def register(
 ) -> RunPlan | Done:
     """Check, then record the trainer version (unless stored already) and the run; a resume
     reads its run's snapshot and record (no scan of the rows)."""
+    from llmtrain.provenance.selection import eval_rows, pin_init_from, select_rows
+
     check_before_recording(config, db)
+    config = pin_init_from(db, config)
     version = stored_version(db, config, loaded_version)
     found = run_to_resume(db, config.identifier, version, resume) if resume else None
     if found is not None:
@@ -50,7 +53,6 @@ def register(
         # this attempt's callbacks, where its launched workers read them
         db.metadata.update_run(run.run_id, info={"callbacks": list(callbacks)})
         return replace(RunPlan.from_record(run), resume_from=checkpoint, callbacks=callbacks)
-    from llmtrain.provenance.selection import eval_rows, select_rows
 
     fit = config.fit
     assert fit is not None  # set by fit() before it registers
@@ -74,6 +76,7 @@ def register(
     if version is None:
         payload = config.model_dump(mode="json")
         version = db.metadata.add_component(TRAINER, config.identifier, payload)
+    config = kto_weights(db, config, snapshot)
     held = eval_rows(db, config)
     plan = RunPlan(
         uuid.uuid4().hex, version, config, snapshot, None, rows.get("parent"), callbacks, held
@@ -100,6 +103,29 @@ def register(
         },
     )
     return plan
+
+
+def kto_weights(db: Datalayer, config: TrainerConfig, snapshot: RunSnapshot) -> TrainerConfig:
+    """KTO with neither weight set: liked rows weigh disliked / liked (disliked 1), from the
+    snapshot's label counts, so each kind weighs the same in all; the run records them (a
+    resume keeps them, a replay counts its own snapshot). One set: the other is 1."""
+    args, fit = config.objective_args, config.fit
+    if args.objective != "kto" or fit is None or fit.label is None:
+        return config
+    if args.desirable_weight is None and args.undesirable_weight is None:
+        liked, disliked = label_counts(db, fit.query(), snapshot.train, fit.label)
+        desirable = disliked / liked if liked and disliked else 1.0
+        weights = {"desirable_weight": desirable, "undesirable_weight": 1.0}
+        say(
+            f"{config.identifier}: {liked} liked and {disliked} disliked row(s): KTO "
+            f"desirable_weight={weights['desirable_weight']:.4g}, undesirable_weight=1"
+        )
+    else:
+        weights = {
+            "desirable_weight": args.desirable_weight or 1.0,
+            "undesirable_weight": args.undesirable_weight or 1.0,
+        }
+    return config.model_copy(update={"objective_args": args.model_copy(update=weights)})
 
 
 def new_snapshot(

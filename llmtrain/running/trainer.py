@@ -79,6 +79,7 @@ class LLMTrainer:
         *,
         chosen: str | None = None,
         rejected: str | None = None,
+        label: str | None = None,
         eval_select: Query | None = None,
         resume: bool | str = False,
         merge: bool = False,
@@ -99,7 +100,8 @@ class LLMTrainer:
         ``allow_changed_data=True`` replays a fit although the rows changed since: for this
         call only, recorded on the run (default: ``data_args.allow_changed_data``).
         ``chosen=``, ``rejected=`` (with ``objective="dpo"``, ``"orpo"`` or ``"simpo"``) name
-        the preferred and the other answer to the prompt ``X``.
+        the preferred and the other answer to the prompt ``X``; ``label=`` (with
+        ``objective="kto"``) the field saying whether the user liked the answer ``Y``.
         ``incremental=True`` trains only the selected rows no completed run of this trainer
         trained (new keys; with ``data_args.version_column`` also changed versions), from the
         newest model's adapter, recording it as the parent; with nothing new that model is
@@ -129,7 +131,7 @@ class LLMTrainer:
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
-        spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected)
+        spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected, label)
         data = {**self.config.model_dump(), "fit": spec.model_dump()}
         config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
         placement = Placement.from_environment()  # resolved once for the whole fit
@@ -169,8 +171,9 @@ class LLMTrainer:
         eval_select: Query | None,
         chosen: str | None = None,
         rejected: str | None = None,
+        label: str | None = None,
     ) -> FitSpec:
-        if X is None and Y is None and select is None and chosen is None and rejected is None:
+        if X is None and Y is None and select is None and not (chosen or rejected or label):
             if self.config.fit is None:
                 raise ConfigError(
                     "fit() needs X=, Y= and select= (only a trainer that was "
@@ -193,10 +196,10 @@ class LLMTrainer:
                 f"select= must be a llmtrain query (Table, sql, Collection), "
                 f"got {type(select).__name__}"
             )
-        named = [f for f in (X, Y, chosen, rejected) if f]
+        named = [f for f in (X, Y, chosen, rejected, label) if f]
         if len(set(named)) < len(named):
             raise ConfigError(
-                f"fit(): X, Y, chosen and rejected name the same field twice: {named}"
+                f"fit(): X, Y, chosen, rejected and label name the same field twice: {named}"
             )
         if eval_select is not None and not isinstance(eval_select, Query):
             raise ConfigError("eval_select= must be a llmtrain query")
@@ -210,6 +213,7 @@ class LLMTrainer:
             Y=Y,
             chosen=chosen,
             rejected=rejected,
+            label=label,
             select=select.to_dict(),
             eval_select=eval_select.to_dict() if eval_select else None,
             db=db.uri,

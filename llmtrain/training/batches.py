@@ -17,7 +17,7 @@ import torch
 from llmtrain.config.args import DataArguments
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, RunSnapshot
 from llmtrain.data.plan import StepRule
-from llmtrain.data.rows import bad_row
+from llmtrain.data.rows import Shape
 from llmtrain.data.snapshot import Split
 from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import Query
@@ -78,65 +78,53 @@ class Collate:
 
 @dataclass
 class PairCollate:
-    """(key, row) pairs of preference rows -> each row's prompt with its chosen answer, then
-    in the same order with its rejected one, through the one formatter; packed padding-free
-    with each token's ``sequence_index`` (padded without packing). ``num_target_tokens``
-    counts pairs: what a preference step is normalised by. ``per_batch``: the rows of each
-    micro-batch when the loader hands over a step's rows at once (a token budget)."""
+    """(key, row) pairs of preference rows -> two sequences a row through the one formatter:
+    its prompt with the answer (``chosen``, or KTO's completion), then in the same order with
+    ``second``: the rejected answer's field, or (``feedback``) the completion of the row
+    before it in the micro-batch, KTO's mismatched pair for its KL estimate (TRL's), and
+    ``second`` names the label. Packed padding-free with each token's ``sequence_index``
+    (padded without packing). ``num_target_tokens`` counts rows: what a preference step is
+    normalised by. ``per_batch``: the rows of each micro-batch when the loader hands over a
+    step's rows at once (a token budget). The reader checked the rows (their shape)."""
 
     formatter: Formatter
-    chosen: str
-    rejected: str
+    answer: str
+    second: str
     pad_id: int
     source: str
     packer: PackedCollator | None
     per_batch: int | None = None
+    feedback: bool = False
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        good, skipped = [], []
-        for key, row in rows:
-            chosen, rejected = row[self.chosen], row[self.rejected]
-            empty = self.chosen if not chosen.strip() else self.rejected
-            problem = (
-                (self.rejected, f"equals field {self.chosen!r}: there is nothing to prefer")
-                if chosen == rejected
-                else (empty, "is empty")
-                if not chosen.strip() or not rejected.strip()
-                else None
-            )
-            if problem is None:
-                good.append((key, row))
-                continue
-            f = self.formatter
-            bad_row(self.source, key, *problem, f.on_bad_row, f.skipped_keys)
-            skipped.append(key)
-        size = self.per_batch or max(len(good), 1)
-        made = [self._pairs(good[i : i + size]) for i in range(0, len(good), size)]
-        if self.per_batch is None:
-            return (made[0] if made else {}) | {"skipped": skipped}
-        return [b | ({"skipped": skipped} if i == 0 else {}) for i, b in enumerate(made)] or [
-            {"skipped": skipped}
-        ]
+        size = self.per_batch or max(len(rows), 1)
+        made = [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
+        return made if self.per_batch is not None else made[0] if made else {}
 
     def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
-        f, swapped = self.formatter, [(k, {**r, self.chosen: r[self.rejected]}) for k, r in rows]
-        examples = f.format_batch(rows, source=self.source) + f.format_batch(
-            swapped, source=self.source
-        )
+        f, n = self.formatter, len(rows)
+        if self.feedback:
+            answers = [row[self.answer] for _, row in rows]
+            others = [(k, {**r, self.answer: answers[i - 1]}) for i, (k, r) in enumerate(rows)]
+        else:
+            others = [(k, {**r, self.answer: r[self.second]}) for k, r in rows]
+        examples = f.format_batch(rows, source=self.source)
+        examples += f.format_batch(others, source=self.source)
         if self.packer is None:
             batch = pad_collate(examples, self.pad_id)
         else:
             packed = pack_examples(examples, self.packer.max_length)
             batch = self.packer.collate_rows(packed, sequences=examples)
-        n = len(rows)
         digests = [
-            pair_digest(key, c.input_ids, r.input_ids)
-            for (key, _), c, r in zip(rows, examples[:n], examples[n:])
+            pair_digest(key, a.input_ids, b.input_ids)
+            for (key, _), a, b in zip(rows, examples[:n], examples[n:])
         ]
+        liked = {"liked": [row[self.second] for _, row in rows]} if self.feedback else {}
         return _counted(batch, examples) | {
             "num_target_tokens": n,
             "pairs": n,
             "pair_digests": digests,
+            **liked,
         }
 
 
@@ -184,20 +172,24 @@ def make_collate(
     source: str,
     *,
     token_budget: int | None = None,
-    pairs: tuple[str, str] | None = None,
+    shape: Shape = "text",
+    fields: Sequence[str] = (),
     batch_size: int = 1,
 ) -> Collate | PairCollate:
     """The collate function of ``args``; ``token_budget``: pack a step's rows under it;
-    ``pairs``: the (chosen, rejected) fields of preference rows, ``batch_size`` a micro-batch."""
+    ``shape`` "pairs" or "feedback": preference rows of ``fields``, ``batch_size`` a
+    micro-batch."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
     formatters = [formatter] if isinstance(formatter, Formatter) else list(formatter)
-    if pairs is not None:
+    if shape in ("pairs", "feedback"):
         per_batch = batch_size if token_budget is not None else None
-        return PairCollate(formatters[0], *pairs, tokenizer.pad_token_id, source, packer, per_batch)
+        answer, second = fields[1:]
+        pad, feedback = tokenizer.pad_token_id, shape == "feedback"
+        return PairCollate(formatters[0], answer, second, pad, source, packer, per_batch, feedback)
     return Collate(formatters, tokenizer.pad_token_id, source, packer, token_budget)
 
 
@@ -207,6 +199,7 @@ def view_dataset(
     fields: list[str],
     args: DataArguments,
     *,
+    shape: Shape = "text",
     split: Split,
     snapshot: RunSnapshot | None,
     rank: int,
@@ -233,6 +226,7 @@ def view_dataset(
         snapshot=snapshot,
         version_column=args.version_column,
         conversations=args.chat_template,  # a source of one field: conversations
+        shape=shape,
     )
 
 

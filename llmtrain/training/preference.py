@@ -1,5 +1,5 @@
 """Preference tuning's pieces: per-sequence log-probabilities without the full logits, and the
-DPO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
+DPO, KTO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
 
 A batch for :func:`sequence_logprobs` is one of
   * padded: ``input_ids``, ``labels``, ``attention_mask`` [B, T]; sequence ``i`` is row ``i``;
@@ -11,6 +11,8 @@ A batch for :func:`sequence_logprobs` is one of
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -149,6 +151,45 @@ def dpo_loss(
     return losses.mean(), _pair_metrics(chosen, rejected, beta, chosen_logps, rejected_logps)
 
 
+def kto_loss(
+    logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl_logps: torch.Tensor | None,
+    ref_kl_logps: torch.Tensor | None,
+    *,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, Metrics]:
+    """KTO on summed log-probs; ``desirable`` [N] bool. The reference point is the batch's
+    mean policy/reference log-ratio on mismatched completions (``kl_*``), detached and
+    clamped at 0 (zero without them). Metrics of a kind the batch lacks are nan."""
+    kl = torch.zeros((), device=logps.device)
+    if kl_logps is not None and ref_kl_logps is not None:
+        kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    ratios = logps - ref_logps
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (ratios - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratios))),
+    )
+    good, bad = desirable.float(), 1 - desirable.float()
+
+    def mean(x: torch.Tensor, of: torch.Tensor) -> torch.Tensor:
+        return (x.detach() * of).sum() / of.sum()
+
+    chosen, rejected = mean(beta * ratios, good), mean(beta * ratios, bad)
+    return losses.mean(), {
+        "kl": kl,
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/margins": chosen - rejected,
+        "logps/chosen": mean(logps, good),
+        "logps/rejected": mean(logps, bad),
+    }
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x < 0, by the branch that does not cancel."""
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
@@ -198,22 +239,46 @@ def simpo_loss(
     return losses.mean() + cpo_alpha * nll, metrics
 
 
-#: the objectives trained on (prompt, chosen, rejected) rows, and those with a reference model
-PAIRED = ("dpo", "orpo", "simpo")
-WITH_REFERENCE = ("dpo",)
+#: the objectives trained on preference rows, and those with a reference model
+PREFERENCE = ("dpo", "kto", "orpo", "simpo")
+WITH_REFERENCE = ("dpo", "kto")
+#: a reference adapter: the adapter an earlier model trained, kept frozen beside the trained one
+REFERENCE = "reference"
+
+
+@contextmanager
+def reference_model(base: Any) -> Iterator[None]:
+    """The reference's forward: the model the run started from. That is the adapter kept as
+    :data:`REFERENCE` where there is one (an earlier model's), made active on each LoRA layer
+    without touching ``requires_grad`` (PEFT's ``set_adapter`` would, under a wrapped model);
+    else the base with its adapter off."""
+    if REFERENCE not in getattr(base, "peft_config", {}):
+        with base.disable_adapter():
+            yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    active = [layer.active_adapters for layer in layers]
+    for layer in layers:
+        layer._active_adapter = [REFERENCE]
+    try:
+        yield
+    finally:
+        for layer, names in zip(layers, active):
+            layer._active_adapter = names
 
 
 class PreferenceLoss:
-    """``loss(model, batch)`` of a paired objective, as :class:`LossFunction` is SFT's: the
-    batch holds ``pairs`` chosen sequences then as many rejected (``sequence_index``); the
-    reference is the same model with its adapter off (no second copy). Returns the sum over
-    the pairs (the loop divides by the step's pairs); the metrics add up until
-    :meth:`logged`."""
+    """``loss(model, batch)`` of a preference objective, as :class:`LossFunction` is SFT's:
+    the batch holds ``pairs`` rows' first sequences (chosen; KTO's completion) then as many
+    second ones (rejected; KTO's mismatched pair), by ``sequence_index``. Returns the sum over
+    the rows (the loop divides by the step's rows); the metrics add up until
+    :meth:`logged`, each over the rows it describes (KTO's chosen: the liked ones)."""
 
     def __init__(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> None:
         self.base, self.args, self.cache = base, args, cache
-        self.sums: dict[str, torch.Tensor] = {}
-        self.pairs = 0
+        self.sums: dict[str, list[float | torch.Tensor]] = {}
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         a, n = self.args, int(batch.get("pairs", 0))
@@ -221,8 +286,10 @@ class PreferenceLoss:
         if n == 0:  # a rank's filler batch (every row skipped): its collectives, no gradient
             return logps.sum()
         means = logps / counts.clamp(min=1)
-        if a.objective == "dpo":
+        weights = {"": n}
+        if a.objective in WITH_REFERENCE:
             ref = self._reference(model, batch, n).to(logps.device)
+        if a.objective == "dpo":
             loss, metrics = dpo_loss(
                 logps[:n],
                 logps[n:],
@@ -234,24 +301,41 @@ class PreferenceLoss:
                 chosen_tokens=counts[:n],
                 rejected_tokens=counts[n:],
             )
+        elif a.objective == "kto":
+            liked = sum(batch["liked"])
+            weights = {"": n, "chosen": liked, "rejected": n - liked}
+            weights["margins"] = n if liked and n - liked else 0
+            loss, metrics = kto_loss(
+                logps[:n],
+                ref[:n],
+                torch.tensor(batch["liked"], device=logps.device),
+                logps[n:],
+                ref[n:],
+                beta=a.beta,
+                desirable_weight=a.desirable_weight or 1.0,
+                undesirable_weight=a.undesirable_weight or 1.0,
+            )
         elif a.objective == "orpo":  # the NLL of the chosen answers, as SFT would train them
             nll = -logps[:n].sum() / counts[:n].sum().clamp(min=1)
             loss, metrics = orpo_loss(means[:n], means[n:], nll, beta=a.beta)
         else:
             loss, metrics = simpo_loss(means[:n], means[n:], beta=a.beta, gamma=a.simpo_gamma)
         for name, value in metrics.items():
-            self.sums[name] = self.sums.get(name, 0) + value.detach().float() * n
-        self.pairs += n
+            weight = weights.get(name.rsplit("/", 1)[-1], n)
+            if weight:
+                total = self.sums.setdefault(name, [0.0, 0])
+                total[0] = total[0] + value.detach().float() * weight
+                total[1] = total[1] + weight
         return loss * n
 
     def _reference(self, model: Any, batch: dict[str, Any], n: int) -> torch.Tensor:
-        """The reference's log-probs, chosen then rejected: kept ones from the cache, else a
-        forward with the adapter off (kept for next time)."""
+        """The reference's log-probs, first sequences then second: kept ones from the cache,
+        else a forward of the reference (kept for next time)."""
         digests = batch.get("pair_digests") or []
         kept = self.cache.get(digests) if self.cache is not None else None
         if kept is not None:
             return torch.tensor([c for c, _ in kept] + [r for _, r in kept])
-        with torch.no_grad(), self.base.disable_adapter():
+        with torch.no_grad(), reference_model(self.base):
             ref, _ = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
         if self.cache is not None:
             values = ref.float().cpu().tolist()
@@ -259,7 +343,6 @@ class PreferenceLoss:
         return ref
 
     def logged(self) -> dict[str, float]:
-        """The mean of each metric over the pairs since the last call (reads the device)."""
-        out = {name: float(total) / max(self.pairs, 1) for name, total in self.sums.items()}
-        self.sums, self.pairs = {}, 0
-        return out
+        """The mean of each metric over its rows since the last call (reads the device)."""
+        sums, self.sums = self.sums, {}
+        return {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}

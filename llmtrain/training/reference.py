@@ -1,8 +1,10 @@
-"""DPO's reference log-probabilities, computed once per row and kept in the artifact store,
-keyed by the row's key, its rendered token ids and the reference model's fingerprint: a second
-epoch, a resume, a replay or another trainer on the same base runs no reference forward for a
-pair already seen, and a pair whose text changed is computed again. The index is a metadata
-component per fingerprint listing its blobs; each blob maps pair digests to the two values."""
+"""DPO's and KTO's reference log-probabilities, computed once per row and kept in the artifact
+store, keyed by the row's key, its rendered token ids and the reference model's fingerprint: a
+second epoch, a resume, a replay or another trainer on the same reference runs no reference
+forward for a pair already seen, and a pair whose text changed is computed again (KTO's second
+sequence pairs the prompt with its micro-batch neighbour's completion: kept for that pairing).
+The index is a metadata component per fingerprint listing its blobs; each blob maps pair
+digests to the two values."""
 
 from __future__ import annotations
 
@@ -25,10 +27,13 @@ def pair_digest(key: Any, chosen: list[int], rejected: list[int]) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps([key_repr(key), chosen, rejected]).encode())
 
 
-def reference_fingerprint(model_args: Any, precision: str) -> str:
+def reference_fingerprint(model_args: Any, precision: str, adapter: str | None = None) -> str:
     """The reference's identity: the base model (a local folder's weight files by size and
-    time too, so a folder rewritten in place is another reference) and the compute precision."""
+    time too, so a folder rewritten in place is another reference), the compute precision
+    and the adapter it starts from (an earlier model's artifact id; None: the bare base)."""
     facts: list[Any] = [model_args.model_dump(mode="json"), precision]
+    if adapter is not None:
+        facts.append(adapter)
     folder = Path(os.path.expanduser(model_args.model_name_or_path))
     if folder.is_dir():
         stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.iterdir())]

@@ -3,6 +3,7 @@ strategy, batches, checkpointer and stores are collaborators handed in, never ba
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -48,7 +49,7 @@ from llmtrain.training.modeling import (
 )
 from llmtrain.training.plan import RunPlan
 from llmtrain.training.precision import Precision
-from llmtrain.training.preference import PAIRED, PreferenceLoss
+from llmtrain.training.preference import PREFERENCE, REFERENCE, WITH_REFERENCE, PreferenceLoss
 from llmtrain.training.progress import Progress, make_progress
 from llmtrain.training.reference import ReferenceCache, reference_fingerprint
 from llmtrain.training.strategies.base import Strategy
@@ -113,12 +114,16 @@ class FitRun:
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
         objective = cfg.objective_args
-        paired = objective.objective in PAIRED
         cache = None
-        if objective.objective == "dpo":
-            fingerprint = reference_fingerprint(cfg.model_args, str(self.precision))
+        if objective.objective in WITH_REFERENCE:
+            parent = (self.plan.parent or {}).get("adapter")
+            fingerprint = reference_fingerprint(cfg.model_args, str(self.precision), parent)
             cache = ReferenceCache(self.db, fingerprint)
-        self.loss = PreferenceLoss(model, objective, cache) if paired else LossFunction(model)
+        self.loss = (
+            PreferenceLoss(model, objective, cache)
+            if objective.objective in PREFERENCE
+            else LossFunction(model)
+        )
 
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
@@ -130,7 +135,8 @@ class FitRun:
             self.dargs,
             select.source,
             token_budget=self.dargs.token_budget(self.targs.per_device_train_batch_size),
-            pairs=fit.pairs,
+            shape=fit.shape,
+            fields=fit.fields,
             batch_size=self.targs.per_device_train_batch_size,
         )
         train = view_dataset(
@@ -138,6 +144,7 @@ class FitRun:
             select,
             fit.fields,
             self.dargs,
+            shape=fit.shape,
             split="train",
             snapshot=self.snapshot,
             seed=self.targs.seed,
@@ -201,7 +208,9 @@ class FitRun:
         return [self._formatter(p.fields_or(self.plan.fit.fields)) for p in query.parts]
 
     def _start_from_parent(self, model: Any) -> None:
-        """An incremental run starts from its parent model's adapter (a checkpoint overrides it)."""
+        """A run continuing an earlier model (incremental, or ``init_from``) starts from its
+        adapter (a checkpoint overrides it); with a reference objective that adapter is also
+        kept, frozen, as the reference (:func:`~llmtrain.training.preference.reference_model`)."""
         parent = self.plan.parent
         if not parent:
             return
@@ -210,13 +219,23 @@ class FitRun:
 
         folder = self.workdir / "parent"
         self.db.artifacts.get_dir(parent["adapter"], folder)
-        loaded = set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        weights = load_file(folder / "adapter_model.safetensors")
+        loaded = set_peft_model_state_dict(model, weights)
         unexpected = list(getattr(loaded, "unexpected_keys", None) or [])
         if unexpected:
             raise CheckpointError(
                 f"the adapter of model v{parent.get('model_version')} does not fit this "
                 f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
             )
+        if self.config.objective_args.objective in WITH_REFERENCE:
+            frozen = copy.copy(model.peft_config["default"])
+            frozen.lora_dropout = 0.0  # the reference is deterministic: its values are kept
+            model.add_adapter(REFERENCE, frozen)
+            set_peft_model_state_dict(model, weights, adapter_name=REFERENCE)
+            for name, param in model.named_parameters():
+                if f".{REFERENCE}." in name or name.endswith(f".{REFERENCE}"):
+                    param.requires_grad_(False)
+            model.set_adapter("default")
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
@@ -435,7 +454,8 @@ class FitRun:
             self.base_model,
             self.dargs,
             ds.query.source,
-            pairs=fit.pairs,
+            shape=fit.shape,
+            fields=fit.fields,
         )
         batches = ds.loader(
             self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True
@@ -470,6 +490,7 @@ class FitRun:
                 fit.query() if other is None else other,
                 fit.fields,
                 self.dargs,
+                shape=fit.shape,
                 split="held_out" if held else "all",
                 snapshot=self.snapshot if held else self.plan.eval_snapshot,
                 shuffle=False,
