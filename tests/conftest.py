@@ -155,7 +155,7 @@ def fill(
     text_columns: list[str] | None = None,
 ) -> None:
     """Create table/collection ``name`` holding ``rows`` (each has ``key``; SQL: INTEGER key,
-    other columns TEXT unless their values are ints). Mongo stores ``key`` as ``_id``."""
+    other columns TEXT unless their values are ints or bools). Mongo stores ``key`` as ``_id``."""
     if uri.startswith("mongo"):
         from llmtrain.db.engines import mongo_database
 
@@ -171,7 +171,11 @@ def fill(
         for k, v in r.items():
             if k != key and k not in columns:
                 columns[k] = (
-                    sa.Integer if isinstance(v, int) and not isinstance(v, bool) else sa.Text
+                    sa.Boolean
+                    if isinstance(v, bool)
+                    else sa.Integer
+                    if isinstance(v, int)
+                    else sa.Text
                 )
     for c in text_columns or []:
         columns.setdefault(c, sa.Text)

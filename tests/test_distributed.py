@@ -694,31 +694,54 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_on_two_ranks_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
     env: Env, strategy: str
 ) -> None:
     """The preference objective changes only the collate and the loss: two real ranks read
-    their own pairs, the reference (adapter off) runs inside the wrapped model, the ranks end
-    with the same adapter (FSDP2: complementary shards of it) and step 1 is at ln 2."""
+    their own rows, the reference runs inside the wrapped model, the ranks end with the same
+    adapter (sharded: complementary shards of it). DDP and FSDP2 train DPO against the base
+    (adapter off); ZeRO-3 trains KTO from an SFT model, its reference a second, frozen
+    adapter partitioned with the first. Step 1 is the policy at its reference: DPO's ln 2,
+    KTO's 0.5 (liked and disliked rows alike, so both weights 1)."""
     rows = [_row(i) for i in range(N_ROWS)]
-    pairs = [
-        {"id": r["id"], "prompt": r["instruction"], "chosen": r["output"], "rejected": "unsure"}
-        for r in rows
-    ]
-    table, name = f"pairs_{strategy}", f"dist-dpo-{strategy}"
-    fill(env.uri, table, pairs)
+    kto = strategy == "zero3"
+    table, name = f"prefs_{strategy}", f"dist-{'kto' if kto else 'dpo'}-{strategy}"
+    if kto:
+        feedback = [
+            {"id": r["id"], "prompt": r["instruction"], "answer": r["output"], "liked": i % 2 == 0}
+            for i, r in enumerate(rows)
+        ]
+        fill(env.uri, table, feedback)
+        _trainer(env, "sft-for-kto", max_steps=2).fit(
+            X="instruction", Y="output", db=env.db, select=lt.Table("docs")
+        )
+        fields = {"X": "prompt", "Y": "answer", "label": "liked"}
+        options: dict[str, Any] = {
+            "objective": "kto",
+            "init_from": "sft-for-kto",
+            "deepspeed_config": {"stage": 3},
+            "launcher": lt.Launcher(kind="deepspeed", num_processes=WORLD),
+        }
+    else:
+        pairs = [
+            {"id": r["id"], "prompt": r["instruction"], "chosen": r["output"], "rejected": "no"}
+            for r in rows
+        ]
+        fill(env.uri, table, pairs)
+        fields = {"X": "prompt", "chosen": "chosen", "rejected": "rejected"}
+        options = {
+            "objective": "dpo",
+            "launcher": lt.Launcher(kind="torchrun", num_processes=WORLD),
+        }
+        options |= {"fsdp_config": {}} if strategy == "fsdp" else {}
     trace, prefix = env.root / f"trace-{name}", env.root / f"report-{name}"
-    options = {"launcher": lt.Launcher(kind="torchrun", num_processes=WORLD)}
-    options |= {"fsdp_config": {}} if strategy == "fsdp" else {}
     with environ(**_hooks(trace=trace, report=prefix)):
-        model = _trainer(env, name, objective="dpo", **options).fit(
-            X="prompt",
-            chosen="chosen",
-            rejected="rejected",
+        model = _trainer(env, name, **options).fit(
             db=env.db,
             select=lt.Table(table),
             callbacks=["hooks:key_trace", "hooks:RankReport"],
+            **fields,
         )
     assert model is not None
     reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
@@ -728,9 +751,10 @@ def test_dpo_on_two_ranks_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(
     local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
     adapter = _adapter(env, model)
     assert any(not torch.equal(v, torch.zeros_like(v)) for v in adapter.values())
+    assert not [key for key in adapter if "reference" in key]
     for key in local0:
         full = adapter[_peft_key(key)]
-        if strategy == "fsdp":
+        if strategy != "ddp":
             assert local0[key].numel() < full.numel(), f"{key} is not sharded"
             both = _assemble([local0[key], local1[key]], list(full.shape))
             torch.testing.assert_close(both, full, rtol=0, atol=0)
@@ -739,7 +763,8 @@ def test_dpo_on_two_ranks_reads_disjoint_pairs_and_keeps_the_ranks_in_sync(
             torch.testing.assert_close(local0[key], full, rtol=0, atol=0)
     (run,) = env.db.metadata.list_runs("trainer", name)
     metrics = env.db.metadata.get_metrics(run.run_id)
-    assert metrics[0].values["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    expected = 0.5 if kto else math.log(2)
+    assert metrics[0].values["loss"] == pytest.approx(expected, abs=1e-6)
 
 
 def test_a_mixture_under_ddp_splits_each_epochs_interleave_between_the_ranks(env: Env) -> None:

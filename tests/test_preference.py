@@ -410,3 +410,42 @@ def test_kto_reference_values_are_kept_for_each_pairing(
         [m.values["loss"] for m in db.metadata.get_metrics(r.run_id)] for r in (first, replay)
     ]
     assert losses[0] == losses[1]
+
+
+def test_preferences_train_from_every_backend(any_uri: str, tiny: Path, tmp_path: Path) -> None:
+    """DPO pairs from a join (SQL) or a collection, then KTO on liked/disliked rows whose
+    label is the backend's own boolean (PostgreSQL's boolean, MariaDB's tinyint, SQLite's
+    integer, a BSON bool), from the DPO model."""
+    mongo = any_uri.startswith("mongo")
+    answers = {row["id"]: row for row in ROWS}
+    if mongo:
+        fill(any_uri, "pairs", ROWS)
+        pairs: Any = lt.Collection("pairs")
+    else:  # what an application keeps: prompts, answers, and which one the user picked
+        fill(any_uri, "prompts", [{"id": i, "text": r["prompt"]} for i, r in answers.items()])
+        fill(any_uri, "answers", [{"id": i, "text": r["chosen"]} for i, r in answers.items()])
+        fill(any_uri, "bad", [{"id": i, "text": r["rejected"]} for i, r in answers.items()])
+        fill(any_uri, "picks", [{"id": i, "prompt_id": i, "a": i, "b": i} for i in answers])
+        pairs = lt.sql(
+            "SELECT f.id, p.text AS prompt, a.text AS chosen, b.text AS rejected FROM picks f "
+            "JOIN prompts p ON p.id = f.prompt_id JOIN answers a ON a.id = f.a "
+            "JOIN bad b ON b.id = f.b",
+            key="id",
+            source="picks",
+        )
+    fill(any_uri, "thumbs", [{**r, "liked": bool(r["liked"])} for r in FEEDBACK])
+    db = lt.connect(any_uri, artifacts=tmp_path / "artifacts")
+    options = {**OPTIONS, "max_steps": 2, "shuffle": False}
+    lt.LLMTrainer("dpo-any", model=tiny, objective="dpo", **options).fit(
+        db=db, select=pairs, **FIELDS
+    )
+    assert sorted(c.key for c in db.lineage("model", "dpo-any")) == list(range(8))
+    thumbs = lt.Collection("thumbs") if mongo else lt.Table("thumbs")
+    kto = lt.LLMTrainer("kto-any", model=tiny, objective="kto", init_from="dpo-any", **options)
+    kto.fit(db=db, select=thumbs, **KTO_FIELDS)
+    (run,) = db.metadata.list_runs("trainer", "kto-any")
+    assert run.info["config"]["objective_args"]["desirable_weight"] == 0.5
+    first = db.metadata.get_metrics(run.run_id)[0].values
+    assert first["loss"] == pytest.approx(0.5 * 0.5, abs=1e-5)  # the DPO model: the reference
+    trained = [c.key for c in db.lineage("model", "kto-any")]
+    assert trained[:8] == list(range(8)) and sorted(trained[8:]) == list(range(8))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import pickle
 import sys
@@ -418,3 +419,35 @@ def test_workers_the_cluster_cannot_place_are_refused_at_once(env: Env) -> None:
     # refused before anything was recorded
     assert env.db.metadata.list_runs("trainer", "ray-gpu") == []
     assert "ray-gpu" not in env.db.show("trainer")
+
+
+def test_dpo_on_ray_from_an_earlier_model_keeps_its_reference_values(env: Env) -> None:
+    """DPO on Ray workers that never reach the database: the SFT model trained on Ray is
+    where they start and their reference (step 1 at ln 2), and the reference log-probs they
+    computed reach the store through the driver, so a replay computes none (the same losses)."""
+    _uninterrupted(env)
+    pairs = [
+        {"id": i, "prompt": f"Item {i}: color {i % 8}?", "chosen": COLORS[(3 * i) % 8], "no": "x"}
+        for i in range(N_ROWS)
+    ]
+    fill(env.uri, "pairs", pairs)
+    ray_config = lt.RayConfig(num_workers=WORLD, storage=str(env.root / "ray"))
+    trainer = lt.LLMTrainer(
+        "ray-dpo",
+        model=env.tiny,
+        prompt_template=TEMPLATE,
+        ray_config=ray_config,
+        objective="dpo",
+        init_from="ray-plain",
+        **OPTIONS,
+    )
+    fields = {"X": "prompt", "chosen": "chosen", "rejected": "no"}
+    assert trainer.fit(db=env.db, select=lt.Table("pairs"), **fields) is not None
+    assert env.db.load("trainer", "ray-dpo").fit() is not None
+    runs = env.db.metadata.list_runs("trainer", "ray-dpo")
+    assert [r.status for r in runs] == ["completed", "completed"]
+    losses = [[m.values["loss"] for m in env.db.metadata.get_metrics(r.run_id)] for r in runs]
+    assert losses[0][0] == pytest.approx(math.log(2), abs=1e-6) and losses[0] == losses[1]
+    *_, kept = env.db.metadata.list_components("reference_logps")  # its newest index
+    values = [json.loads(env.db.artifacts.get_bytes(b)) for b in kept.payload["blobs"]]
+    assert sum(map(len, values)) == len(set().union(*values)) == N_ROWS  # each pair once

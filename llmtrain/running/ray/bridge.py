@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("llmtrain.running.ray")
 
 #: what a worker may ask of the driver's stores: its rows, the run's state and its writes
+#: (components: the reference log-probs a preference run keeps)
 SERVED: dict[str, set[str]] = {
     "backend": {"fetch_by_keys"},
     "metadata": {
+        "get_component",
+        "add_component",
         "get_run",
         "update_run",
         "log_metrics",
