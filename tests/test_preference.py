@@ -188,6 +188,11 @@ def test_reference_log_probs_are_computed_once_per_pair_and_kept(
         conn.execute("UPDATE feedback SET chosen = 'violet' WHERE id = 6")
     db.load("trainer", "cached").fit(allow_changed_data=True)
     assert references == [4]  # rows 4-7, once
+    references.clear()  # a forgotten pair is not trained, so its kept values are never read
+    db.forget("feedback", [2])
+    forgetting = db.load("trainer", "cached").fit(allow_changed_data=True)
+    assert references == [] and forgetting is not None
+    assert 2 not in {c.key for c in db.lineage("model", "cached", forgetting.version)}
 
 
 def test_a_pair_without_a_preference_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
@@ -449,3 +454,24 @@ def test_preferences_train_from_every_backend(any_uri: str, tiny: Path, tmp_path
     assert first["loss"] == pytest.approx(0.5 * 0.5, abs=1e-5)  # the DPO model: the reference
     trained = [c.key for c in db.lineage("model", "kto-any")]
     assert trained[:8] == list(range(8)) and sorted(trained[8:]) == list(range(8))
+
+
+def test_kto_pairs_each_prompt_with_its_neighbours_answer_for_the_kl_estimate(tiny: Path) -> None:
+    """The collate's second sequences (KTO's KL estimate, TRL's pairing): prompt i with the
+    answer of the row before it in the micro-batch, packed with the answers themselves."""
+    from llmtrain.formatting import PackedCollator
+    from llmtrain.training.batches import PairCollate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    formatter = Formatter(tokenizer, TEMPLATE, max_length=32, x_field="prompt", y_field="answer")
+    packer = PackedCollator(32, tokenizer.pad_token_id)
+    collate = PairCollate(formatter, "answer", "liked", 0, "t", packer, feedback=True)
+    rows = [(r["id"], {**r, "liked": bool(r["liked"])}) for r in FEEDBACK[6:10]]
+    batch = collate(rows)
+    assert batch["pairs"] == 4 and batch["liked"] == [True, True, False, False]
+    ids, index = batch["input_ids"].flatten(), batch["sequence_index"].flatten()
+    texts = [tokenizer.decode(ids[index == s], skip_special_tokens=True) for s in range(8)]
+    answers = [row["answer"] for _, row in rows]
+    for i, (_, row) in enumerate(rows):
+        assert texts[i].endswith(f"{row['prompt']}\nA: {answers[i]}")
+        assert texts[4 + i].endswith(f"{row['prompt']}\nA: {answers[i - 1]}")
