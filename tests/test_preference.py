@@ -475,3 +475,19 @@ def test_kto_pairs_each_prompt_with_its_neighbours_answer_for_the_kl_estimate(ti
     for i, (_, row) in enumerate(rows):
         assert texts[i].endswith(f"{row['prompt']}\nA: {answers[i]}")
         assert texts[4 + i].endswith(f"{row['prompt']}\nA: {answers[i - 1]}")
+
+
+def test_kto_evaluates_margins_on_held_out_feedback_and_keeps_the_best(
+    tiny: Path, tmp_path: Path
+) -> None:
+    db = _db(tmp_path, FEEDBACK)
+    options = {**OPTIONS, "max_steps": 3, "eval_fraction": 0.25, "eval_steps": 1}
+    options["save_best_by"] = "eval_rewards/margins"
+    lt.LLMTrainer("kto-eval", model=tiny, objective="kto", **options).fit(
+        db=db, select=lt.Table("feedback"), **KTO_FIELDS
+    )
+    (run,) = db.metadata.list_runs("trainer", "kto-eval")
+    evaluated = [m.values for m in db.metadata.get_metrics(run.run_id) if "eval_loss" in m.values]
+    assert len(evaluated) == 3 and all("eval_kl" in m for m in evaluated)
+    best = db.metadata.get_run(run.run_id).info["best_checkpoint"]
+    assert best["value"] == max(m["eval_rewards/margins"] for m in evaluated)

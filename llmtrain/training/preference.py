@@ -274,7 +274,8 @@ class PreferenceLoss:
     the batch holds ``pairs`` rows' first sequences (chosen; KTO's completion) then as many
     second ones (rejected; KTO's mismatched pair), by ``sequence_index``. Returns the sum over
     the rows (the loop divides by the step's rows); the metrics add up until
-    :meth:`logged`, each over the rows it describes (KTO's chosen: the liked ones)."""
+    :meth:`logged`, each over the rows it describes (KTO's chosen: the liked ones; its
+    margin: of those means, as TRL logs it)."""
 
     def __init__(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> None:
         self.base, self.args, self.cache = base, args, cache
@@ -302,9 +303,8 @@ class PreferenceLoss:
                 rejected_tokens=counts[n:],
             )
         elif a.objective == "kto":
-            liked = sum(batch["liked"])
-            weights = {"": n, "chosen": liked, "rejected": n - liked}
-            weights["margins"] = n if liked and n - liked else 0
+            liked = sum(batch["liked"])  # margins: of the means, in logged()
+            weights = {"": n, "chosen": liked, "rejected": n - liked, "margins": 0}
             loss, metrics = kto_loss(
                 logps[:n],
                 ref[:n],
@@ -345,4 +345,7 @@ class PreferenceLoss:
     def logged(self) -> dict[str, float]:
         """The mean of each metric over its rows since the last call (reads the device)."""
         sums, self.sums = self.sums, {}
-        return {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}
+        out = {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}
+        if self.args.objective == "kto" and {"rewards/chosen", "rewards/rejected"} <= set(out):
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out

@@ -6,7 +6,7 @@ point: when the fit reaches it the driver writes ``hold.marker`` and sleeps, so 
 can ``kill -9`` it exactly there. Hold points: ``after-step`` (step N's keys are traced),
 ``mid-step`` (the forward pass of step N is done, its backward not), ``checkpoint-write``
 (the artifact store is half-way through writing a file of the checkpoint at step N).
-``select`` (a stored query) replaces the table ``docs``.
+``select`` (a stored query) replaces the table ``docs``; ``fields`` fit()'s field names.
 ``load_model`` names a model (of another process) to load after the fit, reporting the
 digests of its LoRA weights.
 """
@@ -125,9 +125,9 @@ def main() -> None:
         cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE, **cfg["options"]
     )
     select = cfg.get("select")  # a stored query (a mixture names its sources' fields)
+    fields = cfg.get("fields") or ({} if select else {"X": "instruction", "Y": "output"})
     model = trainer.fit(
-        X=None if select else "instruction",
-        Y=None if select else "output",
+        **fields,
         db=db,
         select=lt.Query.from_dict(select) if select else lt.Table(cfg.get("table", "docs")),
         resume=cfg.get("resume", False),

@@ -264,54 +264,65 @@ def test_a_checkpoint_killed_half_way_through_its_write_is_never_used(world: Wor
         verify(folder)
 
 
-def test_a_mixture_killed_mid_run_resumes_the_same_interleave(tiny: Path, tmp_path: Path) -> None:
-    """kill -9 after step 5 of a 32-row and 8-row mixture at 0.5/0.5 (the small source in
-    its third pass by then), then a resume: the steps, their rows and the adapter are the
-    uninterrupted run's."""
+@pytest.mark.parametrize("shape", ["mixture", "feedback"])
+def test_a_mixture_or_a_kto_run_killed_mid_run_resumes_the_same_steps(
+    shape: str, tiny: Path, tmp_path: Path
+) -> None:
+    """kill -9 after step 5, then a resume: the steps, their rows and the adapter are the
+    uninterrupted run's. A 32-row and 8-row mixture at 0.5/0.5 (the small source in its third
+    pass by then); KTO on thumbs up/down (its reference values kept in the store as they
+    were computed, read back by the resumed attempt)."""
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", doc_rows(32))
     fill(uri, "extra", doc_rows(8, start=100))
-    parts = [lt.Table(t).fields("instruction", "output") for t in ("docs", "extra")]
     base = {
         "uri": uri,
         "artifacts": str(tmp_path / "artifacts"),
         "model": str(tiny),
         "options": OPTIONS,
-        "select": lt.mix(*parts, weights=[0.5, 0.5]).to_dict(),
     }
-    hold = {"kind": "after-step", "step": 5, "marker": str(tmp_path / "mix.held")}
+    if shape == "mixture":
+        parts = [lt.Table(t).fields("instruction", "output") for t in ("docs", "extra")]
+        base["select"] = lt.mix(*parts, weights=[0.5, 0.5]).to_dict()
+    else:
+        fill(uri, "thumbs", [{**r, "liked": r["id"] % 3 != 0} for r in doc_rows(48)])
+        base["options"] = {**OPTIONS, "objective": "kto"}
+        base["fields"] = {"X": "instruction", "Y": "output", "label": "liked"}
+        base["table"] = "thumbs"
+    hold = {"kind": "after-step", "step": 5, "marker": str(tmp_path / "killed.held")}
     procs = {
         name: launch(
             {**base, "identifier": name, **extra},
             tmp_path / f"{name}.trace",
             tmp_path / f"{name}.first.log",
         )
-        for name, extra in (("reference", {}), ("mix", {"hold": hold}))
+        for name, extra in (("reference", {}), ("killed", {"hold": hold}))
     }
     try:
-        kill_when_held({"mix": procs["mix"]}, tmp_path)
-        assert procs["mix"].wait(timeout=60) == -signal.SIGKILL
+        kill_when_held({"killed": procs["killed"]}, tmp_path)
+        assert procs["killed"].wait(timeout=60) == -signal.SIGKILL
         finish(procs["reference"], tmp_path / "reference.first.log")
-        first = read_trace(tmp_path / "mix.trace")
+        first = read_trace(tmp_path / "killed.trace")
         again = launch(
-            {**base, "identifier": "mix", "resume": True},
-            tmp_path / "mix.resumed",
-            tmp_path / "mix.resumed.log",
+            {**base, "identifier": "killed", "resume": True},
+            tmp_path / "killed.resumed",
+            tmp_path / "killed.resumed.log",
         )
-        finish(again, tmp_path / "mix.resumed.log")
+        finish(again, tmp_path / "killed.resumed.log")
     finally:
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
     reference = read_trace(tmp_path / "reference.trace")
-    resumed = read_trace(tmp_path / "mix.resumed")
+    resumed = read_trace(tmp_path / "killed.resumed")
     assert [s for s, _ in resumed] == list(range(4, OPTIONS["max_steps"] + 1))  # from step 3
     timeline = [e for e in first if e[0] <= 3] + resumed
     assert timeline == reference  # the same rows at the same steps, in the same order
-    extra = [k for _, keys in reference for k in keys if "'part': 1" in k]
-    assert len(extra) == 24 and len(set(extra[:8])) == 8  # 3 passes, each whole
+    if shape == "mixture":
+        extra = [k for _, keys in reference for k in keys if "'part': 1" in k]
+        assert len(extra) == 24 and len(set(extra[:8])) == 8  # 3 passes, each whole
     db = lt.connect(uri, artifacts=tmp_path / "artifacts")
-    resumed_model, reference_model = db.load("model", "mix"), db.load("model", "reference")
+    resumed_model, reference_model = db.load("model", "killed"), db.load("model", "reference")
     assert_same_weights(
         adapter(db, reference_model, tmp_path), adapter(db, resumed_model, tmp_path)
     )

@@ -1,8 +1,9 @@
-"""llmtrain's DPO against TRL's DPOTrainer, side by side, packing off and on:
+"""llmtrain's DPO and KTO against TRL's DPOTrainer and KTOTrainer, side by side, packing off
+and on:
 
-    python benchmarks/bench_dpo_vs_trl.py [--rows 400] [--steps 12] [--batch-size 8]
-                                          [--max-length 256] [--hidden 64] [--layers 2]
-                                          [--repeats 3]
+    python benchmarks/bench_preference_vs_trl.py [--objective dpo|kto] [--rows 400]
+        [--steps 12] [--batch-size 8] [--max-length 256] [--hidden 64] [--layers 2]
+        [--repeats 3]
 
 The same tiny random Llama (``llmtrain.testing.tiny_model``), the same preference pairs (the
 synthetic rows of ``bench_vs_trl.py``: a row's prompt, its answer as ``chosen`` and the answer
@@ -32,6 +33,14 @@ model and the loss of the last step (the same pairs a step on both sides: the lo
 agree closely; both start at log 2). Every contender runs ``--repeats`` times, the order
 rotating each round, and the medians are shown (the machine these ran on is shared and
 noisy). Ratios are llmtrain / TRL.
+
+``--objective kto``: row ``i`` of the pairs becomes (prompt, its chosen answer, liked) for
+even ``i`` and (prompt, its rejected answer, disliked) for odd, so the label counts are equal
+and llmtrain's default weights are TRL's (1, 1); beta 0.1, KL estimate on. Both sides pair
+each prompt with the answer of the row before it in its batch for the KL term (TRL under no
+grad, llmtrain in the policy's one packed forward), so the tokens counted are those of the
+(prompt, answer) rows trained, the same on both sides, over each side's loop time.
+TRL's KTOTrainer has no padding-free mode: llmtrain-packed is compared with trl-padded.
 Goal: tokens/s >= 1.0x at peak RSS <= 1.0x TRL's, packing on and off.
 """
 
@@ -93,6 +102,19 @@ def make_pairs(n: int, tokenizer: Any, max_length: int) -> tuple[list[dict[str, 
     return pairs, cut
 
 
+def feedback(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """KTO's rows from the pairs: the chosen answer liked (even ids), the rejected disliked."""
+    return [
+        {
+            "id": p["id"],
+            "prompt": p["prompt"],
+            "answer": p["rejected" if p["id"] % 2 else "chosen"],
+            "liked": int(p["id"] % 2 == 0),
+        }
+        for p in pairs
+    ]
+
+
 def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
     import sqlite3
 
@@ -101,13 +123,13 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
 
     folder = Path(args.workdir)
     pairs = json.loads(Path(args.pairs).read_text())
+    rows = feedback(pairs) if args.objective == "kto" else pairs
+    columns = list(rows[0])
     con = sqlite3.connect(folder / "pairs.db")
-    con.execute(
-        "CREATE TABLE pairs (id INTEGER PRIMARY KEY, prompt TEXT, chosen TEXT, rejected TEXT)"
-    )
+    con.execute(f"CREATE TABLE pairs (id INTEGER PRIMARY KEY, {', '.join(columns[1:])})")
     con.executemany(
-        "INSERT INTO pairs VALUES (?, ?, ?, ?)",
-        [(p["id"], p["prompt"], p["chosen"], p["rejected"]) for p in pairs],
+        f"INSERT INTO pairs VALUES ({', '.join('?' for _ in columns)})",
+        [tuple(r[c] for c in columns) for r in rows],
     )
     con.commit()
     con.close()
@@ -120,11 +142,10 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
 
     run_module.to_device = counted  # type: ignore[assignment]
     trainer = lt.LLMTrainer(
-        f"dpo-bench-{packing}",
+        f"{args.objective}-bench-{packing}",
         model=args.model,
-        objective="dpo",
+        objective=args.objective,
         beta=BETA,
-        loss_type="sigmoid",
         prompt_template=TEMPLATE,
         max_length=args.max_length,
         batch_size=args.batch_size,
@@ -145,13 +166,17 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
         logging_steps=1,
     )
     db = lt.connect(f"sqlite:///{folder / 'pairs.db'}", artifacts=folder / "artifacts")
-    model = trainer.fit(
-        X="prompt", chosen="chosen", rejected="rejected", db=db, select=lt.Table("pairs")
+    fields = (
+        {"Y": "answer", "label": "liked"}
+        if args.objective == "kto"
+        else {"chosen": "chosen", "rejected": "rejected"}
     )
+    model = trainer.fit(X="prompt", db=db, select=lt.Table("pairs"), **fields)
     last = db.metadata.get_metrics(model.record.run_id)[-1].values
     return {
         "tok_s": last["tokens_per_s"],
         "tokens": last["tokens"],
+        "seconds": last["tokens"] / last["tokens_per_s"],
         "fraction": last["tokens"] / max(positions["n"], 1),
         "loss": last["loss"],
         "peak_mb": _peak_mb(),
@@ -159,49 +184,62 @@ def run_llmtrain(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
 
 
 def trl_trainer(args: argparse.Namespace, padding_free: bool, callbacks: list[Any]) -> Any:
-    """TRL's DPOTrainer on the same pairs and recipe."""
+    """TRL's DPOTrainer (KTOTrainer) on the same pairs (feedback rows) and recipe."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     pairs = json.loads(Path(args.pairs).read_text())
-    rows = [
-        {
-            "prompt": PROMPT.replace("{X}", p["prompt"]),
-            "chosen": p["chosen"],
-            "rejected": p["rejected"],
-        }
-        for p in pairs
-    ]
-    config = DPOConfig(
-        output_dir=str(Path(args.workdir) / "trl"),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=LR,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        max_length=args.max_length,
-        padding_free=padding_free,
-        beta=BETA,
-        loss_type=["sigmoid"],
-        precompute_ref_log_probs=False,
-        train_sampling_strategy="sequential",  # key order, as llmtrain with shuffle=False
-        gradient_checkpointing=False,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-    )
+    kto = args.objective == "kto"
+    if kto:
+        rows = [
+            {
+                "prompt": PROMPT.replace("{X}", r["prompt"]),
+                "completion": r["answer"],
+                "label": bool(r["liked"]),
+            }
+            for r in feedback(pairs)
+        ]
+    else:
+        rows = [
+            {
+                "prompt": PROMPT.replace("{X}", p["prompt"]),
+                "chosen": p["chosen"],
+                "rejected": p["rejected"],
+            }
+            for p in pairs
+        ]
+    common = {
+        "output_dir": str(Path(args.workdir) / "trl"),
+        "max_steps": args.steps,
+        "per_device_train_batch_size": args.batch_size,
+        "learning_rate": LR,
+        "lr_scheduler_type": "linear",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "optim": "adamw_torch",
+        "max_length": args.max_length,
+        "beta": BETA,
+        "precompute_ref_log_probs": False,
+        "train_sampling_strategy": "sequential",  # key order, as llmtrain with shuffle=False
+        "gradient_checkpointing": False,
+        "bf16": False,
+        "fp16": False,
+        "use_cpu": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    if kto:
+        config: Any = KTOConfig(**common, desirable_weight=1.0, undesirable_weight=1.0)
+    else:
+        config = DPOConfig(**common, padding_free=padding_free, loss_type=["sigmoid"])
     lora = LoraConfig(
         r=LORA_R,
         lora_alpha=LORA_ALPHA,
@@ -209,7 +247,7 @@ def trl_trainer(args: argparse.Namespace, padding_free: bool, callbacks: list[An
         target_modules=LLAMA_TARGETS,
         task_type="CAUSAL_LM",
     )
-    return DPOTrainer(
+    return (KTOTrainer if kto else DPOTrainer)(
         model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
         ref_model=None,  # with a PEFT model: the reference is the adapter disabled
         args=config,
@@ -239,13 +277,18 @@ def run_trl(args: argparse.Namespace, packing: bool) -> dict[str, Any]:
         return trainer
 
     # the LlamaModel inside the PEFT wrapper; the reference's forward runs without grad
-    return timed_train(make, lambda trainer: trainer.model.get_base_model().model)
+    found = timed_train(make, lambda trainer: trainer.model.get_base_model().model)
+    return found | {"seconds": found["tokens"] / found["tok_s"]}
 
 
 def child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.child == "trl-probe" and args.objective == "kto":
+        why = "KTOTrainer has no padding-free mode"
+        print("RESULT " + json.dumps({"honoured": False, "why": why}))
+        return
     if args.child == "trl-probe":
         print("RESULT " + json.dumps(probe_trl_padding_free(args)))
         return
@@ -258,7 +301,7 @@ def run_child(name: str, args: argparse.Namespace, model: Path, pairs: Path, fol
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
     cmd += ["--workdir", str(folder), "--pairs", str(pairs)]
-    for flag in ("steps", "batch_size", "max_length", "threads"):
+    for flag in ("objective", "steps", "batch_size", "max_length", "threads"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     done = subprocess.run(cmd, capture_output=True, text=True)
     line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
@@ -269,6 +312,7 @@ def run_child(name: str, args: argparse.Namespace, model: Path, pairs: Path, fol
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objective", choices=["dpo", "kto"], default="dpo")
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
@@ -307,11 +351,20 @@ def main() -> None:
             args.repeats,
             lambda name, i: run_child(name, args, model, pairs_file, workdir / f"round{i}" / name),
         )
+        if args.objective == "kto":  # the rows trained, the same on both sides, by each's time
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            trained = feedback(pairs)[: args.steps * args.batch_size]
+            texts = [TEMPLATE.replace("{X}", r["prompt"]) for r in trained]
+            texts = [t.replace("{Y}", r["answer"]) for t, r in zip(texts, trained)]
+            tokens = sum(len(tokenizer(t).input_ids) + 1 for t in texts)  # + EOS
+            for r in results.values():
+                r["tokens"], r["tok_s"] = tokens, tokens / r["seconds"]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     print(
-        f"DPO (beta {BETA}, sigmoid), tiny Llama hidden {args.hidden} x {args.layers} layers, "
+        f"{args.objective.upper()} (beta {BETA}), tiny Llama hidden {args.hidden} x "
+        f"{args.layers} layers, "
         f"{args.steps} steps of {args.batch_size} pairs, max_length {args.max_length} "
         f"({cut} of {2 * args.rows} answers cut to fit), {args.threads} thread(s), median of "
         f"{args.repeats} rounds"
