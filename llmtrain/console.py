@@ -150,8 +150,4 @@ def table(rows: Iterable[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)

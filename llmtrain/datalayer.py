@@ -99,8 +99,7 @@ class Datalayer:
             raise ConfigError(
                 f"connect(retry=) must be a RetryPolicy, got {type(retry).__name__} {retry!r}"
             )
-        self._uri = uri
-        self._metadata_uri = metadata_uri or uri
+        self._uri, self._metadata_uri = uri, metadata_uri or uri
         if isinstance(artifacts, (str, Path)):
             check_artifacts_spec(artifacts, self._metadata_uri)
         self._artifacts_spec = artifacts
@@ -217,10 +216,8 @@ class Datalayer:
             models = [m for m in models if version in (None, m.payload.get("trainer_version"))]
         if (runs or models) and not force:
             what = [f"{len(runs)} run(s) ({', '.join(r.run_id for r in runs)})"] if runs else []
-            if models:
-                what.append(
-                    f"model {identifier!r} version(s) {', '.join(str(m.version) for m in models)}"
-                )
+            versions = ", ".join(str(m.version) for m in models)
+            what += [f"model {identifier!r} version(s) {versions}"] if models else []
             raise StoreError(
                 f"{type_id} {identifier!r} still has {' and '.join(what)}: remove "
                 "those first, or pass force=True to remove them with it"

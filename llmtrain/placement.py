@@ -46,11 +46,9 @@ class Placement:
     def resolve(cls, rank: int | None = None, world_size: int | None = None) -> Placement:
         """Explicit values win over the environment's (a dataset built for one rank)."""
         found = cls.from_environment()
-        return replace(
-            found,
-            rank=found.rank if rank is None else rank,
-            world_size=found.world_size if world_size is None else world_size,
-        )
+        rank = found.rank if rank is None else rank
+        world_size = found.world_size if world_size is None else world_size
+        return replace(found, rank=rank, world_size=world_size)
 
     def joined(self, rank: int, world_size: int) -> Placement:
         """The placement inside the process group just joined; a launcher's must agree."""
@@ -63,7 +61,6 @@ class Placement:
 
     @property
     def in_launched_job(self) -> bool:
-        """One rank of several started by torchrun or deepspeed (each runs the script)."""
         return self.launched and self.distributed
 
     @property

@@ -151,25 +151,31 @@ def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=0, atol=0)
 
 
+@pytest.fixture
+def references(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of each reference forward, as they run (the policy's forward has grad)."""
+    from llmtrain.training import preference
+
+    counts: list[int] = []
+    compute = preference.sequence_logprobs
+
+    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            counts.append(int(batch["pairs"]))
+        return compute(model, batch, **kwargs)
+
+    monkeypatch.setattr(preference, "sequence_logprobs", counted)
+    return counts
+
+
 def test_reference_log_probs_are_computed_once_per_pair_and_kept(
-    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, tmp_path: Path, references: list[int]
 ) -> None:
     """A second epoch and a replay run no reference forward for the pairs already seen (the
     values come from the artifact store), and train the same; a pair whose text changed is
     computed again, with its micro-batch."""
     import sqlite3
 
-    from llmtrain.training import preference
-
-    references: list[int] = []  # the pairs of each reference forward (the policy's has grad)
-    compute = preference.sequence_logprobs
-
-    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            references.append(int(batch["pairs"]))
-        return compute(model, batch, **kwargs)
-
-    monkeypatch.setattr(preference, "sequence_logprobs", counted)
     db = _db(tmp_path)
     options = {**OPTIONS, "num_train_epochs": 2, "shuffle": False}
     lt.LLMTrainer("cached", model=tiny, objective="dpo", **options).fit(
@@ -195,19 +201,31 @@ def test_reference_log_probs_are_computed_once_per_pair_and_kept(
     assert 2 not in {c.key for c in db.lineage("model", "cached", forgetting.version)}
 
 
-def test_a_pair_without_a_preference_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
-    rows = [*ROWS]
-    rows[3] = {**rows[3], "rejected": rows[3]["chosen"]}
-    rows[5] = {**rows[5], "rejected": "  "}
+@pytest.mark.parametrize("shape", ["pairs", "feedback"])
+def test_a_row_with_nothing_to_learn_from_is_a_bad_row(
+    shape: str, tiny: Path, tmp_path: Path
+) -> None:
+    """Answers equal or empty, a label that is no label: raised naming the key and field, or
+    skipped and left out of the lineage."""
+    if shape == "pairs":
+        rows, objective, fields, steps = [*ROWS], "simpo", FIELDS, 2
+        rows[3] = {**rows[3], "rejected": rows[3]["chosen"]}
+        rows[5] = {**rows[5], "rejected": "  "}
+        message, kept = r"key 3: field 'rejected' equals field 'chosen'", [0, 1, 2, 4, 6, 7]
+    else:
+        rows, objective, fields, steps = [*FEEDBACK], "kto", KTO_FIELDS, 3
+        rows[2] = {**rows[2], "liked": "yes"}
+        rows[9] = {**rows[9], "answer": " "}
+        message, kept = r"key 2: field 'liked' is 'yes', not a label", [0, 1, *range(3, 9), 10, 11]
     db = _db(tmp_path, rows)
-    options = {**OPTIONS, "max_steps": 2, "shuffle": False}
-    with pytest.raises(BadRowError, match=r"key 3: field 'rejected' equals field 'chosen'"):
-        lt.LLMTrainer("bad", model=tiny, objective="simpo", **options).fit(
-            db=db, select=lt.Table("feedback"), **FIELDS
+    options = {**OPTIONS, "max_steps": steps, "shuffle": False, "objective": objective}
+    with pytest.raises(BadRowError, match=message):
+        lt.LLMTrainer("bad", model=tiny, **options).fit(
+            db=db, select=lt.Table("feedback"), **fields
         )
-    skipping = lt.LLMTrainer("skip", model=tiny, objective="simpo", on_bad_row="skip", **options)
-    skipping.fit(db=db, select=lt.Table("feedback"), **FIELDS)
-    assert sorted(c.key for c in db.lineage("model", "skip")) == [0, 1, 2, 4, 6, 7]
+    skipping = lt.LLMTrainer("skip", model=tiny, on_bad_row="skip", **options)
+    skipping.fit(db=db, select=lt.Table("feedback"), **fields)
+    assert sorted(c.key for c in db.lineage("model", "skip")) == kept
 
 
 def test_preference_options_are_checked_before_anything_is_recorded(
@@ -221,6 +239,13 @@ def test_preference_options_are_checked_before_anything_is_recorded(
         ({"objective": "dpo", "lora_args": None}, FIELDS, "the reference is the model with its"),
         ({"objective": "dpo", "loss_type": "kto"}, FIELDS, "loss_type"),
         ({"objective": "orpo"}, {**FIELDS, "rejected": "chosen"}, "name the same field twice"),
+        (
+            {"objective": "kto", "batch_size": 1},
+            KTO_FIELDS,
+            "per_device_train_batch_size=1: KTO's KL estimate",
+        ),
+        ({"objective": "dpo"}, KTO_FIELDS, "fit.label=. trains feedback on single answers"),
+        ({"objective": "kto"}, {"X": "prompt", "Y": "chosen"}, "kto' trains fit.X=, Y=, label=."),
         (
             {"save_best_by": "eval_rewards/margins", "eval_fraction": 0.5},
             {"X": "prompt", "Y": "chosen"},
@@ -357,50 +382,11 @@ def test_kto_makes_liked_answers_likelier_than_disliked_ones(tiny: Path, tmp_pat
     assert again is not None and again.version == model.version + 1
 
 
-def test_kto_feedback_that_is_no_label_is_a_bad_row(tiny: Path, tmp_path: Path) -> None:
-    rows = [*FEEDBACK]
-    rows[2] = {**rows[2], "liked": "yes"}
-    rows[9] = {**rows[9], "answer": " "}
-    db = _db(tmp_path, rows)
-    options = {**OPTIONS, "max_steps": 3, "shuffle": False}
-    with pytest.raises(BadRowError, match=r"key 2: field 'liked' is 'yes', not a label"):
-        lt.LLMTrainer("bad", model=tiny, objective="kto", **options).fit(
-            db=db, select=lt.Table("feedback"), **KTO_FIELDS
-        )
-    skipping = lt.LLMTrainer("skip", model=tiny, objective="kto", on_bad_row="skip", **options)
-    skipping.fit(db=db, select=lt.Table("feedback"), **KTO_FIELDS)
-    trained = sorted(c.key for c in db.lineage("model", "skip"))
-    assert trained == [0, 1, 3, 4, 5, 6, 7, 8, 10, 11]
-    with pytest.raises(ConfigError, match="per_device_train_batch_size=1: KTO's KL estimate"):
-        lt.LLMTrainer("one", model=tiny, objective="kto", **{**options, "batch_size": 1}).fit(
-            db=db, select=lt.Table("feedback"), **KTO_FIELDS
-        )
-    with pytest.raises(ConfigError, match="fit.label=. trains feedback on single answers"):
-        lt.LLMTrainer("dpo", model=tiny, objective="dpo", **options).fit(
-            db=db, select=lt.Table("feedback"), **KTO_FIELDS
-        )
-    with pytest.raises(ConfigError, match="objective='kto' trains fit.X=, Y=, label=."):
-        lt.LLMTrainer("nolabel", model=tiny, objective="kto", **options).fit(
-            db=db, select=lt.Table("feedback"), X="prompt", Y="answer"
-        )
-
-
 def test_kto_reference_values_are_kept_for_each_pairing(
-    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, tmp_path: Path, references: list[int]
 ) -> None:
     """KTO's reference values (the answer, and the prompt with its neighbour's answer) are
     computed once: an epoch over the same micro-batches and a replay run no reference forward."""
-    from llmtrain.training import preference
-
-    references: list[int] = []
-    compute = preference.sequence_logprobs
-
-    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            references.append(int(batch["pairs"]))
-        return compute(model, batch, **kwargs)
-
-    monkeypatch.setattr(preference, "sequence_logprobs", counted)
     db = _db(tmp_path, FEEDBACK)
     options = {**OPTIONS, "num_train_epochs": 2, "shuffle": False}
     lt.LLMTrainer("kto-cached", model=tiny, objective="kto", **options).fit(

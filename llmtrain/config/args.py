@@ -197,8 +197,7 @@ class TrainingArguments(_Args):
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if len(set(self.report_to)) != len(self.report_to):
             raise ValueError(f"report_to names a tracker twice: {self.report_to}")
-        problems = metric_problems(self.eval_metrics, self.save_best_by)
-        if problems:
+        if problems := metric_problems(self.eval_metrics, self.save_best_by):
             raise ValueError("; ".join(problems))
         return self
 
@@ -208,9 +207,8 @@ class TrainingArguments(_Args):
 
     def best_is_greater(self) -> bool:
         """Whether a larger save_best_by value is better (a loss: no; a metric: yes)."""
-        if self.greater_is_better is not None:
-            return self.greater_is_better
-        return not (self.best_key() or "").endswith("loss")
+        greater = self.greater_is_better
+        return not (self.best_key() or "").endswith("loss") if greater is None else greater
 
 
 class DataArguments(_Args):
@@ -254,9 +252,7 @@ class DataArguments(_Args):
     def token_budget(self, batch_size: int) -> int | None:
         """Tokens a packed micro-batch holds (None without packing). Packing a step's rows
         together: 0.998 real tokens, against 0.84 packing each batch alone (B=8, T=256)."""
-        if not self.packing:
-            return None
-        return self.max_tokens_per_batch or batch_size * self.max_length
+        return (self.max_tokens_per_batch or batch_size * self.max_length) if self.packing else None
 
 
 class ObjectiveArguments(_Args):
@@ -440,12 +436,12 @@ class TrainerConfig(_Args):
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
         """The argument groups by name."""
-        out = {}
-        for name, field in cls.model_fields.items():
-            for candidate in (field.annotation, *typing.get_args(field.annotation)):
-                if isinstance(candidate, type) and issubclass(candidate, _Args):
-                    out[name] = candidate
-        return out
+        return {
+            name: candidate
+            for name, field in cls.model_fields.items()
+            for candidate in (field.annotation, *typing.get_args(field.annotation))
+            if isinstance(candidate, type) and issubclass(candidate, _Args)
+        }
 
     @classmethod
     def options(cls) -> list[str]:
@@ -455,14 +451,13 @@ class TrainerConfig(_Args):
     @classmethod
     def flat_keywords(cls) -> dict[str, tuple[str, str]]:
         """``LLMTrainer``'s flat keyword -> (section, field)."""
-        out: dict[str, tuple[str, str]] = {}
-        for section, model in cls.sections().items():
-            if not _extra(cls.model_fields[section]).get("flat"):
-                continue
-            for name, field in model.model_fields.items():
-                for keyword in filter(None, (name, _extra(field).get("flat"))):
-                    out[keyword] = (section, name)
-        return out
+        return {
+            keyword: (section, name)
+            for section, model in cls.sections().items()
+            if _extra(cls.model_fields[section]).get("flat")
+            for name, field in model.model_fields.items()
+            for keyword in filter(None, (name, _extra(field).get("flat")))
+        }
 
     @model_validator(mode="after")
     def _rules(self) -> TrainerConfig:
@@ -520,9 +515,8 @@ class TrainerConfig(_Args):
             )
         if m.bits and self.lora_args is None:
             problems.append(
-                f"model_args.bits={m.bits} with lora_args=None: bits quantises the "
-                "frozen base model, which only an adapter can train; keep lora_args "
-                "(QLoRA) or drop bits"
+                f"model_args.bits={m.bits} with lora_args=None: bits quantises the frozen base "
+                "model, which only an adapter can train; keep lora_args (QLoRA) or drop bits"
             )
         problems += quantization_problems(
             m.bits,
@@ -541,39 +535,32 @@ class TrainerConfig(_Args):
         model with its adapter off (or as it started), so they need an adapter."""
         objective, fit = self.objective_args.objective, self.fit
         shape = fit.shape if fit is not None else None
-        best = self.training_args.best_key()
-        wanted = {"pairs": ("dpo", "orpo", "simpo"), "feedback": ("kto",)}
-        asks = [
-            (
-                "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' "
-                "or 'simpo'",
-                shape == "pairs" and objective not in wanted["pairs"],
-            ),
-            (
-                "fit(label=) trains feedback on single answers: set objective='kto'",
-                shape == "feedback" and objective != "kto",
-            ),
-            (
-                f"training_args.save_best_by={best!r}: rewards are a preference objective's",
-                objective == "sft" and best is not None and best.startswith("eval_rewards/"),
-            ),
-            (
+        best, pairs, problems = self.training_args.best_key(), ("dpo", "orpo", "simpo"), []
+        if shape == "pairs" and objective not in pairs:
+            problems.append(
+                "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' or 'simpo'"
+            )
+        if shape == "feedback" and objective != "kto":
+            problems.append("fit(label=) trains feedback on single answers: set objective='kto'")
+        if objective == "sft" and best is not None and best.startswith("eval_rewards/"):
+            problems.append(
+                f"training_args.save_best_by={best!r}: rewards are a preference objective's"
+            )
+        if objective == "kto" and best == "eval_rewards/accuracies":
+            problems.append(
                 f"training_args.save_best_by={best!r}: KTO has no pairs to be accurate on; "
-                "use eval_rewards/margins",
-                objective == "kto" and best == "eval_rewards/accuracies",
-            ),
-            (
+                "use eval_rewards/margins"
+            )
+        if self.init_from is not None and self.lora_args is None:
+            problems.append(
                 f"init_from={self.init_from!r} continues an earlier model's adapter; "
-                "lora_args=None trains none",
-                self.init_from is not None and self.lora_args is None,
-            ),
-        ]
-        problems = [problem for problem, found in asks if found]
+                "lora_args=None trains none"
+            )
         if objective == "sft":
             return problems
         if objective == "kto" and fit is not None and shape != "feedback":
             problems.append("objective='kto' trains fit(X=, Y=, label=): the label says liked")
-        if objective in wanted["pairs"] and fit is not None and shape != "pairs":
+        if objective in pairs and fit is not None and shape != "pairs":
             problems.append(f"objective={objective!r} trains fit(X=, chosen=, rejected=), no Y")
         if fit is not None and fit.query().kind == "mix":
             problems.append(f"objective={objective!r} trains one source, not lt.mix(...)")
@@ -625,17 +612,15 @@ class TrainerConfig(_Args):
     def _template_problems(self) -> list[str]:
         """{X} and {Y} (or the chat template) for responses; none, or {X} alone, for documents;
         each source of a mixture in its own shape."""
-        fit, d = self.fit, self.data_args
-        if self.prompt_template is not None and d.chat_template:
+        fit, d, template = self.fit, self.data_args, self.prompt_template
+        if template is not None and d.chat_template:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
         if d.stride >= d.max_length - 1:
             return [f"data_args.stride={d.stride} leaves no new token in a window of max_length"]
         from llmtrain.formatting.template import PromptTemplate
 
         try:
-            documents = (
-                PromptTemplate(self.prompt_template).documents if self.prompt_template else None
-            )
+            documents = PromptTemplate(template).documents if template else None
         except ConfigError as exc:
             return [f"prompt_template: {exc}"]
         mixed = fit is not None and len(fit.parts()) > 1
@@ -710,37 +695,33 @@ def quantization_problems(
         # Measured: after one step a ZeRO-3-partitioned 4-bit model gives another loss than
         # the same update applied in a single process; ZeRO-2 matches it exactly.
         problems.append(
-            f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot "
-            "train with DeepSpeed ZeRO stage 3 (it partitions the packed quantised "
-            "weights and the results are wrong): use deepspeed_config stage 1 or 2, "
-            "or drop bits"
+            f"model_args.bits={bits} with deepspeed_config stage 3: QLoRA cannot train with "
+            "DeepSpeed ZeRO stage 3 (it partitions the packed quantised weights and the results "
+            "are wrong): use deepspeed_config stage 1 or 2, or drop bits"
         )
     if fsdp and bits == 8:
         problems.append(
-            "model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes "
-            "8-bit weights: use bits=4 on a GPU, deepspeed_config with stage 1 or "
-            "2, or drop bits"
+            "model_args.bits=8 with fsdp_config: FSDP2 cannot shard bitsandbytes 8-bit weights: "
+            "use bits=4 on a GPU, deepspeed_config with stage 1 or 2, or drop bits"
         )
     elif fsdp:
         if cuda is False:
             # Measured: a sharded 4-bit model returns a different loss on every forward with
             # no update in between (the re-gathered packed weights are not the loaded ones).
             problems.append(
-                "model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 "
-                "does not work on the CPU: train it with deepspeed_config (stage 1 "
-                "or 2: the 4-bit base stays replicated, the adapter's gradients and "
-                "optimizer state are partitioned), or drop bits to shard an "
-                "unquantised base with FSDP2"
+                "model_args.bits=4 with fsdp_config: QLoRA (bits=4) with FSDP2 does not work "
+                "on the CPU: train it with deepspeed_config (stage 1 or 2: the 4-bit base stays "
+                "replicated, the adapter's gradients and optimizer state are partitioned), or "
+                "drop bits to shard an unquantised base with FSDP2"
             )
         if quant_storage is not None and (
             quant_storage not in ("float32", "bfloat16", "float16")
             or (compute_dtype is not None and quant_storage != compute_dtype)
         ):
             problems.append(
-                f"model_args.bnb_4bit_quant_storage={quant_storage!r} with "
-                "fsdp_config: FSDP2 shards the packed 4-bit weights as tensors of "
-                "the compute dtype: set it to model_args.bnb_4bit_compute_dtype "
-                f"({compute_dtype or 'a float dtype, not auto'})"
+                f"model_args.bnb_4bit_quant_storage={quant_storage!r} with fsdp_config: FSDP2 "
+                "shards the packed 4-bit weights as tensors of the compute dtype: set it to "
+                f"model_args.bnb_4bit_compute_dtype ({compute_dtype or 'a float dtype, not auto'})"
             )
     return problems
 

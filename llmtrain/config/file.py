@@ -262,17 +262,18 @@ class FitJob:
     def options(self) -> dict[str, Any]:
         """``LLMTrainer``'s keywords: only the options the file sets (``lora_args: null`` is
         full fine-tuning, a missing one the default adapter)."""
-        return dict(
-            self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
-        )
+        return self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
 
 
 def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> FitJob:
     """Validate a config dict; the database is ``db:``, else ``$LLMTRAIN_DB_URI``."""
     env = os.environ if env is None else env
     config = dict(config)
-    if isinstance(config.get("model_args"), dict):
-        config["model_args"] = _absolute_model_path(config["model_args"])
+    model_args: Any = config.get("model_args")
+    name = model_args.get("model_name_or_path") if isinstance(model_args, dict) else None
+    if isinstance(name, str) and not Path(name).is_absolute() and Path(name).exists():
+        # a relative local model folder made absolute: the stored trainer replays anywhere
+        config["model_args"] = {**model_args, "model_name_or_path": str(Path(name).resolve())}
     parsed = build(FitFile, config, "config")
     db_uri = parsed.db or env.get(DB_ENV)
     if not db_uri:
@@ -292,16 +293,8 @@ def build_job(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -
     return job
 
 
-def _absolute_model_path(model_args: dict[str, Any]) -> dict[str, Any]:
-    """A relative local model folder made absolute: the stored trainer replays anywhere."""
-    name = model_args.get("model_name_or_path")
-    if isinstance(name, str) and not Path(name).is_absolute() and Path(name).exists():
-        return {**model_args, "model_name_or_path": str(Path(name).resolve())}
-    return model_args
-
-
 def _absolute_sqlite(uri: str) -> str:
-    """``sqlite:///data.db`` -> ``sqlite:////abs/data.db``, for the same reason."""
+    """``sqlite:///data.db`` -> ``sqlite:////abs/data.db``: the stored trainer replays anywhere."""
     head, sep, rest = uri.partition(":///")
     if not sep or scheme_of(uri) != "sqlite":
         return uri

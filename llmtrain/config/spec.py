@@ -66,11 +66,8 @@ class DataSelection(BaseModel):
 
 
 def _conversations_x(select: Any) -> str | None:
-    return (
-        MESSAGES
-        if isinstance(select, dict) and "conversations" in (select.get("kind"), *select)
-        else None
-    )
+    conversations = isinstance(select, dict) and "conversations" in (select.get("kind"), *select)
+    return MESSAGES if conversations else None
 
 
 class FitSpec(DataSelection):

@@ -19,14 +19,7 @@ from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import MixOrder, Order
 from llmtrain.data.position import Position, Positioned
 from llmtrain.data.rows import Shape, check_on_bad_row, check_row, normalise_fields
-from llmtrain.data.snapshot import (
-    MemoryStore,
-    MixedView,
-    RunSnapshot,
-    Split,
-    View,
-    take_snapshot,
-)
+from llmtrain.data.snapshot import MemoryStore, MixedView, RunSnapshot, Split, View, take_snapshot
 from llmtrain.db.backend import Key, Row
 from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Mix, Part, Query
@@ -117,8 +110,7 @@ class CachedQueryDataset(IterableDataset[Row]):
                 f"snapshot= describes another query or eval_fraction than {select.source} "
                 f"with eval_fraction={eval_fraction}"
             )
-        self.db, self.query = db, select
-        self.fields = normalise_fields(fields)
+        self.db, self.query, self.fields = db, select, normalise_fields(fields)
         mixed = isinstance(select, Mix)
         parts = select.parts if isinstance(select, Mix) else (Part(select),)
         self.sources = [
@@ -155,13 +147,9 @@ class CachedQueryDataset(IterableDataset[Row]):
     def snapshot(self) -> RunSnapshot:
         """The selection's snapshot: the one given, else taken (into memory) on first use."""
         if self._snapshot is None:
-            self.store = MemoryStore()
-            self._snapshot = take_snapshot(
-                self.db,
-                self.query,
-                eval_fraction=self.eval_fraction * (self.split != "all"),
-                store=self.store,
-            )
+            fraction = self.eval_fraction * (self.split != "all")
+            self.store = store = MemoryStore()
+            self._snapshot = take_snapshot(self.db, self.query, eval_fraction=fraction, store=store)
             self.stats.statements += self._snapshot.statements
             self.stats.keys_fetched += self._snapshot.count
         return self._snapshot
@@ -399,10 +387,9 @@ class _Source:
         shape: Shape = "text",
     ) -> _Source:
         own = normalise_fields(part.fields_or(fields))
-        conversation = isinstance(part.select, Conversations)
-        if conversation:  # a conversation's version: its last turn
-            version_column = TURNS
-        if conversation or chat and len(own) == 1:
+        if isinstance(part.select, Conversations):  # its version: its last turn
+            return cls(part.select, own, "conversation", TURNS, index)
+        if chat and len(own) == 1:
             shape = "conversation"
         return cls(part.select, own, shape, version_column, index)
 
@@ -412,11 +399,9 @@ class _Source:
     def read(self, db: Database, keys: list[Key], versions: list[Any] | None) -> list[Row | None]:
         """The rows of ``keys`` (None: deleted); one updated since the snapshot carries the
         version read under ``"_version"``."""
-        fields = self.fields
         column = self.version_column if versions is not None else None
-        read_too = bool(column) and column not in fields  # fetched only to compare
-        if column and read_too:
-            fields = (*fields, column)
+        read_too = bool(column) and column not in self.fields  # fetched only to compare
+        fields = (*self.fields, column) if column and read_too else self.fields
         # matched by key_repr: MongoDB keeps 1 and True apart, and a document _id is no dict key
         found = {key_repr(k): row for k, row in db.backend.fetch_by_keys(self.query, fields, keys)}
         rows = [found.get(key_repr(k)) for k in keys]

@@ -72,17 +72,15 @@ class QueryDataLoader:
 
     def _collate(self, items: list[Positioned]) -> LoaderBatch:
         """Skipped and deleted rows arrive as None; a worker's keys ride back with its batch."""
-        deleted = self.dataset.stats.deleted
         skipped = [k for _, k, row in items if row is None]
-        gone = [k for k in skipped if key_repr(k) in deleted]
+        gone = [k for k in skipped if key_repr(k) in self.dataset.stats.deleted]
         rows: list[Any] = [(key, row) for _, key, row in items if row is not None]
         changed = [(key, row.pop("_version")) for key, row in rows if "_version" in row]
         if not self.with_keys:
             rows = [{**row, "_key": key} if self.dataset.return_keys else row for key, row in rows]
-        batch = self.collate_fn(rows) if self.collate_fn and rows else rows
+        batch = (self.collate_fn(rows) if self.collate_fn else rows) if rows else None
         positions = [pos for pos, _, _ in items]
-        made = batch if rows else None
-        return LoaderBatch(min(positions), max(positions), made, gone, skipped, changed)
+        return LoaderBatch(min(positions), max(positions), batch, gone, skipped, changed)
 
     def __len__(self) -> int:
         return -(-len(self.dataset) // self.batch_size)

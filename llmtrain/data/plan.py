@@ -8,6 +8,7 @@ import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,28 +24,14 @@ def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
     return count // world_size if drop_remainder else math.ceil(count / world_size)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Rows ``start:stop`` of block ``block``, the rank's rows ``offset`` on, visited in
-    ``order()`` (computed when needed: the plan stays a few numbers a block)."""
+class Piece(NamedTuple):
+    """Rows ``start:stop`` of block ``block``, the rank's rows ``offset`` on (their visit
+    order computed when needed: the plan stays a few numbers a block)."""
 
     block: int
     start: int
     stop: int
     offset: int  # the position of the piece's first row in the rank's epoch sequence
-    seed: int
-    epoch: int
-    shuffle: bool
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def order(self) -> np.ndarray:
-        """The in-piece positions in visit order."""
-        if not self.shuffle:
-            return np.arange(len(self))
-        rng = np.random.default_rng([self.seed, self.epoch, self.block, self.start, _SALT_PIECE])
-        return rng.permutation(len(self))
 
 
 @dataclass(frozen=True)
@@ -65,12 +52,19 @@ class Order:
     def _blocks(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(block ids in visit order, each visited block's start in the epoch sequence)."""
         n_blocks = math.ceil(self.count / self.block)
+        order = np.arange(n_blocks)
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, _SALT_BLOCKS]).permutation(n_blocks)
-        else:
-            order = np.arange(n_blocks)
         sizes = np.minimum(self.block, self.count - order * self.block)
         return order, np.concatenate([[0], np.cumsum(sizes)])
+
+    def visit(self, epoch: int, piece: Piece) -> np.ndarray:
+        """The in-piece positions of ``piece`` in visit order."""
+        size = piece.stop - piece.start
+        if not self.shuffle:
+            return np.arange(size)
+        seed = [self.seed, epoch, piece.block, piece.start, _SALT_PIECE]
+        return np.random.default_rng(seed).permutation(size)
 
     def pieces(self, epoch: int, rank: int, start: int = 0) -> Iterator[Piece]:
         """The pieces of ``rank``'s rows this epoch in visit order, from the one holding
@@ -83,28 +77,23 @@ class Order:
         lo = rank * per_rank % self.count
         spans = [(lo, min(lo + per_rank, self.count)), (0, max(lo + per_rank - self.count, 0))]
         offset = 0
-        for span_lo, span_hi in spans:
-            if span_hi <= span_lo:
-                continue
-            if offset + span_hi - span_lo <= start:
-                offset += span_hi - span_lo
-                continue
-            at = span_lo + max(start - offset, 0)
-            i = int(np.searchsorted(starts, at, side="right")) - 1
-            while i < len(order) and starts[i] < span_hi:
-                b_lo, b_hi = int(starts[i]), int(starts[i + 1])
-                s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
-                if e > s:
-                    first = offset + b_lo + s - span_lo
-                    yield Piece(int(order[i]), s, e, first, self.seed, epoch, self.shuffle)
-                i += 1
+        for span_lo, span_hi in spans:  # an empty span adds 0 to offset
+            if span_hi > span_lo and offset + span_hi - span_lo > start:
+                at = span_lo + max(start - offset, 0)
+                i = int(np.searchsorted(starts, at, side="right")) - 1
+                while i < len(order) and starts[i] < span_hi:
+                    b_lo, b_hi = int(starts[i]), int(starts[i + 1])
+                    s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
+                    if e > s:
+                        yield Piece(int(order[i]), s, e, offset + b_lo + s - span_lo)
+                    i += 1
             offset += span_hi - span_lo
 
     def spans(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """(position of the first, the view's key indexes in visit order) of each piece of
         ``rank``'s rows this epoch, from the one holding ``start`` on: what a reader reads."""
         for p in self.pieces(epoch, rank, start):
-            yield p.offset, p.block * self.block + p.start + p.order()
+            yield p.offset, p.block * self.block + p.start + self.visit(epoch, p)
 
     def indexes(self, epoch: int, rank: int) -> np.ndarray:
         """The view's key indexes of ``rank``'s rows this epoch, in visit order."""
@@ -119,7 +108,7 @@ class Order:
         for rank in range(self.world_size):
             for piece in self.pieces(epoch, rank):
                 if piece.block == block and piece.start <= offset < piece.stop:
-                    at = int(np.flatnonzero(piece.order() == offset - piece.start)[0])
+                    at = int(np.flatnonzero(self.visit(epoch, piece) == offset - piece.start)[0])
                     found.append((rank, piece.offset + at))
         return found
 

@@ -102,11 +102,9 @@ def check_row(
 def _row_problem(row: object, fields: Sequence[str], shape: Shape) -> tuple[str, str] | None:
     if not isinstance(row, (dict, Mapping)):  # dict first: skips the ABC check
         return fields[0], f"cannot be read: the row is a {type(row).__name__}, not a mapping"
-    texts = fields[:-1] if shape == "feedback" else fields
-    for field in texts:
-        check = conversation_problem if shape == "conversation" else text_problem
-        problem = check(row, field)
-        if problem is not None:
+    check = conversation_problem if shape == "conversation" else text_problem
+    for field in fields[:-1] if shape == "feedback" else fields:
+        if (problem := check(row, field)) is not None:
             return field, problem
     if shape == "pairs":
         _, chosen, rejected = fields

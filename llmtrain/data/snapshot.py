@@ -6,6 +6,7 @@ typed values); never pickle, so keys come back as exactly the types the database
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import operator
@@ -265,9 +266,8 @@ class MixedView:
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps([p.fingerprint for p in self.parts]).encode()).hexdigest()[
-            :32
-        ]
+        parts = json.dumps([p.fingerprint for p in self.parts])
+        return hashlib.sha256(parts.encode()).hexdigest()[:32]
 
     def _split(self, indexes: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
         """(source, which of ``indexes``, their indexes in its view) per source they hit."""
@@ -382,7 +382,6 @@ class ViewWriter:
         self.store, self.chunk_size, self.with_versions = store, chunk_size, with_versions
         self.held: list[Any] = []  # pieces of keys (int64 arrays or lists) not written yet
         self.held_versions: list[Any] = []
-        self.pending = 0
         self.chunks: list[str] = []
         self.version_chunks: list[str] = []
         self.count = 0
@@ -390,9 +389,8 @@ class ViewWriter:
     def extend(self, keys: Any, versions: Sequence[Any] | None = None) -> None:
         self.held.append(keys)
         self.held_versions.append(list(versions or []))
-        self.pending += len(keys)
         self.count += len(keys)
-        if self.pending >= self.chunk_size:
+        if sum(map(len, self.held)) >= self.chunk_size:
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
@@ -407,7 +405,6 @@ class ViewWriter:
                 chunk = encode_chunk(versions[i : i + size])
                 self.version_chunks.append(self.store.put_bytes(chunk))
         self.held, self.held_versions = [keys[stop:]], [versions[stop:]]
-        self.pending = n - stop
 
     def done(self) -> KeySnapshot:
         self._flush(final=True)
@@ -438,37 +435,35 @@ def take_snapshot(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     store = db.artifacts if store is None else store
+    split = eval_fraction > 0
+    fraction = float(eval_fraction) if split else 0.0
     if isinstance(query, Mix):  # each source its own snapshot, read as one
+        take_part = functools.partial(take_snapshot, db, chunk_size=chunk_size, store=store)
         parts = [
-            take_snapshot(
-                db,
-                p.select,
-                eval_fraction=eval_fraction,
-                chunk_size=chunk_size,
-                version_column=version_column,
-                store=store,
-            )
+            take_part(p.select, eval_fraction=eval_fraction, version_column=version_column)
             for p in query.parts
         ]
-        return _mixed(query, parts, eval_fraction)
+        train = MixedView(tuple(cast(KeySnapshot, p.train) for p in parts))
+        held = MixedView(tuple(cast(KeySnapshot, p.held) for p in parts)) if split else None
+        fingerprint = data_fingerprint(fraction, train, held)
+        statements = sum(p.statements for p in parts)
+        return RunSnapshot(query.fingerprint(), train, held, fraction, fingerprint, statements)
     version_column = TURNS if isinstance(query, Conversations) else version_column
-    split = eval_fraction > 0
-    train = ViewWriter(store, chunk_size, bool(version_column))
-    held = ViewWriter(store, chunk_size, bool(version_column)) if split else None
+    train_keys = ViewWriter(store, chunk_size, bool(version_column))
+    held_keys = ViewWriter(store, chunk_size, bool(version_column)) if split else None
     statements = 0
     for page in db.backend.key_pages(query, version_column, _KEY_PAGE):
         statements += 1
-        if held is None:
-            train.extend(page.keys, page.versions)
+        if held_keys is None:
+            train_keys.extend(page.keys, page.versions)
             continue
         mask = held_mask(key_digests(page.keys), eval_fraction)
-        for view, take in ((train, ~mask), (held, mask)):
+        for view, take in ((train_keys, ~mask), (held_keys, mask)):
             picks, keys = np.flatnonzero(take), page.keys
             keys = keys[picks] if isinstance(keys, np.ndarray) else [keys[i] for i in picks]
             versions = [page.versions[i] for i in picks] if page.versions else None
             view.extend(keys, versions)
-    fraction = float(eval_fraction) if split else 0.0
-    views = (train.done(), held.done() if held is not None else None)
+    views = (train_keys.done(), held_keys.done() if held_keys is not None else None)
     fingerprint = data_fingerprint(fraction, *views)
     return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)
 
@@ -485,16 +480,6 @@ def label_counts(db: Database, query: Query, view: View, label: str) -> tuple[in
             if counted and label_problem(row, label) is None:
                 liked, disliked = liked + row[label], disliked + (not row[label])
     return liked, disliked
-
-
-def _mixed(query: Mix, parts: list[RunSnapshot], eval_fraction: float) -> RunSnapshot:
-    views = [(p.view("train"), p.view("held_out")) for p in parts]
-    train = MixedView(tuple(cast("KeySnapshot", t) for t, _ in views))
-    held = MixedView(tuple(cast("KeySnapshot", h) for _, h in views)) if eval_fraction > 0 else None
-    fraction = float(eval_fraction) if held else 0.0
-    fingerprint = data_fingerprint(fraction, train, held)
-    statements = sum(p.statements for p in parts)
-    return RunSnapshot(query.fingerprint(), train, held, fraction, fingerprint, statements)
 
 
 def data_fingerprint(fraction: float, train: View, held: View | None) -> str:

@@ -66,10 +66,8 @@ class DataBackend(ABC):
 
     def fetch_by_keys(self, query: Query, fields: Fields, keys: Sequence[Key]) -> KeyedRows:
         """The rows with exactly these keys (any order; missing keys are simply absent)."""
-        out: KeyedRows = []
-        for i in range(0, len(keys), _IN_CHUNK):
-            out += self._by_keys(query, fields, list(keys[i : i + _IN_CHUNK]))
-        return out
+        chunks = (list(keys[i : i + _IN_CHUNK]) for i in range(0, len(keys), _IN_CHUNK))
+        return [row for chunk in chunks for row in self._by_keys(query, fields, chunk)]
 
     @abstractmethod
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows: ...

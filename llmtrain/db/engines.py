@@ -26,9 +26,7 @@ _DEFAULT_DRIVERS = {
 def sqlalchemy_url(uri: str) -> str:
     """Pick the drivers llmtrain installs when the URI names none."""
     scheme, rest = uri.split("://", 1)
-    if "+" not in scheme and scheme in _DEFAULT_DRIVERS:
-        return f"{_DEFAULT_DRIVERS[scheme]}://{rest}"
-    return uri
+    return f"{_DEFAULT_DRIVERS[scheme]}://{rest}" if scheme in _DEFAULT_DRIVERS else uri
 
 
 def sqlite_path(uri: str) -> Path | None:

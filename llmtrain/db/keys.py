@@ -27,7 +27,6 @@ _AS_BYTES: dict[type, tuple[Callable[[Any], bytes], int]] = {
     bytes: (bytes, 4),
 }
 _NEVER_NAN = {int, str, bytes, uuid.UUID}
-_UUID_INT = operator.attrgetter("int")
 
 
 def key_repr(key: Key) -> str:
@@ -77,9 +76,7 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
 
 def held_mask(digests: np.ndarray, fraction: float) -> np.ndarray:
     """Which keys the held-out split takes: a digest below ``fraction`` of the range."""
-    if fraction <= 0:
-        return np.zeros(len(digests), dtype=bool)
-    return digests < np.uint64(min(int(fraction * 2**64), 2**64 - 1))
+    return digests < np.uint64(min(int(max(fraction, 0) * 2**64), 2**64 - 1))
 
 
 def held_out(key: Key, fraction: float) -> bool:
@@ -111,7 +108,7 @@ def check_keys(keys: Any, before: Any, key_name: str, source: str) -> None:
         raise _not_unique(key_name, source, next(k for k in keys if k != k))
     prev = [before, *keys[:-1]]
     if kinds == {uuid.UUID}:  # compared by their ints: UUID.__eq__ is Python code
-        ints = list(map(_UUID_INT, keys))
+        ints = list(map(operator.attrgetter("int"), keys))
         prev, keys = [getattr(before, "int", None), *ints[:-1]], ints
     if any(map(operator.eq, prev, keys)):  # in C; then exactly (1 == True, but not in Mongo)
         for a, b in zip(prev, keys):

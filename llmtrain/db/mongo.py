@@ -134,10 +134,8 @@ class MongoBackend(DataBackend):
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if not isinstance(query, Conversations):
             return self._find(query, fields, {"_id": {"$in": keys}})
-        by, order, _, _ = query.columns
         messages = self._query(query)
-        cond = {"$and": [messages.filter, {by: {"$in": keys}}]}
-        docs = self._read(
-            "reading messages", messages.name, lambda c: c.find(cond).sort([(by, 1), (order, 1)])
-        )
+        cond = {"$and": [messages.filter, {query.by: {"$in": keys}}]}
+        sort = [(query.by, 1), (query.order, 1)]
+        docs = self._read("reading messages", messages.name, lambda c: c.find(cond).sort(sort))
         return conversations([[get_path(d, f, None) for f in query.columns] for d in docs])

@@ -374,9 +374,7 @@ def mix(
     return Mix(sources, weights=weights, epoch_rows=epoch_rows)
 
 
-_KINDS: dict[str, type[Query]] = {
-    q.kind: q for q in (Table, RawSQL, Collection, Conversations, Mix)
-}
+_KINDS = {q.kind: q for q in (Table, RawSQL, Collection, Conversations, Mix)}
 
 
 def _refuse_javascript(obj: Any, path: str) -> None:

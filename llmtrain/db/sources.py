@@ -15,8 +15,6 @@ from bson import ObjectId
 from llmtrain.db.keys import Key
 from llmtrain.errors import ConfigError, QueryError
 
-_INTEGER = re.compile(r"^-?\d+$")
-
 
 @dataclass(frozen=True)
 class Source:
@@ -48,7 +46,7 @@ class Source:
                 return want(int(key))
             if isinstance(key, float) and key.is_integer():
                 return int(key)
-            if isinstance(key, str) and _INTEGER.match(key.strip()):
+            if isinstance(key, str) and re.fullmatch(r"-?\d+", key.strip()):
                 return int(key)
         elif want is ObjectId and isinstance(key, str) and ObjectId.is_valid(key):
             return ObjectId(key)
@@ -96,8 +94,7 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
         for match in (lambda a, t: a == found.table, lambda a, t: t == found.table):
             hits = {(s, t) for s, t, a in tables if match(a, t)}
             if len(hits) == 1:
-                schema, table = hits.pop()
-                return schema, table, column
+                return (*hits.pop(), column)
     names = sorted({t for _, t, _ in tables})
     raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
 

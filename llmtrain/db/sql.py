@@ -45,16 +45,6 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
     return [(r[0], dict(zip(names, r[1:]))) for r in rows]
 
 
-def _lenient_rows(conn: sa.Connection, stmt: sa.Executable, params: dict[str, Any]) -> list[Any]:
-    """``stmt`` again, invalid UTF-8 kept as surrogate escapes so the row checks name the row."""
-    raw: Any = conn.connection.dbapi_connection
-    raw.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
-    try:
-        return list(conn.execute(stmt, params).all())
-    finally:
-        raw.text_factory = str
-
-
 def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
     try:
         return sa.text(sql).bindparams(**params)
@@ -72,12 +62,11 @@ class _Source:
     source: str
 
     def column(self, field: str) -> sa.ColumnElement[Any]:
-        try:
-            return self.columns[field]
-        except KeyError:
+        if field not in self.columns:
             raise QueryError(
                 f"{self.source} has no column {field!r}; columns: {sorted(self.columns)}"
-            ) from None
+            )
+        return self.columns[field]
 
     def select(self, *cols: sa.ColumnElement[Any]) -> sa.Select[Any]:
         stmt = sa.select(*cols)
@@ -133,7 +122,13 @@ class SQLBackend(DataBackend):
                     undecodable = "Could not decode to UTF-8" in str(exc.orig)
                     if conn.dialect.name != "sqlite" or not undecodable:
                         raise
-                    return _lenient_rows(conn, stmt, params)
+                    # read again, invalid UTF-8 kept as surrogate escapes so the row checks name it
+                    dbapi: Any = conn.connection.dbapi_connection
+                    dbapi.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
+                    try:
+                        return list(conn.execute(stmt, params).all())
+                    finally:
+                        dbapi.text_factory = str
 
         return list(self._retrying("reading keys" if raw else "reading rows", call, source))
 
@@ -241,9 +236,9 @@ class SQLBackend(DataBackend):
         return _pairs(self._rows(stmt, values, query.source), names)
 
     def resolve(self, source: Query | str) -> Source:
-        schema: str | None
-        column: str | None
-        if isinstance(source, RawSQL):
+        if isinstance(source, Table):
+            schema, table, column = source.schema, source.name, source.key
+        elif isinstance(source, RawSQL):
             if source.table is not None:
                 (schema, table), column = split_name(source.table), source.key
             else:
@@ -251,8 +246,6 @@ class SQLBackend(DataBackend):
                 schema = found or None
         elif isinstance(source, Conversations):
             return self.resolve(source.messages)
-        elif isinstance(source, Table):
-            schema, table, column = source.schema, source.name, source.key
         elif isinstance(source, str):
             (schema, table), column = split_name(source), None
         else:
@@ -299,8 +292,7 @@ class SQLBackend(DataBackend):
         """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys."""
         src = self._source(query)
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
-        dialect = self.engine.dialect
-        if any(_converts(c.type, dialect) for c in cols):
+        if any(_converts(c.type, self.engine.dialect) for c in cols):
             yield from super().key_pages(query, version_column, page_size)
             return
         ints = _python_type(src.key.type) is int

@@ -45,12 +45,9 @@ def pad_collate(
 ) -> dict[str, torch.Tensor]:
     """Right-pad ``examples`` into ``input_ids``, ``labels``, ``attention_mask``."""
     width = _round_up(max(len(e) for e in examples), pad_to_multiple_of)
-    ids, labels, mask = [], [], []
-    for e in examples:
-        pad = width - len(e)
-        ids.append(e.input_ids + [pad_id] * pad)
-        labels.append(e.labels + [IGNORE_INDEX] * pad)
-        mask.append([1] * len(e) + [0] * pad)
+    ids = [e.input_ids + [pad_id] * (width - len(e)) for e in examples]
+    labels = [e.labels + [IGNORE_INDEX] * (width - len(e)) for e in examples]
+    mask = [[1] * len(e) + [0] * (width - len(e)) for e in examples]
     return _batch(ids, labels, "attention_mask", mask)
 
 

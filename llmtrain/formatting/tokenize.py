@@ -118,25 +118,21 @@ class Formatter:
             )
         if tokenizer.eos_token_id is None:
             raise ConfigError("the tokenizer has no EOS token; the model could not learn to stop")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.chat_template = tokenizer, chat_template
         self.template = PromptTemplate(template) if isinstance(template, str) else template
-        self.chat_template = chat_template
-        self.max_length = max_length
-        self.train_on_inputs = train_on_inputs
-        self.min_prompt_tokens = min_prompt_tokens
-        self.x_field = x_field
+        self.max_length, self.stride = max_length, stride
+        self.train_on_inputs, self.min_prompt_tokens = train_on_inputs, min_prompt_tokens
+        self.x_field, self.y_field = x_field, y_field or "Y"
         #: documents (no template, or one with {X} alone): every token trained, in windows
         self.documents = not chat_template and (self.template is None or self.template.documents)
         #: conversations (with the chat template): X holds a list of messages
         self.conversations = conversations
         self.assistant_turns, self.on_bad_row = assistant_turns, check_on_bad_row(on_bad_row)
         self.skipped_keys: set[str] = set()  # rows skipped here (conversations): logged once
-        self.y_field: str = y_field or "Y"
         if self.documents and max_length is not None and not 0 <= stride < max_length - 1:
             raise ConfigError(
                 f"stride={stride}: a window of max_length={max_length} must bring new tokens"
             )
-        self.stride = stride
         self.eos_id: int = tokenizer.eos_token_id
         self._special_ids = set(tokenizer.all_special_ids) | {
             i for i, t in tokenizer.added_tokens_decoder.items() if getattr(t, "special", False)
@@ -204,8 +200,7 @@ class Formatter:
         for key, row in rows:
             check_row(source, key, row, (self.x_field,))
         texts = [cast("str", row[self.x_field]) for _, row in rows]
-        if self.template is not None:
-            texts = [self.template.prompt(text) for text in texts]
+        texts = [self.template.prompt(text) for text in texts] if self.template else texts
         return [
             window
             for (key, _), ids in zip(rows, self._encode(texts) if texts else [])
@@ -310,9 +305,7 @@ class Formatter:
                     "{% generation %} tags, so there is nothing to train"
                 )
             first, last = trained[0], trained[-1]
-            head = 0
-            while head < first and ids[head] in self._special_ids:
-                head += 1
+            head = next((i for i in range(first) if ids[i] not in self._special_ids), first)
             response = ids[first : last + 1]
             labels = _masked(response, mask[first : last + 1])
             parts.append((ids[:head], ids[head:first], response, labels, ids[last + 1 :]))
@@ -320,17 +313,16 @@ class Formatter:
 
     def _check_chat_template(self) -> list[int]:
         """Probe the chat template once; return its leading special tokens (BOS)."""
-        tok = self.tokenizer
-        if not getattr(tok, "chat_template", None):
+        if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError("chat_template=True but the tokenizer has no chat template")
         user = "probe question"
         head, prompt, _, labels, _ = self._split_chats([(user, "probe answer")])[0]
         if labels[-1] not in self._special_ids:
             raise ConfigError(
-                f"the chat template's {{% generation %}} block ends with "
-                f"{tok.convert_ids_to_tokens(labels[-1])!r}, not an EOS/end-of-turn special "
-                f"token, so the model would never learn to stop; put the end-of-turn token "
-                f"inside the generation block"
+                "the chat template's {% generation %} block ends with "
+                f"{self.tokenizer.convert_ids_to_tokens(labels[-1])!r}, not an EOS/end-of-turn "
+                "special token, so the model would never learn to stop; put the end-of-turn token "
+                "inside the generation block"
             )
         if head + prompt != self.prompt(user).ids:
             warnings.warn(
@@ -352,14 +344,11 @@ class Formatter:
     ) -> Example:
         """Truncate as the module docstring says, then build the labels."""
         ids, limit = head + prompt + response + tail, self.max_length
-        truncated = limit is not None and len(ids) > limit
-        if truncated:
-            assert limit is not None
+        if truncated := limit is not None and len(ids) > limit:
             room = limit - len(head) - len(response)
             keep = min(len(prompt), max(room, self.min_prompt_tokens))
             prompt = prompt[len(prompt) - keep :]
-            cut = max(0, len(head) + len(prompt) + len(response) - limit)
-            response = response[: len(response) - cut]
+            response = response[: limit - len(head) - len(prompt)]
             labels, tail = labels[: len(response)], []
             ids = head + prompt + response
         if self.train_on_inputs:

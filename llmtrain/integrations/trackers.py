@@ -91,12 +91,10 @@ class RunFacts:
 
     def __init__(self, run: FitRun) -> None:
         plan = run.plan
-        self.identifier: str = plan.identifier
-        self.version: int = plan.version
-        self.run_id: str = plan.run_id
+        self.identifier, self.version, self.run_id = plan.identifier, plan.version, plan.run_id
         self.name = f"{self.identifier}-v{self.version}-{self.run_id[:8]}"
         self.recipe: dict[str, Any] = scrub(plan.config.model_dump(mode="json"))
-        self.data_fingerprint: str | None = plan.fit.data_fingerprint
+        self.data_fingerprint = plan.fit.data_fingerprint
         self.versions = library_versions()
 
     def params(self) -> dict[str, Any]:

@@ -27,21 +27,10 @@ class Forgotten:
     found: TrainedOn
     trainers: list[tuple[str, int]]
 
-    @property
-    def source(self) -> str:
-        return str(self.found.source)
-
-    @property
-    def models(self) -> list[tuple[str, int]]:
-        return self.found.models
-
-    @property
-    def checkpoints(self) -> list[Any]:
-        return self.found.checkpoints
-
-    @property
-    def runs(self) -> list[str]:
-        return self.found.runs
+    def __post_init__(self) -> None:
+        self.source = str(self.found.source)
+        self.runs, self.checkpoints = self.found.runs, self.found.checkpoints
+        self.models = self.found.models
 
     def retrain(self, **fit_options: Any) -> list[Any]:
         """Fit every affected trainer again, in full, without the forgotten rows: the new models."""
@@ -69,18 +58,15 @@ def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = 
     seen = set(known.tolist())
     fresh = {key_repr(k): d for k, d in zip(typed, key_digests(typed).tolist()) if d not in seen}
     if fresh or any(runs.values()):
-        db.metadata.add_component(
-            FORGOTTEN,
-            resolved.identity,
-            {
-                "source": resolved.name,
-                "key": resolved.key,
-                "digest": DIGEST,
-                "keys": sorted(fresh),
-                "digests": sorted(fresh.values()),
-                "runs": {run_id: keys for run_id, keys in runs.items() if keys},
-            },
-        )
+        record = {
+            "source": resolved.name,
+            "key": resolved.key,
+            "digest": DIGEST,
+            "keys": sorted(fresh),
+            "digests": sorted(fresh.values()),
+            "runs": {run_id: keys for run_id, keys in runs.items() if keys},
+        }
+        db.metadata.add_component(FORGOTTEN, resolved.identity, record)
     trainers: dict[str, int] = {}
     for run_id in found.runs:
         run = db.metadata.get_run(run_id)

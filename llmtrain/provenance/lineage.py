@@ -118,16 +118,13 @@ class RunLineage:
         """A mask over the run's keys: which rows it trained at least once."""
         mask = np.zeros(self.view.count, dtype=bool)
         for epoch in self.epochs():
-            for rank in range(self.rule.order.world_size):
-                mask[self._trained(epoch, rank)[0]] = True
+            mask[self._epoch(epoch)[2]] = True
         return mask
 
     def version_of(self, index: int) -> Any:
         """The row's version as trained (recorded if it changed mid-run, else the snapshot's)."""
-        if index in self.changed:
-            return self.changed[index]
-        if self.view.versions is None:
-            return None
+        if index in self.changed or self.view.versions is None:
+            return self.changed.get(index)
         return self.view.versions_of(self.store, index, index + 1)[0]
 
     def uses(self, index: int) -> Iterator[tuple[int, int, int]]:
@@ -170,9 +167,8 @@ def forgotten(db: Database, source: str | None) -> tuple[np.ndarray, dict[str, l
     digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
     runs: dict[str, list[str]] = {}
     for record in db.metadata.list_components(FORGOTTEN, source):
-        payload = record.payload
-        digests.append(np.asarray(payload.get("digests") or [], dtype=np.uint64))
-        for run_id, keys in (payload.get("runs") or {}).items():
+        digests.append(np.asarray(record.payload.get("digests") or [], dtype=np.uint64))
+        for run_id, keys in (record.payload.get("runs") or {}).items():
             runs[run_id] = sorted({*runs.get(run_id, ()), *keys})
     return np.unique(np.concatenate(digests)), runs
 

@@ -222,9 +222,8 @@ def _mixed_rows(db: Database, query: Mix, snapshot: RunSnapshot) -> tuple[RunSna
             views[1][s] = keep_rows(views[1][s], db.artifacts, gone)[0]
     if not sum(v.count for v in views[0]):
         raise DataError(f"{query.source}: every row selected is forgotten: nothing to train on")
-    snapshot = replace(snapshot, train=MixedView(tuple(views[0])))
-    if held:
-        snapshot = replace(snapshot, held=MixedView(tuple(views[1])))
+    held = MixedView(tuple(views[1])) if held else None
+    snapshot = replace(snapshot, train=MixedView(tuple(views[0])), held=held)
     info: dict[str, Any] = {"sources": identities}
     return snapshot, info | ({"excluded_keys": sorted(excluded)} if excluded else {})
 

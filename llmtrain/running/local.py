@@ -126,9 +126,7 @@ def train_run(
         raise
     finally:
         run.cleanup(failed=not completed)
-    if not strategy.is_main:
-        return None
-    return Outcome(adapter, run.history, run.step, run.tokens_seen)
+    return Outcome(adapter, run.history, run.step, run.tokens_seen) if strategy.is_main else None
 
 
 def store_model(

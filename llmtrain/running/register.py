@@ -66,8 +66,7 @@ def register(
             raise DataError(f"{fit.query().source}: no new rows and no model to continue from")
         say(
             f"{config.identifier}: nothing new in {fit.query().source} since run "
-            f"{parent['run_id']}: returning its model v{parent['model_version']}, recording "
-            "nothing"
+            f"{parent['run_id']}: returning its model v{parent['model_version']}, recording nothing"
         )
         return Done(parent["run_id"])
     config = config.model_copy(
@@ -112,19 +111,15 @@ def kto_weights(db: Datalayer, config: TrainerConfig, snapshot: RunSnapshot) -> 
     args, fit = config.objective_args, config.fit
     if args.objective != "kto" or fit is None or fit.label is None:
         return config
-    if args.desirable_weight is None and args.undesirable_weight is None:
+    desirable, undesirable = args.desirable_weight, args.undesirable_weight
+    if desirable is None and undesirable is None:
         liked, disliked = label_counts(db, fit.query(), snapshot.train, fit.label)
         desirable = disliked / liked if liked and disliked else 1.0
-        weights = {"desirable_weight": desirable, "undesirable_weight": 1.0}
         say(
             f"{config.identifier}: {liked} liked and {disliked} disliked row(s): KTO "
-            f"desirable_weight={weights['desirable_weight']:.4g}, undesirable_weight=1"
+            f"desirable_weight={desirable:.4g}, undesirable_weight=1"
         )
-    else:
-        weights = {
-            "desirable_weight": args.desirable_weight or 1.0,
-            "undesirable_weight": args.undesirable_weight or 1.0,
-        }
+    weights = {"desirable_weight": desirable or 1.0, "undesirable_weight": undesirable or 1.0}
     return config.model_copy(update={"objective_args": args.model_copy(update=weights)})
 
 
@@ -229,8 +224,7 @@ def check_model_folder(config: TrainerConfig) -> None:
     """A local model folder, and the LoRA targets against its linear layers (on a skeleton)."""
     from llmtrain.training.modeling import check_model_path, target_modules_for
 
-    margs = config.model_args
-    name = margs.model_name_or_path
+    margs, name = config.model_args, config.model_args.model_name_or_path
     check_model_path(name)
     folder = Path(os.path.expanduser(name))
     if folder.exists() and not folder.is_dir():

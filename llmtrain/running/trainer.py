@@ -152,10 +152,8 @@ class LLMTrainer:
                 config,
                 self.version,
                 resume=resume,
-                allow_changed_data=allow_changed_data,
-                incremental=incremental,
-                allow_forgotten_parent=allow_forgotten_parent,
                 callbacks=specs,
+                **flags,
             )
             if isinstance(plan, Done):
                 return _model_of_run(db, self.identifier, plan.run_id)
@@ -239,9 +237,10 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
     data: dict[str, Any] = {"identifier": check_identifier(identifier)}
     for name in [name for name in TrainerConfig.options() if name in options]:
         value = options.pop(name)
+        nullable = type(None) in typing.get_args(TrainerConfig.model_fields[name].annotation)
         if name in sections and value is not None:
             data[name] = _as_dict(value)
-        elif value is not None or _nullable(name):  # None for a required section: defaults
+        elif value is not None or nullable:  # None for a required section: defaults
             data[name] = value
     for name, value in options.items():
         if name not in flat:
@@ -270,10 +269,6 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
     if "model_name_or_path" not in data.get("model_args", {}):
         raise ConfigError("LLMTrainer needs model= (a hub id or a local path)")
     return build(TrainerConfig, data, "LLMTrainer")
-
-
-def _nullable(name: str) -> bool:
-    return type(None) in typing.get_args(TrainerConfig.model_fields[name].annotation)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

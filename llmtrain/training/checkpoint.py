@@ -70,10 +70,8 @@ class Checkpointer:
         self, model: Any, optimizer: Any, scheduler: Any, state: dict[str, Any]
     ) -> CheckpointRecord | None:
         """Collective: every rank calls it. Returns the record on rank 0."""
-        s = self.strategy
-        folder = Path(
-            s.broadcast_object(str(self.workdir / f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}"))
-        )
+        s, name = self.strategy, f"ckpt-{state['step']}-{uuid.uuid4().hex[:8]}"
+        folder = Path(s.broadcast_object(str(self.workdir / name)))
         folder.mkdir(parents=True, exist_ok=True)
         weights = s.trainable_state_dict(model)  # gathers shards: all ranks take part
         s.save_optimizer(model, optimizer, folder)
@@ -113,15 +111,12 @@ class Checkpointer:
         """Keep the newest ``keep`` checkpoints and the best one (save_best_by)."""
         if self.keep is None:
             return
-        best = self.best_record() or {}
-        for old in self.db.metadata.list_checkpoints(self.run_id)[: -self.keep]:
+        meta, best = self.db.metadata, self.best_record() or {}
+        for old in meta.list_checkpoints(self.run_id)[: -self.keep]:
             if old.step == best.get("step"):
                 continue
-            self.db.metadata.remove_checkpoint(self.run_id, old.step)
-            if not any(
-                r.artifact_id == old.artifact_id
-                for r in self.db.metadata.list_checkpoints(self.run_id)
-            ):
+            meta.remove_checkpoint(self.run_id, old.step)
+            if all(r.artifact_id != old.artifact_id for r in meta.list_checkpoints(self.run_id)):
                 self.db.artifacts.delete(old.artifact_id)
 
     def best_record(self) -> dict[str, Any] | None:
@@ -180,11 +175,8 @@ def seal(
     save_file(weights, str(folder / "weights.safetensors"))
     torch.save(scheduler.state_dict(), folder / "scheduler.pt")
     (folder / STATE).write_text(json.dumps({**state, "format": FORMAT, "world_size": world_size}))
-    files = {
-        p.relative_to(folder).as_posix(): sha256_file(p)
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    written = (p for p in folder.rglob("*") if p.is_file())
+    files = {p.relative_to(folder).as_posix(): sha256_file(p) for p in written}
     files = dict(sorted({**files, **(more_files or {})}.items()))
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
 
@@ -219,11 +211,9 @@ def _refused(name: str, step: int) -> Iterator[None]:
 
 def verify(folder: Path) -> None:
     """Every file listed in the manifest is present and matches its sha256."""
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
         raise CheckpointError(f"{folder} has no {MANIFEST}: the checkpoint is incomplete")
-    manifest = json.loads(manifest_path.read_text())
-    for rel, digest in manifest["files"].items():
-        path = folder / rel
-        if not path.is_file() or sha256_file(path) != digest:
+    for rel, digest in json.loads(manifest.read_text())["files"].items():
+        if not (folder / rel).is_file() or sha256_file(folder / rel) != digest:
             raise CheckpointError(f"checkpoint file {rel} is missing or corrupt")

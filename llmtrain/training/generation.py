@@ -23,11 +23,8 @@ class _Healing:
 
     def allowed(self, rest: str) -> torch.Tensor:
         if rest not in self._allowed:
-            ids = [
-                i
-                for i, text in enumerate(self.texts)
-                if text and (text.startswith(rest) or rest.startswith(text))
-            ]
+            texts = enumerate(self.texts)
+            ids = [i for i, t in texts if t and (t.startswith(rest) or rest.startswith(t))]
             self._allowed[rest] = torch.tensor(ids, dtype=torch.long)
         return self._allowed[rest]
 

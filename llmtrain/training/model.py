@@ -50,8 +50,7 @@ class TrainedModel:
         self._loaded: tuple[Any, Any] | None = None
         self._formatters: dict[str, Formatter] = {}
         self.checkpoint: dict[str, Any] | None = None  # a checkpoint's weights instead
-        # with_adapters: identifier -> (PEFT name, record)
-        self._adapters: dict[str, tuple[str, ModelRecord]] = {}
+        self._adapters: dict[str, tuple[str, ModelRecord]] = {}  # identifier: (PEFT name, record)
         self._active: str | None = None
 
     @property
@@ -193,9 +192,8 @@ class TrainedModel:
                 )
             name = f"adapter_{len(self._adapters)}"
             with tempfile.TemporaryDirectory(prefix="llmtrain-adapter-") as scratch:
-                model.load_adapter(
-                    str(loaded._adapter_folder(Path(scratch) / "a")), adapter_name=name
-                )
+                folder = loaded._adapter_folder(Path(scratch) / "a")
+                model.load_adapter(str(folder), adapter_name=name)
             self._adapters[loaded.identifier] = (name, loaded.record)
         model.eval()
         return self

@@ -237,11 +237,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if found:
         return found
     for name, module in model.named_modules():
-        if (
-            isinstance(module, torch.nn.ModuleList)
-            and name.rsplit(".", 1)[-1] in _LAYER_LISTS
-            and len(module) > 0
-        ):
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.ModuleList) and last in _LAYER_LISTS and len(module) > 0:
             return list(module)
     return []
 

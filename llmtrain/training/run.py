@@ -18,9 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmtrain.config.args import TrainerConfig
 from llmtrain.config.metrics import logged_name, resolve
-from llmtrain.data import RunSnapshot
 from llmtrain.data.skips import SKIPS, Skips
 from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import Mix, Query
@@ -79,8 +77,7 @@ class FitRun:
         self.plan, self.db, self.run_id, self.strategy = plan, db, plan.run_id, strategy
         self.make_checkpointer = checkpointer  # Ray's reports its checkpoints to Ray Train
         self.progress_stream = progress_stream  # None: stderr; a Ray worker's goes to the driver
-        self.config: TrainerConfig = plan.config
-        self.snapshot: RunSnapshot = plan.snapshot
+        self.config, self.snapshot = plan.config, plan.snapshot
         self.targs, self.dargs = self.config.training_args, self.config.data_args
         self.callbacks = list(callbacks)
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
@@ -97,19 +94,19 @@ class FitRun:
     def setup(self) -> None:
         from transformers import get_scheduler
 
-        s, cfg = self.strategy, self.config
+        s, cfg, t = self.strategy, self.config, self.targs
         s.launch()
-        seed_everything(self.targs.seed)
-        self.precision = Precision.resolve(cfg.model_args, s.device, self.targs.mixed_precision)
+        seed_everything(t.seed)
+        self.precision = Precision.resolve(cfg.model_args, s.device, t.mixed_precision)
         self.tokenizer = load_tokenizer(cfg.model_args)
         model = prepare_for_training(
             load_model(cfg.model_args, s.device, precision=self.precision),
             cfg.lora_args,
             quantized=bool(cfg.model_args.bits),
-            gradient_checkpointing=self.targs.gradient_checkpointing,
+            gradient_checkpointing=t.gradient_checkpointing,
         )
         self._start_from_parent(model)
-        if self.targs.torch_compile:
+        if t.torch_compile:
             compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
@@ -119,26 +116,15 @@ class FitRun:
             parent = (self.plan.parent or {}).get("adapter")
             fingerprint = reference_fingerprint(cfg.model_args, str(self.precision), parent)
             cache = ReferenceCache(self.db, fingerprint)
-        self.loss = (
-            PreferenceLoss(model, objective, cache)
-            if objective.objective in PREFERENCE
-            else LossFunction(model)
-        )
+        preference = objective.objective in PREFERENCE
+        self.loss = PreferenceLoss(model, objective, cache) if preference else LossFunction(model)
 
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
         select = fit.query()
-        collate = make_collate(
-            self._formatters(select),
-            self.tokenizer,
-            model,
-            self.dargs,
-            select.source,
-            token_budget=self.dargs.token_budget(self.targs.per_device_train_batch_size),
-            shape=fit.shape,
-            fields=fit.fields,
-            batch_size=self.targs.per_device_train_batch_size,
-        )
+        batch_size = t.per_device_train_batch_size
+        budget = self.dargs.token_budget(batch_size)
+        collate = self._collate(select, token_budget=budget, batch_size=batch_size)
         train = view_dataset(
             self.db,
             select,
@@ -147,16 +133,16 @@ class FitRun:
             shape=fit.shape,
             split="train",
             snapshot=self.snapshot,
-            seed=self.targs.seed,
+            seed=t.seed,
             rank=s.rank,
             world_size=s.world_size,
         )
         self.batches = TrainBatches(
             train,
             self.dargs,
-            batch_size=self.targs.per_device_train_batch_size,
+            batch_size=batch_size,
             collate=collate,
-            accumulation=self.targs.gradient_accumulation_steps,
+            accumulation=t.gradient_accumulation_steps,
         )
         if len(self.batches) == 0:
             raise DataError(
@@ -164,10 +150,8 @@ class FitRun:
                 f"{train.view.count} to train on: too few to give each of "
                 f"{s.world_size} process(es) one"
             )
-        t = self.targs
-        self.total_steps = (
-            t.max_steps if t.max_steps > 0 else len(self.batches) * t.num_train_epochs
-        )
+        epochs = len(self.batches) * t.num_train_epochs
+        self.total_steps = t.max_steps if t.max_steps > 0 else epochs
         self.scheduler = get_scheduler(
             t.lr_scheduler_type,
             self.optimizer,
@@ -175,9 +159,9 @@ class FitRun:
             num_training_steps=self.total_steps,
         )
         self.checkpointer = self.make_checkpointer(
-            self.db, self.run_id, s, keep=self.targs.save_total_limit, workdir=self.workdir
+            self.db, self.run_id, s, keep=t.save_total_limit, workdir=self.workdir
         )
-        self.metrics = {logged_name(e): resolve(e) for e in self.targs.eval_metrics}
+        self.metrics = {logged_name(e): resolve(e) for e in t.eval_metrics}
         if self.plan.resume_from is not None:
             self._restore(self.plan.resume_from)
 
@@ -201,16 +185,25 @@ class FitRun:
             on_bad_row=d.on_bad_row,
         )
 
-    def _formatters(self, query: Query) -> list[Formatter]:
-        """One formatter a source (a mixture's each in its own shape)."""
-        if not isinstance(query, Mix):
-            return [self.formatter]
-        return [self._formatter(p.fields_or(self.plan.fit.fields)) for p in query.parts]
+    def _collate(self, query: Query, **options: Any) -> Any:
+        """Rows to batches, with one formatter a source (a mixture's each in its own shape)."""
+        fit, formatters = self.plan.fit, [self.formatter]
+        if isinstance(query, Mix):
+            formatters = [self._formatter(p.fields_or(fit.fields)) for p in query.parts]
+        return make_collate(
+            formatters,
+            self.tokenizer,
+            self.base_model,
+            self.dargs,
+            query.source,
+            shape=fit.shape,
+            fields=fit.fields,
+            **options,
+        )
 
     def _start_from_parent(self, model: Any) -> None:
         """A run continuing an earlier model (incremental, or ``init_from``) starts from its
-        adapter (a checkpoint overrides it); with a reference objective that adapter is also
-        kept, frozen, as the reference (:func:`~llmtrain.training.preference.reference_model`)."""
+        adapter (a checkpoint overrides it); a reference objective also keeps it, frozen."""
         parent = self.plan.parent
         if not parent:
             return
@@ -253,11 +246,10 @@ class FitRun:
         return cls(params, **kwargs)
 
     def _restore(self, record: CheckpointRecord) -> None:
-        ck = self.checkpointer
-        state = ck.restore(record, self.model, self.optimizer, self.scheduler)
+        state = self.checkpointer.restore(record, self.model, self.optimizer, self.scheduler)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.history = state.get("history", [])
-        best = ck.best_record()
+        best = self.checkpointer.best_record()
         if best is not None and best["step"] <= self.step:
             self.best = best["value"]
         if self.strategy.is_main:
@@ -274,10 +266,8 @@ class FitRun:
         started, tokens_at_start = time.perf_counter(), self.tokens_seen
         progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
         if t.progress_bar and self.strategy.is_main:
-            desc = f"fit {self.config.identifier}"
-            progress = make_progress(
-                desc, self.total_steps, self.step, t.logging_steps, self.progress_stream
-            )
+            desc, total = f"fit {self.config.identifier}", self.total_steps
+            progress = make_progress(desc, total, self.step, t.logging_steps, self.progress_stream)
         try:
             for group in stream:
                 batches, targets = self._pair(group)
@@ -289,8 +279,7 @@ class FitRun:
                 self.skipped.update(dict.fromkeys(map(key_repr, group.skipped)))
                 per_epoch = self.batches.rule.per_epoch
                 if group.step % per_epoch == 0:  # an epoch ended: whole in this attempt?
-                    whole = group.step - per_epoch >= first
-                    if whole and not self._everywhere(epoch_examples):
+                    if group.step - per_epoch >= first and not self._everywhere(epoch_examples):
                         self._nothing_trained()  # every row of it skipped: all will be
                     epoch_examples = 0
                 for callback in self.callbacks:
@@ -358,9 +347,8 @@ class FitRun:
         return math.nan
 
     def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
-        """One optimizer step over the group; returns the mean loss. Normalised by the step's
-        target tokens on all ranks, every token weighs the same whatever the accumulation or
-        world size; the device is read once, at the end."""
+        """One optimizer step; returns the mean loss. Normalised by the step's target tokens on
+        all ranks (each token weighs the same); the device is read once, at the end."""
         s = self.strategy
         tokens = sum(b["num_tokens"] for b in group)  # plain ints: no device sync
         scale = s.world_size / max(targets, 1)
@@ -390,8 +378,7 @@ class FitRun:
 
     # -- evaluation --------------------------------------------------------------------------
     def _eval_step(self, progress: Progress) -> None:
-        """Collective. Evaluate, log, and checkpoint the model when it is the best so far by
-        save_best_by (all ranks see the same values)."""
+        """Collective. Evaluate, log, and checkpoint a new best by save_best_by."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
         if isinstance(self.loss, PreferenceLoss):  # preference accuracy and mean margin
             metrics |= {f"eval_{name}": v for name, v in self.loss.logged().items()}
@@ -447,16 +434,7 @@ class FitRun:
         s, ds = self.strategy, self._eval_dataset()
         if ds is None:
             return float("nan")
-        fit = self.plan.fit
-        collate = make_collate(
-            self._formatters(ds.query),
-            self.tokenizer,
-            self.base_model,
-            self.dargs,
-            ds.query.source,
-            shape=fit.shape,
-            fields=fit.fields,
-        )
+        collate = self._collate(ds.query)
         batches = ds.loader(
             self.targs.per_device_eval_batch_size, collate_fn=collate, with_keys=True
         )
@@ -503,8 +481,7 @@ class FitRun:
 
     # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
-        """Collective. Rank 0 also records what every rank skipped since the last checkpoint
-        (:mod:`llmtrain.data.skips`)."""
+        """Collective. Rank 0 also records what every rank skipped since the last checkpoint."""
         s = self.strategy
         found = Skips()
         for theirs in s.gather_object(self.skips):
@@ -528,8 +505,7 @@ class FitRun:
         return self.checkpointer.save(self.model, self.optimizer, self.scheduler, state)
 
     def _keep_references(self) -> None:
-        """Collective. Rank 0 stores the reference values every rank computed since the last
-        call (:mod:`llmtrain.training.reference`)."""
+        """Collective. Rank 0 stores the reference values all ranks computed since the last call."""
         cache = getattr(self.loss, "cache", None)
         if cache is not None:
             gathered = self.strategy.gather_object(cache.take_new())

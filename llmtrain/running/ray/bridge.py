@@ -141,7 +141,7 @@ def serving(db: Datalayer, extra: dict[str, Callable[..., Any]], *, threads: int
                 return
             if item is not None:
                 call_id, request = item
-                broker.answer.remote(call_id, _reply(db, extra, *request))
+                broker.answer.remote(call_id, _reply(db, extra, request))
 
     workers = [threading.Thread(target=serve, daemon=True) for _ in range(threads)]
     for thread in workers:
@@ -156,13 +156,9 @@ def serving(db: Datalayer, extra: dict[str, Callable[..., Any]], *, threads: int
 
 
 def _reply(
-    db: Datalayer,
-    extra: dict[str, Callable[..., Any]],
-    target: str,
-    method: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    db: Datalayer, extra: dict[str, Callable[..., Any]], request: tuple[Any, ...]
 ) -> tuple[str, Any]:
+    target, method, args, kwargs = request
     try:
         if target == "driver" and method in extra:
             value = extra[method](*args, **kwargs)

@@ -122,7 +122,7 @@ class RayRun:
             with serving(db, calls, threads=c.num_workers) as broker:
                 db.metadata.update_run(run_id, info={"ray": self.ray_info("starting")})
                 try:
-                    trainer = TorchTrainer(
+                    result = TorchTrainer(
                         train_loop,
                         train_loop_config=self.loop_config(broker),
                         scaling_config=scaling(c),
@@ -139,8 +139,7 @@ class RayRun:
                                 num_to_keep=self.plan.config.training_args.save_total_limit
                             ),
                         ),
-                    )
-                    result = trainer.fit()
+                    ).fit()
                     if result.error is not None:
                         raise result.error
                     if self.finished is None:

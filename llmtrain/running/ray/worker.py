@@ -57,10 +57,8 @@ class RayCheckpointer(Checkpointer):
                 checkpoint_dir_name=checkpoint_name(step),
             )
             s.barrier()  # every rank's files are in storage before the driver reads them
-            record = None
-            if s.is_main:
-                args = (step, state["epoch"], s.world_size)
-                record = call(self.broker, "driver", "record_checkpoint", *args)
+            args = (step, state["epoch"], s.world_size)
+            record = call(self.broker, "driver", "record_checkpoint", *args) if s.is_main else None
             s.barrier()
             return record
         finally:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmtrain.errors import ConfigError
-from llmtrain.stores.artifacts.base import URL_SCHEME, ArtifactStore
-from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore, check_url
+from llmtrain.stores.artifacts.base import ArtifactStore
+from llmtrain.stores.artifacts.fsspec_store import URL_SCHEME, FsspecArtifactStore, check_url
 from llmtrain.stores.artifacts.local import LocalArtifactStore
 from llmtrain.uri import is_mongo_uri, redact_uri
 

@@ -23,8 +23,6 @@ BLOB, TREE = "sha256", "tree"
 _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
 CHUNK = 1 << 20
 MANIFEST_FORMAT = 1
-TMP_PREFIX = ".tmp-"
-URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 
 
 def parse_id(artifact_id: object) -> tuple[str, str]:
@@ -69,9 +67,7 @@ def check_relpath(relpath: object) -> str:
 def manifest_bytes(files: dict[str, str]) -> bytes:
     """Canonical JSON, so the same folder content always gives the same tree id."""
     return json.dumps(
-        {"format": MANIFEST_FORMAT, "files": dict(sorted(files.items()))},
-        sort_keys=True,
-        separators=(",", ":"),
+        {"format": MANIFEST_FORMAT, "files": files}, sort_keys=True, separators=(",", ":")
     ).encode()
 
 
@@ -154,15 +150,13 @@ class ArtifactStore(ABC):
         """ArtifactNotFoundError, naming where ``what`` recorded its artifacts if elsewhere."""
         if self.exists(artifact_id):
             return
-        hint = ""
+        message = f"artifact {artifact_id} of {what} is not in {self.location}"
         if recorded and recorded != self.location:
-            hint = (
+            message += (
                 f"; {what} stored its artifacts in {recorded}: open the database with "
                 f"artifacts={recorded!r} (llmtrain ... --artifacts {recorded})"
             )
-        raise ArtifactNotFoundError(
-            f"artifact {artifact_id} of {what} is not in {self.location}{hint}"
-        )
+        raise ArtifactNotFoundError(message)
 
     def put(self, obj: bytes | str | Path) -> str:
         """Bytes, a file path or a folder path."""
@@ -250,8 +244,7 @@ class ArtifactStore(ABC):
         except OSError as exc:
             raise os_error(f"cannot restore {artifact_id} into {dest}", exc) from exc
         finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)  # gone once renamed into place
         return dest
 
     def _tree_files(self, tree_id: str) -> dict[str, str]:

@@ -6,21 +6,16 @@ across machines: ``delete`` racing a ``put_dir`` that shares blobs can drop one 
 from __future__ import annotations
 
 import posixpath
+import re
 import uuid
 from contextlib import suppress
 from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
 from llmtrain.errors import ArtifactNotFoundError, ConfigError, LlmtrainError
-from llmtrain.stores.artifacts.base import (
-    CHUNK,
-    URL_SCHEME,
-    ArtifactStore,
-    copy_checked,
-    id_path,
-    tree_ids,
-)
+from llmtrain.stores.artifacts.base import CHUNK, ArtifactStore, copy_checked, id_path, tree_ids
 
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 #: filesystems whose writes with ``autocommit=False`` publish the object only on ``commit()``
 ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})
 #: write buffer: S3 wants parts of 5 MiB or more; 16 MiB parts allow objects up to 160 GB

@@ -72,18 +72,16 @@ class GridFSArtifactStore(ArtifactStore):
     def _save(self, artifact_id: str, source: BinaryIO) -> None:
         import gridfs
 
-        fs = self._fs(write=True)
-        grid_in = fs.new_file(filename=artifact_id)
-        try:
-            copy_checked(source, grid_in, artifact_id)
-            grid_in.close()
-        except gridfs.errors.FileExists:
-            self._drop_chunks(grid_in._id)  # another writer stored the same content first
-        except BaseException as exc:
-            self._drop_chunks(grid_in._id)
-            if isinstance(exc, PyMongoError):
-                raise self._error(f"storing {artifact_id}", exc) from exc
-            raise
+        grid_in = self._fs(write=True).new_file(filename=artifact_id)
+        with self._errors(f"storing {artifact_id}"):
+            try:
+                copy_checked(source, grid_in, artifact_id)
+                grid_in.close()
+            except gridfs.errors.FileExists:
+                self._drop_chunks(grid_in._id)  # another writer stored the same content first
+            except BaseException:
+                self._drop_chunks(grid_in._id)
+                raise
 
     def _drop_chunks(self, file_id: Any) -> None:
         with suppress(PyMongoError):  # orphaned chunks are invisible; a crash leaves the same
@@ -102,12 +100,11 @@ class GridFSArtifactStore(ArtifactStore):
         """Damaged chunks surface as ArtifactCorruptError, like a bad hash."""
         import gridfs
 
-        try:
-            super()._copy_verified(artifact_id, out)
-        except gridfs.errors.CorruptGridFile as exc:
-            raise ArtifactCorruptError(f"artifact {artifact_id} is corrupt: {exc}") from exc
-        except PyMongoError as exc:
-            raise self._error(f"reading {artifact_id}", exc) from exc
+        with self._errors(f"reading {artifact_id}"):
+            try:
+                super()._copy_verified(artifact_id, out)
+            except gridfs.errors.CorruptGridFile as exc:
+                raise ArtifactCorruptError(f"artifact {artifact_id} is corrupt: {exc}") from exc
 
     def _remove(self, artifact_id: str) -> None:
         doc = self._file_doc(artifact_id)

@@ -11,19 +11,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from llmtrain.errors import ArtifactNotFoundError
-from llmtrain.stores.artifacts.base import (
-    TMP_PREFIX,
-    ArtifactStore,
-    copy_checked,
-    id_path,
-    os_error,
-    tree_ids,
-)
+from llmtrain.stores.artifacts.base import ArtifactStore, copy_checked, id_path, os_error, tree_ids
 
 try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best effort
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
+
+TMP_PREFIX = ".tmp-"
 
 
 class LocalArtifactStore(ArtifactStore):
@@ -98,9 +93,6 @@ class LocalArtifactStore(ArtifactStore):
             handle = open(self.root / ".lock", "a+b")  # noqa: SIM115 - held across the yield
         except OSError as exc:
             raise os_error(f"cannot write artifacts under {self.root}", exc) from exc
-        with handle:
+        with handle:  # closing the file releases the lock
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            yield

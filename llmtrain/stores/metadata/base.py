@@ -143,10 +143,9 @@ class MetadataStore(ABC):
 
     def remove_component(self, type_id: str, identifier: str, version: int | None = None) -> int:
         """Remove one version (or all when version is None); return how many went."""
+        filters = {"type_id": type_id, "identifier": identifier, **_given(version=version)}
         with self._errors(f"removing {type_id} {identifier!r}"):
-            return self._delete(
-                ["components"], type_id=type_id, identifier=identifier, **_given(version=version)
-            )
+            return self._delete(["components"], **filters)
 
     def create_run(
         self, run_id: str, type_id: str, identifier: str, version: int, info: dict[str, Any]
@@ -278,8 +277,7 @@ class MetadataStore(ABC):
         except self._driver_errors as exc:
             from llmtrain.db.sql_errors import refusal
 
-            refused = refusal(exc, self._where)
-            if refused is not None:
+            if (refused := refusal(exc, self._where)) is not None:
                 raise refused from None
             detail = getattr(exc, "orig", None) or exc
             raise StoreError(

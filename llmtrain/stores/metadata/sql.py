@@ -253,12 +253,7 @@ class SQLMetadataStore(MetadataStore):
         dispose_sql_engine(self._uri)
 
 
-_ORDER = {
-    "components": ("version",),
-    "runs": ("seq",),
-    "metrics": ("step", "id"),
-    "checkpoints": ("step",),
-}
+_ORDER = dict(components=("version",), runs=("seq",), metrics=("step", "id"), checkpoints=("step",))
 
 
 def _rows(conn: sa.Connection, query: sa.Select[Any]) -> list[Row]:

@@ -46,8 +46,7 @@ def build_config(
     on_gpu: bool,
     fp16_compute: bool = False,
 ) -> dict[str, Any]:
-    """The DeepSpeed config: ``raw``, else the stage and offload options; batch sizes,
-    accumulation and clipping from ``args`` where absent or "auto"."""
+    """The DeepSpeed config (``raw``, or the stage's), its "auto" values filled from ``args``."""
     if config.raw is None:
         zero: dict[str, Any] = {"stage": config.stage}
         if config.offload_optimizer:
@@ -102,8 +101,7 @@ def check_quantization(model: torch.nn.Module, stage: int) -> None:
 
 @contextlib.contextmanager
 def _weights_only_loads(engine: Any) -> Iterator[None]:
-    """Load the engine's checkpoint files with ``weights_only=True`` (DeepSpeed's own load
-    unpickles anything), allowing just DeepSpeed's state classes."""
+    """The engine loads with ``weights_only=True`` (DeepSpeed's own load unpickles anything)."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -31,8 +31,7 @@ from llmtrain.training.strategies.base import (
 
 
 def shard_model(model: torch.nn.Module, **options: Any) -> None:
-    """``fully_shard(..., **options)`` every decoder layer, then the root; a model with no
-    layer to shard is a ConfigError, not a run without FSDP's savings."""
+    """``fully_shard`` every decoder layer, then the root; no layer is an error, not no savings."""
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
@@ -44,8 +43,7 @@ def shard_model(model: torch.nn.Module, **options: Any) -> None:
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
-    """The quantisation rules only the loaded model on this machine decides (the config's were
-    checked when the trainer was built)."""
+    """The quantisation rules only the loaded model decides (the trainer checked the config's)."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     problems = quantization_problems(
         quantized_bits(model),
