@@ -283,6 +283,12 @@ def test_dpo_from_an_sft_model_has_that_model_as_its_reference(tiny: Path, tmp_p
     first = db.metadata.get_metrics(run.run_id)[0].values
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+    with pytest.raises(
+        ConfigError, match="init_from='sft:0': the model sft v0 has an adapter with r=8"
+    ):
+        lt.LLMTrainer("r4", model=tiny, objective="dpo", init_from="sft", **options, lora_r=4).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
     bare = lt.LLMTrainer("bare", model=tiny, objective="dpo", **options)  # against the base
     bare.fit(db=db, select=lt.Table("feedback").where("id < 6"), **FIELDS)
     (other,) = db.metadata.list_runs("trainer", "bare")
