@@ -201,6 +201,27 @@ def test_reference_log_probs_are_computed_once_per_pair_and_kept(
     assert 2 not in {c.key for c in db.lineage("model", "cached", forgetting.version)}
 
 
+def test_a_resumed_run_reads_the_reference_values_its_crashed_attempt_kept(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: list[int]
+) -> None:
+    """The values are kept with each checkpoint: an attempt that crashed after epoch 1's leaves
+    them for the resumed one, whose epoch 2 runs no reference forward."""
+    from hooks import crash_after_checkpoint
+
+    db = _db(tmp_path)
+    options = {**OPTIONS, "num_train_epochs": 2, "save_steps": 2}
+    undo = crash_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        lt.LLMTrainer("crashed", model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+    undo()
+    assert references == [4, 4]  # epoch 1's two micro-batches
+    references.clear()
+    resumed = db.load("trainer", "crashed").fit(resume=True)
+    assert resumed is not None and references == []
+
+
 @pytest.mark.parametrize("shape", ["pairs", "feedback"])
 def test_a_row_with_nothing_to_learn_from_is_a_bad_row(
     shape: str, tiny: Path, tmp_path: Path
