@@ -63,6 +63,7 @@ from bench_vs_trl import (  # noqa: E402
     LR,
     TEMPLATE,
     _peak_mb,
+    common_parser,
     make_rows,
     median_rounds,
     timed_train,
@@ -187,9 +188,9 @@ def trl_trainer(args: argparse.Namespace, padding_free: bool, callbacks: list[An
     """TRL's DPOTrainer (KTOTrainer) on the same pairs (feedback rows) and recipe."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from trl_recipe import trl_lora
 
     pairs = json.loads(Path(args.pairs).read_text())
     kto = args.objective == "kto"
@@ -240,13 +241,7 @@ def trl_trainer(args: argparse.Namespace, padding_free: bool, callbacks: list[An
         config: Any = KTOConfig(**common, desirable_weight=1.0, undesirable_weight=1.0)
     else:
         config = DPOConfig(**common, padding_free=padding_free, loss_type=["sigmoid"])
-    lora = LoraConfig(
-        r=LORA_R,
-        lora_alpha=LORA_ALPHA,
-        lora_dropout=0.0,
-        target_modules=LLAMA_TARGETS,
-        task_type="CAUSAL_LM",
-    )
+    lora = trl_lora(LORA_R, LORA_ALPHA, LLAMA_TARGETS)
     return (KTOTrainer if kto else DPOTrainer)(
         model=AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32),
         ref_model=None,  # with a PEFT model: the reference is the adapter disabled
@@ -311,19 +306,8 @@ def run_child(name: str, args: argparse.Namespace, model: Path, pairs: Path, fol
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = common_parser(__doc__)
     parser.add_argument("--objective", choices=["dpo", "kto"], default="dpo")
-    parser.add_argument("--rows", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--pairs", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

@@ -261,19 +261,19 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(fn(args, packing == "packed")))
 
 
+def common_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The options of every side-by-side with TRL, and the hidden ones its children get."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    sizes = {"rows": 400, "steps": 12, "batch-size": 8, "max-length": 256, "hidden": 64}
+    for flag, default in {**sizes, "layers": 2, "threads": 1, "repeats": 3}.items():
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    for hidden in ("child", "model", "workdir"):
+        parser.add_argument(f"--{hidden}", help=argparse.SUPPRESS)
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser = common_parser(__doc__)
     parser.add_argument("--packed-rows", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

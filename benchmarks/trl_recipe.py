@@ -21,7 +21,6 @@ def trl_configs(
     cuda: bool = False,
 ) -> tuple[Any, Any]:
     """(SFTConfig, LoraConfig) for TRL's SFTTrainer; bf16 on CUDA, fp32 on the CPU."""
-    from peft import LoraConfig
     from trl import SFTConfig
 
     config = SFTConfig(
@@ -46,11 +45,13 @@ def trl_configs(
         dataloader_num_workers=0,
         seed=0,
     )
-    lora = LoraConfig(
-        r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=0.0,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
+    return config, trl_lora(lora_r, lora_alpha, targets)
+
+
+def trl_lora(r: int, alpha: int, targets: list[str]) -> Any:
+    """The LoraConfig every TRL contender trains: no dropout, a causal LM."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
     )
-    return config, lora
