@@ -66,6 +66,7 @@ from bench_vs_trl import (  # noqa: E402
     common_parser,
     make_rows,
     median_rounds,
+    print_results,
     timed_train,
 )
 
@@ -355,20 +356,8 @@ def main() -> None:
     )
     if not probe["honoured"]:
         print(f"TRL padding_free=True: not honoured ({probe['why']}); TRL runs padded only")
-    header = ("run", "tokens/s", "peak RSS MB", "real frac", "tokens", "last loss")
-    print("{:<17} {:>9} {:>12} {:>10} {:>8} {:>10}".format(*header))
-    for name, r in results.items():
-        print(
-            f"{name:<17} {r['tok_s']:>9.0f} {r['peak_mb']:>12.0f} {r['fraction']:>10.3f} "
-            f"{r['tokens']:>8.0f} {r['loss']:>10.4f}"
-        )
-    for mode in ("padded", "packed"):
-        against = f"trl-{mode}" if f"trl-{mode}" in results else "trl-padded"
-        ours, theirs = results[f"llmtrain-{mode}"], results[against]
-        speed = ours["tok_s"] / theirs["tok_s"]
-        memory = ours["peak_mb"] / theirs["peak_mb"]
-        ok = "PASS" if speed >= 1.0 and memory <= 1.0 else "FAIL"
-        print(f"llmtrain-{mode} / {against}: tokens/s {speed:.2f}x, peak RSS {memory:.2f}x  [{ok}]")
+    packed = "trl-packed" if "trl-packed" in results else "trl-padded"  # TRL's only mode
+    print_results(results, {"padded": "trl-padded", "packed": packed})
 
 
 if __name__ == "__main__":

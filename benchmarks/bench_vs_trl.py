@@ -272,6 +272,24 @@ def common_parser(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def print_results(results: dict[str, dict[str, float]], against: dict[str, str]) -> None:
+    """The contenders' medians, then each llmtrain mode's ratios to the TRL run ``against``
+    names for it (goal: tokens/s >= 1.0x at peak RSS <= 1.0x)."""
+    header = ("run", "tokens/s", "peak RSS MB", "real frac", "tokens", "last loss")
+    print("{:<17} {:>9} {:>12} {:>10} {:>8} {:>10}".format(*header))
+    for name, r in results.items():
+        print(
+            f"{name:<17} {r['tok_s']:>9.0f} {r['peak_mb']:>12.0f} {r['fraction']:>10.3f} "
+            f"{r['tokens']:>8.0f} {r['loss']:>10.4f}"
+        )
+    for mode, trl in against.items():
+        ours, theirs = results[f"llmtrain-{mode}"], results[trl]
+        speed = ours["tok_s"] / theirs["tok_s"]
+        memory = ours["peak_mb"] / theirs["peak_mb"]
+        ok = "PASS" if speed >= 1.0 and memory <= 1.0 else "FAIL"
+        print(f"llmtrain-{mode} / {trl}: tokens/s {speed:.2f}x, peak RSS {memory:.2f}x  [{ok}]")
+
+
 def main() -> None:
     parser = common_parser(__doc__)
     parser.add_argument("--packed-rows", type=int, help=argparse.SUPPRESS)
@@ -318,19 +336,7 @@ def main() -> None:
         f"{args.repeats} rounds; packed "
         f"llmtrain: {packed_rows} rows/step, budget {args.batch_size * args.max_length} tokens"
     )
-    header = ("run", "tokens/s", "peak RSS MB", "real frac", "tokens", "last loss")
-    print("{:<17} {:>9} {:>12} {:>10} {:>8} {:>10}".format(*header))
-    for name, r in results.items():
-        print(
-            f"{name:<17} {r['tok_s']:>9.0f} {r['peak_mb']:>12.0f} {r['fraction']:>10.3f} "
-            f"{r['tokens']:>8.0f} {r['loss']:>10.4f}"
-        )
-    for mode in ("padded", "packed"):
-        ours, theirs = results[f"llmtrain-{mode}"], results[f"trl-{mode}"]
-        speed = ours["tok_s"] / theirs["tok_s"]
-        memory = ours["peak_mb"] / theirs["peak_mb"]
-        ok = "PASS" if speed >= 1.0 and memory <= 1.0 else "FAIL"
-        print(f"{mode}: llmtrain/TRL tokens/s {speed:.2f}x, peak RSS {memory:.2f}x  [{ok}]")
+    print_results(results, {mode: f"trl-{mode}" for mode in ("padded", "packed")})
 
 
 if __name__ == "__main__":
