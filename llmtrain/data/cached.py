@@ -19,7 +19,15 @@ from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import MixOrder, Order
 from llmtrain.data.position import Position, Positioned
 from llmtrain.data.rows import Shape, check_on_bad_row, check_row, normalise_fields
-from llmtrain.data.snapshot import MemoryStore, MixedView, RunSnapshot, Split, View, take_snapshot
+from llmtrain.data.snapshot import (
+    Blobs,
+    MemoryStore,
+    MixedView,
+    RunSnapshot,
+    Split,
+    View,
+    take_snapshot,
+)
 from llmtrain.db.backend import Key, Row
 from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Mix, Part, Query
@@ -91,7 +99,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         split: Split = "all",
         eval_fraction: float = 0.0,
         snapshot: RunSnapshot | None = None,
-        store: Any = None,
+        store: Blobs | None = None,
         version_column: str | None = None,
         conversations: bool = False,
         shape: Shape = "text",
@@ -127,7 +135,9 @@ class CachedQueryDataset(IterableDataset[Row]):
         self.split, self.eval_fraction = split, float(eval_fraction)
         self._rank, self._world = rank, world_size
         self._snapshot = snapshot
-        self.store = store if store is not None or snapshot is None else db.artifacts
+        # a snapshot taken here (snapshot=None) goes into a MemoryStore of its own
+        default = db.artifacts if snapshot is not None else MemoryStore()
+        self.store: Blobs = store if store is not None else default
         self.position = Position()
         self.stats = ReadStats()
 

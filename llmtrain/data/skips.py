@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmtrain.data.snapshot import typed, untyped
+from llmtrain.data.snapshot import Blobs, typed, untyped
 from llmtrain.db.keys import Key, key_repr
 
 #: run record field: the artifact ids of the skip records its checkpoints wrote, in order
@@ -65,7 +65,7 @@ class Skips:
         return found
 
 
-def read_skips(store: Any, info: dict[str, Any]) -> Skips:
+def read_skips(store: Blobs, info: dict[str, Any]) -> Skips:
     """Everything a run recorded as skipped, from its record's ``skips`` blobs."""
     found = Skips()
     for artifact in info.get(SKIPS) or ():

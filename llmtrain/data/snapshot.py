@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import numpy as np
 from bson import ObjectId
@@ -118,6 +118,15 @@ def decode_chunk(data: bytes) -> np.ndarray:
     return out
 
 
+class Blobs(Protocol):
+    """What a snapshot needs of a store: bytes in for an id, and back (the artifact store, or
+    :class:`MemoryStore`)."""
+
+    def put_bytes(self, data: bytes) -> str: ...
+
+    def get_bytes(self, artifact_id: str) -> bytes: ...
+
+
 class MemoryStore:
     """Chunks kept in this process: a dataset's own snapshot when no run gave it one."""
 
@@ -137,7 +146,7 @@ _decoded: OrderedDict[str, np.ndarray] = OrderedDict()
 _decoded_lock = threading.Lock()
 
 
-def _chunk(store: Any, chunk_id: str) -> np.ndarray:
+def _chunk(store: Blobs, chunk_id: str) -> np.ndarray:
     """A decoded chunk; the last few are cached (ids are content hashes, so always valid)."""
     with _decoded_lock:
         if chunk_id in _decoded:
@@ -191,27 +200,27 @@ class KeySnapshot:
             raise ConfigError(f"key snapshot {snap.fingerprint}: its chunks do not match it")
         return snap
 
-    def keys(self, store: Any, start: int, stop: int) -> list[Key]:
+    def keys(self, store: Blobs, start: int, stop: int) -> list[Key]:
         return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
-    def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
+    def versions_of(self, store: Blobs, start: int, stop: int) -> list[Any]:
         return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
-    def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
+    def keys_at(self, store: Blobs, indexes: np.ndarray) -> list[Key]:
         """The keys at ``indexes`` (any order), reading each chunk they fall in once."""
         return self._at(store, self.chunks, indexes)
 
-    def versions_at(self, store: Any, indexes: np.ndarray) -> list[Any]:
+    def versions_at(self, store: Blobs, indexes: np.ndarray) -> list[Any]:
         if self.versions is None:
             raise ConfigError("this snapshot was taken without a version column")
         return self._at(store, self.versions, indexes)
 
-    def iter_keys(self, store: Any) -> Iterator[Key]:
+    def iter_keys(self, store: Blobs) -> Iterator[Key]:
         """Every key in order, one chunk in memory at a time."""
         for chunk_id in self.chunks:
             yield from decode_chunk(store.get_bytes(chunk_id)).tolist()
 
-    def _at(self, store: Any, chunks: Sequence[str], indexes: np.ndarray) -> list[Any]:
+    def _at(self, store: Blobs, chunks: Sequence[str], indexes: np.ndarray) -> list[Any]:
         chunk_of = indexes // self.chunk_size
         firsts = np.unique(chunk_of)
         if len(firsts) == 1:  # the usual case: a step's rows are a piece of one block
@@ -223,7 +232,7 @@ class KeySnapshot:
             out[mine] = _chunk(store, chunks[c])[indexes[mine] - c * self.chunk_size]
         return out.tolist()
 
-    def digests(self, store: Any) -> Iterator[np.ndarray]:
+    def digests(self, store: Blobs) -> Iterator[np.ndarray]:
         """Each chunk's key digests (:func:`~llmtrain.db.keys.key_digests`), in order."""
         for chunk_id in self.chunks:
             values = decode_chunk(store.get_bytes(chunk_id))
@@ -277,14 +286,14 @@ class MixedView:
             mine = np.flatnonzero(part_of == s)
             yield s, mine, indexes[mine] - starts[s]
 
-    def keys_at(self, store: Any, indexes: np.ndarray) -> list[Key]:
+    def keys_at(self, store: Blobs, indexes: np.ndarray) -> list[Key]:
         out: list[Any] = [None] * len(indexes)
         for s, mine, at in self._split(np.asarray(indexes, dtype=np.int64)):
             for i, key in zip(mine.tolist(), self.parts[s].keys_at(store, at)):
                 out[i] = tagged(s, key)
         return out
 
-    def versions_at(self, store: Any, indexes: np.ndarray) -> list[Any]:
+    def versions_at(self, store: Blobs, indexes: np.ndarray) -> list[Any]:
         out: list[Any] = [None] * len(indexes)
         for s, mine, at in self._split(np.asarray(indexes, dtype=np.int64)):
             if self.parts[s].versions is not None:
@@ -292,13 +301,13 @@ class MixedView:
                     out[i] = version
         return out
 
-    def keys(self, store: Any, start: int, stop: int) -> list[Key]:
+    def keys(self, store: Blobs, start: int, stop: int) -> list[Key]:
         return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
-    def versions_of(self, store: Any, start: int, stop: int) -> list[Any]:
+    def versions_of(self, store: Blobs, start: int, stop: int) -> list[Any]:
         return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
-    def digests(self, store: Any) -> Iterator[np.ndarray]:
+    def digests(self, store: Blobs) -> Iterator[np.ndarray]:
         for s, part in enumerate(self.parts):
             for start in range(0, part.count, part.chunk_size):
                 keys = part.keys(store, start, start + part.chunk_size)
@@ -378,7 +387,7 @@ class RunSnapshot:
 class ViewWriter:
     """Collects one view's keys (and versions), storing every chunk as it fills."""
 
-    def __init__(self, store: Any, chunk_size: int, with_versions: bool) -> None:
+    def __init__(self, store: Blobs, chunk_size: int, with_versions: bool) -> None:
         self.store, self.chunk_size, self.with_versions = store, chunk_size, with_versions
         self.held: list[Any] = []  # pieces of keys (int64 arrays or lists) not written yet
         self.held_versions: list[Any] = []
@@ -428,7 +437,7 @@ def take_snapshot(
     eval_fraction: float = 0.0,
     chunk_size: int = CHUNK_SIZE,
     version_column: str | None = None,
-    store: Any = None,
+    store: Blobs | None = None,
 ) -> RunSnapshot:
     """Read the selection's keys (and ``version_column``) once, in keyset pages, into chunks
     in ``store`` (default ``db.artifacts``); ``eval_fraction`` splits them by digest."""

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from llmtrain.errors import CheckpointError, StoreError
 from llmtrain.stores.artifacts.base import hashed_copy
+from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.strategies.base import Strategy
 
@@ -61,7 +62,13 @@ class Checkpointer:
     """Saves and restores the training state of one run through the artifact store."""
 
     def __init__(
-        self, db: Any, run_id: str, strategy: Strategy, *, keep: int | None, workdir: Path
+        self,
+        db: Database,
+        run_id: str,
+        strategy: Strategy,
+        *,
+        keep: int | None,
+        workdir: Path,
     ) -> None:
         self.db, self.run_id, self.strategy, self.keep = db, run_id, strategy, keep
         self.workdir = workdir

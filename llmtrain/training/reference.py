@@ -12,12 +12,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import ComponentNotFoundError
+
+if TYPE_CHECKING:
+    from llmtrain.stores.handle import Database
 
 KIND = "reference_logps"
 
@@ -45,7 +48,7 @@ class ReferenceCache:
     """The stored values of one reference, and those this process computed since it last
     handed them over (:meth:`take_new`)."""
 
-    def __init__(self, db: Any, fingerprint: str) -> None:
+    def __init__(self, db: Database, fingerprint: str) -> None:
         self.db, self.fingerprint = db, fingerprint
         self.values: dict[str, tuple[float, float]] = {}
         self.new: dict[str, tuple[float, float]] = {}
