@@ -56,6 +56,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +70,32 @@ import torch.nn.functional as F  # noqa: E402
 
 import llmtrain as lt  # noqa: E402
 from llmtrain.db.keys import key_repr  # noqa: E402
-from llmtrain.formatting import IGNORE_INDEX, Formatter, pad_collate  # noqa: E402
-from llmtrain.formatting.collate import padding_efficiency  # noqa: E402
+from llmtrain.formatting import IGNORE_INDEX, Formatter, pack_examples, pad_collate  # noqa: E402
 from llmtrain.testing import tiny_model  # noqa: E402
 from llmtrain.training.run import FitRun  # noqa: E402
 from llmtrain.training.strategies import make_strategy  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PaddingEfficiency:
+    """Fractions of real (non-padding) tokens in the batches each strategy would build."""
+
+    padded: float
+    packed: float
+    tokens: int
+
+
+def padding_efficiency(examples: Any, max_length: int, *, batch_size: int) -> PaddingEfficiency:
+    """Padding against packing over ``examples``, ``batch_size`` at a time."""
+    tokens = sum(map(len, examples))
+    padded = packed = 0
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        padded += len(batch) * max(map(len, batch))
+        rows = pack_examples(batch, max_length)
+        packed += len(rows) * max(sum(map(len, r)) for r in rows)
+    return PaddingEfficiency(tokens / max(padded, 1), tokens / max(packed, 1), tokens)
+
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 X, Y, TABLE = "instruction", "output", "docs"

@@ -22,9 +22,7 @@ from llmtrain.formatting import (
     PromptTemplate,
     pack_examples,
     pad_collate,
-    padding_efficiency,
 )
-from llmtrain.formatting.collate import _round_up
 from llmtrain.testing import tiny_model, train_tokenizer
 
 TEMPLATE = "### Question:\n{X}\n### Answer:\n{Y}"
@@ -294,10 +292,10 @@ def test_a_token_straddling_the_boundary_is_trained_and_its_text_healed_at_infer
 # -- padding ---------------------------------------------------------------------------------
 def test_pad_collate(tok: Any) -> None:
     examples = [Example([5, 6, 7], [IGNORE_INDEX, 6, 7]), Example([8, 9], [IGNORE_INDEX, 9])]
-    batch = pad_collate(examples, pad_id=2, pad_to_multiple_of=4)
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 2], [8, 9, 2, 2]]
-    assert batch["labels"].tolist() == [[-100, 6, 7, -100], [-100, 9, -100, -100]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0]]
+    batch = pad_collate(examples, pad_id=2)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 2]]
+    assert batch["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
     assert batch["num_target_tokens"].item() == 3
 
 
@@ -446,32 +444,21 @@ def _synthetic(lengths: list[int], data: st.DataObject) -> list[Example]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    max_length=st.integers(1, 48),
-    multiple=st.sampled_from([None, 1, 4]),
-    flat=st.booleans(),
-    data=st.data(),
-)
-def test_packed_collator_structure(
-    max_length: int, multiple: int | None, flat: bool, data: st.DataObject
-) -> None:
-    if multiple:
-        max_length = -(-max_length // multiple) * multiple
+@given(max_length=st.integers(1, 48), flat=st.booleans(), data=st.data())
+def test_packed_collator_structure(max_length: int, flat: bool, data: st.DataObject) -> None:
     lengths = data.draw(st.lists(st.integers(1, max_length), min_size=1, max_size=12))
     examples = _synthetic(lengths, data)
-    batch = PackedCollator(max_length, PAD, flat=flat, pad_to_multiple_of=multiple)(examples)
+    batch = PackedCollator(max_length, PAD, flat=flat)(examples)
     ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
     rows, width = ids.shape
     assert "attention_mask" not in batch
     if flat:
-        assert rows == 1 and width == _round_up(sum(lengths), multiple)
+        assert rows == 1 and width == sum(lengths)
     else:
         assert width <= max_length
         # best-fit-decreasing: no two rows could have been merged
         fills = sorted(int((ids[r] != PAD).sum()) for r in range(rows))
         assert rows == 1 or fills[0] + fills[1] > max_length
-    if multiple:
-        assert width % multiple == 0
     seen: dict[int, list[int]] = {}
     for r in range(rows):
         starts = [t for t in range(width) if pos[r, t] == 0] + [width]
@@ -501,19 +488,6 @@ def test_pack_examples_best_fit_decreasing() -> None:
 def test_packing_rejects_overlong_examples() -> None:
     with pytest.raises(ConfigError, match="key 'k'"):
         pack_examples([Example([1] * 5, [1] * 5, key="k")], 4)
-    with pytest.raises(ConfigError, match="multiple"):
-        PackedCollator(10, 0, pad_to_multiple_of=4)
-
-
-def test_padding_efficiency() -> None:
-    examples = [Example([1] * n, [1] * n) for n in (8, 2, 2, 4)]
-    eff = padding_efficiency(examples, max_length=8)
-    assert eff.tokens == 16
-    assert eff.padded == pytest.approx(16 / (4 * 8))
-    assert eff.packed == pytest.approx(16 / (2 * 8))  # rows [8] and [2, 2, 4]
-    per_batch = padding_efficiency(examples, max_length=8, batch_size=2)
-    assert per_batch.padded == pytest.approx(16 / (2 * 8 + 2 * 4))
-    assert per_batch.packed == pytest.approx(16 / (2 * 8 + 1 * 6))
 
 
 @settings(max_examples=40, deadline=None)

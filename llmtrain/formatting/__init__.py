@@ -1,12 +1,6 @@
 """The formatting layer: rows -> prompt text -> token ids and labels -> padded or packed batches."""
 
-from llmtrain.formatting.collate import (
-    PackedCollator,
-    PaddingEfficiency,
-    pack_examples,
-    pad_collate,
-    padding_efficiency,
-)
+from llmtrain.formatting.collate import PackedCollator, pack_examples, pad_collate
 from llmtrain.formatting.template import PromptTemplate
 from llmtrain.formatting.tokenize import IGNORE_INDEX, Example, Formatter, Prompt
 
@@ -15,10 +9,8 @@ __all__ = [
     "Example",
     "Formatter",
     "PackedCollator",
-    "PaddingEfficiency",
     "Prompt",
     "PromptTemplate",
     "pack_examples",
     "pad_collate",
-    "padding_efficiency",
 ]

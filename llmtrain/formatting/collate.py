@@ -9,17 +9,12 @@ ignored (it would be predicted from the previous example); padding is its own ru
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from llmtrain.errors import ConfigError
 from llmtrain.formatting.tokenize import IGNORE_INDEX, Example
-
-
-def _round_up(n: int, multiple: int | None) -> int:
-    return n if not multiple else -(-n // multiple) * multiple
 
 
 def _long(rows: list[list[int]]) -> torch.Tensor:
@@ -40,11 +35,9 @@ def _batch(
     }
 
 
-def pad_collate(
-    examples: Sequence[Example], pad_id: int, pad_to_multiple_of: int | None = None
-) -> dict[str, torch.Tensor]:
+def pad_collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad ``examples`` into ``input_ids``, ``labels``, ``attention_mask``."""
-    width = _round_up(max(len(e) for e in examples), pad_to_multiple_of)
+    width = max(len(e) for e in examples)
     ids = [e.input_ids + [pad_id] * (width - len(e)) for e in examples]
     labels = [e.labels + [IGNORE_INDEX] * (width - len(e)) for e in examples]
     mask = [[1] * len(e) + [0] * (width - len(e)) for e in examples]
@@ -78,21 +71,8 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
 class PackedCollator:
     """Packs examples into rows of at most ``max_length`` tokens (``flat``: all in one row)."""
 
-    def __init__(
-        self,
-        max_length: int,
-        pad_id: int,
-        *,
-        flat: bool = False,
-        pad_to_multiple_of: int | None = None,
-    ) -> None:
-        if pad_to_multiple_of and max_length % pad_to_multiple_of:
-            raise ConfigError(
-                f"max_length {max_length} must be a multiple of "
-                f"pad_to_multiple_of {pad_to_multiple_of}"
-            )
-        self.max_length, self.pad_id = max_length, pad_id
-        self.flat, self.pad_to_multiple_of = flat, pad_to_multiple_of
+    def __init__(self, max_length: int, pad_id: int, *, flat: bool = False) -> None:
+        self.max_length, self.pad_id, self.flat = max_length, pad_id, flat
 
     def __call__(self, examples: Sequence[Example]) -> dict[str, torch.Tensor]:
         return self.collate_rows(pack_examples(examples, self.max_length))
@@ -106,7 +86,7 @@ class PackedCollator:
             raise ValueError("PackedCollator: no examples")
         if self.flat:
             rows = [[e for row in rows for e in row]]
-        width = _round_up(max(sum(map(len, row)) for row in rows), self.pad_to_multiple_of)
+        width = max(sum(map(len, row)) for row in rows)
         index = {id(e): i for i, e in enumerate(sequences or ())}
         ids, labels, positions, owners = [], [], [], []
         for row in rows:
@@ -126,35 +106,3 @@ class PackedCollator:
             owners.append(row_owner + [0] * pad)
         batch = _batch(ids, labels, "position_ids", positions)
         return batch | ({"sequence_index": _long(owners)} if sequences is not None else {})
-
-
-@dataclass(frozen=True)
-class PaddingEfficiency:
-    """Fractions of real (non-padding) tokens in the batches each strategy would build."""
-
-    padded: float
-    packed: float
-    tokens: int
-
-
-def padding_efficiency(
-    examples: Sequence[Example],
-    max_length: int,
-    *,
-    batch_size: int | None = None,
-    pad_to_multiple_of: int | None = None,
-) -> PaddingEfficiency:
-    """Compare padding with packing over ``examples``, ``batch_size`` at a time (None: all)."""
-    size = batch_size or max(len(examples), 1)
-    tokens = sum(map(len, examples))
-    padded = packed = 0
-    for start in range(0, len(examples), size):
-        batch = examples[start : start + size]
-        padded += len(batch) * _round_up(max(map(len, batch)), pad_to_multiple_of)
-        rows = pack_examples(batch, max_length)
-        packed += len(rows) * _round_up(max(sum(map(len, r)) for r in rows), pad_to_multiple_of)
-    return PaddingEfficiency(
-        padded=tokens / padded if padded else 1.0,
-        packed=tokens / packed if packed else 1.0,
-        tokens=tokens,
-    )
