@@ -504,3 +504,20 @@ def test_kto_evaluates_margins_on_held_out_feedback_and_keeps_the_best(
     assert len(evaluated) == 3 and all("eval_kl" in m for m in evaluated)
     best = db.metadata.get_run(run.run_id).info["best_checkpoint"]
     assert best["value"] == max(m["eval_rewards/margins"] for m in evaluated)
+
+
+def test_qlora_kto_from_a_qlora_sft_model_starts_at_its_reference(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """bitsandbytes' 4-bit base under both adapters: the SFT model's, frozen as the reference,
+    and the one trained from it (step 1 at 0.5 x weight: the policy is the reference)."""
+    db = _db(tmp_path, FEEDBACK)
+    options = {**OPTIONS, "max_steps": 2, "shuffle": False, "bits": 4, "qlora": True}
+    lt.LLMTrainer("sft-4bit", model=tiny, **options).fit(
+        db=db, select=lt.Table("feedback"), X="prompt", Y="answer"
+    )
+    kto = lt.LLMTrainer("kto-4bit", model=tiny, objective="kto", init_from="sft-4bit", **options)
+    assert kto.fit(db=db, select=lt.Table("feedback"), **KTO_FIELDS) is not None
+    (run,) = db.metadata.list_runs("trainer", "kto-4bit")
+    losses = [m.values["loss"] for m in db.metadata.get_metrics(run.run_id)]
+    assert losses[0] == pytest.approx(0.5 * 0.5, abs=1e-5) and losses[1] != losses[0]

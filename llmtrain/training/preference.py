@@ -64,15 +64,16 @@ def sequence_logprobs(
     model: Any,
     batch: dict[str, Any],
     *,
-    base: Any = None,
+    head: LossFunction | None = None,
     num_sequences: int | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log p(target) [S] float32, target count [S]) per sequence. The body runs to its
-    hidden states and the head (``base``'s, default ``model``'s) projects only targets, a
-    chunk at a time; under grad each chunk is recomputed in backward (checkpointed), since
-    the preference loss's gradient per sequence is only known after the forward."""
-    found = LossFunction(model if base is None else base, chunk_elements=chunk_elements)
+    hidden states and the head (``head``'s: the unwrapped model's, found once by the loss;
+    default ``model``'s) projects only targets, a chunk at a time; under grad each chunk is
+    recomputed in backward (checkpointed), since the preference loss's gradient per sequence
+    is only known after the forward."""
+    found = head if head is not None else LossFunction(model, chunk_elements=chunk_elements)
     if not found.chunked:
         return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
     keep, targets, index = _targets(batch)
@@ -279,11 +280,12 @@ class PreferenceLoss:
 
     def __init__(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> None:
         self.base, self.args, self.cache = base, args, cache
+        self.head = LossFunction(base)  # the unwrapped model's head, found once
         self.sums: dict[str, list[float | torch.Tensor]] = {}
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         a, n = self.args, int(batch.get("pairs", 0))
-        logps, counts = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+        logps, counts = sequence_logprobs(model, batch, head=self.head, num_sequences=2 * n)
         if n == 0:  # a rank's filler batch (every row skipped): its collectives, no gradient
             return logps.sum()
         means = logps / counts.clamp(min=1)
@@ -336,7 +338,7 @@ class PreferenceLoss:
         if kept is not None:
             return torch.tensor([c for c, _ in kept] + [r for _, r in kept])
         with torch.no_grad(), reference_model(self.base):
-            ref, _ = sequence_logprobs(model, batch, base=self.base, num_sequences=2 * n)
+            ref, _ = sequence_logprobs(model, batch, head=self.head, num_sequences=2 * n)
         if self.cache is not None:
             values = ref.float().cpu().tolist()
             self.cache.add(digests, values[:n], values[n:])

@@ -225,10 +225,7 @@ class FitRun:
             frozen.lora_dropout = 0.0  # the reference is deterministic: its values are kept
             model.add_adapter(REFERENCE, frozen)
             set_peft_model_state_dict(model, weights, adapter_name=REFERENCE)
-            for name, param in model.named_parameters():
-                if f".{REFERENCE}." in name or name.endswith(f".{REFERENCE}"):
-                    param.requires_grad_(False)
-            model.set_adapter("default")
+            model.set_adapter("default")  # trains "default" alone: the reference stays frozen
 
     def _make_optimizer(self, params: list[torch.nn.Parameter]) -> Any:
         t = self.targs
