@@ -521,3 +521,35 @@ def test_qlora_kto_from_a_qlora_sft_model_starts_at_its_reference(
     (run,) = db.metadata.list_runs("trainer", "kto-4bit")
     losses = [m.values["loss"] for m in db.metadata.get_metrics(run.run_id)]
     assert losses[0] == pytest.approx(0.5 * 0.5, abs=1e-5) and losses[1] != losses[0]
+
+
+def test_label_counts_are_the_snapshots_valid_labels(any_uri: str, tmp_path: Path) -> None:
+    """KTO's default weights count the snapshot's rows only (not one added since) and only
+    values that are labels (not 2), as the reader would take them."""
+    from llmtrain.data.snapshot import label_counts, take_snapshot
+
+    fill(any_uri, "thumbs", [{"id": i, "liked": int(i % 3 != 0)} for i in range(30)])
+    fill(any_uri, "extra", [{"id": 30, "liked": 2}, {"id": 31, "liked": 1}])
+    mongo = any_uri.startswith("mongo")
+    query = lt.Collection("thumbs") if mongo else lt.Table("thumbs")
+    db = lt.connect(any_uri, artifacts=tmp_path / "artifacts")
+    copy = "INSERT INTO thumbs (id, liked) SELECT id, liked FROM extra WHERE id = {}"
+    if mongo:
+        from llmtrain.db.engines import mongo_database
+
+        database = mongo_database(any_uri)
+        database["thumbs"].insert_one({"_id": 30, "liked": 2})
+    else:
+        import sqlalchemy as sa
+
+        from llmtrain.db.engines import sql_engine
+
+        with sql_engine(any_uri).begin() as conn:
+            conn.execute(sa.text(copy.format(30)))
+    snapshot = take_snapshot(db, query)
+    if mongo:
+        database["thumbs"].insert_one({"_id": 31, "liked": 1})
+    else:
+        with sql_engine(any_uri).begin() as conn:
+            conn.execute(sa.text(copy.format(31)))
+    assert label_counts(db, query, snapshot.train, "liked") == (20, 10)
