@@ -19,7 +19,7 @@ Memory: an epoch over ``rows // 10`` and over ``rows`` rows, each in a fresh sub
 the peaks cannot mix: ``ru_maxrss``, the epoch's own RSS peak and the tracemalloc peak.
 
 Data wait: the figure that matters. A real ``fit()`` of the demo's model and settings
-(``llmtrain.cli.demo``: tiny LoRA model, batch 16), first on the demo's own table, then on the
+(``examples/demo.py``: tiny LoRA model, batch 16), first on the demo's own table, then on the
 ``rows``-row table; the time the loop spends getting its next batch (read, tokenize,
 collate, move) as a share of each step. Runs on CPU, where a step of the tiny model is far
 shorter than a real model's step on a GPU, so the share here is an upper bound. Beside it,
@@ -55,6 +55,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))  # `import demo`: the quick start's table
 
 TABLE, SMALL_TABLE = "docs", "docs_small"
 FIELDS = ("instruction", "output")
@@ -499,8 +500,9 @@ def bench_waits(
     """The demo's table, then every target's ``rows``-row table, with the demo's model: each
     as ``rounds`` pairs of fits, one making its batches as it trains and one replaying them
     (ABAB, so the machine's drift falls on both alike)."""
+    import demo
+
     import llmtrain as lt
-    from llmtrain import demo
     from llmtrain.console import quiet
 
     quiet()

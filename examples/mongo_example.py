@@ -13,8 +13,9 @@ import os
 import tempfile
 from pathlib import Path
 
+import demo  # examples/demo.py: the quick start's table
+
 import llmtrain as lt
-from llmtrain.cli import demo
 from llmtrain.console import quiet
 from llmtrain.db.engines import mongo_database
 from llmtrain.testing import tiny_model

@@ -12,10 +12,10 @@ import os
 import tempfile
 from pathlib import Path
 
+import demo  # examples/demo.py: the quick start's table
 import sqlalchemy as sa
 
 import llmtrain as lt
-from llmtrain.cli import demo
 from llmtrain.console import quiet
 from llmtrain.testing import tiny_model
 from llmtrain.uri import redact_uri

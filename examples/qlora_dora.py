@@ -10,8 +10,9 @@ and ``use_dora=True`` trains a DoRA adapter on top. Everything goes to a tempora
 import tempfile
 from pathlib import Path
 
+import demo  # examples/demo.py: the quick start's table
+
 import llmtrain as lt
-from llmtrain.cli import demo
 from llmtrain.console import quiet
 from llmtrain.testing import tiny_model
 

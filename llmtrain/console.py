@@ -7,14 +7,10 @@ import functools
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-# Messages that are noise on every run: (logger name, message prefix).
-_NOISY_LOGS = (
+_NOISY_LOGS = (  # (logger name, message prefix) of what is noise on every run
     # bitsandbytes on a CPU without the optional `kernels` package; 4-bit still works
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
     # DeepSpeed's accelerator probe on a machine without a GPU
@@ -29,15 +25,12 @@ _NOISY_WARNINGS = (
 # (transformers 5 warns on every fit about its own v6 renames).
 _THIRD_PARTY = r"(transformers|peft|accelerate|bitsandbytes|deepspeed|torch)(\.|$)"
 
-
-#: set (to "1") while a fit is quiet; the launched worker processes read it
-QUIET_ENV = "LLMTRAIN_QUIET"
-
+QUIET_ENV = "LLMTRAIN_QUIET"  # "1" while a fit is quiet: the workers it launches are quiet too
 _QUIET_ENV = {
     "TRANSFORMERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-    QUIET_ENV: "1",  # worker processes a quiet fit launches are quiet too
+    QUIET_ENV: "1",
 }
 
 
@@ -78,9 +71,8 @@ def quiet() -> None:
 
 @contextlib.contextmanager
 def quieted(enabled: bool = True) -> Iterator[None]:
-    """:func:`quiet` for one call (a fit), then the caller's logging, warning filters,
-    progress bars and environment as they were. What the caller configured wins: a noisy
-    logger with a level of its own, or transformers at a verbosity other than its default."""
+    """:func:`quiet` for one call (a fit), then logging, warnings, progress bars and environment as
+    they were; the caller's settings win (a noisy logger's own level, a non-default verbosity)."""
     if not enabled:
         yield
         return
@@ -122,17 +114,6 @@ def restored_env(*names: str) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def quiet_unless_verbose(method: Callable[P, R]) -> Callable[P, R]:
-    """Run ``method`` under :func:`quieted` unless called with ``verbose=True``."""
-
-    @functools.wraps(method)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        with quieted(not kwargs.get("verbose", False)):
-            return method(*args, **kwargs)
-
-    return wrapper
 
 
 def say(*lines: str) -> None:

@@ -32,8 +32,7 @@ def default_artifact_dir(uri: str) -> Path:
         name = "sqlite-memory"
     else:
         parts = urlsplit(uri)
-        db = parts.path.strip("/") or "default"
-        name = f"{parts.hostname or 'local'}-{db}"
+        name = f"{parts.hostname or 'local'}-{parts.path.strip('/') or 'default'}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain")) / "artifacts" / safe
 
@@ -106,9 +105,7 @@ class Datalayer:
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
         self._metadata: MetadataStore | None = None
-        self._artifacts: ArtifactStore | None = (
-            artifacts if isinstance(artifacts, ArtifactStore) else None
-        )
+        self._artifacts = artifacts if isinstance(artifacts, ArtifactStore) else None
 
     @property
     def uri(self) -> str:
@@ -275,7 +272,7 @@ class Datalayer:
 
 
 def _model_artifacts(model: ComponentRecord) -> set[str]:
-    return {a for a in (model.payload.get("adapter"), model.payload.get("merged")) if a}
+    return {model.payload["adapter"]} if model.payload.get("adapter") else set()
 
 
 def connect(

@@ -1,5 +1,4 @@
-"""Where this process sits in the job, resolved once when a run (or a dataset) starts: the
-only module that reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``."""
+"""This process's place in the job, resolved once: the only reader of RANK/WORLD_SIZE/LOCAL_RANK."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ from llmtrain.errors import ConfigError, DistributedError
 
 @dataclass(frozen=True)
 class Placement:
-    """One process's place: ``rank`` of ``world_size``, ``local_rank`` on its node.
-    ``launched`` is decided once, here: DeepSpeed needs LOCAL_RANK set even in an unlaunched
-    process, so a later look at the environment could mistake it for a worker."""
+    """``rank`` of ``world_size``, ``local_rank`` on its node. ``launched`` is decided once, here:
+    DeepSpeed needs LOCAL_RANK even unlaunched, so a later look could take it for a worker."""
 
     rank: int = 0
     world_size: int = 1
@@ -31,8 +29,7 @@ class Placement:
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Placement:
-        """The placement a launcher gave this process, else (0, 1); an initialised
-        ``torch.distributed`` group wins over the variables."""
+        """A launcher's placement, else (0, 1); an initialised ``torch.distributed`` group wins."""
         env = os.environ if env is None else env
         import torch.distributed as dist
 

@@ -170,10 +170,9 @@ def tiny_model(
     corpus: list[str] | None = None,
     tokenizer: str = "bytelevel",
 ) -> Path:
-    """Build (once) a tiny ``arch`` causal LM and its tokenizer (:func:`train_tokenizer`;
-    ``<pad>`` is never EOS) in ``path`` and return the path. Idempotent: the same arguments
-    leave it untouched, another tiny model there is replaced, any other non-empty directory
-    is refused. ``num_kv_heads`` (grouped-query attention) defaults to ``num_heads``."""
+    """Build a tiny ``arch`` causal LM + tokenizer (``<pad>`` is never EOS) in ``path``; return it.
+    The same arguments leave it untouched, another tiny model there is replaced, any other non-empty
+    directory is refused. ``num_kv_heads`` (grouped-query attention) defaults to ``num_heads``."""
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     problem = ""
     if arch not in ARCHES:

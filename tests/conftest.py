@@ -5,9 +5,11 @@ collection with rows."""
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,8 @@ PG_ADMIN = os.environ.get("LLMTRAIN_TEST_PG", "postgresql+psycopg://postgres@127
 MY_ADMIN = os.environ.get("LLMTRAIN_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306")
 ALL_BACKENDS = ["sqlite", "postgresql", "mariadb", "mongomock"]
 SQL_BACKENDS = ["sqlite", "postgresql", "mariadb"]
+# `import demo`: examples/demo.py, the quick start, whose docs table and model tests reuse
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -1,5 +1,5 @@
-"""The ``llmtrain`` command: config files and overrides, fit/show/replay/merge on a real
-SQLite database with the tiny model, clean exit-2 errors naming the option, and the demo."""
+"""The ``llmtrain`` command: config files and overrides, fit/show/replay/export on a
+real SQLite database with the tiny model, clean exit-2 errors naming the option."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import llmtrain as lt
-from llmtrain.cli import demo, main
+from llmtrain.cli import main
 from llmtrain.config.file import (
     apply_overrides,
     build_job,
@@ -149,6 +149,8 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """examples/config.yaml's working directory: ./llmtrain-demo/ with the demo table."""
+    import demo
+
     root = tmp_path_factory.mktemp("cli")
     demo.prepare(root / "llmtrain-demo")
     return root
@@ -197,7 +199,7 @@ def test_show_tables(fitted: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"STEP\s+LOSS\s+LR", out) and "CHECKPOINT" in out
 
 
-def test_replay_and_merge(fitted: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_replay_and_export(fitted: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -212,14 +214,13 @@ def test_replay_and_merge(fitted: str, tmp_path: Path, capsys: pytest.CaptureFix
     assert runs[-1].info["data_fingerprint"] == runs[-2].info["data_fingerprint"]
 
     out_dir = tmp_path / "merged"
-    code, out, _ = run_cli(capsys, "merge", "cli-test", "--db", fitted, "--out", str(out_dir))
-    assert code == 0 and "stored merged model tree:" in out
-    assert db.load("model", "cli-test").record.merged is not None
+    code, out, _ = run_cli(capsys, "export", "cli-test", "--db", fitted, "--merged", str(out_dir))
+    assert code == 0 and "wrote cli-test v1 merged into the full-precision base" in out
     merged = AutoModelForCausalLM.from_pretrained(out_dir)
     ids = AutoTokenizer.from_pretrained(out_dir)(["What is 2 plus 2?"], return_tensors="pt")
     with torch.no_grad():
         assert merged(**ids).logits.shape[-1] == merged.config.vocab_size
-    code, _, err = run_cli(capsys, "merge", "cli-test", "--db", fitted, "--out", str(out_dir))
+    code, _, err = run_cli(capsys, "export", "cli-test", "--db", fitted, "--merged", str(out_dir))
     assert code == 2 and "already exists" in err
     db.close()
 
@@ -250,7 +251,6 @@ def test_missing_components_and_databases_fail_cleanly(
         (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
         (["--training_args.learning_rate"], "needs a value"),
         (["--resum"], "unknown option --resum (did you mean --resume?)"),
-        (["--merg", "x"], "unknown option --merg (did you mean --merge?)"),
     ],
 )
 def test_bad_overrides_exit_2_naming_the_option(
@@ -275,12 +275,10 @@ def test_each_command_reports_its_own_mistakes_and_describes_itself(
         "fit",
         "show",
         "replay",
-        "merge",
         "export",
         "lineage",
         "trained-on",
         "forget",
-        "demo",
     ):
         code, out, _ = run_cli(capsys, command, "--help")
         paragraphs = out.split("\n\n")
@@ -341,49 +339,6 @@ def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture
 
         dispose_sql_engine(with_password)
         next(databases, None)
-
-
-# -- the demo ------------------------------------------------------------------------------
-def test_demo_runs_and_reruns_in_the_same_folder(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    folder = tmp_path / "demo"
-    for _ in range(2):  # the second run starts over in the same folder
-        code, out, err = run_cli(capsys, "demo", "--dir", str(folder), "--steps", "6")
-        assert code == 0, err
-        for part in (
-            "1. Data: table 'docs'",
-            "80 rows, 48 in English",
-            "2. Fine-tune",
-            "3. Stored",
-            "equal to the trainer that ran: True",
-            "4. Generate",
-            "5. Replay",
-            "6. Where everything went",
-            "Done in",
-        ):
-            assert part in out, part
-        first, last = map(
-            float, re.search(r"loss fell from ([\d.]+) \(step 1\) to ([\d.]+)", out).groups()
-        )
-        assert last < first
-        assert len(re.findall(r"[0-9a-f]{32}\s+completed\s+6\s", out)) == 2  # fit + replay
-        assert "fit demo-qa" in err  # the progress bar, with its loss/lr/tok_s postfix
-    assert {p.name for p in folder.iterdir()} == {
-        ".llmtrain-demo",
-        "demo.db",
-        "demo.db.artifacts",
-        "tiny-llama",
-    }
-
-
-def test_demo_refuses_a_folder_that_is_not_its_own(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    (tmp_path / "precious.txt").write_text("keep me")
-    code, _, err = run_cli(capsys, "demo", "--dir", str(tmp_path))
-    assert code == 2 and "not a demo folder" in err
-    assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
 def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -134,11 +134,11 @@ def test_adding_an_unchanged_component_keeps_the_newest_version(
 
 def _trainer_with_history(db: Any) -> dict[str, Any]:
     """The records a fit leaves: trainer v0 and v1, a run of each with a checkpoint, and the
-    model versions they produced (v1 shares its adapter with v0's merge)."""
+    model versions they produced (v1 shares its adapter with v0)."""
     meta, art = db.metadata, db.artifacts
     ids = {
         name: art.put_bytes(name.encode())
-        for name in ("ckpt0", "ckpt1", "adapter0", "adapter1", "merged0", "other")
+        for name in ("ckpt0", "ckpt1", "adapter0", "adapter1", "other")
     }
     for version in (0, 1):
         meta.add_component("trainer", "t", {"recipe": version})
@@ -147,7 +147,7 @@ def _trainer_with_history(db: Any) -> dict[str, Any]:
         meta.add_checkpoint(f"run{version}", 1, ids[f"ckpt{version}"], {})
     meta.add_component("model", "t", {"adapter": ids["adapter0"], "trainer_version": 0})
     meta.add_component(
-        "model", "t", {"adapter": ids["adapter0"], "merged": ids["merged0"], "trainer_version": 0}
+        "model", "t", {"adapter": ids["adapter0"], "trainer_version": 0, "history": []}
     )
     meta.add_component("model", "t", {"adapter": ids["adapter1"], "trainer_version": 1})
     meta.add_component("model", "u", {"adapter": ids["other"], "trainer_version": 0})
@@ -185,7 +185,7 @@ def test_force_removes_a_trainer_with_its_runs_checkpoints_and_models(
     assert db.remove("trainer", "t", force=True) == 1
     assert db.show("trainer") == [] and db.show("model") == ["u"]
     assert db.metadata.list_runs() == []
-    assert not any(db.artifacts.exists(ids[k]) for k in ("ckpt0", "adapter0", "merged0"))
+    assert not any(db.artifacts.exists(ids[k]) for k in ("ckpt0", "adapter0"))
     assert db.artifacts.exists(ids["other"])  # another trainer's model keeps its artifact
 
 

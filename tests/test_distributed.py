@@ -436,7 +436,6 @@ def test_the_password_travels_only_in_the_environment(tmp_path: Path) -> None:
             tmp_path,
             run_id="abc123",
             resume_from="sha256:" + "0" * 64,
-            merge=False,
         )
         assert not any("pa55-w0rd" in arg for arg in command.argv)
         assert command.env[DB_ENV] == db.secret_uri() and "pa55-w0rd" in command.env[DB_ENV]

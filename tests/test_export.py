@@ -1,7 +1,7 @@
 """Evaluation beyond loss and outputs for serving stacks, on one SQLite file and a tiny model:
 eval metrics by generation, the best checkpoint kept and loaded, the adapter and merged model
 exported and loaded by stock PEFT/transformers, QLoRA merged into the weights it trained
-against, a reproducible adapter id across hash seeds, several adapters on one base."""
+against, a reproducible adapter id across hash seeds."""
 
 from __future__ import annotations
 
@@ -297,36 +297,3 @@ def test_the_adapter_id_does_not_depend_on_the_hash_seed(
     assert result.returncode == 0, result.stderr[-2000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("ADAPTER")]
     assert line.split()[1] == other.record.adapter
-
-
-def test_adapters_side_by_side_switch_without_reloading_the_base(
-    scored: Any, other: Any, db: Any
-) -> None:
-    alone, tokenizer = db.load("model", "other").load(device="cpu")
-    other_logits = _logits(alone, tokenizer)
-    mine, _ = db.load("model", "scored").load(device="cpu")
-    mine_logits = _logits(mine, tokenizer)
-
-    both = db.load("model", "scored").with_adapters("other")
-    model, _ = both.load()
-    base_weight = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
-    assert both.adapters == ["scored", "other"]
-    torch.testing.assert_close(_logits(model, tokenizer), mine_logits)
-    both.set_adapter("other")
-    torch.testing.assert_close(_logits(model, tokenizer), other_logits)
-    assert isinstance(both.generate(PROMPT, max_new_tokens=2), str)
-    both.set_adapter("scored")
-    torch.testing.assert_close(_logits(model, tokenizer), mine_logits)
-    assert model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight is base_weight
-
-    elsewhere = other.record.model_copy(
-        update={
-            "identifier": "elsewhere",
-            "base": other.record.base.model_copy(update={"model_name_or_path": "org/another"}),
-        }
-    )
-    db.add(type(other)(elsewhere))
-    with pytest.raises(ConfigError, match="trained on 'org/another'.*cannot share the base"):
-        db.load("model", "scored").with_adapters("elsewhere")
-    with pytest.raises(ConfigError, match="no adapter 'nope' is loaded"):
-        both.set_adapter("nope")

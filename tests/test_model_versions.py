@@ -1,5 +1,5 @@
-"""A trained model's versions: one per fit (also with merge=True), none for a repeated merge;
-and generation reuses one Formatter instead of rebuilding it per call."""
+"""A trained model's versions: one per fit, none for an unchanged record added again; and
+generation reuses one Formatter instead of rebuilding it per call."""
 
 from __future__ import annotations
 
@@ -42,23 +42,14 @@ def _fit(tiny: Path, db: Any, name: str, **kwargs: Any) -> Any:
     return trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"), **kwargs)
 
 
-def test_fit_with_merge_stores_one_model_version(tiny: Path, db: Any) -> None:
-    model = _fit(tiny, db, "merged", merge=True)
-    assert db.show("model", "merged") == [0] and model.version == 0
-    stored = db.load("model", "merged")
-    assert stored.record.merged is not None and stored.record == model.record
-    (run,) = db.metadata.list_runs("trainer", "merged")
-    assert run.info["model_version"] == 0
-
-
-def test_merging_again_adds_no_identical_version(tiny: Path, db: Any, tmp_path: Path) -> None:
+def test_adding_an_unchanged_model_adds_no_version(tiny: Path, db: Any) -> None:
     _fit(tiny, db, "m")
     model = db.load("model", "m")
-    first = model.merge()
+    db.add(model)
+    assert db.show("model", "m") == [0] and model.version == 0
+    model.record = model.record.model_copy(update={"history": []})
+    db.add(model)
     assert db.show("model", "m") == [0, 1] and model.version == 1
-    again = db.load("model", "m")
-    assert again.merge(tmp_path / "out") == first  # same content, same artifact id
-    assert db.show("model", "m") == [0, 1] and again.version == 1
 
 
 def test_generate_builds_the_formatter_once(

@@ -18,7 +18,7 @@ def _quick_start() -> list[str]:
 
 def test_quick_start_is_two_commands_demo_then_tests() -> None:
     demo, tests = _quick_start()
-    assert "llmtrain demo" in demo
+    assert "python3 examples/demo.py" in demo
     assert "pytest" in tests
 
 

@@ -238,8 +238,7 @@ def test_saved_adapter_and_merged_model_load_with_stock_libraries(
     assert not torch.allclose(base, expected)  # the adapter does change the model
 
     merged_dir = tmp_path / "merged"
-    model.merge(merged_dir)
-    assert db.load("model", "export").record.merged is not None
+    model.export_merged(merged_dir)
     assert any(p.suffix == ".safetensors" for p in merged_dir.iterdir())
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)
     with torch.no_grad():

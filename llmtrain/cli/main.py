@@ -1,5 +1,4 @@
-"""The ``llmtrain`` command. Exit status: 0 done; 2 a mistake the user can fix (the message
-names it); 1 any other failure; 130 interrupted. Every error is one line on stderr."""
+"""``llmtrain``: exit status 0 done, 2 a mistake the user can fix, 1 failed, 130 interrupted."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain import __version__
-from llmtrain.cli.demo import DEFAULT_DIR, DEFAULT_STEPS
-from llmtrain.cli.demo import run as run_demo
 from llmtrain.cli.report import query_text, report_fit, report_usage, show, stored_records
 from llmtrain.config.file import DB_ENV, SCALARS, SECTIONS, load_job
 from llmtrain.console import quiet, say
@@ -28,17 +25,13 @@ from llmtrain.errors import (
     QueryError,
 )
 from llmtrain.provenance.lineage import trained_on
-from llmtrain.training.export import check_new_folder
-from llmtrain.uri import redact_uri
 
 USAGE_EXAMPLES = """\
 examples:
-  llmtrain demo                                     # the whole loop in ~30 s, no download
   llmtrain fit examples/config.yaml --training_args.learning_rate 1e-4
   llmtrain show run --db sqlite:///llmtrain-demo/demo.db
-  llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db --plot loss.png
+  llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db
   llmtrain replay demo-qa --db sqlite:///llmtrain-demo/demo.db
-  llmtrain merge demo-qa --db sqlite:///llmtrain-demo/demo.db --out merged/
   llmtrain export demo-qa --db sqlite:///llmtrain-demo/demo.db --adapter adapter/ --merged m/
 """
 
@@ -66,7 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
     fit.set_defaults(run=cmd_fit)
     _flag(fit, "--resume", "continue the newest run that has checkpoints instead of a new one")
-    _flag(fit, "--merge", "also store the merged model")
 
     what = "list trainers, models and runs stored in a database"
     show = _with_db(sub, "show", cmd_show, help=what)
@@ -77,24 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="an identifier (for run: a trainer name, whose newest run is detailed, or a run "
         "id, or its first characters)",
     )
-    show.add_argument(
-        "--plot",
-        type=Path,
-        metavar="PNG",
-        help="with `run NAME`: draw its train loss, eval loss and learning rate against steps "
-        "into this PNG file (needs matplotlib: pip install 'llmtrain[plot]')",
-    )
 
     what = "fit a stored trainer again with its stored recipe"
     replay = _stored(sub, "replay", cmd_replay, "trainer", help=what)
     _flag(replay, "--resume", "continue its newest interrupted run instead")
     _flag(replay, "--allow-changed-data", "train though the selected rows changed since")
-
-    what = "merge a trained adapter into its base model"
-    merge = _stored(sub, "merge", cmd_merge, "model", help=what)
-    merge.add_argument(
-        "--out", type=Path, help="also write the merged model to this new folder (safetensors)"
-    )
 
     export = _stored(
         sub,
@@ -142,13 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
     forget.add_argument("keys", nargs="+", help="row keys (typed as the key column holds them)")
     _flag(forget, "--retrain", "fit the affected trainers again without them")
 
-    what = "fine-tune a tiny model on a demo SQLite table"
-    demo = sub.add_parser(
-        "demo", help=what, description=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    demo.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="database and model folder")
-    demo.add_argument("--steps", type=_positive, default=DEFAULT_STEPS, help="training steps")
-    demo.set_defaults(run=lambda args: run_demo(args.dir, args.steps))
     return parser
 
 
@@ -178,13 +150,6 @@ def _stored(sub: Any, command: str, run: Any, what: str, **kwargs: Any) -> argpa
     parser.add_argument("name", help=f"the {what}'s identifier")
     parser.add_argument("--version", type=int, help=f"{what} version (default: the newest)")
     return parser
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,15 +210,12 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    job = load_job(args.config, args.overrides, flags=("resume", "merge"))
+    job = load_job(args.config, args.overrides, flags=("resume",))
     from llmtrain.running.trainer import LLMTrainer
 
     trainer = LLMTrainer(job.config.name, **job.options)
     with closing(connect(job.db_uri, artifacts=job.config.artifacts)) as db:
-        say(
-            f"fitting {trainer.identifier} on {query_text(job.select.to_dict())} in "
-            f"{redact_uri(job.db_uri)}"
-        )
+        say(f"fitting {trainer.identifier} on {query_text(job.select.to_dict())} in {db.uri}")
         model = trainer.fit(
             job.config.data.X,
             job.config.data.Y,
@@ -264,7 +226,6 @@ def cmd_fit(args: argparse.Namespace) -> None:
             label=job.config.data.label,
             eval_select=job.eval_select,
             resume=args.resume,
-            merge=args.merge,
         )
         report_fit(db, trainer, model)
 
@@ -275,17 +236,13 @@ def cmd_replay(args: argparse.Namespace) -> None:
         fit = trainer.config.fit
         source = query_text(fit.select) if fit else "?"
         say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
-        model = trainer.fit(
-            resume=args.resume, allow_changed_data=True if args.allow_changed_data else None
-        )
+        model = trainer.fit(resume=args.resume, allow_changed_data=args.allow_changed_data or None)
         report_fit(db, trainer, model)
 
 
 def cmd_show(args: argparse.Namespace) -> None:
-    if args.plot is not None and (args.type != "run" or args.name is None):
-        raise ConfigError("--plot draws one run: llmtrain show run NAME --plot FILE.png")
     with _connect(args) as db:
-        show(db, args.type, args.name, args.plot)
+        show(db, args.type, args.name)
 
 
 def cmd_lineage(args: argparse.Namespace) -> None:
@@ -312,22 +269,6 @@ def cmd_forget(args: argparse.Namespace) -> None:
         elif result.trainers:
             names = ", ".join(f"{name} v{version}" for name, version in result.trainers)
             say(f"to retrain {names} without them: llmtrain forget ... --retrain")
-
-
-def cmd_merge(args: argparse.Namespace) -> None:
-    out = None if args.out is None else check_new_folder(args.out, "--out")
-    with _connect(args) as db:
-        model = db.load("model", args.name, args.version)
-        bits = model.record.base.bits
-        say(
-            f"merging the adapter of {model.identifier} v{model.version} into "
-            f"{model.record.base.model_name_or_path}"
-            + (f" (its dequantised {bits}-bit weights, as trained)" if bits else "")
-        )
-        artifact = model.merge(out)
-        say(f"stored merged model {artifact} as {model.identifier} v{model.version}")
-        if out is not None:
-            say(f"wrote {out.resolve()} (transformers: AutoModelForCausalLM.from_pretrained)")
 
 
 def cmd_export(args: argparse.Namespace) -> None:

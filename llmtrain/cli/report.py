@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
@@ -13,20 +12,18 @@ from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say, table
 from llmtrain.datalayer import Datalayer
 from llmtrain.db.queries import Query
-from llmtrain.errors import ComponentNotFoundError, ConfigError, LlmtrainError
+from llmtrain.errors import ComponentNotFoundError, LlmtrainError
 from llmtrain.provenance.lineage import chain, forgotten
 
 #: recipe keys that say where and on which rows, not how: shown on their own lines
 _NOT_RECIPE = ("fit.data_fingerprint", "fit.db")
 
 
-def show(db: Datalayer, type_id: str | None, name: str | None, plot: Path | None) -> None:
+def show(db: Datalayer, type_id: str | None, name: str | None) -> None:
     if type_id is None:
         show_all(db)
     elif type_id == "run":
-        run = show_runs(db, name)
-        if run is not None and plot is not None:
-            say("", f"plotted run {run.run_id} into {plot_run(db, run, plot)}")
+        show_runs(db, name)
     elif name is None:
         show_identifiers(db, type_id)
     elif type_id == "trainer":
@@ -48,8 +45,6 @@ def report_fit(db: Datalayer, trainer: Any, model: Any) -> None:
         f"{model.identifier} v{model.version} (adapter {model.record.adapter})",
         f"database {db.uri}; artifacts in {db.artifacts.location}",
     )
-    if model.record.merged:
-        say(f"merged model: {model.record.merged}")
 
 
 def not_found(db: Datalayer, type_id: str, name: str) -> LlmtrainError:
@@ -130,36 +125,31 @@ def show_model(db: Datalayer, name: str) -> None:
         loss = history[-1]["loss"] if history else None
         lost = {k for run, _ in chain(db, p["run_id"]) for k in carried.get(run.run_id, ())}
         row = (r.version, when(r.created_at), p["run_id"], p.get("trainer_version"), loss)
-        rows.append((*row, p.get("adapter"), p.get("merged"), len(lost) or None))
-    headers = ["version", "created", "run id", "trainer v", "final loss", "adapter", "merged"]
+        rows.append((*row, p.get("adapter"), len(lost) or None))
+    headers = ["version", "created", "run id", "trainer v", "final loss", "adapter"]
     say(table(rows, [*headers, "forgotten rows"]))
 
 
-def show_runs(db: Datalayer, name: str | None) -> Any:
-    """The runs (of trainer ``name``), then the one run ``name`` names (a run id or its
-    prefix) or the trainer's newest run in detail; returns that run, if any."""
+def show_runs(db: Datalayer, name: str | None) -> None:
+    """The runs (of trainer ``name``), then in detail run ``name`` (id or prefix) or the newest."""
     runs = db.metadata.list_runs()
     if name is not None:
         by_id = [r for r in runs if r.run_id.startswith(name)] if len(name) >= 6 else []
         if len(by_id) == 1:
-            say(*run_summary(db, by_id[0]))
-            return by_id[0]
+            return say(*run_summary(db, by_id[0]))
         runs = [r for r in runs if r.identifier == name]
         if not runs:
             raise not_found(db, "run", name)
     if not runs:
-        say(f"no runs in {db.uri} yet")
-        return None
+        return say(f"no runs in {db.uri} yet")
     rows = [
         (r.run_id, f"{r.identifier} v{r.version}", r.status, r.info.get("steps"))
         + (r.info.get("final_loss"), when(r.created_at))
         for r in runs
     ]
     say(table(rows, ["run id", "trainer", "status", "steps", "final loss", "started"]))
-    if name is None:
-        return None
-    say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
-    return runs[-1]
+    if name is not None:
+        say("", f"newest run of {name}:", *run_summary(db, runs[-1]))
 
 
 def report_usage(found: Any) -> None:
@@ -265,9 +255,8 @@ def _final_and_best(points: list[tuple[int, dict[str, float]]], key: str) -> str
 
 def recipe_changes(db: Datalayer, run: Any) -> list[str]:
     """Against the previous version, both read through today's schema (a new option: no change)."""
-    versions = {
-        r.version: r.payload for r in db.metadata.list_components(run.type_id, run.identifier)
-    }
+    records = db.metadata.list_components(run.type_id, run.identifier)
+    versions = {r.version: r.payload for r in records}
     earlier = [v for v in versions if v < run.version]
     if run.version not in versions:
         return [f"recipe     v{run.version} is no longer stored"]
@@ -299,41 +288,3 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 def _show(value: Any) -> str:
     return "-" if value is None else json.dumps(value) if not isinstance(value, str) else value
-
-
-def plot_run(db: Datalayer, run: Any, path: str | Path) -> Path:
-    """Train and eval loss, and lr on a right axis, against steps as a PNG (no pyplot's globals)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise ConfigError(
-            "show run --plot needs matplotlib: pip install 'llmtrain[plot]'"
-        ) from None
-    metrics = db.metadata.get_metrics(run.run_id)
-    train = [(m.step, m.values) for m in metrics if "loss" in m.values]
-    evals = [(m.step, m.values["eval_loss"]) for m in metrics if "eval_loss" in m.values]
-    if not train and not evals:
-        raise ConfigError(f"run {run.run_id} recorded no metrics yet: nothing to plot")
-    figure = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(figure)
-    ax = figure.add_subplot()
-    if train:
-        ax.plot([s for s, _ in train], [v["loss"] for _, v in train], label="train loss")
-    if evals:
-        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", label="eval loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    lr = [(s, v["lr"]) for s, v in train if "lr" in v]
-    if lr:
-        right = ax.twinx()
-        right.plot([s for s, _ in lr], [v for _, v in lr], "--", color="gray", label="lr")
-        right.set_ylabel("learning rate")
-    # one legend for both axes, in the loss axes' corner
-    figure.legend(loc="upper right", bbox_to_anchor=(1, 1), bbox_transform=ax.transAxes)
-    ax.set_title(f"{run.identifier} v{run.version}  run {run.run_id[:8]}  ({run.status})")
-    figure.tight_layout()
-    figure.savefig(path, format="png")
-    return Path(path)

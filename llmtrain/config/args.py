@@ -1,7 +1,5 @@
-"""The argument models and :class:`TrainerConfig`: the one source of truth for what a trainer
-does. LLMTrainer's flat keywords, the YAML sections, ``--section.field`` overrides and the
-keyword reference are all derived from them, so a new argument group is one model here.
-"""
+"""The argument models and :class:`TrainerConfig`, the one source of truth: LLMTrainer's flat
+keywords, YAML sections, ``--section.field`` overrides and keyword reference derive from them."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ if TYPE_CHECKING:  # the metaclass only rewords errors: type checkers see pydant
 else:
 
     class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
-        """``LoraArguments(r=0)`` raises a ConfigError naming the field (an ``__init__``
-        override would also reword nested models' errors)."""
+        """ConfigErrors naming the field (an ``__init__`` would also reword nested models')."""
 
         def __call__(cls, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -256,13 +253,11 @@ class DataArguments(_Args):
 
 
 class ObjectiveArguments(_Args):
-    """What the loss trains: the responses (sft), or which of two answers a user preferred, on
-    rows of (prompt, chosen, rejected); formulas and defaults as TRL's."""
+    """What the loss trains: the responses (sft), or preferences; formulas and defaults as TRL's."""
 
     objective: Literal["sft", "dpo", "kto", "orpo", "simpo"] = "sft"
-    """dpo, kto: against the reference (the model the run starts from: the base with its
-    adapter off, or an earlier model's adapter); orpo, simpo: without. kto trains rows of
-    (prompt, completion, liked or not)."""
+    """dpo, kto: against the reference (the starting model: the base with its adapter off, or an
+    earlier model's adapter); orpo, simpo: without. kto trains (prompt, completion, liked) rows."""
     beta: float = Field(default=0.1, gt=0)
     """DPO's, KTO's and SimPO's inverse temperature; ORPO's lambda."""
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
@@ -272,9 +267,8 @@ class ObjectiveArguments(_Args):
     simpo_gamma: float = Field(default=0.5, ge=0)
     """SimPO's target reward margin."""
     desirable_weight: float | None = Field(default=None, gt=0)
-    """KTO: the weight of liked completions. Both None: from the snapshot's label counts,
-    disliked / liked (undesirable 1), so each kind weighs the same in all (the run records
-    the values); one None: 1."""
+    """KTO: the weight of liked completions. Both None: disliked / liked from the snapshot's
+    label counts (undesirable 1), so each kind weighs the same (recorded); one None: 1."""
     undesirable_weight: float | None = Field(default=None, gt=0)
     """KTO: the weight of disliked completions (see desirable_weight)."""
 
@@ -359,8 +353,7 @@ class Launcher(_Args):
 
 
 class RayConfig(_Args):
-    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers); the
-    driver streams each worker its rows unless ``workers_read_database``."""
+    """Train on a Ray cluster through Ray Train's ``TorchTrainer`` (DDP in its workers)."""
 
     address: str | None = None
     """Ray cluster address ('auto', 'ray://host:10001'); None: this process's or a new local one."""
@@ -409,9 +402,8 @@ class TrainerConfig(_Args):
     lora_args: LoraArguments | None = Field(default_factory=LoraArguments, json_schema_extra=_FLAT)
     """The adapter; None: full fine-tuning."""
     init_from: str | None = Field(default=None, min_length=1)
-    """An earlier model of this database to start from, 'name' (newest; the fit records
-    'name:N') or 'name:N': training continues its adapter, and it is DPO's and KTO's
-    reference. Its lineage is the new model's too."""
+    """An earlier model to start from, 'name' (newest; recorded as 'name:N') or 'name:N': its
+    adapter trains on, it is DPO's and KTO's reference, and its lineage is the new model's too."""
     training_args: TrainingArguments = Field(
         default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
@@ -530,9 +522,8 @@ class TrainerConfig(_Args):
         return self
 
     def _objective_problems(self) -> list[str]:
-        """A preference objective trains rows of one source in its shape: (prompt, chosen,
-        rejected), or KTO's (prompt, completion, label); DPO's and KTO's reference is the
-        model with its adapter off (or as it started), so they need an adapter."""
+        """Preference objectives train one source in their shape; DPO's and KTO's reference is
+        the model with its adapter off (or as it started), so they need an adapter."""
         objective, fit = self.objective_args.objective, self.fit
         shape = fit.shape if fit is not None else None
         best, pairs, problems = self.training_args.best_key(), ("dpo", "orpo", "simpo"), []
@@ -610,8 +601,7 @@ class TrainerConfig(_Args):
         return problems
 
     def _template_problems(self) -> list[str]:
-        """{X} and {Y} (or the chat template) for responses; none, or {X} alone, for documents;
-        each source of a mixture in its own shape."""
+        """{X} and {Y} (or the chat template) for responses, none or {X} alone for documents."""
         fit, d, template = self.fit, self.data_args, self.prompt_template
         if template is not None and d.chat_template:
             return ["prompt_template and data_args.chat_template=True: give one, not both"]
@@ -686,8 +676,7 @@ def quantization_problems(
     compute_dtype: str | None = None,
     cuda: bool | None = None,
 ) -> list[str]:
-    """What a quantised base (``bits``) cannot do under a sharding strategy: checked from the
-    config, then at run time with what only the machine knows (None: not known yet)."""
+    """What a quantised base cannot do sharded: from the config, then at run time (None: unknown)"""
     if not bits:
         return []
     problems = []
@@ -744,8 +733,7 @@ def _extra(field: Any) -> dict[str, Any]:
 
 def keyword_reference() -> str:
     """``LLMTrainer``'s keywords, generated from the schema (appended to its docstring)."""
-    flat = TrainerConfig.flat_keywords()
-    aliases = {target: k for k, target in flat.items() if k != target[1]}
+    aliases = {target: k for k, target in TrainerConfig.flat_keywords().items() if k != target[1]}
     lines = ["Keywords (generated from the argument models):", ""]
     for name in TrainerConfig.options():
         field = TrainerConfig.model_fields[name]

@@ -1,7 +1,5 @@
-"""Config files for ``llmtrain fit``: YAML with LLMTrainer's options and a ``data`` section,
-plus ``--training_args.learning_rate 1e-4`` overrides. Both are checked against TrainerConfig's
-schema, so a typo is a ConfigError naming the path, never a silent no-op.
-"""
+"""``llmtrain fit``'s YAML files (LLMTrainer's options, ``data:``) and ``--a.b value`` overrides,
+checked against TrainerConfig's schema: a typo is a ConfigError naming it, never a no-op."""
 
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ class _FileHead(BaseModel):
     """X, Y and the rows (select, eval_select)."""
 
 
-#: The top level of a file: its head plus every option of TrainerConfig, required where
-#: TrainerConfig requires it; the values are validated by LLMTrainer itself.
+#: The top level: the head plus TrainerConfig's options (their values validated by LLMTrainer).
 _OPTIONS: dict[str, Any] = {
     name: (Any, ... if TrainerConfig.model_fields[name].is_required() else None)
     for name in TrainerConfig.options()
@@ -71,7 +68,6 @@ SELECT_KEYS = ("kind", "name", "text", "messages", "parts", *_FORMS, *_MIX) + tu
 _FREE_FORM = {"params", "filter", "projection", "raw"}
 
 
-# -- YAML ------------------------------------------------------------------------------------
 class _Loader(yaml.SafeLoader):
     """Also reads ``1e-4`` as a float (YAML 1.1 wants ``1.0e-4``)."""
 
@@ -109,10 +105,8 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-# -- overrides --------------------------------------------------------------------------------
 def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tuple[str, Any]]:
-    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``, each path checked;
-    ``flags``: the command's own options, suggested for a mistyped one (``--resum``)."""
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; ``flags`` hint typos."""
     out: list[tuple[str, Any]] = []
     items = iter(args)
     for arg in items:
@@ -122,8 +116,7 @@ def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tupl
                 "--training_args.learning_rate 1e-4"
             )
         path, eq, value = arg[2:].partition("=")
-        close = difflib.get_close_matches(path, flags, n=1)
-        if close and "." not in path:
+        if "." not in path and (close := difflib.get_close_matches(path, flags, n=1)):
             raise ConfigError(f"unknown option --{path} (did you mean --{close[0]}?)")
         check_path(path)
         if not eq:
@@ -191,15 +184,12 @@ def _copy(value: Any) -> Any:
     return value
 
 
-# -- the file's schema --------------------------------------------------------------------
 def build_query(spec: Any, where: str = "data.select") -> Query:
-    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one
-    (``{table: docs, where: "lang = :l", params: {l: en}}``, ``{sql: ..., key: id}``, ...)."""
+    """A query from its stored form (``kind: sql_table, ...``) or a friendlier one (``table:``)."""
     if not isinstance(spec, Mapping):
         raise ConfigError(f"{where} must be a mapping like {{table: docs}}, got {spec!r}")
     spec = dict(spec)
-    unknown = sorted(set(spec) - set(SELECT_KEYS))
-    if unknown:
+    if unknown := sorted(set(spec) - set(SELECT_KEYS)):
         raise ConfigError(
             f"{where}: unknown key(s) {unknown}; a selection has one of "
             "kind:, table:, collection:, sql: or conversations:"
@@ -217,8 +207,7 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
         if form == "kind":
             return Query.from_dict(spec)
         query_class, allowed = _FORMS[form]
-        extra = sorted(set(spec) - set(allowed) - {form})
-        if extra:
+        if extra := sorted(set(spec) - set(allowed) - {form}):
             raise ConfigError(f"{where}: {form}: does not take {extra}")
         if form == "sql" and "key" not in spec:
             raise ConfigError(f"{where}: sql: needs key: (a unique column to page on)")
@@ -232,8 +221,7 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
 
 
 def _mix(spec: dict[str, Any], where: str) -> Mix:
-    extra = sorted(set(spec) - {"mix", "weights", "epoch_rows"})
-    if extra or not isinstance(spec["mix"], list):
+    if set(spec) - {"mix", "weights", "epoch_rows"} or not isinstance(spec["mix"], list):
         raise ConfigError(f"{where}: mix: a list of selections (with weights:, epoch_rows:)")
     parts = []
     for i, item in enumerate(spec["mix"]):
@@ -260,8 +248,7 @@ class FitJob:
 
     @property
     def options(self) -> dict[str, Any]:
-        """``LLMTrainer``'s keywords: only the options the file sets (``lora_args: null`` is
-        full fine-tuning, a missing one the default adapter)."""
+        """The keywords the file sets (``lora_args: null``: full fine-tuning; unset: LoRA)."""
         return self.config.model_dump(include=set(TrainerConfig.options()), exclude_unset=True)
 
 

@@ -1,6 +1,5 @@
 """Metrics scoring eval rows' answers: a built-in name or ``package.module:function``, stored
-as that path (never a pickle) and imported when the config is built, so a typo fails there.
-"""
+as that path (never a pickle) and imported when the config is built, so a typo fails there."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ BUILTIN: dict[str, Metric] = {
     "exact_match": lambda prediction, reference: float(prediction.strip() == reference.strip()),
     "contains": lambda prediction, reference: float(reference.strip() in prediction),
 }
-
 
 #: what every evaluation logs (the rewards: a preference objective's), save_best_by may name
 SCORED = ("eval_loss", "eval_rewards/accuracies", "eval_rewards/margins")

@@ -62,23 +62,18 @@ class ReadStats:
     statements: int = 0
     skipped: int = 0
     skipped_keys: list[Any] = field(default_factory=list)
-    #: the skipped rows' keys (as key_repr), each logged once however many epochs read it
-    skipped_once: set[str] = field(default_factory=set)
-    #: keys of the snapshot whose rows were gone when their window was read (as key_repr)
-    deleted: set[str] = field(default_factory=set)
+    skipped_once: set[str] = field(default_factory=set)  # key_reprs, logged once, not per epoch
+    deleted: set[str] = field(default_factory=set)  # key_reprs of snapshot rows found gone
 
 
 class CachedQueryDataset(IterableDataset[Row]):
     """Iterable rows of ``select`` in a seeded order, each rank reading only its share.
 
     ``cache_size`` rows make a window (one statement), ``shuffle_block`` keys a block of the
-    order (:class:`~llmtrain.data.plan.Order`), so the read size never changes the order.
-    Every rank yields ``len(self)`` rows per epoch (``drop_remainder``: see
-    :func:`~llmtrain.data.plan.rows_per_rank`). ``split`` with ``eval_fraction`` reads the
-    training or held-out view. ``snapshot``: the run's, its chunks in ``store`` (default
-    ``db.artifacts``); else one is taken into memory. With ``version_column``, a row whose
-    version differs from the snapshot's carries the version read under ``"_version"``.
-    ``shape``: what the fields hold, checked per row (:func:`~llmtrain.data.rows.check_row`)."""
+    order (:class:`~llmtrain.data.plan.Order`): the read size never changes the order. ``split``
+    with ``eval_fraction`` reads the training or held-out view. ``snapshot``: the run's, chunks in
+    ``store`` (default ``db.artifacts``), else one taken into memory. With ``version_column``, a
+    row changed since the snapshot carries the version read in ``"_version"``."""
 
     def __init__(
         self,
@@ -133,15 +128,12 @@ class CachedQueryDataset(IterableDataset[Row]):
         self.drop_remainder, self.return_keys, self.prefetch = drop_remainder, return_keys, prefetch
         self.on_bad_row = check_on_bad_row(on_bad_row)
         self.split, self.eval_fraction = split, float(eval_fraction)
-        self._rank, self._world = rank, world_size
-        self._snapshot = snapshot
-        # a snapshot taken here (snapshot=None) goes into a MemoryStore of its own
+        self._rank, self._world, self._snapshot = rank, world_size, snapshot
         default = db.artifacts if snapshot is not None else MemoryStore()
         self.store: Blobs = store if store is not None else default
         self.position = Position()
         self.stats = ReadStats()
 
-    # -- placement and size ----------------------------------------------------------------
     @cached_property
     def placement(self) -> Placement:
         return Placement.resolve(self._rank, self._world)
@@ -180,13 +172,11 @@ class CachedQueryDataset(IterableDataset[Row]):
     def __len__(self) -> int:
         return self.order.per_rank
 
-    # -- epochs and resume ------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         self.position.set_epoch(epoch)
 
     def state_dict(self, at: tuple[int, int] | None = None) -> dict[str, Any]:
-        """The state to resume from; ``at``: the (epoch, consumed) of a resume point taken
-        earlier (:meth:`Position.resume_point`) instead of the present one."""
+        """The state to resume from: now, or at ``at`` (from :meth:`Position.resume_point`)."""
         epoch, consumed = self.position.resume_point() if at is None else at
         return {
             "format": STATE_FORMAT,
@@ -200,8 +190,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         }
 
     def load_state_dict(self, state: dict[str, Any], *, allow_changed_data: bool = False) -> None:
-        """Continue where ``state`` was taken; refuse one whose rows differ (unless
-        ``allow_changed_data``)."""
+        """Continue where ``state`` was taken; refuse changed rows unless ``allow_changed_data``."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ConfigError(
                 f"not a CachedQueryDataset state (format {STATE_FORMAT}): {str(state)[:200]}"
@@ -232,7 +221,6 @@ class CachedQueryDataset(IterableDataset[Row]):
         self.stats.deleted |= set(state.get("deleted", ()))
         self.position.restore(state["epoch"], min(state["consumed"], len(self)))
 
-    # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Row]:
         epoch, start = self.position.begin()
         rows = self.positioned(epoch, start, chunk=1)
@@ -246,23 +234,22 @@ class CachedQueryDataset(IterableDataset[Row]):
             rows.close()  # stops the prefetch thread now, even on an error or a break
 
     def loader(self, batch_size: int, **kwargs: Any) -> QueryDataLoader:
-        """A DataLoader over this dataset whose ``state_dict()`` counts only delivered rows
-        (``num_workers``, ``collate_fn``, ``with_keys``: see :class:`QueryDataLoader`)."""
+        """A :class:`QueryDataLoader`: its ``state_dict()`` counts only delivered rows."""
         return QueryDataLoader(self, batch_size, **kwargs)
 
     def positioned(
         self, epoch: int, start: int, *, chunk: int
     ) -> Generator[Positioned, None, None]:
-        """This worker's rows of ``epoch`` from position ``start`` on, the iteration every
-        reader uses: worker ``k`` of ``n`` takes chunks ``k, k + n, ...`` of ``chunk``
-        positions, so any worker count yields the rank's sequence. A skipped row is None."""
+        """This worker's rows of ``epoch`` from ``start`` (skipped: None): worker ``k`` of ``n``
+        takes chunks ``k, k + n, ...`` of ``chunk`` positions, so any ``n`` yields the same."""
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         windows = self._windows(epoch, start, chunk, worker, workers)
         # prefetch=None: fetch ahead from a server (the thread waits without the GIL), not from
         # SQLite, whose fetch is CPU work contending with the consumer (measured: 15-25% slower)
-        sqlite = self.db.uri.startswith("sqlite")
-        prefetch = self.prefetch if self.prefetch is not None else not sqlite
+        prefetch = (
+            self.prefetch if self.prefetch is not None else not self.db.uri.startswith("sqlite")
+        )
         fetched = self._prefetched(windows) if prefetch else (self._fetch(w) for w in windows)
         try:
             for window in fetched:
@@ -291,8 +278,7 @@ class CachedQueryDataset(IterableDataset[Row]):
                 yield positions[window], view.keys_at(self.store, at), versions
 
     def _prefetched(self, windows: Iterator[WindowKeys]) -> Generator[Window, None, None]:
-        """Fetch window i+1 on a thread while window i is consumed; the thread hands over each
-        window, then None at the end, or the error that stopped it."""
+        """Fetch window i+1 on a thread while window i is consumed; then None, or the error."""
         ready: queue.Queue[Window | BaseException | None] = queue.Queue(maxsize=1)
         stop = threading.Event()
 
@@ -321,10 +307,8 @@ class CachedQueryDataset(IterableDataset[Row]):
                 except queue.Empty:
                     thread.join(timeout=0.05)
 
-    # -- reading the view ------------------------------------------------------------------
     def _fetch(self, window: WindowKeys) -> Window:
-        """One window's rows by key (one statement a source); a row deleted since the
-        snapshot comes as None, a row updated since with the version read."""
+        """One window's rows by key, a statement a source (None: deleted since the snapshot)."""
         positions, wanted, versions = window
         reprs = [key_repr(k) for k in wanted]
         found: dict[str, tuple[_Source, Row]] = {}
@@ -407,8 +391,7 @@ class _Source:
         return key if self.part is None else key["key"]
 
     def read(self, db: Database, keys: list[Key], versions: list[Any] | None) -> list[Row | None]:
-        """The rows of ``keys`` (None: deleted); one updated since the snapshot carries the
-        version read under ``"_version"``."""
+        """The rows of ``keys`` (None: deleted); one changed since carries it in ``"_version"``."""
         column = self.version_column if versions is not None else None
         read_too = bool(column) and column not in self.fields  # fetched only to compare
         fields = (*self.fields, column) if column and read_too else self.fields
@@ -428,8 +411,7 @@ class _Source:
 
 
 def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> Order:
-    """The epoch order of ``view`` (of ``query``), by ``args``' shuffle_block, shuffle and
-    drop_remainder: what a dataset reads and lineage derives."""
+    """The epoch order of ``view`` by ``args``' options: what datasets read, lineage derives."""
     options = (args.shuffle_block, seed, args.shuffle, args.drop_remainder, world)
     if not isinstance(view, MixedView):
         return Order(view.count, *options)
@@ -440,8 +422,7 @@ def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> O
 
 
 def _as_snapshotted(row: Row, turns: Any, last: Any) -> Any:
-    """The conversation as the snapshot saw it (turns after ``last`` wait for a later run);
-    returns the last turn kept, which differs from ``last`` only if turns went."""
+    """Drops turns after ``last`` (a later run's) as the snapshot did; returns the last kept."""
     kept = [i for i, turn in enumerate(turns) if turn <= last]
     row[MESSAGES] = [row[MESSAGES][i] for i in kept]
     return turns[kept[-1]] if kept else None

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LoaderBatch:
-    """One loader batch: its first and last positions in the rank's epoch sequence, the
-    collated rows (None when all were skipped), and its deleted and skipped keys."""
+    """A batch's positions in the rank's epoch, collated rows (None: all skipped), and keys."""
 
     first: int
     last: int
@@ -44,9 +43,8 @@ class _WorkerShare(IterableDataset[Positioned]):
 
 
 class QueryDataLoader:
-    """Batches of rows (a list of dicts, or ``collate_fn(rows)``; ``with_keys``: ``(key,
-    row)`` pairs). Workers take turns batch by batch, so rows arrive in the dataset's order
-    for any ``num_workers``; a batch whose rows were all skipped is not yielded."""
+    """Batches of rows (dicts, or ``collate_fn(rows)``; ``with_keys``: ``(key, row)`` pairs), in
+    the dataset's order for any ``num_workers`` (turns by batch); all-skipped ones not yielded."""
 
     def __init__(
         self,
@@ -67,8 +65,7 @@ class QueryDataLoader:
                     "order and epochs (persistent workers would miss set_epoch)"
                 )
         self.dataset, self.batch_size, self.num_workers = dataset, batch_size, num_workers
-        self.collate_fn, self.with_keys = collate_fn, with_keys
-        self.kwargs = kwargs
+        self.collate_fn, self.with_keys, self.kwargs = collate_fn, with_keys, kwargs
 
     def _collate(self, items: list[Positioned]) -> LoaderBatch:
         """Skipped and deleted rows arrive as None; a worker's keys ride back with its batch."""
@@ -95,12 +92,11 @@ class QueryDataLoader:
         ds, position = self.dataset, self.dataset.position
         epoch, start = position.begin()
         length = len(ds)  # scans once here, so workers inherit it instead of each scanning
-        share = _WorkerShare(ds, epoch, start, self.batch_size)
         # a private generator: starting an iterator must not draw from the global RNG, or a
         # resumed run (which starts one mid-training) would see different dropout masks
         kwargs = {"generator": torch.Generator().manual_seed(ds.seed + epoch), **self.kwargs}
         loader = DataLoader(
-            share,
+            _WorkerShare(ds, epoch, start, self.batch_size),
             batch_size=self.batch_size,
             num_workers=self.num_workers,
             collate_fn=self._collate,

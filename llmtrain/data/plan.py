@@ -1,6 +1,6 @@
 """The epoch order, a pure function of (seed, epoch, count, block, world size): blocks of keys
-permuted, each rank a contiguous run, rows shuffled inside each piece; and the rule from rows
-to steps. No state between epochs, so resume and lineage are arithmetic (NumPy over blocks)."""
+permuted, each rank a contiguous run, rows shuffled inside each piece; and the rule from rows to
+steps. Stateless between epochs: resume and lineage are arithmetic (NumPy over blocks)."""
 
 from __future__ import annotations
 
@@ -18,20 +18,18 @@ _SALT_MIX = 0x6C74_0003
 
 
 def rows_per_rank(count: int, world_size: int, drop_remainder: bool) -> int:
-    """Equal for every rank, so collective training cannot hang on an uneven last batch:
-    ``drop_remainder`` leaves the epoch's last ``count % world_size`` rows out; otherwise the
-    order wraps and a few rows are read twice."""
+    """Equal for every rank, so collectives cannot hang on an uneven last batch: the epoch's last
+    ``count % world_size`` rows are dropped (``drop_remainder``), or the order wraps to fill."""
     return count // world_size if drop_remainder else math.ceil(count / world_size)
 
 
 class Piece(NamedTuple):
-    """Rows ``start:stop`` of block ``block``, the rank's rows ``offset`` on (their visit
-    order computed when needed: the plan stays a few numbers a block)."""
+    """Rows ``start:stop`` of ``block`` (visit order computed on demand: a few numbers a block)."""
 
     block: int
     start: int
     stop: int
-    offset: int  # the position of the piece's first row in the rank's epoch sequence
+    offset: int  # the position of its first row in the rank's epoch sequence
 
 
 @dataclass(frozen=True)
@@ -67,8 +65,7 @@ class Order:
         return np.random.default_rng(seed).permutation(size)
 
     def pieces(self, epoch: int, rank: int, start: int = 0) -> Iterator[Piece]:
-        """The pieces of ``rank``'s rows this epoch in visit order, from the one holding
-        position ``start`` on (found by bisection: a resume costs no walk of the epoch)."""
+        """``rank``'s pieces in visit order from the one holding ``start`` (bisected: no walk)."""
         per_rank = self.per_rank
         if per_rank == 0 or start >= per_rank:
             return
@@ -90,8 +87,7 @@ class Order:
             offset += span_hi - span_lo
 
     def spans(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
-        """(position of the first, the view's key indexes in visit order) of each piece of
-        ``rank``'s rows this epoch, from the one holding ``start`` on: what a reader reads."""
+        """(first position, view indexes in visit order) of each piece from ``start``: the reads."""
         for p in self.pieces(epoch, rank, start):
             yield p.offset, p.block * self.block + p.start + self.visit(epoch, p)
 
@@ -101,8 +97,7 @@ class Order:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def locate(self, index: int, epoch: int) -> list[tuple[int, int]]:
-        """Every (rank, position) the row at ``index`` is read at in ``epoch`` (none when
-        dropped as remainder; two when the order wraps)."""
+        """Each (rank, position) reading ``index`` in ``epoch``: none if dropped, two if wrapped."""
         block, offset = divmod(index, self.block)
         found = []
         for rank in range(self.world_size):
@@ -115,11 +110,9 @@ class Order:
 
 @dataclass(frozen=True)
 class MixOrder(Order):
-    """One epoch of a mixture: ``count`` positions, each source's share by ``weights``
-    (largest remainder), spread evenly through the epoch from a seeded phase; the k-th row of
-    source s continues its stream of passes, each pass an :class:`Order` of its ``counts[s]``
-    rows, so no row repeats before its whole source was seen. Indexes run over the sources'
-    keys end to end (source s from ``sum(counts[:s])``)."""
+    """A mixture's epoch: ``count`` positions, each source's ``weights`` share (largest remainder)
+    spread evenly from a seeded phase, continuing its passes (each an :class:`Order`), so no row
+    repeats before its source was seen. Indexes run over the sources' keys end to end."""
 
     counts: tuple[int, ...] = ()
     weights: tuple[float, ...] = ()
@@ -177,9 +170,8 @@ def _mixed_epoch(order: MixOrder, epoch: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StepRule:
-    """How a rank's rows become optimizer steps (the loop and lineage follow it): ``rows``
-    consecutive positions make a step, ``micro`` of them a micro-batch; steps are numbered
-    from 1 across epochs. A skipped row leaves a hole: no step depends on which were skipped."""
+    """A rank's rows as optimizer steps, numbered from 1 across epochs: ``rows`` consecutive
+    positions a step, ``micro`` a micro-batch; a skipped row leaves a hole, moving no step."""
 
     order: Order
     rows: int

@@ -92,9 +92,8 @@ def check_row(
     logged: set[str] | None = None,
     shape: Shape = "text",
 ) -> bool:
-    """True: use the row. False: skip it (``on_bad_row="skip"``). Otherwise raise BadRowError
-    naming the source, key and first bad field. A skipped row is logged once per ``logged``.
-    A feedback row's label is made a bool in place."""
+    """True: use the row; False: skip it (``on_bad_row="skip"``, see :func:`bad_row`); else raise
+    BadRowError naming the source, key and first bad field. Makes a feedback label a bool."""
     problem = _row_problem(row, fields, shape)
     return True if problem is None else bad_row(source, key, *problem, on_bad_row, logged)
 
@@ -137,8 +136,7 @@ def bad_row(
     on_bad_row: OnBadRow,
     logged: set[str] | None = None,
 ) -> bool:
-    """Raise BadRowError, or (``on_bad_row="skip"``) log the skip once per ``logged`` set
-    (a reader keeps one per run: not again every epoch) and return False."""
+    """Raise BadRowError, or log the skip once per ``logged`` set (a reader's: a run): False."""
     if on_bad_row == "raise":
         raise BadRowError(source, key, field, problem)
     if logged is not None:

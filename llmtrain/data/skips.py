@@ -18,8 +18,7 @@ SKIPS = "skips"
 
 @dataclass
 class Skips:
-    """Each skipped key with the first epoch it was skipped in, the deleted keys and the
-    changed keys with the version read."""
+    """Skipped keys (and first epoch skipped), deleted keys, changed keys (and version read)."""
 
     first: dict[str, tuple[Key, int]] = field(default_factory=dict)
     deleted: dict[str, Key] = field(default_factory=dict)

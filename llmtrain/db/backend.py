@@ -1,5 +1,4 @@
-"""The keyset reads every dataset is built from, each one short statement (``key >= lower ORDER
-BY key LIMIT n``): no cursor stays open, so a slow consumer never pins the database."""
+"""Keyset reads (``key >= lower ORDER BY key LIMIT n``): no open cursor for a slow reader to pin."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ NO_KEY = object()  # no key before the first page
 def keyset(
     fetch: Callable[[Any, int], Sequence[Any]], page_size: int
 ) -> Iterator[tuple[Sequence[Any], Any]]:
-    """(rows, the key before them) pages of ``fetch(lower, limit)``; a later page starts *at* the
-    last key seen, so a key repeated across pages shows as a repeat (the overlap is dropped)."""
+    """(rows, key before them) pages of ``fetch``; each starts *at* the last key: repeats show."""
     lower: Any = NO_KEY
     while True:
         limit = page_size if lower is NO_KEY else page_size + 1
@@ -53,8 +51,7 @@ class DataBackend(ABC):
         """The column/field the query is paged on; QueryError if there is no usable one."""
 
     def fetch_rows(self, query: Query, fields: Fields, lower: Key | None, limit: int) -> KeyedRows:
-        """Up to ``limit`` ``(key, {field: value})`` rows from key ``lower`` on, in key order (an
-        absent field absent); conversations page on keys and last turns, messages come by key."""
+        """Up to ``limit`` (key, {field: value}) from ``lower`` on, key order; absent fields out."""
         if isinstance(query, Conversations) and tuple(fields) != (TURNS,):
             keys = [key for key, _ in self._page(query, (TURNS,), lower, limit)]
             return self.fetch_by_keys(query, fields, keys)
@@ -109,8 +106,7 @@ class DataBackend(ABC):
         transient: tuple[type[BaseException], ...],
         permanent: Callable[[BaseException], bool] = lambda exc: False,
     ) -> T:
-        """Run ``call`` (one idempotent statement), reconnecting and backing off on a transient
-        fault; ``permanent`` picks out those no retry can cure (a missing table)."""
+        """One idempotent statement, retried (reconnecting) on a transient, not permanent, fault."""
         for delay in [*self.retry.delays(), None]:  # None: the last attempt
             try:
                 return call()

@@ -1,6 +1,5 @@
-"""Row keys: named, compared, digested and checked in one place. The digest every key set is
-compared by (split, lineage, forget) is a uint64 of value and type: splitmix64 for ints, XXH3
-of the bytes (str, UUID, bytes) or of :func:`key_repr` (else), seeded per type; rule DIGEST."""
+"""Row keys, named, compared, checked and digested (split, lineage, forget) to a uint64 of value and
+type: splitmix64 for ints, XXH3 of the bytes (str, UUID, bytes) or key_repr, seeded per type."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ import xxhash
 from llmtrain.errors import QueryError
 
 Key = Any
-#: the digest's rule, recorded with every split it decided
-DIGEST = "splitmix64-xxh3-1"
+DIGEST = "splitmix64-xxh3-1"  # the digest's rule, recorded with every split it decided
 _XXH3 = xxhash.xxh3_64_intdigest
 #: the bytes of a key of each type XXH3 digests, and its seed (any other type: key_repr's, 1)
 _AS_BYTES: dict[type, tuple[Callable[[Any], bytes], int]] = {

@@ -68,8 +68,7 @@ class MongoBackend(DataBackend):
             name, key = self._query(source).name, self.key_name(source)
 
         def found() -> Source:
-            names = db.list_collection_names()
-            name_found = match_name(name, names, "collection", self.uri, fold=False)
+            name_found = match_name(name, db.list_collection_names(), "collection", self.uri, False)
             ends = [
                 db[name_found].find_one({key: {"$exists": True}}, {key: 1}, sort=[(key, order)])
                 for order in (1, -1)
@@ -92,11 +91,9 @@ class MongoBackend(DataBackend):
 
     def _read(self, what: str, name: str, read: Callable[[Any], Any]) -> list[Any]:
         """``read(collection)``'s documents, retried on a ConnectionFailure (AutoReconnect too)."""
-
-        def call() -> list[Any]:
-            return list(read(mongo_database(self._uri)[name]))
-
-        return self._with_retry(what, call, (ConnectionFailure,))
+        return self._with_retry(
+            what, lambda: list(read(mongo_database(self._uri)[name])), (ConnectionFailure,)
+        )
 
     def _find(
         self, query: Query, fields: Fields, cond: dict[str, Any], limit: int | None = None

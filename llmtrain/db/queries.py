@@ -1,5 +1,4 @@
-"""Selections of rows as plain data: ``to_dict()`` gives JSON, ``from_dict()`` rebuilds it,
-``fingerprint()`` is stable across processes. Running one is the backend's job."""
+"""Row selections as plain data (``to_dict``/``from_dict``), fingerprinted alike by any process."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from llmtrain.errors import QueryError
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_$]*$")
 _JS_OPERATORS = frozenset({"$where", "$function", "$accumulator"})
 _Q = TypeVar("_Q", bound="Query")
+_CANONICAL = json_util.CANONICAL_JSON_OPTIONS
 
 
 def _check_name(kind: str, name: object) -> str:
@@ -71,8 +71,7 @@ class Query(ABC):
         return f"{type(self).__name__}({self.to_dict()!r})"
 
     def fields(self, X: str, Y: str | None = None) -> Part:  # noqa: N803 - fit()'s names
-        """This selection with its own X (and Y) inside :func:`mix`: no Y trains its rows as
-        documents, a Y as prompt and response."""
+        """Its own X (and Y) inside :func:`mix`: no Y trains documents, a Y prompt and response."""
         return Part(self, _check_name("X field", X), None if Y is None else _check_name("Y", Y))
 
 
@@ -123,15 +122,9 @@ class Table(Query):
         return f"table {self.schema + '.' if self.schema else ''}{self.name}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "schema": self.schema,
-            "key": self.key,
-            "where": self.where_sql,
-            "params": self.params,
-            "columns": list(self.columns) if self.columns else None,
-        }
+        names = {"name": self.name, "schema": self.schema, "key": self.key, "where": self.where_sql}
+        columns = list(self.columns) if self.columns else None
+        return {"kind": self.kind, **names, "params": self.params, "columns": columns}
 
 
 class RawSQL(Query):
@@ -214,44 +207,28 @@ class Collection(Query):
         return f"collection {self.name}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "filter": json.loads(
-                json_util.dumps(self.filter, json_options=json_util.CANONICAL_JSON_OPTIONS)
-            ),
-            "projection": self.projection,
-            "allow_javascript": self.allow_javascript,
-        }
+        filt = json.loads(json_util.dumps(self.filter, json_options=_CANONICAL))
+        flags = {"projection": self.projection, "allow_javascript": self.allow_javascript}
+        return {"kind": self.kind, "name": self.name, "filter": filt, **flags}
 
     @classmethod
     def _from_fields(cls, data: dict[str, Any]) -> Collection:
-        filt = json_util.loads(
-            json.dumps(data.get("filter") or {}), json_options=json_util.CANONICAL_JSON_OPTIONS
-        )
+        filt = json_util.loads(json.dumps(data.get("filter") or {}), json_options=_CANONICAL)
         allow = bool(data.get("allow_javascript", False))
         return super()._from_fields({**data, "filter": filt, "allow_javascript": allow})
 
 
-#: the field a conversation's messages come in, and the one its turns (its version) come in
-MESSAGES, TURNS = "messages", "llmtrain_turns"
+MESSAGES, TURNS = "messages", "llmtrain_turns"  # a conversation's fields; turns: its version
 
 
 class Conversations(Query):
-    """Message rows grouped into conversations keyed by ``by``, in ``order``: each one row
-    ``{"messages": [{"role": ..., "content": ...}, ...]}``. The snapshot records its last
-    turn; turns added later wait for the next run."""
+    """Message rows as conversations, one row ``{"messages": [{"role", "content"}, ...]}`` a ``by``
+    key, in ``order``; the snapshot records the last turn, so later turns wait for the next run."""
 
     kind = "conversations"
 
     def __init__(
-        self,
-        messages: Query,
-        *,
-        by: str,
-        order: str,
-        role: str = "role",
-        content: str = "content",
+        self, messages: Query, *, by: str, order: str, role: str = "role", content: str = "content"
     ) -> None:
         if isinstance(messages, Table):
             # the group key is the key its rows are named by (forget, lineage)
@@ -283,8 +260,7 @@ class Conversations(Query):
 
 
 def conversations(rows: Sequence[Sequence[Any]]) -> list[tuple[Any, dict[str, Any]]]:
-    """Message rows ``(key, turn, role, content)`` in (key, turn) order as one row per
-    conversation, with its turns under ``TURNS``."""
+    """``(key, turn, role, content)`` rows sorted by key and turn as one row a conversation."""
     out: list[tuple[Any, dict[str, Any]]] = []
     for key, turn, role, content in rows:
         if not out or out[-1][0] != key:
@@ -313,9 +289,8 @@ class Part:
 
 
 class Mix(Query):
-    """Several sources of one database trained together, each step's rows drawn by
-    ``weights`` (:class:`~llmtrain.data.plan.MixOrder`); ``epoch_rows`` rows make an epoch
-    (default: every source's rows once). A source that runs out starts a new pass."""
+    """Sources of one database, drawn by ``weights`` (:class:`~llmtrain.data.plan.MixOrder`); an
+    epoch is ``epoch_rows`` rows (default: every source's once); a source run out starts over."""
 
     kind = "mix"
 
@@ -347,12 +322,8 @@ class Mix(Query):
         return "mix of " + ", ".join(p.select.source for p in self.parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "parts": [p.to_dict() for p in self.parts],
-            "weights": list(self.weights),
-            "epoch_rows": self.epoch_rows,
-        }
+        parts, weights = [p.to_dict() for p in self.parts], list(self.weights)
+        return dict(kind=self.kind, parts=parts, weights=weights, epoch_rows=self.epoch_rows)
 
 
 def _part(part: Query | Part | dict[str, Any]) -> Part:

@@ -1,5 +1,4 @@
-"""A source is resolved, not spelled: ``schema.table`` as the catalog spells it, so ``docs`` and
-``public.docs`` are one table; an ``lt.sql`` source is named by ``source=`` or parsed."""
+"""Sources as the catalog spells them (``schema.table``): ``docs`` and ``public.docs`` are one."""
 
 from __future__ import annotations
 
@@ -71,9 +70,8 @@ _DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sq
 
 
 def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
-    """(schema, table, column) the result column ``key`` of a SELECT comes from: a bare column
-    of its only table, or of the table its qualifier names (an alias before a table name);
-    anything else (computed, a UNION, unparsable) is a QueryError asking for ``source=``."""
+    """(schema, table, column) a SELECT's ``key`` comes from: a bare column of its only table or of
+    the one its qualifier names (alias first); else (computed, UNION) a QueryError: pass source=."""
     import sqlglot
     from sqlglot import exp
 
@@ -100,8 +98,7 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
 
 
 def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: bool) -> str:
-    """The catalog's spelling of ``wanted``: exact, or (``fold``) the one name equal to it
-    case-insensitively; else a QueryError listing the names (not llmtrain's own tables)."""
+    """The catalog's spelling of ``wanted``: exact, or (``fold``) its one case-insensitive match."""
     if wanted in names:
         return wanted
     if fold:

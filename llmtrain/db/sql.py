@@ -92,8 +92,7 @@ class SQLBackend(DataBackend):
         self._pages.clear()
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
-        """``call`` retried on faults that heal; others become a ConfigError (database or
-        login) or a QueryError (the statement), with the database's message."""
+        """``call`` retried on faults that heal; others a ConfigError (refused) or a QueryError."""
         try:
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
@@ -174,8 +173,7 @@ class SQLBackend(DataBackend):
                 )
             key = pk[0]
         names = [c.name for c in table.c]
-        missing = [name for name in query.columns or () if name not in table.c]
-        if missing:
+        if missing := [name for name in query.columns or () if name not in table.c]:
             raise QueryError(f"{query.source} has no column {missing[0]!r}; columns: {names}")
         columns = {name: table.c[name] for name in query.columns or names}
         where = _text(query.where_sql, query.params, query.source) if query.where_sql else None

@@ -1,14 +1,14 @@
-"""Examples to batches: right-padded, or packed several to a row by concatenation.
-
-Packed rows carry ``position_ids`` restarting at 0 per example and no ``attention_mask``:
-transformers 5.x finds the example boundaries from them (eager, SDPA, flex; flash attention
-only in a single row, hence ``flat``). Call the model with ``use_cache=False``: with a cache it
-skips the detection and examples silently attend to each other. Each example's first label is
-ignored (it would be predicted from the previous example); padding is its own run of positions."""
+"""Examples to batches: right-padded, or packed several to a row. Packed rows carry
+``position_ids`` restarting at 0 per example and no ``attention_mask``: transformers 5.x finds the
+example boundaries from them (eager, SDPA, flex; flash attention only in a single row, hence
+``flat``). Call the model with ``use_cache=False``: with a cache it skips the detection and
+examples silently attend to each other. An example's first label is ignored (the previous example
+would predict it); padding is its own run of positions."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -45,8 +45,7 @@ def pad_collate(examples: Sequence[Example], pad_id: int) -> dict[str, torch.Ten
 
 
 def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Example]]:
-    """Best-fit-decreasing: longest first, each into the fullest row it fits; rows, and the
-    examples in each, in input order."""
+    """Best-fit-decreasing (longest first, into the fullest row it fits); all in input order."""
     for e in examples:
         if not 0 < len(e) <= max_length:
             raise ConfigError(
@@ -90,19 +89,12 @@ class PackedCollator:
         index = {id(e): i for i, e in enumerate(sequences or ())}
         ids, labels, positions, owners = [], [], [], []
         for row in rows:
-            row_ids: list[int] = []
-            row_labels: list[int] = []
-            row_pos: list[int] = []
-            row_owner: list[int] = []
-            for e in row:
-                row_ids += e.input_ids
-                row_labels += [IGNORE_INDEX, *e.labels[1:]]
-                row_pos += range(len(e))
-                row_owner += [index.get(id(e), 0)] * len(e)
-            pad = width - len(row_ids)
-            ids.append(row_ids + [self.pad_id] * pad)
-            labels.append(row_labels + [IGNORE_INDEX] * pad)
-            positions.append(row_pos + list(range(pad)))
-            owners.append(row_owner + [0] * pad)
+            pad = width - sum(map(len, row))
+            ids.append([*chain(*(e.input_ids for e in row)), *[self.pad_id] * pad])
+            labels.append(
+                [*chain(*([IGNORE_INDEX, *e.labels[1:]] for e in row)), *[IGNORE_INDEX] * pad]
+            )
+            positions.append([*chain(*(range(len(e)) for e in row)), *range(pad)])
+            owners.append([*chain(*([index.get(id(e), 0)] * len(e) for e in row)), *[0] * pad])
         batch = _batch(ids, labels, "position_ids", positions)
         return batch | ({"sequence_index": _long(owners)} if sequences is not None else {})

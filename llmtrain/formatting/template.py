@@ -1,5 +1,4 @@
-"""Prompt templates (``"Q: {X}\\nA: {Y}"``): one object renders training text and inference
-prompts, so the two never drift apart."""
+"""Prompt templates (``"Q: {X}\\nA: {Y}"``): training text and inference prompts from one object."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ from llmtrain.errors import ConfigError
 
 
 class PromptTemplate:
-    """Exactly one ``{X}`` (the input) and one ``{Y}`` (the response) closing it: anything
-    after ``{Y}`` could not be generated at inference. Or ``{X}`` alone: a document template
-    (continued pre-training). Literal braces are written ``{{`` and ``}}``."""
+    """Exactly one ``{X}`` (the input) and one ``{Y}`` (the response) closing it (nothing after it
+    could be generated), or ``{X}`` alone for documents. Literal braces: ``{{`` and ``}}``."""
 
     __slots__ = ("_before_x", "between", "documents", "text")
 

@@ -72,10 +72,8 @@ def _special_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The special tokens (BOS) the tokenizer puts before a text."""
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for start in range(len(full) - len(plain) + 1):
-        if full[start : start + len(plain)] == plain:
-            return list(full[:start])
-    return []
+    starts = range(len(full) - len(plain) + 1)
+    return next((list(full[:s]) for s in starts if full[s : s + len(plain)] == plain), [])
 
 
 def _backend_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
@@ -144,9 +142,8 @@ class Formatter:
         self._head = self._prefix or [self.eos_id]
         if max_length is not None and max_length < len(self._prefix) + min_prompt_tokens + 1:
             raise ConfigError(
-                f"max_length {max_length} leaves no room for a response after "
-                f"{len(self._prefix)} leading special token(s) and "
-                f"min_prompt_tokens={min_prompt_tokens}"
+                f"max_length {max_length} leaves no room for a response after {len(self._prefix)} "
+                f"leading special token(s) and min_prompt_tokens={min_prompt_tokens}"
             )
 
     def format(
@@ -161,10 +158,9 @@ class Formatter:
             return self._documents(rows, source)
         if self.conversations:
             return self._conversations(rows, source)
-        x_field, y_field = self.x_field, self.y_field
         for key, row in rows:
-            check_row(source, key, row, (x_field, y_field))
-        texts = [cast("tuple[str, str]", (row[x_field], row[y_field])) for _, row in rows]
+            check_row(source, key, row, (self.x_field, self.y_field))
+        texts = [cast("tuple[str, str]", (row[self.x_field], row[self.y_field])) for _, row in rows]
         if not texts:
             return []
         if self.chat_template:
@@ -326,9 +322,8 @@ class Formatter:
             )
         if head + prompt != self.prompt(user).ids:
             warnings.warn(
-                "the chat template renders the prompt differently with "
-                "add_generation_prompt=True than before an assistant reply; "
-                "inference prompts will not match training prompts",
+                "the chat template renders the prompt differently with add_generation_prompt=True "
+                "than before an assistant reply; inference prompts will not match training prompts",
                 stacklevel=3,
             )
         return head
@@ -364,15 +359,12 @@ def _masked(ids: list[int], mask: list[int]) -> list[int]:
 def _last_span(mask: list[int]) -> list[int]:
     """Only the last run of ones in ``mask``: the last assistant reply."""
     last = len(mask) - 1 - mask[::-1].index(1)
-    first = last
-    while first and mask[first - 1]:
-        first -= 1
+    first = next((i + 1 for i in range(last, -1, -1) if not mask[i]), 0)
     return [int(first <= i <= last) for i in range(len(mask))]
 
 
 def _without_first_exchange(chat: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The conversation from its second user turn on (a system message kept); empty when no
-    assistant reply would be left."""
+    """From the second user turn on (a system message kept); [] when no assistant reply is left."""
     start = int(chat[0]["role"] == "system")
     for turn in range(start + 1, len(chat)):
         if chat[turn]["role"] == "user":

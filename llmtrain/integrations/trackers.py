@@ -79,10 +79,8 @@ def flatten(value: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}{key}"
         if isinstance(item, dict) and item:
             flat.update(flatten(item, f"{name}."))
-        elif isinstance(item, (bool, int, float, str)):
-            flat[name] = item
         else:
-            flat[name] = json.dumps(item)
+            flat[name] = item if isinstance(item, (bool, int, float, str)) else json.dumps(item)
     return flat
 
 
@@ -166,8 +164,7 @@ class TensorBoardTracker(Tracker):
         for summary in hparams(flatten(facts.params()), {}):  # the HPARAMS tab
             events.add_summary(summary)
         for tag in ("recipe", "data_fingerprint", "versions"):
-            text = json.dumps(getattr(facts, tag), indent=2)
-            self.writer.add_text(tag, f"```\n{text}\n```")
+            self.writer.add_text(tag, f"```\n{json.dumps(getattr(facts, tag), indent=2)}\n```")
         self.writer.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -226,20 +223,19 @@ class WandbTracker(Tracker):
     def start(self, facts: RunFacts) -> None:
         import wandb
 
-        settings = wandb.Settings(
-            x_disable_meta=True,  # the command line (a --db URI with its password), host, git
-            x_disable_stats=True,
-            disable_git=True,
-            save_code=False,
-            console="off",
-            silent=os.environ.get(QUIET_ENV) == "1",
-        )
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "llmtrain",
             name=facts.name,
             group=facts.identifier,
             config=facts.params(),
-            settings=settings,
+            settings=wandb.Settings(
+                x_disable_meta=True,  # the command line (a --db URI with its password), host, git
+                x_disable_stats=True,
+                disable_git=True,
+                save_code=False,
+                console="off",
+                silent=os.environ.get(QUIET_ENV) == "1",
+            ),
             reinit="create_new",
         )
 

@@ -20,8 +20,7 @@ log = logging.getLogger("llmtrain")
 
 @dataclass
 class Forgotten:
-    """What a forget request found: the runs, checkpoints and models that trained on the
-    rows, and the trainers (identifier, version) to retrain without them."""
+    """The runs, checkpoints and models that trained on forgotten rows; the trainers to retrain."""
 
     db: Components
     found: TrainedOn

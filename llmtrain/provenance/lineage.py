@@ -66,9 +66,8 @@ class RunLineage:
             db.artifacts.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
         config = build(TrainerConfig, info["config"], f"run {run.run_id}")
         d, t = config.data_args, config.training_args
-        world = int(info.get("world_size") or 1)
         assert config.fit is not None
-        order = epoch_order(view, config.fit.query(), d, t.seed, world)
+        order = epoch_order(view, config.fit.query(), d, t.seed, int(info.get("world_size") or 1))
         rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
         rule = StepRule(order, rows, rows)
         if steps is None:  # its last known step: final or reached, or its newest checkpoint's

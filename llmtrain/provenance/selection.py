@@ -11,14 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from llmtrain.config.args import build
-from llmtrain.data.snapshot import (
-    KeySnapshot,
-    MixedView,
-    RunSnapshot,
-    ViewWriter,
-    tagged,
-    take_snapshot,
-)
+from llmtrain.data.snapshot import MixedView, ViewWriter, tagged, take_snapshot
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.db.queries import Conversations, Mix, Query, Table
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataError, QueryError
@@ -26,6 +19,7 @@ from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
+    from llmtrain.data.snapshot import KeySnapshot, RunSnapshot
     from llmtrain.stores.handle import Database
 
 log = logging.getLogger("llmtrain.training")
@@ -38,8 +32,7 @@ def pair_digests(keys: Sequence[Key] | np.ndarray, versions: Sequence[Any]) -> n
 
 @dataclass
 class Trained:
-    """The rows earlier runs trained on: keys from runs that kept no versions, (key, version)
-    pairs from runs that did, both sorted digest arrays."""
+    """Sorted digests of earlier runs' rows: keys (runs without versions), (key, version) pairs."""
 
     keys: np.ndarray
     pairs: np.ndarray
@@ -120,8 +113,7 @@ def starting_model(db: Database, named: str) -> Any:
 
 
 def pin_init_from(db: Database, config: TrainerConfig) -> TrainerConfig:
-    """The config with ``init_from`` naming the version it starts from (the recipe, replayed
-    from the same model even after that model has newer versions)."""
+    """The config with ``init_from`` pinned to its version: a replay starts from the same model."""
     if config.init_from is None:
         return config
     model = starting_model(db, config.init_from)
@@ -135,9 +127,8 @@ def check_parent(
     allow_forgotten: bool,
     asked: str = "fit(incremental=True)",
 ) -> None:
-    """Refuse a parent model (the one a run continues, as ``asked``) trained on another base
-    or with an adapter of other shapes, or one whose lineage holds rows forgotten since
-    (unless ``allow_forgotten``)."""
+    """Refuse a parent model (continued as ``asked``) of another base or adapter shape, or whose
+    lineage holds rows forgotten since (unless ``allow_forgotten``)."""
     run = db.metadata.get_run(parent.payload["run_id"])
     theirs = build(type(config), run.info["config"], f"run {run.run_id}")
     name = f"{asked}: the model {parent.identifier} v{parent.version}"
@@ -150,8 +141,7 @@ def check_parent(
             )
     assert config.lora_args is not None
     for field_name in _SAME_ADAPTER:
-        a = getattr(theirs.lora_args, field_name, None)
-        b = getattr(config.lora_args, field_name)
+        a, b = getattr(theirs.lora_args, field_name, None), getattr(config.lora_args, field_name)
         if a != b:
             raise ConfigError(
                 f"{name} has an adapter with "

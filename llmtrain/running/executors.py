@@ -8,18 +8,16 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtrain.config.args import TrainerConfig
+from llmtrain.datalayer import Datalayer
 from llmtrain.placement import Placement
 from llmtrain.running.launchers import launch_workers
 from llmtrain.running.local import run_here
 from llmtrain.training.callbacks import Callback
 from llmtrain.training.model import TrainedModel
 from llmtrain.training.plan import RunPlan
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 
 def execution(config: TrainerConfig, placement: Placement) -> AbstractContextManager[None]:
@@ -32,22 +30,17 @@ def execution(config: TrainerConfig, placement: Placement) -> AbstractContextMan
 
 
 def execute(
-    plan: RunPlan,
-    db: Datalayer,
-    placement: Placement,
-    *,
-    callbacks: Sequence[Callback],
-    merge: bool,
+    plan: RunPlan, db: Datalayer, placement: Placement, *, callbacks: Sequence[Callback]
 ) -> TrainedModel | None:
     """Train ``plan``; its model (None on the ranks of a launched job other than 0)."""
     if plan.config.ray_config is not None and not placement.launched:
         from llmtrain.running.ray.driver import RayRun
 
-        return RayRun(plan, db, callbacks).fit(merge=merge)
+        return RayRun(plan, db, callbacks).fit()
     if plan.config.launcher is not None and not placement.launched:
-        return launch_workers(plan, db, merge=merge)
+        return launch_workers(plan, db)
     with sigterm_as_interrupt(not placement.launched):  # a launched worker's are its launcher's
-        return run_here(plan, db, placement, callbacks=callbacks, merge=merge)
+        return run_here(plan, db, placement, callbacks=callbacks)
 
 
 @contextlib.contextmanager

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import DistributedError
 from llmtrain.integrations.trackers import make_trackers
 from llmtrain.placement import Placement
 from llmtrain.stores.components import check_identifier
+from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import RunStatus
 from llmtrain.training.callbacks import Callback, build_callback
 from llmtrain.training.checkpoint import Checkpointer
@@ -18,10 +20,6 @@ from llmtrain.training.model import ModelRecord, TrainedModel
 from llmtrain.training.plan import RunPlan
 from llmtrain.training.run import FitRun
 from llmtrain.training.strategies import make_strategy, strategy_for
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
-    from llmtrain.stores.handle import Database
 
 log = logging.getLogger("llmtrain.training")
 T = TypeVar("T")
@@ -58,19 +56,14 @@ def once_per_job(placement: Placement, fn: Callable[..., T], *args: Any, **kwarg
 
 
 def run_here(
-    plan: RunPlan,
-    db: Datalayer,
-    placement: Placement,
-    *,
-    callbacks: Sequence[Callback] = (),
-    merge: bool = False,
+    plan: RunPlan, db: Datalayer, placement: Placement, *, callbacks: Sequence[Callback] = ()
 ) -> TrainedModel | None:
     """Train ``plan`` here; rank 0 stores its model."""
     outcome = train_run(plan, db, placement, callbacks=callbacks)
     if outcome is None:
         return None
     try:
-        return store_model(plan, db, outcome, merge=merge)
+        return store_model(plan, db, outcome)
     except BaseException as exc:
         mark_failed(db, plan.run_id, exc, steps=outcome.steps, tokens=outcome.tokens)
         raise
@@ -85,9 +78,8 @@ def train_run(
     checkpointer: Callable[..., Checkpointer] = Checkpointer,
     progress_stream: Any = None,
 ) -> Outcome | None:
-    """setup -> train -> final checkpoint -> adapter: the outcome on rank 0, None elsewhere.
-    The run is "running" only once its setup succeeded: a resume that cannot even start (a
-    corrupt checkpoint) leaves the run's status as it was, with a note why."""
+    """setup -> train -> final checkpoint -> adapter: the outcome on rank 0, None elsewhere. The run
+    is "running" once set up: a resume that cannot start (a corrupt checkpoint) only notes why."""
     strategy = strategy_for(plan.config, placement)
     own = [build_callback(spec) for spec in plan.callbacks]
     trackers = make_trackers(plan.config.training_args.report_to) if strategy.is_main else []
@@ -130,12 +122,7 @@ def train_run(
 
 
 def store_model(
-    plan: RunPlan,
-    db: Datalayer,
-    outcome: Outcome,
-    *,
-    merge: bool,
-    info: dict[str, Any] | None = None,
+    plan: RunPlan, db: Datalayer, outcome: Outcome, *, info: dict[str, Any] | None = None
 ) -> TrainedModel:
     """A finished run becomes the trainer's next model version and is marked completed."""
     cfg = plan.config
@@ -155,8 +142,6 @@ def store_model(
         )
     )
     model.db = db
-    if merge:  # before the first add: one fit, one model version
-        model.merge(store=False)
     db.add(model)
     db.metadata.update_run(
         plan.run_id,
@@ -182,9 +167,8 @@ def mark_failed(
     tokens: int | None = None,
     resume_refused: bool = False,
 ) -> None:
-    """Record ``exc`` on the run: "interrupted" for Ctrl-C or an exit, else "failed"; a refused
-    resume only notes why. A completed run stays completed; a store that fails too must not
-    hide the original error."""
+    """Record ``exc``: "interrupted" for Ctrl-C or an exit, else "failed"; a refused resume only
+    notes why. A completed run stays completed; a failing store must not hide the error."""
     interrupted = isinstance(exc, (KeyboardInterrupt, SystemExit))
     status: RunStatus | None = "interrupted" if interrupted else "failed"
     if resume_refused:

@@ -8,19 +8,17 @@ import os
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
 from llmtrain.data.snapshot import RunSnapshot, label_counts, take_snapshot
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
 from llmtrain.training.plan import Done, RunPlan
 from llmtrain.versions import library_versions
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain.training")
 TRAINER = "trainer"
@@ -148,9 +146,8 @@ def new_snapshot(
 
 
 def stored_version(db: Datalayer, config: TrainerConfig, loaded: int | None) -> int | None:
-    """The stored version with this recipe: the loaded one (a replay of version N stays
-    version N), else the newest; None when it is new. The data fingerprint and database URI
-    are not the recipe; a stored one is read through today's schema."""
+    """The stored version with this recipe (not its data fingerprint or URI; read through today's
+    schema): the loaded one (a replay of vN stays vN), else the newest; None when it is new."""
 
     def recipe(d: dict[str, Any]) -> dict[str, Any]:
         return {**d, "fit": {**(d.get("fit") or {}), "data_fingerprint": None, "db": None}}
@@ -169,9 +166,8 @@ def stored_version(db: Datalayer, config: TrainerConfig, loaded: int | None) -> 
 def run_to_resume(
     db: Datalayer, identifier: str, version: int | None, resume: bool | str
 ) -> tuple[RunRecord, CheckpointRecord | None] | None:
-    """The newest run of this recipe with the wanted checkpoint, and that checkpoint (None
-    for a completed run). Another version's resumable run is an error: it would train one
-    recipe's run with another's settings."""
+    """The newest run of this recipe with the wanted checkpoint, and that checkpoint (None if it
+    completed); another version's is an error: it would train one recipe's run as another's."""
     latest = resume in (True, "latest")
     others = []
     for run in reversed(db.metadata.list_runs(TRAINER, identifier)):
@@ -234,14 +230,11 @@ def check_model_folder(config: TrainerConfig) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    trust = margs.trust_remote_code
     try:
-        hf_config = AutoConfig.from_pretrained(
-            folder, revision=margs.revision, trust_remote_code=margs.trust_remote_code
-        )
+        hf = AutoConfig.from_pretrained(folder, revision=margs.revision, trust_remote_code=trust)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(
-                hf_config, trust_remote_code=margs.trust_remote_code
-            )
+            skeleton = AutoModelForCausalLM.from_config(hf, trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model_args.model_name_or_path: cannot read {folder}: {exc}") from None
     target_modules_for(skeleton, config.lora_args)

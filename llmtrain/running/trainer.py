@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import textwrap
-import typing
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 from llmtrain.config.args import TrainerConfig, build, keyword_reference
 from llmtrain.config.spec import FitSpec
-from llmtrain.console import quiet_unless_verbose
+from llmtrain.console import quieted
+from llmtrain.datalayer import Datalayer, require_datalayer
 from llmtrain.db.queries import MESSAGES, Conversations, Mix, Query
 from llmtrain.errors import ConfigError
 from llmtrain.integrations.trackers import check_trackers
@@ -20,22 +19,16 @@ from llmtrain.stores.components import check_identifier, register_component
 from llmtrain.training.callbacks import Callback, callback_path
 from llmtrain.training.model import TrainedModel
 
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
-
-log = logging.getLogger("llmtrain.training")
-
 
 @register_component
 class LLMTrainer:
     """Fine-tunes a causal LM with LoRA, QLoRA (``bits=4``) or DoRA on database rows.
 
-    ``LLMTrainer("sft-v1", model="...", bits=4, qlora=True, prompt_template="...{X}...{Y}")``
-    or the granular form with ``model_args=``, ``lora_args=``, ``training_args=`` and
-    ``data_args=`` (argument models or dicts). A flat keyword sets one field of those
-    sections; giving a field twice with different values is an error, and so is a keyword
-    that names no field. ``lora_args=None`` fine-tunes all weights. Bad values and
-    combinations that cannot work are refused here, before any data is read.
+    ``LLMTrainer("sft-v1", model="...", bits=4, qlora=True, prompt_template="...{X}...{Y}")``,
+    or sections ``model_args=``, ``lora_args=``, ``training_args=``, ``data_args=`` (models or
+    dicts) that a flat keyword sets one field of; a field given twice with different values, or
+    a keyword naming no field, is an error. ``lora_args=None`` fine-tunes all weights. Bad
+    values and combinations are refused here, before any data is read.
     """
 
     type_id: ClassVar[str] = "trainer"
@@ -69,7 +62,6 @@ class LLMTrainer:
         model = self.config.model_args.model_name_or_path
         return f"LLMTrainer({self.identifier!r}, model={model!r}, version={self.version})"
 
-    @quiet_unless_verbose
     def fit(
         self,
         X: str | None = None,
@@ -82,7 +74,6 @@ class LLMTrainer:
         label: str | None = None,
         eval_select: Query | None = None,
         resume: bool | str = False,
-        merge: bool = False,
         allow_changed_data: bool | None = None,
         incremental: bool = False,
         allow_forgotten_parent: bool = False,
@@ -91,74 +82,67 @@ class LLMTrainer:
     ) -> TrainedModel | None:
         """Train on ``select``'s rows (``X`` -> prompt, ``Y`` -> response) and store the result.
 
-        With no arguments, a trainer loaded by ``db.load`` replays its last fit. Returns the
-        trained model (``db.load("model", identifier)`` later; None on the other ranks of a
-        job every rank of which calls fit()).
-        ``resume=`` continues the newest run of this same recipe (trainer version) from a
-        checkpoint (``True``, a step or a checkpoint's artifact id); another version's run is
-        refused, a completed run returns its model.
-        ``allow_changed_data=True`` replays a fit although the rows changed since: for this
-        call only, recorded on the run (default: ``data_args.allow_changed_data``).
-        ``chosen=``, ``rejected=`` (with ``objective="dpo"``, ``"orpo"`` or ``"simpo"``) name
-        the preferred and the other answer to the prompt ``X``; ``label=`` (with
-        ``objective="kto"``) the field saying whether the user liked the answer ``Y``.
-        ``incremental=True`` trains only the selected rows no completed run of this trainer
-        trained (new keys; with ``data_args.version_column`` also changed versions), from the
-        newest model's adapter, recording it as the parent; with nothing new that model is
-        returned. The parent must have the same base model and adapter shape and no rows
-        forgotten since (``allow_forgotten_parent=True``: continue anyway, recorded).
-        ``callbacks``: :class:`~llmtrain.training.callbacks.Callback` objects, or import paths
-        ``"module:Name"`` that every process builds (the only kind a launcher's workers take;
-        recorded on the run). Third-party output stays hidden unless ``verbose=True``.
+        No arguments: a trainer from ``db.load`` replays its last fit. Returns the model (None on
+        the other ranks of a job whose every rank calls fit()). ``resume=`` (``True``, a step or a
+        checkpoint's artifact id) continues the newest run of this trainer version (another
+        version's is refused; a completed one returns its model). ``allow_changed_data=True``:
+        replay though the rows changed (this call only, recorded; default from ``data_args``).
+        ``chosen=``, ``rejected=`` (``objective`` dpo, orpo or simpo): the preferred and the other
+        answer to ``X``; ``label=`` (kto): the field saying whether the user liked ``Y``.
+        ``incremental=True`` trains only rows no completed run of this trainer trained (new keys;
+        changed versions too with ``data_args.version_column``) from the newest model's adapter,
+        its parent, which needs the same base and adapter shape and no rows forgotten since
+        (``allow_forgotten_parent=True``: continue anyway, recorded); nothing new returns it.
+        ``callbacks``: Callback objects, or ``"module:Name"`` paths every process builds (all a
+        launcher's workers take; recorded). Third-party output stays hidden unless ``verbose=True``.
         """
-        from llmtrain.datalayer import require_datalayer
-        from llmtrain.running.executors import execute, execution
-        from llmtrain.running.local import once_per_job
-        from llmtrain.running.register import register
-        from llmtrain.training.plan import Done
+        with quieted(not verbose):
+            from llmtrain.running.executors import execute, execution
+            from llmtrain.running.local import once_per_job
+            from llmtrain.running.register import register
+            from llmtrain.training.plan import Done
 
-        db = db if db is not None else self.db
-        if db is None:
-            raise ConfigError("fit() needs db=: the database to read rows from and store into")
-        require_datalayer(db, "fit(db=)")
-        if allow_changed_data is None:
-            allow_changed_data = self.config.data_args.allow_changed_data
-        flags = {
-            "allow_changed_data": allow_changed_data,
-            "incremental": incremental,
-            "allow_forgotten_parent": allow_forgotten_parent,
-        }
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
-        spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected, label)
-        data = {**self.config.model_dump(), "fit": spec.model_dump()}
-        config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
-        placement = Placement.from_environment()  # resolved once for the whole fit
-        # a launcher's workers build their callbacks from import paths
-        specs = tuple(callback_path(c) for c in callbacks if isinstance(c, str))
-        objects = [c for c in callbacks if not isinstance(c, str)]
-        if objects and config.launcher is not None and not placement.launched:
-            raise ConfigError(
-                "fit(callbacks=) with a launcher takes import paths 'module:Name' (each worker "
-                f"builds its own), not objects: {objects!r}"
-            )
-        with execution(config, placement):
-            # under torchrun every rank runs fit(): rank 0 alone registers, the others get its plan
-            plan = once_per_job(
-                placement,
-                register,
-                db,
-                config,
-                self.version,
-                resume=resume,
-                callbacks=specs,
-                **flags,
-            )
-            if isinstance(plan, Done):
-                return _model_of_run(db, self.identifier, plan.run_id)
-            self.config, self.version, self.db = plan.config, plan.version, db
-            return execute(plan, db, placement, callbacks=objects, merge=merge)
+            db = db if db is not None else self.db
+            if db is None:
+                raise ConfigError("fit() needs db=: the database to read rows from and store into")
+            require_datalayer(db, "fit(db=)")
+            if allow_changed_data is None:
+                allow_changed_data = self.config.data_args.allow_changed_data
+            flags = {
+                "allow_changed_data": allow_changed_data,
+                "incremental": incremental,
+                "allow_forgotten_parent": allow_forgotten_parent,
+            }
+            for name, value in flags.items():
+                if not isinstance(value, bool):
+                    raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
+            spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected, label)
+            data = {**self.config.model_dump(), "fit": spec.model_dump()}
+            config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
+            placement = Placement.from_environment()  # resolved once for the whole fit
+            specs = tuple(callback_path(c) for c in callbacks if isinstance(c, str))
+            objects = [c for c in callbacks if not isinstance(c, str)]
+            if objects and config.launcher is not None and not placement.launched:
+                raise ConfigError(
+                    "fit(callbacks=) with a launcher takes import paths 'module:Name' (each worker "
+                    f"builds its own), not objects: {objects!r}"
+                )
+            with execution(config, placement):
+                # under torchrun all ranks run fit(): rank 0 alone registers, the rest get its plan
+                plan = once_per_job(
+                    placement,
+                    register,
+                    db,
+                    config,
+                    self.version,
+                    resume=resume,
+                    callbacks=specs,
+                    **flags,
+                )
+                if isinstance(plan, Done):
+                    return _model_of_run(db, self.identifier, plan.run_id)
+                self.config, self.version, self.db = plan.config, plan.version, db
+                return execute(plan, db, placement, callbacks=objects)
 
     def _fit_spec(
         self,
@@ -237,7 +221,7 @@ def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:
     data: dict[str, Any] = {"identifier": check_identifier(identifier)}
     for name in [name for name in TrainerConfig.options() if name in options]:
         value = options.pop(name)
-        nullable = type(None) in typing.get_args(TrainerConfig.model_fields[name].annotation)
+        nullable = type(None) in get_args(TrainerConfig.model_fields[name].annotation)
         if name in sections and value is not None:
             data[name] = _as_dict(value)
         elif value is not None or nullable:  # None for a required section: defaults

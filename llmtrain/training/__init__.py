@@ -1,2 +1,1 @@
-"""Training: the loop, strategies, checkpoints and the trained model (nothing re-exported
-here, so this package cannot close an import cycle)."""
+"""The loop, strategies, checkpoints, the trained model (no re-exports here: no import cycle)."""

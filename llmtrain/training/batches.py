@@ -1,6 +1,5 @@
-"""From the database to batches of token ids. With packing, a step's rows are read as one
-loader batch and packed under a token budget, so steps per epoch, the resume state and the
-step count all ranks agree on do not depend on the budget."""
+"""Database rows to token-id batches. Packing reads a step's rows as one loader batch, packed under
+a token budget, so steps per epoch, the resume state and the ranks' step count ignore the budget."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Collate:
-    """(key, row) pairs -> tokenized, padded (or packed) batch; with ``max_tokens``, a step's
-    rows -> its packed micro-batches of at most ``max_tokens`` tokens."""
+    """(key, row) pairs -> a padded or packed batch (``max_tokens``: a step's micro-batches)."""
 
     formatters: Sequence[Formatter]  # one a source: a mixture's by the part in each key
     pad_id: int
@@ -78,14 +76,11 @@ class Collate:
 
 @dataclass
 class PairCollate:
-    """(key, row) pairs of preference rows -> two sequences a row through the one formatter:
-    its prompt with the answer (``chosen``, or KTO's completion), then in the same order with
-    ``second``: the rejected answer's field, or (``feedback``) the completion of the row
-    before it in the micro-batch, KTO's mismatched pair for its KL estimate (TRL's), and
-    ``second`` names the label. Packed padding-free with each token's ``sequence_index``
-    (padded without packing). ``num_target_tokens`` counts rows: what a preference step is
-    normalised by. ``per_batch``: the rows of each micro-batch when the loader hands over a
-    step's rows at once (a token budget). The reader checked the rows (their shape)."""
+    """Preference rows (the reader checked them) -> two sequences a row: the prompt with the answer
+    (``chosen``, or KTO's completion), then with ``second`` (the rejected answer) or, with
+    ``feedback`` (``second``: the label), the previous row's completion, KTO's mismatched pair for
+    its KL estimate (TRL's). ``num_target_tokens`` counts rows, what a step is normalised by;
+    ``per_batch``: each micro-batch's rows when the loader hands over a step's rows at once."""
 
     formatter: Formatter
     answer: str
@@ -103,11 +98,9 @@ class PairCollate:
 
     def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f, n = self.formatter, len(rows)
-        if self.feedback:
-            answers = [row[self.answer] for _, row in rows]
-            others = [(k, {**r, self.answer: answers[i - 1]}) for i, (k, r) in enumerate(rows)]
-        else:
-            others = [(k, {**r, self.answer: r[self.second]}) for k, r in rows]
+        donors = rows[-1:] + rows[:-1] if self.feedback else rows  # feedback: the row before's
+        field = self.answer if self.feedback else self.second
+        others = [(k, {**r, self.answer: s[field]}) for (k, r), (_, s) in zip(rows, donors)]
         examples = f.format_batch(rows, source=self.source)
         examples += f.format_batch(others, source=self.source)
         if self.packer is None:
@@ -115,17 +108,11 @@ class PairCollate:
         else:
             packed = pack_examples(examples, self.packer.max_length)
             batch = self.packer.collate_rows(packed, sequences=examples)
-        digests = [
-            pair_digest(key, a.input_ids, b.input_ids)
-            for (key, _), a, b in zip(rows, examples[:n], examples[n:])
-        ]
+        pairs = zip(rows, examples[:n], examples[n:])
+        digests = [pair_digest(key, a.input_ids, b.input_ids) for (key, _), a, b in pairs]
         liked = {"liked": [row[self.second] for _, row in rows]} if self.feedback else {}
-        return _counted(batch, examples) | {
-            "num_target_tokens": n,
-            "pairs": n,
-            "pair_digests": digests,
-            **liked,
-        }
+        counts = {"num_target_tokens": n, "pairs": n, "pair_digests": digests}
+        return _counted(batch, examples) | counts | liked
 
 
 def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
@@ -145,20 +132,15 @@ FILL = 0.97
 def micro_batches(
     examples: Sequence[Example], max_length: int, max_tokens: int
 ) -> list[list[list[Example]]]:
-    """Rows of at most ``max_length`` tokens, packed best-fit-decreasing, then grouped fullest
-    first into micro-batches of at most ``max_tokens // max_length`` rows that are alike in
-    length (:data:`FILL`): the step's last, partly filled rows go alone or together."""
+    """Rows of at most ``max_length`` tokens packed best-fit-decreasing, grouped fullest first into
+    micro-batches of at most ``max_tokens // max_length`` rows alike in length (:data:`FILL`)."""
     rows = sorted(pack_examples(examples, max_length), key=lambda r: -sum(map(len, r)))
     per_batch = max(1, max_tokens // max_length)
     batches: list[list[list[Example]]] = []
     for row in rows:
-        batch = batches[-1] if batches else None
-        if (
-            batch
-            and len(batch) < per_batch
-            and sum(map(len, row)) >= FILL * sum(map(len, batch[0]))
-        ):
-            batch.append(row)
+        last = batches[-1] if batches else []
+        if last and len(last) < per_batch and sum(map(len, row)) >= FILL * sum(map(len, last[0])):
+            last.append(row)
         else:
             batches.append([row])
     return batches
@@ -176,9 +158,7 @@ def make_collate(
     fields: Sequence[str] = (),
     batch_size: int = 1,
 ) -> Collate | PairCollate:
-    """The collate function of ``args``; ``token_budget``: pack a step's rows under it;
-    ``shape`` "pairs" or "feedback": preference rows of ``fields``, ``batch_size`` a
-    micro-batch."""
+    """The collate of ``args``: ``token_budget`` packs a step's rows, ``shape`` selects pairs."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
@@ -232,8 +212,7 @@ def view_dataset(
 
 @dataclass(frozen=True)
 class StepGroup:
-    """One optimizer step's micro-batches on this rank, and the keys reading its rows skipped
-    (bad, or deleted since the snapshot), deleted or found changed."""
+    """One step's micro-batches on this rank, and the keys reading skipped, deleted or changed."""
 
     step: int
     epoch: int
@@ -277,8 +256,7 @@ class TrainBatches:
         return self.rule.per_epoch
 
     def steps(self, after: int, total: int) -> Generator[StepGroup]:
-        """Each step's group from step ``after + 1`` to ``total``, made a step ahead by a
-        thread (reading overlaps training); close the generator to stop the thread."""
+        """Groups of steps ``after`` + 1 to ``total``, read a step ahead by a thread (close it)."""
         made: queue.Queue[Any] = queue.Queue(maxsize=1)  # a group, an error, or None: done
         stop = threading.Event()
 
@@ -290,16 +268,14 @@ class TrainBatches:
             return False
 
         def produce() -> None:
-            groups = self._groups(after, total)
-            try:
-                for group in groups:
-                    if not hand_over(group):
-                        return
-                hand_over(None)
-            except BaseException as exc:  # raised in the loop's thread, at the same step
-                hand_over(exc)
-            finally:
-                groups.close()
+            with contextlib.closing(self._groups(after, total)) as groups:
+                try:
+                    for group in groups:
+                        if not hand_over(group):  # the consumer stopped
+                            return
+                    hand_over(None)
+                except BaseException as exc:  # raised in the loop's thread, at the same step
+                    hand_over(exc)
 
         thread = threading.Thread(target=produce, name="llmtrain-batches", daemon=True)
         thread.start()
@@ -330,9 +306,8 @@ class TrainBatches:
                 group.skipped.extend(made.skipped)
                 group.deleted.extend(made.deleted)
                 group.changed.extend(made.changed)
-                if made.last + 1 >= min(
-                    (group.step - epoch * rule.per_epoch) * rule.rows, per_rank
-                ):
+                end = min((group.step - epoch * rule.per_epoch) * rule.rows, per_rank)
+                if made.last + 1 >= end:
                     yield group
                     step, group = group.step, None
                     if step >= total:
@@ -346,8 +321,7 @@ def _formatter_skips(batches: list[Any]) -> list[Any]:
 
 
 def empty_batch(pad_id: int) -> dict[str, Any]:
-    """A one-token micro-batch with no target: it runs the forward and backward (and their
-    collectives) that the other processes run, and adds nothing."""
+    """A one-token micro-batch, no target: it runs the collectives other ranks run, adds nothing."""
     return {
         "input_ids": torch.full((1, 1), pad_id),
         "labels": torch.full((1, 1), IGNORE_INDEX),

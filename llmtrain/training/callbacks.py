@@ -1,6 +1,5 @@
-"""Callbacks: what a run tells an observer (a test, a tracker) after each step and at the end.
-``fit(callbacks=[...])`` takes objects or import paths ``"module:Name"`` (built with no
-arguments by every process: all a launcher's workers can take)."""
+"""What a run tells an observer (a test, a tracker). ``fit(callbacks=[...])`` takes objects or
+import paths ``"module:Name"`` (built with no arguments by every process: what workers can take)."""
 
 from __future__ import annotations
 

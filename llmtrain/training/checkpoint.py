@@ -62,13 +62,7 @@ class Checkpointer:
     """Saves and restores the training state of one run through the artifact store."""
 
     def __init__(
-        self,
-        db: Database,
-        run_id: str,
-        strategy: Strategy,
-        *,
-        keep: int | None,
-        workdir: Path,
+        self, db: Database, run_id: str, strategy: Strategy, *, keep: int | None, workdir: Path
     ) -> None:
         self.db, self.run_id, self.strategy, self.keep = db, run_id, strategy, keep
         self.workdir = workdir

@@ -1,6 +1,5 @@
-"""What serving stacks load: the adapter in PEFT's layout and the merged model. After QLoRA,
-merging into the full-precision base moved the tiny test model's logits by 5.1, so
-``into="trained"`` merges into the dequantised weights training saw."""
+"""The adapter in PEFT's layout and the merged model. After QLoRA, merging into the full-precision
+base moved the tiny test model's logits by 5.1: ``into="trained"`` merges into what training saw."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ MergeInto = Literal["trained", "base"]
 
 
 def stable_adapter_config(folder: Path) -> None:
-    """Rewrite PEFT's adapter_config.json with its sets (``target_modules``) sorted: PEFT wrote
-    them in hash-seed order, so the same adapter got different content ids."""
+    """Sort the lists of adapter_config.json: PEFT's hash-seed order gave one adapter many ids."""
     path = folder / "adapter_config.json"
     config = json.loads(path.read_text())
     for key in ("target_modules", "modules_to_save", "exclude_modules"):

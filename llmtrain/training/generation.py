@@ -13,8 +13,7 @@ from llmtrain.formatting import Prompt
 
 
 class _Healing:
-    """A logits processor: until a row's generated text has re-spelled its prompt's ``heal``
-    (see :mod:`llmtrain.formatting.tokenize`), only tokens that continue it may come."""
+    """Logits processor: until a row re-spells its prompt's ``heal``, only tokens continuing it."""
 
     def __init__(self, tokenizer: Any, heals: Sequence[str], width: int) -> None:
         self.heals, self.width = heals, width
@@ -42,13 +41,11 @@ class _Healing:
 
 @functools.cache
 def token_texts(tokenizer: Any) -> list[str]:
-    """Each token id's text as it reads after another token (``Ġbanana`` -> ``" banana"``,
-    ``▁banana`` too), found once per tokenizer by decoding it behind an anchor token."""
+    """Each token's text after another token (``Ġbanana``, ``▁banana`` -> ``" banana"``)."""
     anchor = tokenizer("a", add_special_tokens=False)["input_ids"][:1]
     lead = len(tokenizer.decode(anchor))
     pairs = [anchor + [i] for i in range(len(tokenizer))]
-    texts = tokenizer.batch_decode(pairs, clean_up_tokenization_spaces=False)
-    return [t[lead:] for t in texts]
+    return [t[lead:] for t in tokenizer.batch_decode(pairs, clean_up_tokenization_spaces=False)]
 
 
 def generate_batch(

@@ -1,7 +1,6 @@
-"""The training loss without the full logits (8.4 GB of float32 at vocab 128k, 8 x 2048
-tokens): the head projects only target positions, a chunk at a time, each chunk's gradient
-taken in the forward (Liger's scheme; its kernel on CUDA). Peak RSS 0.14x the plain path's
-(``benchmarks/bench_loss_memory.py``); Gemma-2's softcapped logits keep the plain path."""
+"""The training loss without the full logits (8.4 GB of float32 at vocab 128k, 8 x 2048 tokens):
+the head projects only targets a chunk at a time, gradients taken in the forward (Liger's scheme):
+peak RSS 0.14x (``benchmarks/bench_loss_memory.py``). Gemma-2's softcapped logits: plain path."""
 
 from __future__ import annotations
 
@@ -25,18 +24,16 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 def plain_loss_sum(model: Any, batch: dict[str, Any]) -> torch.Tensor:
     """Summed next-token loss over target tokens from the full logits (the reference)."""
     logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1]
-    targets = batch["labels"][:, 1:]
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
-        targets.reshape(-1),
+        batch["labels"][:, 1:].reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """sum(cross_entropy(head(hidden), targets)), a chunk of rows at a time; gradients are
-    taken per chunk in the forward, so no chunk's logits outlive its iteration."""
+    """Summed cross-entropy of head(hidden), its gradient taken a chunk at a time in the forward."""
 
     @staticmethod
     def forward(
@@ -77,16 +74,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return (scaled[0], None, None, None, *scaled[1:])
 
 
-def _liger_available(device: torch.device, head: torch.nn.Module) -> bool:
-    if device.type != "cuda" or type(head) is not torch.nn.Linear:
-        return False
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class LossFunction:
     """``loss(model, batch)``: the summed next-token cross-entropy (float32) over the batch's
     targets. ``base`` is the unwrapped model whose head is swapped; ``model`` what wraps it."""
@@ -109,12 +96,6 @@ class LossFunction:
         def loss_from_hidden(hidden: torch.Tensor, own_forward: Callable[..., Any]) -> Any:
             selected = hidden[:, :-1][keep]
             picked = targets[keep]
-            if _liger_available(selected.device, head):
-                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-                fused = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-                bias = getattr(head, "bias", None)
-                return fused(head.weight, selected, picked, bias).float()
             params = [p for p in head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
@@ -123,8 +104,7 @@ class LossFunction:
     def through_head(
         self, model: Any, batch: dict[str, Any], on_hidden: Callable[..., Any]
     ) -> torch.Tensor:
-        """One forward of ``model`` whose head returns ``on_hidden(hidden states, the head's
-        own forward)`` instead of logits, for this call (module hooks still run around it)."""
+        """A forward whose head returns ``on_hidden(hidden, own_forward)`` (its hooks still run)."""
         head = self.head
         own_forward = type(head).forward.__get__(head)  # the module's own, adapters included
         head.forward = lambda hidden: on_hidden(hidden, own_forward)

@@ -1,11 +1,8 @@
-"""TrainedModel: the result of a fit, stored as a component; it generates with the exact
-prompt formatting of training (serving prompts never drift) and exports or merges its adapter."""
+"""A fit's stored result: it generates with training's exact prompt format (no drift), exports."""
 
 from __future__ import annotations
 
-import shutil
 import tempfile
-from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,7 +26,6 @@ class ModelRecord(BaseModel):
     base: ModelArguments
     adapter: str | None  # artifact id of the PEFT adapter folder
     full_model: bool = False  # the artifact holds all weights (lora_args=None)
-    merged: str | None = None  # artifact id of the merged model folder
     prompt_template: str | None
     chat_template: bool = False
     max_length: int
@@ -48,10 +44,8 @@ class TrainedModel:
         self.version: int | None = None
         self.db: Components | None = None
         self._loaded: tuple[Any, Any] | None = None
-        self._formatters: dict[str, Formatter] = {}
+        self._formatter: Formatter | None = None
         self.checkpoint: dict[str, Any] | None = None  # a checkpoint's weights instead
-        self._adapters: dict[str, tuple[str, ModelRecord]] = {}  # identifier: (PEFT name, record)
-        self._active: str | None = None
 
     @property
     def identifier(self) -> str:
@@ -167,67 +161,19 @@ class TrainedModel:
         self._loaded = (model, tokenizer)
         return self._loaded
 
-    def with_adapters(self, *others: str | TrainedModel) -> TrainedModel:
-        """Load the adapters of ``others`` (identifiers or loaded models) trained on the same
-        base beside this one (one base in memory); :meth:`set_adapter` switches."""
-        model, _ = self.load()
-        if self.record.full_model:
-            raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
-        db = self._require_db()
-        if not self._adapters:
-            self._adapters[self.identifier] = ("default", self.record)
-            self._active = self.identifier
-        for other in others:
-            loaded = db.load("model", other) if isinstance(other, str) else other
-            if loaded.identifier in self._adapters:
-                raise ConfigError(f"adapter {loaded.identifier!r} is loaded already")
-            mine, theirs = self.record.base, loaded.record.base
-            source = attrgetter("model_name_or_path", "revision")
-            if loaded.record.full_model or source(mine) != source(theirs):
-                raise ConfigError(
-                    f"model {loaded.identifier!r} was trained on "
-                    f"{'all weights of ' if loaded.record.full_model else ''}"
-                    f"{theirs.model_name_or_path!r}, not on this model's base "
-                    f"{mine.model_name_or_path!r}: its adapter cannot share the base"
-                )
-            name = f"adapter_{len(self._adapters)}"
-            with tempfile.TemporaryDirectory(prefix="llmtrain-adapter-") as scratch:
-                folder = loaded._adapter_folder(Path(scratch) / "a")
-                model.load_adapter(str(folder), adapter_name=name)
-            self._adapters[loaded.identifier] = (name, loaded.record)
-        model.eval()
-        return self
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self._adapters) or [self.identifier]
-
-    def set_adapter(self, identifier: str) -> TrainedModel:
-        """Answer with the adapter (and prompt format) of model ``identifier``."""
-        if identifier not in self._adapters:
-            raise ConfigError(
-                f"no adapter {identifier!r} is loaded; loaded: {', '.join(self.adapters)}"
-            )
-        model, _ = self.load()
-        model.set_adapter(self._adapters[identifier][0])
-        self._active = identifier
-        return self
-
     def formatter(self) -> Formatter:
-        """The training prompt format of the active adapter, built once."""
-        record = self.record if self._active is None else self._adapters[self._active][1]
-        if record.identifier not in self._formatters:
+        """The training prompt format, built once."""
+        if self._formatter is None:
             from llmtrain.formatting import Formatter
 
-            _, tokenizer = self.load()
-            template = None if record.chat_template else record.prompt_template
-            self._formatters[record.identifier] = Formatter(
+            record, (_, tokenizer) = self.record, self.load()
+            self._formatter = Formatter(
                 tokenizer,
-                template,
+                None if record.chat_template else record.prompt_template,
                 chat_template=record.chat_template,
                 max_length=record.max_length,
             )
-        return self._formatters[record.identifier]
+        return self._formatter
 
     def generate(
         self, X: str | list[str], *, max_new_tokens: int = 64, **generate_kwargs: Any
@@ -244,10 +190,6 @@ class TrainedModel:
             ]
         return outputs[0] if isinstance(X, str) else outputs
 
-    def predict(self, X: str | list[str], **kwargs: Any) -> str | list[str]:  # noqa: N803
-        """:meth:`generate` by its scikit-learn name."""
-        return self.generate(X, **kwargs)
-
     def export_adapter(self, dest: str | Path) -> Path:
         """Write the adapter in PEFT's layout to the new folder ``dest``."""
         from llmtrain.training.export import check_new_folder
@@ -255,28 +197,10 @@ class TrainedModel:
         return self._adapter_folder(check_new_folder(dest, "adapter destination"))
 
     def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
-        """Write the merged model and the tokenizer to the new folder ``dest`` (nothing stored);
-        returns what it was merged into (:mod:`llmtrain.training.export`)."""
+        """Merge into the new folder ``dest`` (with the tokenizer); returns what it merged into."""
         from llmtrain.training.export import check_new_folder, write_merged
 
         dest = check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
             return write_merged(self.record.base, adapter, dest, into)
-
-    def merge(
-        self, dest: str | Path | None = None, *, store: bool = True, into: MergeInto = "trained"
-    ) -> str:
-        """Store the merged model as an artifact (and copy it to ``dest``), record it on this
-        component and, with ``store``, store that as a new version; returns the artifact id."""
-        db = self._require_db()
-        with tempfile.TemporaryDirectory(prefix="llmtrain-merge-") as scratch:
-            merged = Path(scratch) / "merged"
-            self.export_merged(merged, into=into)
-            artifact = db.artifacts.put_dir(merged)
-            if dest is not None:
-                shutil.copytree(merged, dest, dirs_exist_ok=False)
-        self.record = self.record.model_copy(update={"merged": artifact})
-        if store:
-            db.add(self)
-        return artifact

@@ -13,7 +13,7 @@ from llmtrain.config.args import LoraArguments, ModelArguments
 from llmtrain.errors import ConfigError
 from llmtrain.training.precision import DTYPES, Precision
 
-# The attention and MLP projections of common decoder architectures.
+# LoRA's default targets: the attention and MLP projections of common decoder architectures.
 _DEFAULT_TARGETS: dict[str, list[str]] = {
     **dict.fromkeys(
         ("llama", "mistral", "qwen2", "gemma"),
@@ -28,7 +28,6 @@ _DEFAULT_TARGETS: dict[str, list[str]] = {
 }
 
 
-# Files that make a folder a model / a tokenizer that transformers can load.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # How long the hub gets to answer before a name that is not a local folder is refused: a
 # mistyped path otherwise spends ~48 s in transformers' retries against an unreachable hub.
@@ -78,8 +77,7 @@ def check_model_path(
 
 @functools.lru_cache(maxsize=8)
 def _reachable(endpoint: str) -> bool:
-    """The endpoint answers an HTTP request (any status) within the timeout (in a thread:
-    name lookup has no timeout of its own)."""
+    """The endpoint answers in time (any status), asked in a thread: name lookup has no timeout."""
     import threading
     import urllib.error
     import urllib.request
@@ -184,8 +182,7 @@ def target_modules_for(model: Any, lora: LoraArguments) -> list[str] | str:
     if targets is None:
         defaults = _DEFAULT_TARGETS.get(getattr(model.config, "model_type", ""), [])
         return [t for t in defaults if t in available] or "all-linear"
-    missing = [t for t in targets if t not in available]
-    if missing:
+    if missing := [t for t in targets if t not in available]:
         raise ConfigError(
             f"lora_args.target_modules {missing} match no linear layer of "
             f"{model.config.model_type}; its linear layers are {available}"
@@ -233,8 +230,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
-    found = [m for m in model.modules() if type(m).__name__ in names]
-    if found:
+    if found := [m for m in model.modules() if type(m).__name__ in names]:
         return found
     for name, module in model.named_modules():
         last = name.rsplit(".", 1)[-1]

@@ -1,5 +1,4 @@
-"""The plan of one run, as registration decided it: every executor (in process, launched
-workers, Ray workers) trains it and decides none of it again; the run record holds it."""
+"""A run's plan as registration decided it (in the run record): executors decide none of it."""
 
 from __future__ import annotations
 

@@ -37,8 +37,7 @@ class Precision:
     def resolve(
         cls, model_args: Any, device: torch.device, mixed_precision: str = "no"
     ) -> Precision:
-        """``mixed_precision="auto"``: bf16 on a GPU that has it, else none (an explicit
-        bf16/fp16 holds on the CPU too)."""
+        """``"auto"``: bf16 on a GPU that has it, else none (an explicit bf16/fp16 holds on CPU)."""
         if mixed_precision == "auto":
             mixed_precision = "bf16" if _bf16_gpu(device) else "no"
         return cls(

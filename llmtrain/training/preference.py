@@ -1,18 +1,15 @@
-"""Preference tuning's pieces: per-sequence log-probabilities without the full logits, and the
-DPO, KTO, ORPO and SimPO losses as pure tensor functions, formulas and defaults as TRL 1.16's.
-
-A batch for :func:`sequence_logprobs` is one of
-  * padded: ``input_ids``, ``labels``, ``attention_mask`` [B, T]; sequence ``i`` is row ``i``;
-  * packed: ``input_ids``, ``labels``, ``position_ids`` [B, T] restarting at 0 per sequence
-    (no ``attention_mask``: transformers then keeps packed sequences apart, as in training),
-    and ``sequence_index`` [B, T]: each token's sequence, 0..S-1 (read at targets only).
-``labels`` are the tokens to score, :data:`IGNORE_INDEX` elsewhere (prompt, padding)."""
+"""Per-sequence log-probabilities without the full logits, and the DPO, KTO, ORPO and SimPO losses
+as pure tensor functions (TRL 1.16's formulas and defaults). A :func:`sequence_logprobs` batch is
+padded (``input_ids``, ``labels``, ``attention_mask`` [B, T]; sequence ``i``: row ``i``) or packed
+(``position_ids`` restart at 0 per sequence, no ``attention_mask``: transformers keeps sequences
+apart; ``sequence_index`` [B, T]: each token's sequence). ``labels``: IGNORE_INDEX if unscored."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,8 +24,7 @@ Metrics = dict[str, torch.Tensor]
 
 
 def _targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask over the shifted positions, target ids, their sequence): a token at position 0
-    has nothing of its own sequence before it, so it is never a target."""
+    """(mask over the shifted positions, target ids, their sequence); position 0 is no target."""
     labels = batch["labels"][:, 1:]
     keep = labels != IGNORE_INDEX
     if "position_ids" in batch:
@@ -46,8 +42,7 @@ def _per_sequence(
     if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
         packed = "sequence_index" in batch
         size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
-    total = logps.new_zeros(size).index_add(0, index, logps)
-    return total, torch.bincount(index, minlength=size)
+    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
 
 
 def plain_sequence_logprobs(
@@ -68,11 +63,8 @@ def sequence_logprobs(
     num_sequences: int | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of log p(target) [S] float32, target count [S]) per sequence. The body runs to its
-    hidden states and the head (``head``'s: the unwrapped model's, found once by the loss;
-    default ``model``'s) projects only targets, a chunk at a time; under grad each chunk is
-    recomputed in backward (checkpointed), since the preference loss's gradient per sequence
-    is only known after the forward."""
+    """(sum of log p(target) [S] float32, target count [S]) per sequence; the head projects only
+    targets, a chunk at a time, checkpointed: the gradient is only known after the forward."""
     found = head if head is not None else LossFunction(model, chunk_elements=chunk_elements)
     if not found.chunked:
         return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
@@ -83,15 +75,12 @@ def sequence_logprobs(
             logits = own_forward(hidden).float()
             return logits.log_softmax(-1).gather(-1, picked[:, None]).squeeze(-1)
 
-        selected = hidden[:, :-1][keep]
-        parts = []
-        for start in range(0, selected.size(0), found.chunk):
-            rows = slice(start, start + found.chunk)
-            if torch.is_grad_enabled():
-                part = checkpoint(chunk_logps, selected[rows], targets[rows], use_reentrant=False)
-            else:
-                part = chunk_logps(selected[rows], targets[rows])
-            parts.append(part)
+        selected, size = hidden[:, :-1][keep], found.chunk
+        compute: Callable[..., torch.Tensor] = chunk_logps
+        if torch.is_grad_enabled():
+            compute = partial(checkpoint, chunk_logps, use_reentrant=False)
+        starts = range(0, selected.size(0), size)
+        parts = [compute(selected[i : i + size], targets[i : i + size]) for i in starts]
         return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
 
     logps = found.through_head(model, batch, logps_from_hidden)
@@ -104,8 +93,7 @@ def _smoothed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _pair_metrics(good: torch.Tensor, bad: torch.Tensor, beta: float, *logps: Any) -> Metrics:
-    """TRL's logged names, batch means of detached tensors (no read of the device); rewards
-    are ``beta`` * ``good``/``bad``."""
+    """TRL's logged names, means of detached tensors (no device read); rewards: ``beta`` * x."""
     chosen, rejected = beta * good.detach(), beta * bad.detach()
     return {
         "rewards/chosen": chosen.mean(),
@@ -129,12 +117,10 @@ def dpo_loss(
     chosen_tokens: torch.Tensor | None = None,
     rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """DPO on summed log-probs. ``sigmoid`` with ``label_smoothing`` is conservative DPO
-    (TRL 1.16's sigmoid has none; ``robust`` is its smoothed form); ``ipo`` divides each
-    log-ratio by its token count (``*_tokens``), as TRL does; rewards stay unnormalised."""
+    """DPO on summed log-probs; ``sigmoid`` with ``label_smoothing`` is conservative DPO (TRL's has
+    none; ``robust`` is its form); ``ipo`` divides each log-ratio by its ``*_tokens``, as TRL."""
     chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
-    delta = chosen - rejected
-    eps = label_smoothing
+    delta, eps = chosen - rejected, label_smoothing
     if loss_type == "sigmoid":
         losses = _smoothed(beta * delta, eps)
     elif loss_type == "robust":  # unbiased: the flipped label's term subtracted, rescaled
@@ -163,9 +149,8 @@ def kto_loss(
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
 ) -> tuple[torch.Tensor, Metrics]:
-    """KTO on summed log-probs; ``desirable`` [N] bool. The reference point is the batch's
-    mean policy/reference log-ratio on mismatched completions (``kl_*``), detached and
-    clamped at 0 (zero without them). Metrics of a kind the batch lacks are nan."""
+    """KTO on summed log-probs; the reference point: the mean log-ratio on mismatched completions
+    (``kl_*``), detached, clamped at 0 (0 without). Metrics of a kind the batch lacks are nan."""
     kl = torch.zeros((), device=logps.device)
     if kl_logps is not None and ref_kl_logps is not None:
         kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
@@ -203,9 +188,8 @@ def orpo_loss(
     *,
     beta: float = 0.1,
 ) -> tuple[torch.Tensor, Metrics]:
-    """ORPO: ``chosen_nll`` - ``beta`` (the paper's lambda) * mean log sigmoid(log odds
-    ratio), on token-averaged log-probs. TRL's ``chosen_nll`` is the token-mean cross-entropy
-    of the chosen rows over prompt and response; the paper's, the response only."""
+    """ORPO: ``chosen_nll`` - ``beta`` (the paper's lambda) * mean log sigmoid(log odds ratio) on
+    token-averaged log-probs (TRL's ``chosen_nll`` covers the prompt too, the paper's does not)."""
     chosen, rejected = chosen_logps.float(), rejected_logps.float()
     log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
     ratio = F.logsigmoid(log_odds)
@@ -228,9 +212,8 @@ def simpo_loss(
     cpo_alpha: float = 0.0,
     chosen_nll: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
-    """SimPO (TRL's CPO with ``loss_type="simpo"``; ``gamma`` is its ``simpo_gamma``, the
-    margin itself): -log sigmoid(beta * (chosen - rejected) - gamma) on token-averaged
-    log-probs, no reference; plus ``cpo_alpha`` * ``chosen_nll`` (CPO's term, off here)."""
+    """SimPO (TRL's CPO ``loss_type="simpo"``): -log sigmoid(beta * (chosen - rejected) - gamma) on
+    token-averaged log-probs, no reference; plus ``cpo_alpha`` * ``chosen_nll`` (CPO, off here)."""
     if cpo_alpha and chosen_nll is None:
         raise ValueError("simpo_loss: cpo_alpha needs chosen_nll")
     losses = _smoothed(beta * (chosen_logps - rejected_logps - gamma / beta), label_smoothing)
@@ -240,7 +223,6 @@ def simpo_loss(
     return losses.mean() + cpo_alpha * nll, metrics
 
 
-#: the objectives trained on preference rows, and those with a reference model
 PREFERENCE = ("dpo", "kto", "orpo", "simpo")
 WITH_REFERENCE = ("dpo", "kto")
 #: a reference adapter: the adapter an earlier model trained, kept frozen beside the trained one
@@ -249,10 +231,8 @@ REFERENCE = "reference"
 
 @contextmanager
 def reference_model(base: Any) -> Iterator[None]:
-    """The reference's forward: the model the run started from. That is the adapter kept as
-    :data:`REFERENCE` where there is one (an earlier model's), made active on each LoRA layer
-    without touching ``requires_grad`` (PEFT's ``set_adapter`` would, under a wrapped model);
-    else the base with its adapter off."""
+    """The reference: the :data:`REFERENCE` adapter, set on each LoRA layer (PEFT's ``set_adapter``
+    would touch ``requires_grad`` under a wrapped model), else the base with its adapter off."""
     if REFERENCE not in getattr(base, "peft_config", {}):
         with base.disable_adapter():
             yield
@@ -271,12 +251,8 @@ def reference_model(base: Any) -> Iterator[None]:
 
 
 class PreferenceLoss:
-    """``loss(model, batch)`` of a preference objective, as :class:`LossFunction` is SFT's:
-    the batch holds ``pairs`` rows' first sequences (chosen; KTO's completion) then as many
-    second ones (rejected; KTO's mismatched pair), by ``sequence_index``. Returns the sum over
-    the rows (the loop divides by the step's rows); the metrics add up until
-    :meth:`logged`, each over the rows it describes (KTO's chosen: the liked ones; its
-    margin: of those means, as TRL logs it)."""
+    """``loss(model, batch)``, summed over ``pairs`` rows (chosen or KTO's completion first, then
+    rejected or mismatched); metrics add up until :meth:`logged`, each over its rows."""
 
     def __init__(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> None:
         self.base, self.args, self.cache = base, args, cache
@@ -289,7 +265,7 @@ class PreferenceLoss:
         if n == 0:  # a rank's filler batch (every row skipped): its collectives, no gradient
             return logps.sum()
         means = logps / counts.clamp(min=1)
-        weights = {"": n}
+        weights: dict[str, int] = {}
         if a.objective in WITH_REFERENCE:
             ref = self._reference(model, batch, n).to(logps.device)
         if a.objective == "dpo":
@@ -306,7 +282,7 @@ class PreferenceLoss:
             )
         elif a.objective == "kto":
             liked = sum(batch["liked"])  # margins: of the means, in logged()
-            weights = {"": n, "chosen": liked, "rejected": n - liked, "margins": 0}
+            weights = {"chosen": liked, "rejected": n - liked, "margins": 0}
             loss, metrics = kto_loss(
                 logps[:n],
                 ref[:n],
@@ -323,16 +299,14 @@ class PreferenceLoss:
         else:
             loss, metrics = simpo_loss(means[:n], means[n:], beta=a.beta, gamma=a.simpo_gamma)
         for name, value in metrics.items():
-            weight = weights.get(name.rsplit("/", 1)[-1], n)
-            if weight:
+            if weight := weights.get(name.rsplit("/", 1)[-1], n):
                 total = self.sums.setdefault(name, [0.0, 0])
                 total[0] = total[0] + value.detach().float() * weight
                 total[1] = total[1] + weight
         return loss * n
 
     def _reference(self, model: Any, batch: dict[str, Any], n: int) -> torch.Tensor:
-        """The reference's log-probs, first sequences then second: kept ones from the cache,
-        else a forward of the reference (kept for next time)."""
+        """The reference's log-probs, from the cache, else a forward (kept for next time)."""
         digests = batch.get("pair_digests") or []
         kept = self.cache.get(digests) if self.cache is not None else None
         if kept is not None:

@@ -1,10 +1,6 @@
-"""DPO's and KTO's reference log-probabilities, computed once per row and kept in the artifact
-store, keyed by the row's key, its rendered token ids and the reference model's fingerprint: a
-second epoch, a resume, a replay or another trainer on the same reference runs no reference
-forward for a pair already seen, and a pair whose text changed is computed again (KTO's second
-sequence pairs the prompt with its micro-batch neighbour's completion: kept for that pairing).
-The index is a metadata component per fingerprint listing its blobs; each blob maps pair
-digests to the two values."""
+"""DPO's and KTO's reference log-probabilities, computed once per pair (key and token ids) and
+reference: a second epoch, a resume or another trainer runs no forward for a pair seen before, a
+changed pair is computed again. A component per fingerprint lists its blobs (digest: values)."""
 
 from __future__ import annotations
 
@@ -31,9 +27,8 @@ def pair_digest(key: Any, chosen: list[int], rejected: list[int]) -> str:
 
 
 def reference_fingerprint(model_args: Any, precision: str, adapter: str | None = None) -> str:
-    """The reference's identity: the base model (a local folder's weight files by size and
-    time too, so a folder rewritten in place is another reference), the compute precision
-    and the adapter it starts from (an earlier model's artifact id; None: the bare base)."""
+    """The reference's identity: the base model (a local folder's files by size and time too: a
+    folder rewritten in place is another reference), the precision and the adapter's id if any."""
     facts: list[Any] = [model_args.model_dump(mode="json"), precision]
     if adapter is not None:
         facts.append(adapter)
@@ -45,17 +40,15 @@ def reference_fingerprint(model_args: Any, precision: str, adapter: str | None =
 
 
 class ReferenceCache:
-    """The stored values of one reference, and those this process computed since it last
-    handed them over (:meth:`take_new`)."""
+    """The stored values of one reference, and those computed since :meth:`take_new`."""
 
     def __init__(self, db: Database, fingerprint: str) -> None:
         self.db, self.fingerprint = db, fingerprint
         self.values: dict[str, tuple[float, float]] = {}
         self.new: dict[str, tuple[float, float]] = {}
         for blob in self._blobs():
-            self.values.update(
-                {k: (c, r) for k, (c, r) in json.loads(db.artifacts.get_bytes(blob)).items()}
-            )
+            pairs = json.loads(db.artifacts.get_bytes(blob))
+            self.values.update({k: (c, r) for k, (c, r) in pairs.items()})
 
     def _blobs(self) -> list[str]:
         try:
@@ -65,9 +58,7 @@ class ReferenceCache:
 
     def get(self, digests: list[str]) -> list[tuple[float, float]] | None:
         """Every pair's (chosen, rejected) values, or None when one is not kept."""
-        if not all(d in self.values for d in digests):
-            return None
-        return [self.values[d] for d in digests]
+        return [self.values[d] for d in digests] if self.values.keys() >= set(digests) else None
 
     def add(self, digests: list[str], chosen: list[float], rejected: list[float]) -> None:
         for digest, c, r in zip(digests, chosen, rejected):

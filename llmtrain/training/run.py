@@ -81,16 +81,14 @@ class FitRun:
         self.targs, self.dargs = self.config.training_args, self.config.data_args
         self.callbacks = list(callbacks)
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-run-"))
-        self.step, self.tokens_seen, self.examples = 0, 0, 0
+        self.step, self.tokens_seen, self.examples, self.last_grad_norm = 0, 0, 0, 0.0
         self.skips = Skips()  # what the steps trained since the last checkpoint skipped
         self.skipped: dict[str, None] = {}  # every key this attempt skipped, in reading order
         self.history: list[dict[str, float]] = []
-        self.last_grad_norm = 0.0
         self.best: float | None = None  # the best save_best_by value so far
         self._saved_step: int | None = None
         self._eval_data: Any = None  # this rank's view of the eval rows, built once
 
-    # -- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         from transformers import get_scheduler
 
@@ -110,8 +108,7 @@ class FitRun:
             compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
-        objective = cfg.objective_args
-        cache = None
+        objective, cache = cfg.objective_args, None
         if objective.objective in WITH_REFERENCE:
             parent = (self.plan.parent or {}).get("adapter")
             fingerprint = reference_fingerprint(cfg.model_args, str(self.precision), parent)
@@ -166,8 +163,7 @@ class FitRun:
             self._restore(self.plan.resume_from)
 
     def _formatter(self, fields: list[str]) -> Formatter:
-        """The formatter of rows with these fields: responses from Y, or documents (a
-        template with {Y} formats only the responses of a mixture's sources with a Y)."""
+        """The formatter of rows with ``fields`` (a {Y} template only formats sources with a Y)."""
         d, template = self.dargs, None if self.dargs.chat_template else self.config.prompt_template
         if template and len(fields) == 1 and not PromptTemplate(template).documents:
             template = None
@@ -202,8 +198,7 @@ class FitRun:
         )
 
     def _start_from_parent(self, model: Any) -> None:
-        """A run continuing an earlier model (incremental, or ``init_from``) starts from its
-        adapter (a checkpoint overrides it); a reference objective also keeps it, frozen."""
+        """Load the parent's adapter (a checkpoint overrides it), and a frozen copy for DPO/KTO."""
         parent = self.plan.parent
         if not parent:
             return
@@ -214,8 +209,7 @@ class FitRun:
         self.db.artifacts.get_dir(parent["adapter"], folder)
         weights = load_file(folder / "adapter_model.safetensors")
         loaded = set_peft_model_state_dict(model, weights)
-        unexpected = list(getattr(loaded, "unexpected_keys", None) or [])
-        if unexpected:
+        if unexpected := list(getattr(loaded, "unexpected_keys", None) or []):
             raise CheckpointError(
                 f"the adapter of model v{parent.get('model_version')} does not fit this "
                 f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
@@ -253,7 +247,6 @@ class FitRun:
             epoch = self.batches.rule.after(self.step)[0]
             log.info("resumed run %s at step %d (epoch %d)", self.run_id, self.step, epoch)
 
-    # -- the loop --------------------------------------------------------------------------
     def train(self) -> None:
         t, first, epoch_examples = self.targs, self.step, 0
         stream = self.batches.steps(self.step, self.total_steps)
@@ -326,8 +319,8 @@ class FitRun:
         return count if s.world_size == 1 else int(s.all_reduce(torch.tensor(count)))
 
     def _pair(self, group: StepGroup) -> tuple[list[dict[str, Any]], int]:
-        """The step's micro-batches (on the host), as many on every rank (empty ones added:
-        collectives stay paired), and the step's target tokens on all ranks (one collective)."""
+        """The step's micro-batches, as many on every rank (empty ones added: collectives stay
+        paired), and the step's target tokens on all ranks (one collective)."""
         batches, s = group.batches, self.strategy
         targets = sum(b["num_target_tokens"] for b in batches)  # plain ints: no torch call
         if s.world_size == 1:
@@ -373,7 +366,6 @@ class FitRun:
             for callback in self.callbacks:
                 callback.on_log(self, metrics)
 
-    # -- evaluation --------------------------------------------------------------------------
     def _eval_step(self, progress: Progress) -> None:
         """Collective. Evaluate, log, and checkpoint a new best by save_best_by."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
@@ -393,8 +385,7 @@ class FitRun:
                 self.checkpointer.mark_best(record, key, value)
 
     def score_generations(self) -> dict[str, float]:
-        """Collective. Each eval metric's mean over the eval rows (up to max_eval_rows per
-        rank) answered by greedy generation; {} without eval_metrics."""
+        """Collective. Mean eval metrics over greedy answers to up to max_eval_rows per rank."""
         ds = self._eval_dataset() if self.metrics else None
         if ds is None:
             return {}
@@ -403,8 +394,7 @@ class FitRun:
         s, fit, t = self.strategy, self.plan.fit, self.targs
         loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
-        model = s.unwrap(self.model)
-        model.eval()
+        model = s.unwrap(self.model).eval()
         for rows in loader:
             pairs = [
                 (r[fit.X], r[fit.Y])
@@ -476,7 +466,6 @@ class FitRun:
         self._eval_data.position.restore(0, 0)
         return self._eval_data
 
-    # -- saving ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Any:
         """Collective. Rank 0 also records what every rank skipped since the last checkpoint."""
         s = self.strategy

@@ -6,13 +6,11 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from llmtrain.config.args import Launcher
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 DB_ENV = "LLMTRAIN_DB_URI"
 METADATA_ENV = "LLMTRAIN_METADATA_URI"
@@ -32,8 +30,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def artifacts_location(db: Datalayer) -> str:
-    """Where a worker reopens the artifact store: a folder, ``gridfs`` or an fsspec URL
-    (credentials from the environment)."""
+    """A folder, ``gridfs`` or an fsspec URL (credentials from the environment) workers reopen."""
     from llmtrain.stores.artifacts import LocalArtifactStore
     from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
 
@@ -73,13 +70,7 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
 
 
 def build_command(
-    launcher: Launcher,
-    db: Datalayer,
-    job_dir: Path,
-    *,
-    run_id: str,
-    resume_from: str | None,
-    merge: bool,
+    launcher: Launcher, db: Datalayer, job_dir: Path, *, run_id: str, resume_from: str | None
 ) -> WorkerCommand:
     # master_port (>= 1) is set for several nodes: Launcher's validator sees to it
     port = launcher.master_port or free_port(launcher.master_addr)
@@ -87,7 +78,6 @@ def build_command(
         *launcher_argv(launcher, port),
         "llmtrain.running.launchers.worker",
         *("--run-id", run_id, *(["--resume-from", resume_from] if resume_from else [])),
-        *(["--merge"] if merge else []),
     ]
     env = {
         DB_ENV: db.secret_uri(),

@@ -112,18 +112,15 @@ class WorkerJob:
 
     def first_error(self) -> tuple[int, str] | None:
         """The rank whose traceback was written first (later ones are usually its echo)."""
-        files = sorted(
-            (self.job_dir / "errors").glob("rank*.txt"), key=lambda p: p.stat().st_mtime_ns
-        )
-        for path in files:
+        errors = (self.job_dir / "errors").glob("rank*.txt")
+        for path in sorted(errors, key=lambda p: p.stat().st_mtime_ns):
             text = path.read_text(errors="replace")
             if text.strip():
                 return int(path.name[4:-4]), text
         return None
 
     def pids(self) -> list[int]:
-        own = [self.proc.pid] if self.proc is not None else []
-        return own + sorted(self.worker_pids)
+        return ([self.proc.pid] if self.proc is not None else []) + sorted(self.worker_pids)
 
     def stop(self) -> None:
         """SIGTERM every process group involved, SIGKILL what is left after a grace period."""

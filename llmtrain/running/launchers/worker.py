@@ -30,14 +30,13 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
         found = db.metadata.list_checkpoints(args.run_id)
         resume_from = next(c for c in found if c.artifact_id == args.resume_from)
     plan = RunPlan.from_record(db.metadata.get_run(args.run_id), resume_from)
-    run_here(plan, db, placement, merge=args.merge)
+    run_here(plan, db, placement)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmtrain.running.launchers.worker")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--resume-from", help="the artifact id of the checkpoint to resume")
-    parser.add_argument("--merge", action="store_true")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
     args, placement = parser.parse_args(argv), Placement.from_environment()
     rank = placement.rank

@@ -13,14 +13,12 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import DistributedError
-
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
 
 log = logging.getLogger("llmtrain.running.ray")
 
@@ -95,8 +93,7 @@ class _Proxy:
 
 
 class RemoteDB:
-    """What a run on a Ray worker sees of the database: the driver's, through the broker.
-    ``backend`` is the worker's own connection when the workers read the database."""
+    """A Ray worker's view of the driver's database; ``backend`` is its own if workers read it."""
 
     def __init__(self, broker: Any, backend: Any = None, uri: str = "ray-driver://") -> None:
         self.uri = uri

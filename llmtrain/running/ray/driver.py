@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import ray.train
@@ -21,6 +21,7 @@ from ray.train.torch import TorchTrainer
 
 from llmtrain.config.args import RayConfig
 from llmtrain.console import QUIET_ENV
+from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.running.local import Outcome, mark_failed, store_model
 from llmtrain.running.ray.bridge import serving
@@ -33,13 +34,9 @@ from llmtrain.training.model import TrainedModel
 from llmtrain.training.plan import RunPlan
 from llmtrain.uri import redact_uri
 
-if TYPE_CHECKING:
-    from llmtrain.datalayer import Datalayer
-
 
 def storage_location(storage: str | None) -> tuple[str, Any]:
-    """(path for Ray, pyarrow filesystem or None): a folder, or an fsspec URL reached as the
-    artifact store reaches it (credentials from the environment)."""
+    """(path for Ray, pyarrow filesystem or None): a folder, or an fsspec URL (env credentials)."""
     if storage is None or "://" not in storage or storage.startswith("file://"):
         folder = (storage or "~/ray_results").removeprefix("file://")
         return str(Path(folder).expanduser().absolute()), None
@@ -109,7 +106,7 @@ class RayRun:
                 info["checkpoint"] = Path(result.checkpoint.path).name
         return info
 
-    def fit(self, *, merge: bool) -> TrainedModel:
+    def fit(self) -> TrainedModel:
         db, run_id, c = self.db, self.plan.run_id, self.config
         calls: dict[str, Callable[..., Any]] = {
             "database": lambda: db.secret_uri() if c.workers_read_database else None,
@@ -149,7 +146,7 @@ class RayRun:
                     mark_failed(db, run_id, exc)
                     raise
             info = {"ray": self.ray_info("completed", result)}
-            return store_model(self.plan, db, self.finished, merge=merge, info=info)
+            return store_model(self.plan, db, self.finished, info=info)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 

@@ -1,5 +1,4 @@
-"""One Ray Train worker: the same run body as a local rank, with the driver's stores.
-Checkpoints go to Ray Train (every rank reports) and the driver records them."""
+"""One Ray Train worker: a local rank's run body, with the driver's stores and Ray's checkpoints."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class RayCheckpointer(Checkpointer):
     def restore(
         self, record: CheckpointRecord, model: Any, optimizer: Any, scheduler: Any
     ) -> dict[str, Any]:
-        """From Ray's checkpoint when Ray restarted the group at this step, else from the
-        artifact store (a resume in a new Ray job)."""
+        """Ray's copy if Ray restarted the group at this step, else the artifact store's."""
         reported = ray.train.get_checkpoint()
         if reported is not None and Path(reported.path).name == checkpoint_name(record.step):
             with reported.as_directory() as folder:
@@ -82,10 +80,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     context, broker = ray.train.get_context(), config["broker"]
     placement = Placement(
-        rank=context.get_world_rank(),
-        world_size=context.get_world_size(),
-        local_rank=context.get_local_rank(),
-        launched=True,
+        context.get_world_rank(), context.get_world_size(), context.get_local_rank(), launched=True
     )
     # rows from the driver too, unless the workers may read the database (never configured)
     address = call(broker, "driver", "database")

@@ -21,6 +21,7 @@ from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, Llmtrai
 
 BLOB, TREE = "sha256", "tree"
 _ID = re.compile(r"(sha256|tree):([0-9a-f]{64})")
+_UNSAFE = re.compile(r"(^|/)\.{0,2}(/|\Z)|[\\\0]")  # an empty, . or .. part, \ or NUL
 CHUNK = 1 << 20
 MANIFEST_FORMAT = 1
 
@@ -50,13 +51,7 @@ def tree_ids(names: Iterable[Sequence[str]]) -> list[str]:
 
 def check_relpath(relpath: object) -> str:
     """A manifest path: relative, ``/``-separated, no empty, ``.`` or ``..`` parts."""
-    if (
-        not isinstance(relpath, str)
-        or not relpath
-        or "\\" in relpath
-        or "\0" in relpath
-        or any(part in ("", ".", "..") for part in relpath.split("/"))
-    ):
+    if not isinstance(relpath, str) or _UNSAFE.search(relpath):
         raise StoreError(
             f"unsafe path {str(relpath)[:200]!r} in a folder artifact: paths "
             "must be relative, '/'-separated, without '.' or '..' parts"
@@ -96,8 +91,7 @@ def os_error(what: str, exc: OSError) -> StoreError:
 
 
 class ArtifactStore(ABC):
-    """Ids, trees, verification and deletion over five storage primitives (``_has``,
-    ``_save``, ``_open``, ``_remove``, ``_tree_ids``) that each store supplies."""
+    """Ids, trees, verification and deletion over the ``_``-primitives each store supplies."""
 
     #: where the artifacts are, for messages; the storage's exceptions that :meth:`_errors` wraps
     _label = "artifacts"
@@ -110,6 +104,9 @@ class ArtifactStore(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.location!r})"
+
+    def _not_found(self, artifact_id: str, where: object) -> ArtifactNotFoundError:
+        return ArtifactNotFoundError(f"artifact {artifact_id} not found in {where}")
 
     def _error(self, what: str, exc: BaseException) -> StoreError:
         return StoreError(f"{self._label}: {what} failed: {type(exc).__name__}: {exc}")

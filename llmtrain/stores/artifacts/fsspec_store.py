@@ -1,7 +1,6 @@
-"""Artifacts at any fsspec URL, laid out as the local folder is; credentials come from the
-environment, never the URL (it is stored and shown). Object stores (S3, GCS) publish a multipart
-upload on ``commit()`` after the hash checked; others write ``tmp/<uuid>`` and move it. No lock
-across machines: ``delete`` racing a ``put_dir`` that shares blobs can drop one it needs."""
+"""Artifacts at an fsspec URL, laid out as a local folder; credentials from the environment, never
+the URL (stored, shown). S3/GCS ``commit()`` a multipart upload once hashed, others move tmp/<uuid>.
+No lock across machines: a ``delete`` racing a ``put_dir`` sharing blobs can drop one it needs."""
 
 from __future__ import annotations
 
@@ -12,14 +11,12 @@ from contextlib import suppress
 from typing import Any, BinaryIO, cast
 from urllib.parse import urlsplit
 
-from llmtrain.errors import ArtifactNotFoundError, ConfigError, LlmtrainError
+from llmtrain.errors import ConfigError, LlmtrainError
 from llmtrain.stores.artifacts.base import CHUNK, ArtifactStore, copy_checked, id_path, tree_ids
 
 URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
-#: filesystems whose writes with ``autocommit=False`` publish the object only on ``commit()``
-ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})
-#: write buffer: S3 wants parts of 5 MiB or more; 16 MiB parts allow objects up to 160 GB
-WRITE_BLOCK = 16 << 20
+ATOMIC_COMMIT = frozenset({"s3", "s3a", "gs", "gcs"})  # autocommit=False: visible on commit()
+WRITE_BLOCK = 16 << 20  # S3 parts are 5 MiB or more; 16 MiB parts allow objects up to 160 GB
 READ_BLOCK = 4 * CHUNK
 #: protocols fsspec reads but cannot write (or that wrap another URL): no place for artifacts
 READ_ONLY = frozenset({"http", "https", "github", "zip", "tar", "libarchive", "reference"})
@@ -138,9 +135,7 @@ class FsspecArtifactStore(ArtifactStore):
                 path = self._path(artifact_id)
                 return cast(BinaryIO, self.fs.open(path, "rb", block_size=READ_BLOCK))
             except FileNotFoundError:
-                raise ArtifactNotFoundError(
-                    f"artifact {artifact_id} not found in {self.url}"
-                ) from None
+                raise self._not_found(artifact_id, self.url) from None
 
     def _remove(self, artifact_id: str) -> None:
         path = self._path(artifact_id)

@@ -1,6 +1,5 @@
-"""Artifacts in GridFS, in the MongoDB metadata database: the artifact id is the ``filename``
-(a unique index), and GridFS inserts the file document only after the last chunk, so a reader
-never sees a partial artifact; a writer that loses a race removes only its own chunks."""
+"""GridFS in the metadata database, the id as ``filename`` (unique): the file document follows the
+last chunk, so no reader sees a partial artifact; a writer losing a race drops only its chunks."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any, BinaryIO, cast
 from pymongo.errors import PyMongoError
 
 from llmtrain.db.engines import mongo_database
-from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError
+from llmtrain.errors import ArtifactCorruptError
 from llmtrain.stores.artifacts.base import TREE, ArtifactStore, copy_checked
 from llmtrain.stores.metadata.base import TABLE_PREFIX
 from llmtrain.uri import redact_uri, scheme_of
@@ -90,9 +89,7 @@ class GridFSArtifactStore(ArtifactStore):
     def _open(self, artifact_id: str) -> BinaryIO:
         doc = self._file_doc(artifact_id)
         if doc is None:
-            raise ArtifactNotFoundError(
-                f"artifact {artifact_id} not found in {self._where} (GridFS)"
-            )
+            raise self._not_found(artifact_id, f"{self._where} (GridFS)")
         with self._errors(f"reading {artifact_id}"):
             return cast(BinaryIO, self._fs().get(doc["_id"]))
 

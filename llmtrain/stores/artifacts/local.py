@@ -10,7 +10,6 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.errors import ArtifactNotFoundError
 from llmtrain.stores.artifacts.base import ArtifactStore, copy_checked, id_path, os_error, tree_ids
 
 try:  # POSIX: a lock file keeps put_dir and delete from racing; elsewhere best effort
@@ -68,9 +67,7 @@ class LocalArtifactStore(ArtifactStore):
         try:
             return open(self._path(artifact_id), "rb")
         except FileNotFoundError:
-            raise ArtifactNotFoundError(
-                f"artifact {artifact_id} not found in {self.root}"
-            ) from None
+            raise self._not_found(artifact_id, self.root) from None
         except OSError as exc:
             raise os_error(f"cannot read {artifact_id} from {self.root}", exc) from exc
 

@@ -1,5 +1,4 @@
-"""The metadata store: components (versioned records), runs, metrics and checkpoints, stored as
-plain JSON that a pydantic model validates on the way back; never pickled."""
+"""Components (versioned), runs, metrics, checkpoints: as JSON, pydantic-checked, never pickled."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ TABLE_PREFIX = "_llmtrain_"
 UTC = timezone.utc
 RunStatus = Literal["created", "running", "completed", "failed", "interrupted"]
 _RUN_STATUSES = frozenset(get_args(RunStatus))
-#: concurrent writers retry a lost race this many times (each try is one short transaction)
-MAX_TRIES = 50
+MAX_TRIES = 50  # a writer's tries after losing a race, each one short transaction
 
 
 class _Record(BaseModel):
@@ -69,16 +67,14 @@ class Conflict(Exception):
     """A backend primitive's signal: another record already holds that unique key."""
 
 
-#: a row as a backend primitive hands it back: column -> value, JSON columns still as text
-Row = Mapping[str, Any]
+Row = Mapping[str, Any]  # a backend primitive's row: column -> value, JSON still as text
 
 
 class MetadataStore(ABC):
     """The rules, once; a backend supplies the ``_``-primitives below, creates nothing when only
     read and raises :class:`Conflict` when a unique key is taken (concurrent adds retry)."""
 
-    #: the driver's exceptions that become a StoreError naming the operation
-    _driver_errors: tuple[type[BaseException], ...] = ()
+    _driver_errors: tuple[type[BaseException], ...] = ()  # what becomes a StoreError
 
     def __init__(self, uri: str, *, missing_ok: bool = False) -> None:
         self._uri = uri
@@ -337,16 +333,13 @@ def dumps(value: Any, what: str) -> str:
 
 def loads(value: Any, what: str) -> Any:
     """Stored JSON text back; anything else (bytes, a pickle) is a StoreError, never decoded."""
-    if not isinstance(value, str):
-        raise StoreError(
-            f"{what} is not JSON text but {type(value).__name__}; was it edited outside llmtrain?"
-        )
     try:
-        return json.loads(value)
+        if isinstance(value, str):
+            return json.loads(value)
+        problem = f"not JSON text but {type(value).__name__}"
     except ValueError as exc:
-        raise StoreError(
-            f"{what} is not valid JSON ({exc}); was it edited outside llmtrain?"
-        ) from None
+        problem = f"not valid JSON ({exc})"
+    raise StoreError(f"{what} is {problem}; was it edited outside llmtrain?") from None
 
 
 def pause(attempt: int) -> None:
@@ -364,9 +357,7 @@ def _record(cls: type[R], row: Row, field: str, what: str) -> R:
     data[field] = loads(row.get(field), what)
     for name in ("created_at", "updated_at"):
         if isinstance(value := data.get(name), datetime):
-            data[name] = (
-                value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-            )
+            data[name] = value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
     return cls(**data)
 
 

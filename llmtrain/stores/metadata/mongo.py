@@ -21,8 +21,7 @@ from llmtrain.stores.metadata.base import (
     pause,
 )
 
-#: metrics by step then insertion: ObjectIds grow within a process, which writes a run's metrics
-_ORDER = {
+_ORDER = {  # metrics by step, then insertion: ObjectIds grow in the one process writing them
     "components": ("version",),
     "runs": ("created_at", "_id"),
     "metrics": ("step", "_id"),

@@ -174,8 +174,7 @@ class SQLMetadataStore(MetadataStore):
             try:
                 with engine.connect() as conn:
                     if engine.dialect.name == "sqlite":
-                        # Take the write lock up front: a deferred transaction that read
-                        # first cannot wait for the lock, it fails at once.
+                        # lock first: a deferred transaction that read cannot wait for it, it fails
                         conn.exec_driver_sql("BEGIN IMMEDIATE")
                     result = fn(conn)
                     conn.commit()

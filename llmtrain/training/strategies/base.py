@@ -1,5 +1,4 @@
-"""The strategy: all the loop needs that depends on how many processes train, so single,
-DDP, FSDP2 and DeepSpeed swap without the loop branching on them."""
+"""The strategy: all that depends on the process count, so the loop never branches on it."""
 
 from __future__ import annotations
 

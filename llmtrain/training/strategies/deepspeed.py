@@ -63,8 +63,7 @@ def build_config(
             raise ConfigError(
                 f"deepspeed_config.raw: cannot read a JSON config from {config.raw!r}: {exc}"
             ) from None
-    present = [s for s in _OWN_SECTIONS if s in cfg]
-    if present:  # never in the config built above
+    if present := [s for s in _OWN_SECTIONS if s in cfg]:  # never in the config built above
         raise ConfigError(
             f"deepspeed_config.raw has {present}: the trainer builds the "
             "optimizer and LR scheduler from training_args; remove them"
@@ -94,8 +93,7 @@ def build_config(
 
 def check_quantization(model: torch.nn.Module, stage: int) -> None:
     """The stage a raw config file sets, against the loaded model's quantisation."""
-    problems = quantization_problems(quantized_bits(model), deepspeed_stage=stage)
-    if problems:
+    if problems := quantization_problems(quantized_bits(model), deepspeed_stage=stage):
         raise ConfigError("; ".join(problems))
 
 

@@ -45,14 +45,13 @@ def shard_model(model: torch.nn.Module, **options: Any) -> None:
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
     """The quantisation rules only the loaded model decides (the trainer checked the config's)."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
-    problems = quantization_problems(
+    if problems := quantization_problems(
         quantized_bits(model),
         fsdp=True,
         cuda=device.type == "cuda",
         quant_storage=dtype_name(getattr(quant, "bnb_4bit_quant_storage", None)),
         compute_dtype=dtype_name(getattr(quant, "bnb_4bit_compute_dtype", None)),
-    )
-    if problems:
+    ):
         raise ConfigError("; ".join(problems))
 
 
@@ -121,8 +120,7 @@ class FSDP2(ProcessGroupStrategy):
         current = self._named_state(model)
         sharded: dict[str, torch.Tensor] = {}
         for key, value in state.items():
-            ref = current.get(key)
-            if isinstance(ref, DTensor):
+            if isinstance(ref := current.get(key), DTensor):
                 local = value.to(device=ref.to_local().device, dtype=ref.dtype)
                 value = distribute_tensor(
                     local, ref.device_mesh, ref.placements, src_data_rank=None

@@ -1,8 +1,16 @@
-"""``llmtrain demo``: the whole loop in about half a minute on a laptop CPU, no download.
-``examples/quickstart.py`` makes the same calls (a test runs it), so the two cannot drift."""
+"""The quick start: fine-tune a tiny model on a SQLite table, load it back, ask it questions.
+
+    python examples/demo.py [--dir llmtrain-demo] [--steps 60]
+
+About half a minute on a laptop CPU, no download: it writes a SQLite file with a ``docs`` table
+(id, instruction, output, lang) and builds a tiny local model, both in ./llmtrain-demo/. With
+your own data, connect to your database and name a real model (``model="Qwen/Qwen2.5-0.5B"``).
+The other examples reuse its table (``rows``, ``write_table``).
+"""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sqlite3
 import textwrap
@@ -107,7 +115,7 @@ def prepare(workdir: str | Path = DEFAULT_DIR) -> tuple[str, Path]:
             f"{workdir} is not empty and is not a demo folder; pick another with --dir"
         )
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / _MARKER).write_text("Written by `llmtrain demo`; safe to delete.\n")
+    (workdir / _MARKER).write_text("Written by examples/demo.py; safe to delete.\n")
     db_file = workdir / _DB_FILE
     for stale in (db_file, Path(f"{db_file}-wal"), Path(f"{db_file}-shm")):
         stale.unlink(missing_ok=True)
@@ -202,8 +210,23 @@ def run(workdir: str | Path = DEFAULT_DIR, steps: int = DEFAULT_STEPS) -> None:
         ]
         say(_table(runs, ["run id", "status", "steps", "final loss", "model", "adapter artifact"]))
     say(f"\nDone in {time.perf_counter() - started:.0f} s. Try: llmtrain show run --db {uri}")
-    say(f"     or: llmtrain merge demo-qa --db {uri} --out merged-demo-qa")
+    say(f"     or: llmtrain export demo-qa --db {uri} --merged merged-demo-qa")
 
 
 def _table(rows: list[tuple[Any, ...]], header: list[str]) -> str:
     return textwrap.indent(table(rows, header), "   ")  # under its step
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="fine-tune a tiny model on a demo SQLite table")
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="database and model folder")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps")
+    args = parser.parse_args(argv)
+    try:
+        run(args.dir, max(1, args.steps))
+    except ConfigError as exc:
+        raise SystemExit(f"demo: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()
