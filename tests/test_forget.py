@@ -443,3 +443,28 @@ def test_forgotten_rows_of_an_eval_selection_are_not_evaluated_on(
     held = RunSnapshot.from_record(run.info["eval_snapshot"])  # taken with the run's
     assert held.train.count == 8  # the two forgotten rows are left out
     assert any("eval_loss" in m.values for m in db.metadata.get_metrics(run.run_id))
+
+
+def test_a_run_whose_key_snapshot_is_gone_is_reported_unknown_not_clean(
+    tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose snapshot chunks were deleted from the artifact store cannot say whether it
+    trained on a row: trained_on, forget and the CLI say so, naming the run."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [_row(i) for i in range(8)])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    _trainer(tiny, "gone").fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    (run,) = db.metadata.list_runs("trainer", "gone")
+    assert db.trained_on("docs", 3).runs == [run.run_id]
+    for chunk in RunLineage.of(db, run).view.chunks:
+        db.artifacts.delete(chunk)
+    found = db.trained_on("docs", 3)
+    assert found.underivable == [run.run_id] and not found
+    assert (
+        main(["trained-on", "docs", "3", "--db", uri, "--artifacts", str(tmp_path / "artifacts")])
+        == 0
+    )
+    assert f"unknown (runs without a key snapshot): {run.run_id}" in capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="llmtrain"):
+        db.forget("docs", [3])
+    assert f"run {run.run_id}: no readable key snapshot" in caplog.text

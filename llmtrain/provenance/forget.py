@@ -71,7 +71,7 @@ def forget(db: Components, source: Any, keys: Sequence[Key], *, retrain: bool = 
         run = db.metadata.get_run(run_id)
         trainers[run.identifier] = max(trainers.get(run.identifier, run.version), run.version)
     for run_id in found.underivable:
-        log.warning("run %s predates key snapshots: whether it trained on them is unknown", run_id)
+        log.warning("run %s: no readable key snapshot, so whether it used them is unknown", run_id)
     result = Forgotten(db, found, sorted(trainers.items()))
     if retrain:
         result.retrain()
