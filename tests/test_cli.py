@@ -269,6 +269,9 @@ def test_each_command_reports_its_own_mistakes_and_describes_itself(
         "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)"
         in err
     )
+    # a prefix is a typo too, not the option it starts (`--resum` must not resume)
+    code, _, err = run_cli(capsys, "replay", "X", "--resum")
+    assert code == 2 and "unrecognized arguments: --resum (did you mean --resume?)" in err
     from llmtrain.cli import build_parser
 
     for command in (

@@ -28,6 +28,7 @@ from llmtrain.provenance.lineage import trained_on
 
 USAGE_EXAMPLES = """\
 examples:
+  python3 examples/demo.py                          # the quick start: ./llmtrain-demo/
   llmtrain fit examples/config.yaml --training_args.learning_rate 1e-4
   llmtrain show run --db sqlite:///llmtrain-demo/demo.db
   llmtrain show run demo-qa --db sqlite:///llmtrain-demo/demo.db
@@ -131,7 +132,7 @@ def _flag(parser: argparse.ArgumentParser, name: str, help: str) -> None:
 def _with_db(sub: Any, command: str, run: Any, **kwargs: Any) -> argparse.ArgumentParser:
     """A command that opens a database; its help line is its description too."""
     kwargs.setdefault("description", kwargs.get("help"))
-    parser: argparse.ArgumentParser = sub.add_parser(command, **kwargs)
+    parser: argparse.ArgumentParser = sub.add_parser(command, allow_abbrev=False, **kwargs)
     parser.set_defaults(run=run)
     parser.add_argument(
         "--db", default=os.environ.get(DB_ENV), help=f"database URI (default: ${DB_ENV})"

@@ -1,6 +1,7 @@
 """The training loss without the full logits (8.4 GB of float32 at vocab 128k, 8 x 2048 tokens):
 the head projects only targets a chunk at a time, gradients taken in the forward (Liger's scheme):
-peak RSS 0.14x (``benchmarks/bench_loss_memory.py``). Gemma-2's softcapped logits: plain path."""
+peak RSS 0.22x the plain path's at 1 x 2048 (``benchmarks/bench_loss_memory.py``). Gemma-2's
+softcapped logits take the plain path."""
 
 from __future__ import annotations
 
