@@ -693,16 +693,17 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
     env: Env, strategy: str
 ) -> None:
     """The preference objective changes only the collate and the loss: two real ranks read
     their own rows, the reference runs inside the wrapped model, the ranks end with the same
-    adapter (sharded: complementary shards of it). DDP and FSDP2 train DPO against the base
-    (adapter off); ZeRO-3 trains KTO from an SFT model, its reference a second, frozen
-    adapter partitioned with the first. Step 1 is the policy at its reference: DPO's ln 2,
-    KTO's 0.5 (liked and disliked rows alike, so both weights 1)."""
+    adapter (sharded: complementary shards of it). DDP, FSDP2 and ZeRO-2 (the DeepSpeed engine,
+    parameters replicated) train DPO against the base (adapter off); ZeRO-3 trains KTO from an
+    SFT model, its reference a second, frozen adapter partitioned with the first. Step 1 is
+    the policy at its reference: DPO's ln 2, KTO's 0.5 (liked and disliked rows alike, so both
+    weights 1)."""
     rows = [_row(i) for i in range(N_ROWS)]
     kto = strategy == "zero3"
     table, name = f"prefs_{strategy}", f"dist-{'kto' if kto else 'dpo'}-{strategy}"
@@ -729,11 +730,10 @@ def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
         ]
         fill(env.uri, table, pairs)
         fields = {"X": "prompt", "chosen": "chosen", "rejected": "rejected"}
-        options = {
-            "objective": "dpo",
-            "launcher": lt.Launcher(kind="torchrun", num_processes=WORLD),
-        }
+        kind = "deepspeed" if strategy == "zero2" else "torchrun"
+        options = {"objective": "dpo", "launcher": lt.Launcher(kind=kind, num_processes=WORLD)}
         options |= {"fsdp_config": {}} if strategy == "fsdp" else {}
+        options |= {"deepspeed_config": {"stage": 2}} if strategy == "zero2" else {}
     trace, prefix = env.root / f"trace-{name}", env.root / f"report-{name}"
     with environ(**_hooks(trace=trace, report=prefix)):
         model = _trainer(env, name, **options).fit(
@@ -753,7 +753,7 @@ def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
     assert not [key for key in adapter if "reference" in key]
     for key in local0:
         full = adapter[_peft_key(key)]
-        if strategy != "ddp":
+        if strategy not in ("ddp", "zero2"):
             assert local0[key].numel() < full.numel(), f"{key} is not sharded"
             both = _assemble([local0[key], local1[key]], list(full.shape))
             torch.testing.assert_close(both, full, rtol=0, atol=0)
