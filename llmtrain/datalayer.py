@@ -23,7 +23,7 @@ from llmtrain.uri import is_mongo_uri, redact_uri, scheme_of
 
 
 def default_artifact_dir(uri: str) -> Path:
-    """Next to a SQLite file; otherwise ``~/.llmtrain/stores/artifacts/<database>``."""
+    """Next to a SQLite file; otherwise ``~/.llmtrain/artifacts/<host>-<database>``."""
     if scheme_of(uri) == "sqlite":
         db_path = uri.split(":///", 1)[1].split("?", 1)[0] if ":///" in uri else ""
         if db_path and db_path != ":memory:":
@@ -31,7 +31,7 @@ def default_artifact_dir(uri: str) -> Path:
             return path.with_name(path.name + ".artifacts")
         name = "sqlite-memory"
     else:
-        parts = urlsplit(uri)
+        parts = urlsplit(redact_uri(uri))  # a password with "/" in it is no path
         name = f"{parts.hostname or 'local'}-{parts.path.strip('/') or 'default'}"
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return Path(os.environ.get("LLMTRAIN_HOME", Path.home() / ".llmtrain")) / "artifacts" / safe
@@ -60,8 +60,9 @@ def check_uri(uri: object, where: str) -> None:
         )
     except ImportError as exc:
         problem = f"the database driver for {shown} is not installed ({exc})"
-    except sa.exc.ArgumentError as exc:
-        problem = f"{shown} is not a valid database URI: {exc}"
+    except (sa.exc.ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
+        detail = str(exc).replace(sqlalchemy_url(uri), shown).replace(uri, shown)
+        problem = f"{shown} is not a valid database URI: {detail}"
     raise ConfigError(f"{where}: {problem}") from None
 
 

@@ -100,7 +100,9 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
             tok.normalizer = normalizers.Sequence(
                 [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
             )
-            tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+            # as Llama-2's: the tokens fused before the first space is stripped, not each one's
+            fuse = [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+            tok.decoder = decoders.Sequence(fuse)
         trainer = trainers.BpeTrainer(initial_alphabet=alphabet, **options)
     tok.train_from_iterator(corpus, trainer=trainer)
     bos = tok.token_to_id("<s>")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 REDACTED = "***"
 _SECRET_PARAMS = re.compile(r"(pass(word)?|pwd|secret|token|key|credential)", re.IGNORECASE)
+_USER_INFO = re.compile(r"([^:/@]*):([^@]*)@")  # user:password@, as SQLAlchemy's URL pattern
 
 
 def scheme_of(uri: str) -> str:
@@ -20,17 +21,20 @@ def is_mongo_uri(uri: str) -> bool:
 
 
 def redact_uri(uri: str) -> str:
-    """Hide the password in the authority and any secret-looking query parameter."""
+    """Hide the password and any secret-looking query parameter. The user info is read as the
+    drivers read it (SQLAlchemy, pymongo): the password runs to the next ``@``, so one holding
+    ``/``, ``?`` or ``#`` is hidden whole."""
     if "://" not in uri:
         return uri
-    parts = urlsplit(uri)
-    userinfo, _, host = parts.netloc.rpartition("@")
-    netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{host}" if ":" in userinfo else parts.netloc
+    scheme, rest = uri.split("://", 1)
+    if user := _USER_INFO.match(rest):
+        rest = f"{user.group(1)}:{REDACTED}@{rest[user.end() :]}"
+    base, mark, query = rest.partition("?")
+    query, hash_mark, fragment = query.partition("#")
     pairs = [
         (k, REDACTED if _SECRET_PARAMS.search(k) else v)
-        for k, v in parse_qsl(parts.query, keep_blank_values=True)
+        for k, v in parse_qsl(query, keep_blank_values=True)
     ]
-    query = urlencode(pairs, safe="*") if parts.query else ""
-    if netloc == parts.netloc and query == parts.query:
-        return uri  # nothing secret; urlunsplit would turn sqlite:///x.db into sqlite:/x.db
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if any(v == REDACTED for _, v in pairs):
+        query = urlencode(pairs, safe="*")
+    return f"{scheme}://{base}{mark}{query}{hash_mark}{fragment}"

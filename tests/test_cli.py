@@ -326,13 +326,17 @@ def test_subprocess_errors_are_clean_and_never_show_passwords(workdir: Path) -> 
     assert "s3cret" not in result.stdout + result.stderr
 
 
-def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("password", ["s3cret-pw", "s3cret/pw", "s3cret#pw", "s3cret?pw"])
+def test_show_redacts_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], password: str
+) -> None:
+    """Also a password with ``/``, ``#`` or ``?`` in it, which the driver reads up to the ``@``."""
     from conftest import fresh_database
 
     databases = fresh_database("postgresql", tmp_path)
     uri = next(databases)
     try:
-        with_password = uri.replace("://postgres@", "://postgres:s3cret-pw@")
+        with_password = uri.replace("://postgres@", f"://postgres:{password}@")
         assert with_password != uri  # trust auth: the server ignores the password
         code, out, err = run_cli(capsys, "show", "--db", with_password)
         assert code == 0 and "postgres:***@" in out
@@ -342,6 +346,21 @@ def test_show_redacts_the_password(tmp_path: Path, capsys: pytest.CaptureFixture
 
         dispose_sql_engine(with_password)
         next(databases, None)
+
+
+def test_an_unreachable_server_and_a_bad_uri_are_one_line_without_the_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    unreachable = "postgresql+psycopg://u:s3cret@127.0.0.1:1/db"
+    code, out, err = run_cli(capsys, "show", "--db", unreachable)
+    assert code == 1 and err.count("\n") == 1 and err.startswith("llmtrain: error: ")
+    for bad in ("postgresql+psycopg://u:s3cret@127.0.0.1:noport/db", "{postgresql://u:s3cret@h/db"):
+        code, out, err = run_cli(capsys, "show", "--db", bad)
+        assert code == 2 and "not a valid database URI" in err and "u:***@" in err
+        assert "s3cret" not in out + err and err.count("\n") == 1
+    (tmp_path / "latin1.yaml").write_bytes(b"name: caf\xe9\n")
+    code, _, err = run_cli(capsys, "fit", str(tmp_path / "latin1.yaml"))
+    assert code == 2 and "not UTF-8 text (byte 0xe9 at position 9)" in err
 
 
 def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -98,6 +98,11 @@ def test_tampered_record_loads_as_an_error(sqlite_uri: str) -> None:
 
 def test_uris_are_redacted() -> None:
     assert redact_uri("postgresql://u:pw@h:5432/db") == "postgresql://u:***@h:5432/db"
+    for password in ("p/w", "p#w", "p?w", "p:w"):  # read to the "@", as the drivers read it
+        redacted = redact_uri(f"postgresql://u:{password}@h:5432/db?sslmode=require")
+        assert redacted == "postgresql://u:***@h:5432/db?sslmode=require"
+    assert redact_uri("sqlite:///x.db") == "sqlite:///x.db"
+    assert default_artifact_dir("postgresql://u:p/w@h/db").name == "h-db"
     assert (
         redact_uri("mongodb://h/db?authSource=admin&password=pw")
         == "mongodb://h/db?authSource=admin&password=***"

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.db.engines import mongo_database, sql_engine
+from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError, DataError, QueryError
 from llmtrain.provenance.lineage import FORGOTTEN, RunLineage
 from llmtrain.testing import tiny_model
@@ -376,6 +377,28 @@ def test_a_forget_names_the_key_column_its_keys_belong_to(
     db.close()
 
 
+def test_raw_sql_names_the_table_postgresql_reads_unquoted_names_folded(tmp_path: Path) -> None:
+    """``FROM Docs`` reads docs on PostgreSQL, whatever table "Docs" exists beside it: the run
+    records the table it read, so trained_on and forget on docs find it."""
+    from conftest import fresh_database
+
+    databases = fresh_database("postgresql", tmp_path)
+    uri = next(databases)
+    fill(uri, "docs", [_row(i) for i in range(4)])
+    fill(uri, "Docs", [_row(i) for i in range(100, 104)])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    for text, table in [
+        ("SELECT id, q, a FROM Docs", "public.docs"),
+        ("SELECT id, q, a FROM DOCS", "public.docs"),
+        ("SELECT ID, q, a FROM Public.Docs", "public.docs"),
+        ('SELECT id, q, a FROM "Docs"', "public.Docs"),
+        ('SELECT d.id, d.q FROM "Docs" AS d JOIN docs ON docs.id = d.id', "public.Docs"),
+    ]:
+        assert db.backend.resolve(lt.sql(text, key="id")).name == table, text
+    db.close()
+    next(databases, None)
+
+
 def test_raw_sql_traces_only_bare_columns_and_aliases_first(
     sqlite_uri: str, tmp_path: Path
 ) -> None:
@@ -468,3 +491,65 @@ def test_a_run_whose_key_snapshot_is_gone_is_reported_unknown_not_clean(
     with caplog.at_level("WARNING", logger="llmtrain"):
         db.forget("docs", [3])
     assert f"run {run.run_id}: no readable key snapshot" in caplog.text
+
+
+class _StepKeys(Callback):
+    """The keys each step trained, and a change to the table after some steps."""
+
+    def __init__(self, changes: dict[int, str], engine: sa.Engine) -> None:
+        self.keys: dict[int, list[str]] = {}
+        self.changes, self.engine = changes, engine
+
+    def on_step(self, run: Any, keys: list[Any]) -> None:
+        self.keys[run.step] = sorted(keys)
+        if statement := self.changes.get(run.step):
+            with self.engine.begin() as conn:
+                conn.execute(sa.text(statement))
+
+
+def test_a_row_skipped_in_one_epoch_and_trained_in_a_later_one_is_in_its_lineage(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A bad row fixed and a deleted row re-inserted during the run train in the next epoch:
+    lineage, trained_on and forget say so, step for step, as the loop trained them."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [{**_row(i), "a": None if i == 6 else f"answer {i}"} for i in range(10)])
+    changes = {
+        1: "DELETE FROM docs WHERE id = 8",
+        3: "UPDATE docs SET a = 'fixed' WHERE id = 6",
+        5: "INSERT INTO docs (id, q, a, v) VALUES (8, 'question 8', 'answer 8', 1)",
+    }
+    steps = _StepKeys(changes, sql_engine(uri))
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    options = {"num_train_epochs": 2, "batch_size": 2, "shuffle": False, "cache_size": 2}
+    trainer = _trainer(tiny, "healed", on_bad_row="skip", **options)
+    trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[steps])
+    lineage: dict[int, list[str]] = {}
+    for row in db.lineage("model", "healed"):
+        lineage.setdefault(row.step, []).append(key_repr(row.key))
+    assert {s: sorted(k) for s, k in lineage.items()} == {s: k for s, k in steps.keys.items() if k}
+    trained = [k for step in sorted(steps.keys) for k in steps.keys[step]]
+    assert trained.count("int:6") == 1 and trained.count("int:8") == 1  # in the second epoch
+    assert [u.epoch for u in db.trained_on("docs", 6).uses] == [1]
+    assert [u.epoch for u in db.trained_on("docs", 8).uses] == [1]
+    assert db.forget("docs", [6, 8]).models == [("healed", 0)]
+
+
+def test_each_use_of_a_row_reports_the_version_that_epoch_read(tiny: Path, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [_row(i, version=0) for i in range(10)])
+    changes = {
+        1: "UPDATE docs SET a = 'one', v = 1 WHERE id = 9",  # read at step 5
+        6: "UPDATE docs SET a = 'two', v = 2 WHERE id = 9",  # read at step 10
+    }
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    options = {"num_train_epochs": 2, "batch_size": 2, "shuffle": False, "cache_size": 2}
+    trainer = _trainer(tiny, "versions", version_column="v", **options)
+    trainer.fit(
+        X="q",
+        Y="a",
+        db=db,
+        select=lt.Table("docs"),
+        callbacks=[_StepKeys(changes, sql_engine(uri))],
+    )
+    assert [(u.step, u.row_version) for u in db.trained_on("docs", 9).uses] == [(5, 1), (10, 2)]

@@ -289,6 +289,42 @@ def test_a_token_straddling_the_boundary_is_trained_and_its_text_healed_at_infer
     assert tokenizer("Q: two A: ")["input_ids"] != prompt.ids  # alone it tokenizes otherwise
 
 
+@pytest.mark.parametrize("style", ["bytelevel", "metaspace", "legacy", "wordpiece"])
+def test_every_answer_gets_the_inference_prompt_and_its_heal_respells_the_prompts_tail(
+    style: str,
+) -> None:
+    """Whatever the answer's first characters merge with (``":\n"``, ``":" + "\ng"``,
+    ``":▁"``), a row trains after exactly the ids generation is given, and its targets spell
+    the heal, then the answer: the README's template on a Llama-style tokenizer trained its
+    first token from ids generation never had, and answered garbage."""
+    from llmtrain.training.generation import token_texts
+
+    tokenizer = tiny_tokenizer(style)
+    templates = [
+        "### Instruction:\n{X}\n\n### Response:\n{Y}",
+        "Q: {X}\nA: {Y}",
+        "Q: {X} -> {Y}",
+        "<question>{X}</question> {Y}",
+        "Q: {X}\nA:{Y}",
+    ]
+    answers = ["Paris", "green", "four", "a", "The sea", "hello world"]
+    answers += ["1984"] if style != "wordpiece" else []  # its tiny vocabulary has no digits
+    texts = token_texts(tokenizer)
+    for template in templates:
+        fmt = Formatter(tokenizer, template)
+        prompt = fmt.prompt("What is it?")
+        for y in answers:
+            ex = fmt.format({"X": "What is it?", "Y": y})
+            first = next(i for i, label in enumerate(ex.labels) if label != IGNORE_INDEX)
+            assert ex.input_ids[:first] == prompt.ids, (template, y)
+            spelled = "".join(texts[t] for t in ex.labels[first:-1])
+            if style == "wordpiece":  # WordPiece lowercases, and drops the spaces it splits on
+                spelled, heal = spelled.replace(" ", ""), prompt.heal.replace(" ", "")
+                assert spelled == (heal + y.replace(" ", "")).lower(), (template, y)
+            else:
+                assert spelled == prompt.heal + y, (template, y, spelled, prompt.heal)
+
+
 # -- padding ---------------------------------------------------------------------------------
 def test_pad_collate(tok: Any) -> None:
     examples = [Example([5, 6, 7], [IGNORE_INDEX, 6, 7]), Example([8, 9], [IGNORE_INDEX, 9])]

@@ -199,7 +199,9 @@ def _keys_only(rows: list[Any]) -> list[Any]:
     return [k for k, _ in rows]
 
 
-def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_path: Path) -> None:
+def test_rows_deleted_mid_run_leave_the_lineage_in_the_epochs_they_were_gone(
+    tmp_path: Path,
+) -> None:
     """No model: the real dataset and loader read 3 shuffled epochs while a whole block and a
     single row are deleted after epoch 0; the batches it yields, numbered by the step rule,
     are the lineage derived from the record of the skips."""
@@ -240,11 +242,11 @@ def test_rows_deleted_mid_run_leave_the_lineage_from_the_epoch_they_went(tmp_pat
                 conn.execute(sa.text("DELETE FROM docs WHERE id IN (8, 9, 10, 11, 17)"))
             engine.dispose()
     assert len(expected) == 20 + 2 * 15
-    assert dict(skips.first.values()) == dict.fromkeys((8, 9, 10, 11, 17), 1)
+    assert {k: e for k, e in skips.skipped.values()} == {k: {1, 2} for k in (8, 9, 10, 11, 17)}
     assert sorted(skips.deleted.values()) == [8, 9, 10, 11, 17]
     view = snapshot.train
-    first = {k: e for k, e in skips.first.values()}
-    skipped = {i: first[k] for k, i in find(view, db.artifacts, list(first))}
+    epochs = {k: e for k, e in skips.skipped.values()}
+    skipped = {i: epochs[k] for k, i in find(view, db.artifacts, list(epochs))}
     derived = RunLineage("r", view, db.artifacts, rule, 3 * rule.per_epoch, skipped)
     rows = sorted((key_repr(r.key), r.epoch, r.step) for r in derived.rows())
     assert rows == sorted(expected)

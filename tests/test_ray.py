@@ -439,4 +439,4 @@ def test_dpo_on_ray_from_an_earlier_model_keeps_its_reference_values(env: Env) -
     *_, kept = env.db.metadata.list_components("reference_logps")  # its newest index
     values = [json.loads(env.db.artifacts.get_bytes(b)) for b in kept.payload["blobs"]]
     assert sum(map(len, values)) == len(set().union(*values)) == N_ROWS - 1  # each pair once
-    assert [key for key, _ in read_skips(env.db.artifacts, run.info).first.values()] == [3]
+    assert [key for key, _ in read_skips(env.db.artifacts, run.info).skipped.values()] == [3]

@@ -21,6 +21,7 @@ from llmtrain.errors import (
     ConfigError,
     DatabaseUnavailableError,
     DataError,
+    DistributedError,
     LlmtrainError,
     QueryError,
 )
@@ -190,10 +191,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(exc: Exception, status: int) -> int:
-    """A user's mistake (2) is one line, even when the database's message spans several; a
-    failed worker's error keeps its traceback below its first line."""
+    """One line, even when the database's message spans several; a failed worker's error keeps
+    its traceback below its first line."""
     text = str(exc) or type(exc).__name__
-    text = " ".join(text.split()) if status == 2 else text
+    text = text if isinstance(exc, DistributedError) else " ".join(text.split())
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
     return status
 

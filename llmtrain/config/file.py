@@ -94,6 +94,9 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        where = f"byte {exc.object[exc.start]:#04x} at position {exc.start}"
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text ({where})") from None
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:

@@ -1,6 +1,7 @@
 """The rows a run skipped (bad or deleted) or read changed: the per-key facts lineage cannot
-derive from the plan. Each checkpoint appends one JSON blob of what is new since the last:
-``{"skipped": [[key, first epoch], ...], "deleted": [key, ...], "changed": [[key, version]]}``."""
+derive from the plan, each for the epoch it happened in (a row fixed or re-inserted later trains
+in later epochs). Each checkpoint appends one JSON blob of what is new since the last:
+``{"skipped": [[key, epoch], ...], "deleted": [key, ...], "changed": [[key, version, epoch]]}``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ SKIPS = "skips"
 
 @dataclass
 class Skips:
-    """Skipped keys (and first epoch skipped), deleted keys, changed keys (and version read)."""
+    """Skipped keys (and the epochs skipped in), deleted keys, changed keys (and the version read
+    in each epoch)."""
 
-    first: dict[str, tuple[Key, int]] = field(default_factory=dict)
+    skipped: dict[str, tuple[Key, set[int]]] = field(default_factory=dict)
     deleted: dict[str, Key] = field(default_factory=dict)
-    changed: dict[str, tuple[Key, Any]] = field(default_factory=dict)  # the last version read
+    changed: dict[str, tuple[Key, dict[int, Any]]] = field(default_factory=dict)
 
     def add(
         self,
@@ -32,25 +34,31 @@ class Skips:
         changed: Iterable[tuple[Key, Any]] = (),
     ) -> None:
         for key in keys:
-            name = key_repr(key)
-            if name not in self.first or self.first[name][1] > epoch:
-                self.first[name] = (key, epoch)
+            self.skipped.setdefault(key_repr(key), (key, set()))[1].add(epoch)
         self.deleted.update((key_repr(k), k) for k in deleted)
-        self.changed.update((key_repr(k), (k, v)) for k, v in changed)
+        for key, version in changed:
+            self.changed.setdefault(key_repr(key), (key, {}))[1][epoch] = version
 
     def merge(self, other: Skips) -> None:
-        for key, epoch in other.first.values():
-            self.add([key], epoch)
+        for key, epochs in other.skipped.values():
+            for epoch in epochs:
+                self.add([key], epoch)
         self.deleted.update(other.deleted)
-        self.changed.update(other.changed)
+        for key, versions in other.changed.values():
+            for epoch, version in versions.items():
+                self.add((), epoch, changed=[(key, version)])
 
     def __bool__(self) -> bool:
-        return bool(self.first or self.deleted or self.changed)
+        return bool(self.skipped or self.deleted or self.changed)
 
     def to_bytes(self) -> bytes:
-        skipped = [[typed(k), e] for _, (k, e) in sorted(self.first.items())]
+        skipped = [[typed(k), e] for _, (k, es) in sorted(self.skipped.items()) for e in sorted(es)]
         deleted = [typed(k) for _, k in sorted(self.deleted.items())]
-        changed = [[typed(k), typed(v)] for _, (k, v) in sorted(self.changed.items())]
+        changed = [
+            [typed(k), typed(v), e]
+            for _, (k, versions) in sorted(self.changed.items())
+            for e, v in sorted(versions.items())
+        ]
         return json.dumps({"skipped": skipped, "deleted": deleted, "changed": changed}).encode()
 
     @classmethod
@@ -60,7 +68,8 @@ class Skips:
         for item, epoch in record["skipped"]:
             found.add([untyped(item)], int(epoch))
         found.deleted = {key_repr(k): k for k in map(untyped, record["deleted"])}
-        found.add((), 0, changed=((untyped(k), untyped(v)) for k, v in record.get("changed", ())))
+        for key, version, epoch in record["changed"]:
+            found.add((), int(epoch), changed=[(untyped(key), untyped(version))])
         return found
 
 

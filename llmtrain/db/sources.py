@@ -71,7 +71,8 @@ _DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sq
 
 def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
     """(schema, table, column) a SELECT's ``key`` comes from: a bare column of its only table or of
-    the one its qualifier names (alias first); else (computed, UNION) a QueryError: pass source=."""
+    the one its qualifier names (alias first); else (computed, UNION) a QueryError: pass source=.
+    PostgreSQL's unquoted names are folded to lower case, as it reads them (``FROM Docs``: docs)."""
     import sqlglot
     from sqlglot import exp
 
@@ -81,15 +82,29 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
     except sqlglot.errors.ParseError as exc:
         what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
         raise QueryError(what) from None
-    tables = [(t.db, t.name, t.alias_or_name) for t in tree.find_all(exp.Table)]
-    projected = {e.alias_or_name: e.unalias() for e in getattr(tree, "expressions", [])}
+
+    def named(node: Any, part: str) -> str:
+        ident = node.args.get(part)
+        name = ident.name if ident is not None else ""
+        return (
+            name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
+        )
+
+    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in tree.find_all(exp.Table)]
+
+    def output(e: Any) -> str:
+        part = "alias" if isinstance(e, exp.Alias) else "this"
+        return named(e, part) if isinstance(e, exp.Alias | exp.Column) else e.alias_or_name
+
+    projected = {output(e): e.unalias() for e in getattr(tree, "expressions", [])}
     found = projected.get(key)
     bare = isinstance(found, exp.Column) or (found is None and "*" in projected)
-    column = found.name if isinstance(found, exp.Column) else key
+    column = named(found, "this") if isinstance(found, exp.Column) else key
     if bare and isinstance(tree, exp.Select) and len({(s, t) for s, t, _ in tables}) == 1:
         return tables[0][0], tables[0][1], column
     if bare and isinstance(found, exp.Column) and found.table and isinstance(tree, exp.Select):
-        for match in (lambda a, t: a == found.table, lambda a, t: t == found.table):
+        qualifier = named(found, "table")
+        for match in (lambda a, t: a == found.table, lambda a, t: t == qualifier):
             hits = {(s, t) for s, t, a in tables if match(a, t)}
             if len(hits) == 1:
                 return (*hits.pop(), column)

@@ -245,14 +245,21 @@ class Formatter:
             start = trained - 1 - self.stride
 
     def _absorbable(self) -> int:
-        """How many of the prompt's last characters a response's first token may absorb."""
+        """How many of the prompt's last characters a response's first token may absorb: a fixed
+        point, so the token that reaches past the cut starts at it for every probe (``":\n"``
+        reaching back past ``"\n"``): a row's prompt ids, and the heal, are then the same for any
+        answer."""
         assert self.template is not None
         text = self.template.prompt("x")
-        starts = [len(text)]
-        for ids, offsets in self._encode_offsets([text + probe for probe in _PROBES]):
-            cut = _first_response_token(offsets, len(text))
-            starts += [offsets[cut][0]] if cut < len(ids) else []
-        return min(len(text) - min(starts), len(self.template.between))
+        encoded = self._encode_offsets([text + probe for probe in _PROBES])
+        end, limit = len(text), len(text) - len(self.template.between)
+        while end > limit:
+            cuts = [(_first_response_token(offsets, end), offsets) for _, offsets in encoded]
+            start = min([end, *(offsets[c][0] for c, offsets in cuts if c < len(offsets))])
+            if start == end:
+                break
+            end = max(start, limit)
+        return len(text) - end
 
     def _encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of ``texts`` without offsets (a third of the encoder's time)."""

@@ -49,8 +49,8 @@ class RunLineage:
     store: Any
     rule: StepRule
     limit: int  # the last step the run trained
-    skipped: dict[int, int]  # key index -> the first epoch it was skipped in
-    changed: dict[int, Any] = field(default_factory=dict)  # key index -> version as trained
+    skipped: dict[int, set[int]]  # key index -> the epochs it was skipped in
+    changed: dict[int, dict[int, Any]] = field(default_factory=dict)  # index -> epoch: version
 
     @classmethod
     def of(cls, db: Database, run: Any, steps: int | None = None) -> RunLineage:
@@ -77,7 +77,7 @@ class RunLineage:
         if t.max_steps <= 0:  # an epoch-bounded run never goes past its epochs
             limit = min(limit, rule.per_epoch * t.num_train_epochs)
         skips = read_skips(db.artifacts, info)
-        skipped = by_index(view, db.artifacts, skips.first.values())
+        skipped = by_index(view, db.artifacts, skips.skipped.values())
         changed = by_index(view, db.artifacts, skips.changed.values())
         return cls(run.run_id, view, db.artifacts, rule, limit, skipped, changed)
 
@@ -90,7 +90,7 @@ class RunLineage:
         steps = self.rule.steps(epoch, np.arange(len(indexes)))
         keep = steps <= self.limit
         if self.skipped:
-            gone = [i for i, first in self.skipped.items() if first <= epoch]
+            gone = [i for i, epochs in self.skipped.items() if epoch in epochs]
             keep &= ~np.isin(indexes, np.asarray(gone, dtype=np.int64))
         return indexes[keep], steps[keep]
 
@@ -120,17 +120,22 @@ class RunLineage:
             mask[self._epoch(epoch)[2]] = True
         return mask
 
-    def version_of(self, index: int) -> Any:
-        """The row's version as trained (recorded if it changed mid-run, else the snapshot's)."""
-        if index in self.changed or self.view.versions is None:
-            return self.changed.get(index)
+    def version_of(self, index: int, epoch: int) -> Any:
+        """The row's version trained in ``epoch`` (recorded if it changed, else the snapshot's)."""
+        if epoch in self.changed.get(index, {}) or self.view.versions is None:
+            return self.changed.get(index, {}).get(epoch)
         return self.view.versions_of(self.store, index, index + 1)[0]
+
+    def last_version(self, index: int, snapshot_version: Any) -> Any:
+        """The version the run last read of the row (the snapshot's unless it changed)."""
+        versions = self.changed.get(index)
+        return versions[max(versions)] if versions else snapshot_version
 
     def uses(self, index: int) -> Iterator[tuple[int, int, int]]:
         """(epoch, step, rank) of every time the row at ``index`` was trained."""
         for epoch in self.epochs():
-            if self.skipped.get(index, math.inf) <= epoch:
-                return
+            if epoch in self.skipped.get(index, ()):
+                continue
             for rank, position in self.rule.order.locate(index, epoch):
                 step = int(self.rule.steps(epoch, np.int64(position)))
                 if step <= self.limit:
@@ -237,8 +242,8 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         uses = [
             Use(key["key"] if mixed else key, run.run_id, run.identifier, run.version, *use, v)
             for key, index in find(lineage.view, db.artifacts, wanted)
-            for v in [lineage.version_of(index)]  # the row's version as trained
             for use in lineage.uses(index)
+            for v in [lineage.version_of(index, use[0])]  # the row's version as trained
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)

@@ -69,7 +69,7 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
                 keys.append(key_digests(chunk_keys))
             else:
                 read = view.versions_of(db.artifacts, start, stop)
-                versions = [lineage.changed.get(start + i, read[i]) for i in kept.tolist()]
+                versions = [lineage.last_version(start + i, read[i]) for i in kept.tolist()]
                 pairs.append(pair_digests(chunk_keys, versions))
                 pair_keys.append(key_digests(chunk_keys))
     models = reversed(db.metadata.list_components("model", identifier))
