@@ -54,6 +54,9 @@ def test_every_token_of_a_document_is_a_target_once(tiny: Path, stride: int) -> 
             assert after.input_ids[: 1 + stride] == before.input_ids[-1 - stride :]
             assert after.labels[: 1 + stride] == [IGNORE_INDEX] * (1 + stride)
     assert formatter.prompt("the quick").ids[-1] != tokenizer.eos_token_id
+    long = next((key, row) for key, row in rows if sum(e.key == key for e in examples) > 1)
+    with pytest.raises(ConfigError, match=r"windows of max_length=16, not one example"):
+        formatter.format(long[1], key=long[0])  # never its first window alone
     with pytest.raises(ConfigError, match="stride"):
         Formatter(tokenizer, None, max_length=16, stride=15, x_field="body")
 

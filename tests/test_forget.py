@@ -553,3 +553,49 @@ def test_each_use_of_a_row_reports_the_version_that_epoch_read(tiny: Path, tmp_p
         callbacks=[_StepKeys(changes, sql_engine(uri))],
     )
     assert [(u.step, u.row_version) for u in db.trained_on("docs", 9).uses] == [(5, 1), (10, 2)]
+
+
+def test_a_table_without_a_primary_key_is_named_with_how_to_give_its_key(tmp_path: Path) -> None:
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "data.db") as conn:
+        conn.execute("CREATE TABLE nokey (a TEXT, b TEXT)")
+        conn.execute("INSERT INTO nokey VALUES ('x', 'y')")
+    db = lt.connect(f"sqlite:///{tmp_path / 'data.db'}", artifacts=tmp_path / "artifacts")
+    message = r"main.nokey has no single-column primary key: .*lt.Table\('nokey', key=...\)"
+    for call in (lambda: db.trained_on("nokey", "x"), lambda: db.forget("nokey", ["x"])):
+        with pytest.raises(QueryError, match=message):
+            call()
+    assert db.trained_on(lt.Table("nokey", key="a"), "x").uses == []
+    db.close()
+
+
+class _StopAt(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step(self, run: Any, keys: list[Any]) -> None:
+        if run.step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_run_is_not_resumed_onto_rows_forgotten_after_it_started(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A resume trains its snapshot as it was: rows forgotten since would be trained by it, so
+    it is refused (naming the way out); a new fit leaves them out."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "docs", [_row(i) for i in range(10)])
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    options = {"batch_size": 2, "shuffle": False, "save_steps": 2}
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(tiny, "paused", **options).fit(
+            X="q", Y="a", db=db, select=lt.Table("docs"), callbacks=[_StopAt(3)]
+        )
+    db.forget("docs", [8, 9])  # not trained yet: the resume would train them
+    with pytest.raises(ConfigError, match=r"2 row\(s\) of run .* forgotten .* without resume="):
+        _trainer(tiny, "paused", **options).fit(
+            X="q", Y="a", db=db, select=lt.Table("docs"), resume=True
+        )
+    _trainer(tiny, "paused", **options).fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+    assert not {8, 9} & _keys_trained(db, "paused")

@@ -553,3 +553,28 @@ def test_label_counts_are_the_snapshots_valid_labels(any_uri: str, tmp_path: Pat
         with sql_engine(any_uri).begin() as conn:
             conn.execute(sa.text(copy.format(31)))
     assert label_counts(db, query, snapshot.train, "liked") == (20, 10)
+
+
+def test_a_pair_whose_long_answer_cuts_the_prompt_compares_both_answers_after_that_prompt(
+    tiny: Path,
+) -> None:
+    """max_length cuts a long answer's prompt from the left: its short partner is given the same
+    shorter prompt, so the two log-probs compare answers to one context (and fit max_length)."""
+    from llmtrain.formatting import IGNORE_INDEX
+    from llmtrain.training.batches import PairCollate
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    formatter = Formatter(tokenizer, TEMPLATE, max_length=40, x_field="prompt", y_field="chosen")
+    collate = PairCollate(formatter, "chosen", "rejected", tokenizer.pad_token_id, "t", None)
+    long = "it is raining and windy with a lot of clouds everywhere " * 2
+    prompt = "Please describe the weather today in detail, in full sentences."
+    rows = [(1, {"prompt": prompt, "chosen": "Sunny.", "rejected": long})]
+    rows.append((2, {"prompt": prompt, "chosen": long, "rejected": "Sunny."}))
+    batch = collate(rows)
+    ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+    for a, b in ((0, 2), (1, 3)):  # each row's chosen, then its rejected sequence
+        heads = [next(i for i, t in enumerate(labels[s]) if t != IGNORE_INDEX) for s in (a, b)]
+        assert heads[0] == heads[1] and ids[a][: heads[0]] == ids[b][: heads[1]]
+        assert ids[a][0] == tokenizer.bos_token_id  # BOS kept, the prompt cut from the left
+        assert heads[0] < len(formatter.format({"prompt": prompt, "chosen": "Sunny."}).input_ids)
+    assert batch["input_ids"].shape[1] <= 40

@@ -266,6 +266,11 @@ class SQLBackend(DataBackend):
         if column is None:
             pk = inspector.get_pk_constraint(table, schema).get("constrained_columns") or []
             column = pk[0] if len(pk) == 1 else None
+        if column is None:
+            raise QueryError(
+                f"{schema}.{table} has no single-column primary key: name its key column with "
+                f"lt.Table({table!r}, key=...) (in fit(), forget() and trained_on() alike)"
+            )
         if column not in columns:
             raise QueryError(f"{schema}.{table} has no key column {column!r}")
         python_type = _python_type(columns[column]["type"])

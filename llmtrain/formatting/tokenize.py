@@ -150,7 +150,13 @@ class Formatter:
         self, row: Mapping[str, object], *, key: object = None, source: str = "rows"
     ) -> Example:
         """One row to one example; ``BadRowError`` names ``source``, ``key`` and the field."""
-        return self.format_batch([(key, row)], source=source)[0]
+        made = self.format_batch([(key, row)], source=source)
+        if len(made) != 1:  # a long document: format_batch gives every window
+            raise ConfigError(
+                f"format(): row {key!r} makes {len(made)} windows of max_length={self.max_length}, "
+                "not one example; format_batch() gives them all"
+            )
+        return made[0]
 
     def format_batch(self, rows: KeyedRows, *, source: str = "rows") -> list[Example]:
         """``(key, row)`` pairs to examples, in order, in batched tokenizer calls."""

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from llmtrain.config.args import build
-from llmtrain.data.snapshot import MixedView, ViewWriter, tagged, take_snapshot
+from llmtrain.data.snapshot import MixedView, RunSnapshot, ViewWriter, tagged, take_snapshot
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.db.queries import Conversations, Mix, Query, Table
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataError, QueryError
-from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
+from llmtrain.provenance.lineage import FORGOTTEN, PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
-    from llmtrain.data.snapshot import KeySnapshot, RunSnapshot
+    from llmtrain.data.snapshot import KeySnapshot
     from llmtrain.stores.handle import Database
 
 log = logging.getLogger("llmtrain.training")
@@ -158,6 +158,34 @@ def check_parent(
             f"({', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''} of {source}): "
             "retrain it without them (db.forget(..., retrain=True)), or pass "
             "allow_forgotten_parent=True to continue from it anyway (recorded on the run)"
+        )
+
+
+def check_resume(db: Database, run: Any) -> None:
+    """Refuse to resume a run some of whose snapshot's rows were forgotten after it started: it
+    would train them (a new fit leaves them out)."""
+    sources = list(run.info.get("sources") or [run.info.get("source")])
+    view = RunSnapshot.from_record(run.info["snapshot"]).view("train")
+    gone = 0
+    for part, identity in enumerate(sources):
+        since = [
+            np.asarray(r.payload.get("digests") or [], dtype=np.uint64)
+            for r in db.metadata.list_components(FORGOTTEN, identity)
+            if r.created_at > run.created_at
+        ]
+        if not since:
+            continue
+        digests = np.unique(np.concatenate(since))
+        for start in range(0, view.count, view.chunk_size):
+            keys = view.keys(db.artifacts, start, start + view.chunk_size)
+            if "sources" in run.info:  # a mixture's keys are tagged with their source
+                keys = [k["key"] for k in keys if k["part"] == part]
+            gone += int(np.isin(key_digests(keys), digests).sum()) if len(keys) else 0
+    if gone:
+        raise ConfigError(
+            f"fit(resume=): {gone} row(s) of run {run.run_id}'s snapshot were forgotten "
+            "(db.forget) after it started, and a resume trains its snapshot as it was: start a "
+            "new fit without resume=, which leaves them out"
         )
 
 

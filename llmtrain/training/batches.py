@@ -103,6 +103,9 @@ class PairCollate:
         others = [(k, {**r, self.answer: s[field]}) for (k, r), (_, s) in zip(rows, donors)]
         examples = f.format_batch(rows, source=self.source)
         examples += f.format_batch(others, source=self.source)
+        if not f.train_on_inputs:  # both sequences after the same prompt ids: the shorter one
+            for i in range(n):
+                examples[i], examples[n + i] = same_prompt(examples[i], examples[n + i])
         if self.packer is None:
             batch = pad_collate(examples, self.pad_id)
         else:
@@ -113,6 +116,28 @@ class PairCollate:
         liked = {"liked": [row[self.second] for _, row in rows]} if self.feedback else {}
         counts = {"num_target_tokens": n, "pairs": n, "pair_digests": digests}
         return _counted(batch, examples) | counts | liked
+
+
+def same_prompt(a: Example, b: Example) -> tuple[Example, Example]:
+    """A pair's sequences after one prompt: a long answer cuts its prompt from the left (BOS and
+    the prompt's end kept), so the other takes that shorter prompt too, and the two log-probs
+    compare answers to the same context."""
+    na, nb = (
+        next((i for i, t in enumerate(e.labels) if t != IGNORE_INDEX), len(e)) for e in (a, b)
+    )
+    if a.input_ids[:na] == b.input_ids[:nb]:
+        return a, b
+    short, n = (a.input_ids[:na], na) if na < nb else (b.input_ids[:nb], nb)
+    long = b.input_ids[:nb] if na < nb else a.input_ids[:na]
+    head = next((i for i, (s, t) in enumerate(zip(short, long)) if s != t), n)  # BOS
+    if head == n or short[head:] != long[len(long) - (n - head) :]:
+        return a, b  # not one prompt cut from the left: left as they are
+
+    def cut(e: Example, m: int) -> Example:
+        ids = short + e.input_ids[m:]
+        return Example(ids, [IGNORE_INDEX] * n + e.labels[m:], e.key, truncated=True)
+
+    return (a, cut(b, nb)) if na < nb else (cut(a, na), b)
 
 
 def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:

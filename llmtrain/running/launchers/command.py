@@ -3,6 +3,7 @@ the environment, which other users cannot read, not on the command line ``ps`` s
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from pathlib import Path
@@ -85,5 +86,7 @@ def build_command(
         ARTIFACTS_ENV: artifacts_location(db),
         JOB_ENV: str(job_dir),
         "PYTHONUNBUFFERED": "1",
+        # torchrun sets 1 when unset, with a banner on the fit's output: the same, said quietly
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
     return WorkerCommand(argv, env)
