@@ -37,7 +37,7 @@ NAME = "observed"
 STEPS = 4
 SECRET = "pw-Zq83-not-for-trackers"
 TEMPLATE = "### Q:\n{X}\n### A:\n{Y}"
-TRACKERS = ["tensorboard", "mlflow", "wandb", "trackio"]  # all in the dev extra
+TRACKERS = ["tensorboard", "mlflow", "wandb"]  # all in the dev extra
 
 
 @dataclass
@@ -130,8 +130,6 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                 for d in ("CONFIG", "CACHE", "DATA")
             },
             "WANDB_DIR": str(tmp / "wandb"),
-            "TRACKIO_DIR": str(tmp / "trackio"),
-            "TRACKIO_PROJECT": "llmtrain-test",
         }
         result = subprocess.run(  # the password on the command line, as users pass --db
             [sys.executable, "-m", "llmtrain.cli", "fit", str(path), "--db", uri],
@@ -249,27 +247,6 @@ def test_wandb_offline_run(observed: Observed) -> None:
     assert [row["_step"] for row in rows if "eval/loss" in row] == [2, 4]
     (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
     assert exit_record.exit_code == 0
-
-
-def test_trackio_local_run(observed: Observed) -> None:
-    code = (
-        "import json, trackio\n"
-        "s = trackio.SQLiteStorage\n"
-        "(run,) = s.get_runs('llmtrain-test')\n"
-        "print(json.dumps({'run': run, 'config': s.get_run_config('llmtrain-test', run),"
-        " 'logs': s.get_logs('llmtrain-test', run)}))\n"
-    )
-    env = {**os.environ, "TRACKIO_DIR": str(observed.tmp / "trackio")}  # read at import
-    found = json.loads(
-        subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        ).stdout
-    )
-    assert found["run"].startswith(f"{NAME}-v1-")
-    assert found["config"]["training_args.learning_rate"] == 0.01
-    assert found["config"]["data_fingerprint"] == observed.run.info["data_fingerprint"]
-    loss = {row["step"]: row["train/loss"] for row in found["logs"] if "train/loss" in row}
-    assert loss == pytest.approx(observed.metrics("loss"))
 
 
 def test_no_tracker_sees_the_password(observed: Observed) -> None:

@@ -173,7 +173,7 @@ class TrainingArguments(_Args):
     """Evaluate on the held-out rows every N steps."""
     progress_bar: bool = True
     """Show progress on the main process: a tqdm bar on a terminal, else a line per log."""
-    report_to: list[Literal["tensorboard", "mlflow", "wandb", "trackio"]] = []
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = []
     """Also send the metrics, recipe and versions to these trackers (rank 0; optional extras)."""
     eval_metrics: list[str] = []
     """Score eval rows' greedy answers: 'exact_match', 'contains' or 'package.module:function'."""
@@ -367,8 +367,6 @@ class RayConfig(_Args):
     """Restarts of the worker group from its last checkpoint after a failure; -1: no limit."""
     storage: str | None = None
     """Where Ray Train keeps checkpoints: a folder or a URL (s3://...) every node reaches."""
-    workers_read_database: bool = False
-    """Workers connect to the database and read their shards themselves (as torchrun does)."""
 
     @model_validator(mode="after")
     def _resources(self) -> RayConfig:

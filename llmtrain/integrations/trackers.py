@@ -3,9 +3,7 @@ own library, as it is set up. No secret reaches one: URIs are redacted, W&B gets
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import json
 import logging
 import os
@@ -243,41 +241,4 @@ class WandbTracker(Tracker):
         self.run.finish(exit_code=1 if failed else 0)
 
 
-class TrackioTracker(Tracker):
-    """A trackio run (local SQLite under ``$TRACKIO_DIR``) in ``$TRACKIO_PROJECT``."""
-
-    name = "trackio"
-
-    def start(self, facts: RunFacts) -> None:
-        import trackio
-
-        with _quiet_stdout():
-            self.run = trackio.init(
-                project=os.environ.get("TRACKIO_PROJECT") or "llmtrain",
-                name=facts.name,
-                group=facts.identifier,
-                config=flatten(facts.params()),
-                embed=False,
-                auto_log_cpu=False,
-                auto_log_gpu=False,
-            )
-
-    def finish(self, failed: bool) -> None:
-        import trackio
-        from trackio import context_vars
-
-        with _quiet_stdout():
-            if context_vars.current_run.get() is self.run:
-                trackio.finish()  # also forgets it: no second finish, and banner, at exit
-            else:
-                self.run.finish()
-
-
-def _quiet_stdout() -> contextlib.AbstractContextManager[Any]:
-    """trackio prints banners on stdout; a quiet fit keeps stdout for its own results."""
-    if os.environ.get(QUIET_ENV) == "1":
-        return contextlib.redirect_stdout(io.StringIO())
-    return contextlib.nullcontext()
-
-
-_TRACKERS = {t.name: t for t in (TensorBoardTracker, MLflowTracker, WandbTracker, TrackioTracker)}
+_TRACKERS = {t.name: t for t in (TensorBoardTracker, MLflowTracker, WandbTracker)}

@@ -93,11 +93,11 @@ class _Proxy:
 
 
 class RemoteDB:
-    """A Ray worker's view of the driver's database; ``backend`` is its own if workers read it."""
+    """A Ray worker's view of the driver's database: every call answered by the driver."""
 
-    def __init__(self, broker: Any, backend: Any = None, uri: str = "ray-driver://") -> None:
-        self.uri = uri
-        self.backend = backend if backend is not None else _Proxy(broker, "backend")
+    def __init__(self, broker: Any) -> None:
+        self.uri = "ray-driver://"
+        self.backend = _Proxy(broker, "backend")
         self.metadata, self.artifacts = _Proxy(broker, "metadata"), _Proxy(broker, "artifacts")
 
 

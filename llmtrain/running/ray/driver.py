@@ -109,7 +109,6 @@ class RayRun:
     def fit(self) -> TrainedModel:
         db, run_id, c = self.db, self.plan.run_id, self.config
         calls: dict[str, Callable[..., Any]] = {
-            "database": lambda: db.secret_uri() if c.workers_read_database else None,
             "resume_point": self.resume_point,
             "record_checkpoint": self.record_checkpoint,
             "finished": self.finish,

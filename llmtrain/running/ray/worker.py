@@ -76,16 +76,12 @@ class RayCheckpointer(Checkpointer):
 
 def train_loop(config: dict[str, Any]) -> None:
     """``train_loop_per_worker`` of the TorchTrainer."""
-    from llmtrain.datalayer import connect
 
     context, broker = ray.train.get_context(), config["broker"]
     placement = Placement(
         context.get_world_rank(), context.get_world_size(), context.get_local_rank(), launched=True
     )
-    # rows from the driver too, unless the workers may read the database (never configured)
-    address = call(broker, "driver", "database")
-    own = None if address is None else connect(address)
-    db = RemoteDB(broker) if own is None else RemoteDB(broker, own.backend, own.uri)
+    db = RemoteDB(broker)  # rows, records and artifacts: through the driver
     # a restarted worker group continues from the last checkpoint, as a resume does
     plan = replace(config["plan"], resume_from=call(broker, "driver", "resume_point"))
     with quieted(config["quiet"]):  # as quiet as the fit on the driver
