@@ -664,3 +664,14 @@ def test_a_trained_model_answers_as_trained_whatever_the_prompt_ends_with(
         alone = [Prompt(tokenizer(f"Color: {c}\nFruit: ")["input_ids"]) for c, _ in FRUITS]
         answers = generate_batch(net, tokenizer, alone, 6)
         assert sum(a.strip() == f for a, (_, f) in zip(answers, FRUITS)) < len(FRUITS)
+
+
+def test_an_inference_prompt_past_max_tokens_is_cut_from_the_left_keeping_bos(tok: Any) -> None:
+    """Eval generation's long prompts: cut as training cuts them, its BOS kept (a cut of the
+    last ids alone dropped it) and its end, where the answer follows, whole."""
+    fmt = Formatter(tok, TEMPLATE)
+    whole = fmt.prompt("word " * 100)
+    cut = fmt.prompt("word " * 100, max_tokens=20)
+    assert len(whole.ids) > 20 and len(cut.ids) == 20 and cut.heal == whole.heal
+    assert cut.ids[0] == whole.ids[0] == tok.bos_token_id and cut.ids[1:] == whole.ids[-19:]
+    assert fmt.prompt("short", max_tokens=20) == fmt.prompt("short")

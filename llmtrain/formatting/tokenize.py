@@ -182,9 +182,18 @@ class Formatter:
             examples.append(self._assemble(key, self._prefix, ids[:cut], response, response, []))
         return examples
 
-    def prompt(self, x: str) -> Prompt:
+    def prompt(self, x: str, max_tokens: int | None = None) -> Prompt:
         """What a model is given at inference: the ids a training example has before its
-        response, and the characters to heal (documents: the start of one, to continue)."""
+        response, and the characters to heal (documents: the start of one, to continue); past
+        ``max_tokens``, cut from the left as training cuts a prompt, its leading BOS kept."""
+        made = self._prompt(x)
+        if max_tokens is None or len(made.ids) <= max_tokens:
+            return made  # also while __init__ checks a chat template, before _prefix is set
+        head = self._head if self.documents else self._prefix
+        keep = max(max_tokens - len(head), 1)
+        return Prompt(head + made.ids[len(head) :][-keep:], made.heal)
+
+    def _prompt(self, x: str) -> Prompt:
         if self.documents:
             text = self.template.prompt(x) if self.template else x
             return Prompt(self._head + self._encode([text])[0])

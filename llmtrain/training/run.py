@@ -11,7 +11,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -402,8 +401,10 @@ class FitRun:
                 if isinstance(r.get(fit.X), str) and isinstance(r.get(fit.Y), str)
             ][: self.dargs.max_eval_rows - count]
             if pairs:
-                prompts = [self.formatter.prompt(x) for x, _ in pairs]
-                prompts = [replace(p, ids=p.ids[-self.dargs.max_length :]) for p in prompts]
+                room = max(
+                    self.dargs.max_length - t.eval_max_new_tokens, self.dargs.max_length // 2
+                )
+                prompts = [self.formatter.prompt(x, max_tokens=room) for x, _ in pairs]
                 with self.precision.autocast():
                     answers = generate_batch(model, self.tokenizer, prompts, t.eval_max_new_tokens)
                 for i, fn in enumerate(self.metrics.values()):
