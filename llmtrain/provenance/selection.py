@@ -15,7 +15,7 @@ from llmtrain.data.snapshot import MixedView, RunSnapshot, ViewWriter, tagged, t
 from llmtrain.db.keys import Key, key_digests, key_repr
 from llmtrain.db.queries import Conversations, Mix, Query, Table
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataError, QueryError
-from llmtrain.provenance.lineage import FORGOTTEN, PARENT, RunLineage, chain, forgotten
+from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
@@ -166,21 +166,12 @@ def check_resume(db: Database, run: Any) -> None:
     would train them (a new fit leaves them out)."""
     sources = list(run.info.get("sources") or [run.info.get("source")])
     view = RunSnapshot.from_record(run.info["snapshot"]).view("train")
+    parts = view.parts if isinstance(view, MixedView) else (view,)
     gone = 0
-    for part, identity in enumerate(sources):
-        since = [
-            np.asarray(r.payload.get("digests") or [], dtype=np.uint64)
-            for r in db.metadata.list_components(FORGOTTEN, identity)
-            if r.created_at > run.created_at
-        ]
-        if not since:
-            continue
-        digests = np.unique(np.concatenate(since))
-        for start in range(0, view.count, view.chunk_size):
-            keys = view.keys(db.artifacts, start, start + view.chunk_size)
-            if "sources" in run.info:  # a mixture's keys are tagged with their source
-                keys = [k["key"] for k in keys if k["part"] == part]
-            gone += int(np.isin(key_digests(keys), digests).sum()) if len(keys) else 0
+    for part, identity in zip(parts, sources):
+        since = forgotten(db, identity, since=run.created_at)[0]
+        if len(since):
+            gone += sum(int(np.isin(d, since).sum()) for d in part.digests(db.artifacts))
     if gone:
         raise ConfigError(
             f"fit(resume=): {gone} row(s) of run {run.run_id}'s snapshot were forgotten "
