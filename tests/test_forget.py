@@ -113,7 +113,7 @@ def test_every_spelling_of_a_source_and_key_finds_and_forgets_the_same_rows(
     assert model is not None
     assert 5 not in _keys_trained(db, "u") and len(_keys_trained(db, "u")) == 11
     (later,) = db.metadata.list_runs("trainer", "u")
-    assert later.info["excluded_keys"] == ["int:5"]
+    assert later.info["forgets"] == {run.info["source"]: {"keys": 1, "version": 0}}
     # forgetting it again writes nothing new
     assert db.forget(spellings[0], [5]).runs == [run.run_id]
     assert len(db.metadata.list_components(FORGOTTEN)) == before[2] + 1
@@ -208,7 +208,7 @@ def test_incremental_checks_its_parent_and_refusals_record_nothing(
     # every selected row forgotten: one DataError, nothing recorded
     db.forget("docs", list(range(9)))
     before = _records(db)
-    with pytest.raises(DataError, match="every one forgotten"):
+    with pytest.raises(DataError, match=r"selects 0 rows \(forgotten rows"):
         _trainer(tiny, "fresh").fit(X="q", Y="a", db=db, select=lt.Table("docs"))
     assert _records(db) == before
     db.close()
@@ -359,9 +359,12 @@ def test_a_forget_names_the_key_column_its_keys_belong_to(
     db = lt.connect(sqlite_uri, artifacts=tmp_path / "artifacts")
     by_ext = lt.Table("docs", key="ext")
     _trainer(tiny, "ext").fit(X="q", Y="a", db=db, select=by_ext)
-    assert not db.forget("docs", [5]).runs  # id 5 (its ext is 95): no run keyed rows by id
+    (ext_run,) = db.metadata.list_runs("trainer", "ext")
+    # id 5 is the row whose ext is 95: the database says which row the run keyed by ext read
+    assert db.trained_on("docs", 5).runs == [ext_run.run_id]
+    assert db.trained_on("docs", 95).runs == []  # no row has id 95
     result = db.forget(by_ext, [np.int64(95)])  # numpy integers type as the column's
-    assert result.runs and result.source == "main.docs"
+    assert result.runs == [ext_run.run_id] and result.source == "main.docs"
     assert db.trained_on(by_ext, 95).forgotten == [95] and db.trained_on("docs", 95).forgotten == []
     held = _trainer(tiny, "held", eval_fraction=0.5).fit(X="q", Y="a", db=db, select=by_ext)
     assert held is not None
@@ -570,6 +573,16 @@ def test_a_table_without_a_primary_key_is_named_with_how_to_give_its_key(tmp_pat
     db.close()
 
 
+class _Seen(Callback):
+    """The keys each step trained."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, list[Any]] = {}
+
+    def on_step(self, run: Any, keys: list[Any]) -> None:
+        self.keys[run.step] = list(keys)
+
+
 class _StopAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -580,12 +593,12 @@ class _StopAt(Callback):
 
 
 @pytest.mark.parametrize("mixed", [False, True])
-def test_a_run_is_not_resumed_onto_rows_forgotten_after_it_started(
+def test_a_resumed_run_leaves_out_rows_forgotten_after_it_started(
     tiny: Path, tmp_path: Path, mixed: bool
 ) -> None:
-    """A resume trains its snapshot as it was: rows forgotten since would be trained by it, so
-    it is refused (naming the way out); a new fit leaves them out. A mixture counts the
-    forgotten rows of the source they belong to."""
+    """The database leaves forgotten rows out of every read, a resumed run's windows too: rows
+    forgotten after a run started and before it trained them are never trained, and its
+    lineage says so."""
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", [_row(i) for i in range(10)])
     fill(uri, "more", [_row(i) for i in range(6)])
@@ -595,10 +608,16 @@ def test_a_run_is_not_resumed_onto_rows_forgotten_after_it_started(
     fields = {"X": "q", "Y": "a", "db": db, "select": select}
     with pytest.raises(KeyboardInterrupt):
         _trainer(tiny, "paused", **options).fit(**fields, callbacks=[_StopAt(3)])
-    db.forget("docs", [8, 9])  # not trained yet: the resume would train them
-    with pytest.raises(ConfigError, match=r"2 row\(s\) of run .* forgotten .* without resume="):
-        _trainer(tiny, "paused", **options).fit(**fields, resume=True)
-    _trainer(tiny, "paused", **options).fit(**fields)
+    (run,) = db.metadata.list_runs("trainer", "paused")
+    gone = db.forget("docs", [8, 9])  # not trained yet by the interrupted run: it trains none
+    assert not gone.runs and run.status == "interrupted"
+    seen = _Seen()
+    _trainer(tiny, "paused", **options).fit(**fields, resume=True, callbacks=[seen])
+    assert db.metadata.list_runs("trainer", "paused")[0].status == "completed"
+    later = {k for keys in seen.keys.values() for k in keys}  # key_reprs
+    docs = [key_repr({"part": 1, "key": k}) if mixed else key_repr(k) for k in range(10)]
+    assert set(docs[:8]) & later and not set(docs[8:]) & later
     keys = [row.key for row in db.lineage("model", "paused")]
     trained = {k["key"] for k in keys if k["part"] == 1} if mixed else set(keys)
     assert trained and not {8, 9} & trained
+    assert not db.trained_on("docs", 8) and db.trained_on("docs", 0).runs == [run.run_id]

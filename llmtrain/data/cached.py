@@ -328,8 +328,8 @@ class CachedQueryDataset(IterableDataset[Row]):
         if missing:
             self.stats.deleted.update(missing)
             log.warning(
-                "%s: %d row(s) of this window were deleted since the run's snapshot; "
-                "skipped (%d deleted so far)",
+                "%s: %d row(s) of this window were deleted or forgotten since the run's "
+                "snapshot; skipped (%d so far)",
                 self.query.source,
                 len(missing),
                 len(self.stats.deleted),

@@ -73,6 +73,20 @@ class DataBackend(ABC):
     def resolve(self, source: Query | str) -> Source:
         """The table or collection (a name, or a query's source) as the database names it."""
 
+    @abstractmethod
+    def reads(self, query: Query) -> list[str] | None:
+        """Every base table (collection) the selection reads, views expanded: ``schema.table``
+        (None: unknown, a statement that does not parse)."""
+
+    @abstractmethod
+    def derived_keys(self, query: Query, source: Source, keys: Sequence[Key]) -> list[Key]:
+        """The selection's keys of the rows it derives from rows ``keys`` of ``source``."""
+
+    @abstractmethod
+    def forget_keys(self, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
+        """Add ``keys`` to the keys the database leaves out of ``source``; (position, the row's
+        own key) of each that matched a row, matched by the database's rules."""
+
     def pages(self, query: Query, fields: Fields, page_size: int) -> Iterator[KeyedRows]:
         """The selection's rows in key order, ``page_size`` a statement, keys checked."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bson import Binary, Decimal128, Int64, ObjectId
@@ -17,6 +17,7 @@ from llmtrain.db.sources import Source, match_name
 from llmtrain.errors import QueryError
 
 _MISSING = object()
+FORGOTTEN = "_llmtrain_forgotten"  # {source, key}: keys db.forget left out, matched by MongoDB
 
 
 def get_path(doc: dict[str, Any], path: str, missing: Any = _MISSING) -> Any:
@@ -52,9 +53,53 @@ def key_after(lower: Key) -> dict[str, Any]:
     return {"_id": {"$gte": lower}}  # a type this table does not know: its own bracket only
 
 
+def store_keys(database: Any, identity: str, keys: list[Key]) -> list[tuple[int, Key]]:
+    """Add ``keys`` to a collection's forgotten keys; (position, key) of each that matches."""
+    database[FORGOTTEN].insert_many([{"source": identity, "key": k} for k in keys])
+    name = identity.split(".", 1)[1].removesuffix("(_id)")
+    found = {repr(d["_id"]) for d in database[name].find({"_id": {"$in": keys}}, {"_id": 1})}
+    return [(i, k) for i, k in enumerate(keys) if repr(k) in found]
+
+
 class MongoBackend(DataBackend):
     def close(self) -> None:
         drop_mongo_client(self._uri)
+
+    def reads(self, query: Query) -> list[str]:
+        return [f"{mongo_database(self._uri).name}.{self._query(query).name}"]
+
+    def derived_keys(self, query: Query, source: Source, keys: Sequence[Key]) -> list[Key]:
+        rows = self._query(query)
+        if not isinstance(query, Conversations) or source.name != self.reads(query)[0]:
+            return []
+        cond = {"$and": [rows.filter, {"_id": {"$in": list(keys)}}]}
+        return self._read("reading messages", rows.name, lambda c: c.distinct(query.by, cond))
+
+    def forget_keys(self, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
+        database = mongo_database(self._uri)
+        return self._with_retry(
+            "writing forgotten keys",
+            lambda: store_keys(database, source.identity, list(keys)),
+            (ConnectionFailure,),
+        )
+
+    def _left_out(self, name: str) -> dict[str, Any]:
+        """The condition leaving out a collection's forgotten documents (one count a call; a view
+        over any forgotten documents is refused: its pipeline is not rewritten)."""
+        db = mongo_database(self._uri)
+        if FORGOTTEN not in db.list_collection_names():
+            return {}
+        try:
+            kind = next((c.get("type") for c in db.list_collections(filter={"name": name})), None)
+        except NotImplementedError:  # mongomock, which has no views
+            kind = None
+        if kind == "view" and db[FORGOTTEN].count_documents({}, limit=1):
+            raise QueryError(
+                f"collection {name} is a view and this database has forgotten documents "
+                "(db.forget): select the collection it reads, so they are left out"
+            )
+        keys = [d["key"] for d in db[FORGOTTEN].find({"source": f"{db.name}.{name}(_id)"})]
+        return {"_id": {"$nin": keys}} if keys else {}
 
     def key_name(self, query: Query) -> str:
         self._query(query)
@@ -100,8 +145,8 @@ class MongoBackend(DataBackend):
     ) -> KeyedRows:
         """The documents matching the filter and ``cond``; with a ``limit``, in ``_id`` order."""
         query = self._query(query)
-        both = query.filter and cond
-        where = {"$and": [query.filter, cond]} if both else {**query.filter, **cond}
+        parts = [c for c in (query.filter, cond, self._left_out(query.name)) if c]
+        where = {"$and": parts} if parts else {}
         projection = {"_id": 1, **{f: 1 for f in fields if f != "_id"}}
 
         def find(collection: Any) -> Any:
@@ -118,8 +163,9 @@ class MongoBackend(DataBackend):
         if not isinstance(query, Conversations):
             return self._find(query, fields, {} if lower is None else key_after(lower), limit)
         by, order, messages = f"${query.by}", f"${query.order}", self._query(query)
+        left_out = self._left_out(messages.name)
         pipeline: list[dict[str, Any]] = [
-            {"$match": {"$and": [messages.filter, {query.by: {"$exists": True}}]}},
+            {"$match": {"$and": [messages.filter, {query.by: {"$exists": True}}, left_out]}},
             {"$group": {"_id": by, TURNS: {"$max": order}}},
             *([] if lower is None else [{"$match": {"_id": {"$gte": lower}}}]),
             {"$sort": {"_id": 1}},
@@ -132,7 +178,7 @@ class MongoBackend(DataBackend):
         if not isinstance(query, Conversations):
             return self._find(query, fields, {"_id": {"$in": keys}})
         messages = self._query(query)
-        cond = {"$and": [messages.filter, {query.by: {"$in": keys}}]}
+        cond = {"$and": [messages.filter, {query.by: {"$in": keys}}, self._left_out(messages.name)]}
         sort = [(query.by, 1), (query.order, 1)]
         docs = self._read("reading messages", messages.name, lambda c: c.find(cond).sort(sort))
         return conversations([[get_path(d, f, None) for f in query.columns] for d in docs])

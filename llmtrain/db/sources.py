@@ -22,6 +22,7 @@ class Source:
     name: str
     key: str
     key_type: type | None
+    traced: bool = True  # a selection's keys are this table's own (not a view's, or computed)
 
     @property
     def identity(self) -> str:
@@ -90,7 +91,23 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
             name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
         )
 
-    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in tree.find_all(exp.Table)]
+    # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
+    outer = (
+        [tree.args.get("from_"), *tree.args.get("joins", [])]
+        if isinstance(tree, exp.Select)
+        else []
+    )
+    read = [getattr(part, "this", None) for part in outer]
+    ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
+    if not read or not all(
+        isinstance(t, exp.Table)
+        and isinstance(t.this, exp.Identifier)
+        and (t.args.get("db") or t.name not in ctes)
+        for t in read
+    ):
+        names = sorted({t.name for t in tree.find_all(exp.Table)})
+        raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
+    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in read if t is not None]
 
     def output(e: Any) -> str:
         part = "alias" if isinstance(e, exp.Alias) else "this"

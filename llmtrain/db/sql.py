@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any
 
@@ -14,6 +14,14 @@ import sqlalchemy as sa
 
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
+from llmtrain.db.forgotten import (
+    Condition,
+    Guarded,
+    Rewriter,
+    excluding,
+    guarded_tables,
+    store_keys,
+)
 from llmtrain.db.keys import Key, KeyPage, check_keys
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
@@ -78,18 +86,49 @@ class SQLBackend(DataBackend):
         super().__init__(uri, retry=retry)
         self._sources: dict[str, _Source] = {}
         self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
+        self._guarded: list[Guarded] | None = None  # tables with forgotten rows, when built
 
     @property
     def engine(self) -> sa.Engine:
         return sql_engine(self._uri)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_sources": {}, "_pages": {}}
+        return {**self.__dict__, "_sources": {}, "_pages": {}, "_guarded": None}
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
         self._sources.clear()
         self._pages.clear()
+        self._guarded = None
+
+    def guarded(self) -> list[Guarded]:
+        """The tables with forgotten rows now; statements built before a table joined them are
+        built again (one catalog read a call: each window of a fit checks it)."""
+        now = self._retrying("reading forgotten tables", self._read_guarded, self.uri)
+        if now != self._guarded:
+            self._sources.clear()
+            self._pages.clear()
+            self._guarded = now
+        return now
+
+    def _read_guarded(self) -> list[Guarded]:
+        with self.engine.connect() as conn:
+            return guarded_tables(conn)
+
+    def rewritten(
+        self, text: str, what: str, where: Condition | None = None
+    ) -> tuple[str, set[tuple[str, str]]]:
+        """``text`` reading each table with forgotten rows without them (``where``: under another
+        condition), views expanded; and the base tables it reads."""
+        guarded = self.guarded() if where is None else self._read_guarded()
+
+        def rewrite() -> tuple[str, set[tuple[str, str]]]:
+            with self.engine.connect() as conn:
+                quote = conn.dialect.identifier_preparer.quote
+                rewriter = Rewriter(conn, guarded, where or excluding(quote))
+                return rewriter.sql(text, what), rewriter.bases
+
+        return self._retrying("reading the catalog", rewrite, what)
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
         """``call`` retried on faults that heal; others a ConfigError (refused) or a QueryError."""
@@ -133,6 +172,7 @@ class SQLBackend(DataBackend):
 
     def _source(self, query: Query, fingerprint: str | None = None) -> _Source:
         fingerprint = fingerprint or query.fingerprint()
+        self.guarded()
         if fingerprint not in self._sources:
             if isinstance(query, Table):
                 self._sources[fingerprint] = self._build_table(query)
@@ -175,8 +215,17 @@ class SQLBackend(DataBackend):
         names = [c.name for c in table.c]
         if missing := [name for name in query.columns or () if name not in table.c]:
             raise QueryError(f"{query.source} has no column {missing[0]!r}; columns: {names}")
+        if self._guarded:  # read through the forgotten-row filter, its views expanded
+            q = self.engine.dialect.identifier_preparer.quote
+            named = f"{q(query.schema)}.{q(table.name)}" if query.schema else q(table.name)
+            text, _ = self.rewritten(f"SELECT * FROM {named}", query.source)
+            typed = [sa.column(c.name, c.type) for c in table.c]
+            table = sa.text(text).columns(*typed).subquery(table.name)
+            key = table.c[key.name]
         columns = {name: table.c[name] for name in query.columns or names}
-        where = _text(query.where_sql, query.params, query.source) if query.where_sql else None
+        where = (
+            _text(f"({query.where_sql})", query.params, query.source) if query.where_sql else None
+        )
         return _Source(key, columns, where, query.source)
 
     def _build_conversations(self, query: Conversations) -> _Source:
@@ -188,7 +237,8 @@ class SQLBackend(DataBackend):
         return _Source(sub.c[query.by], {TURNS: sub.c[TURNS]}, None, query.source)
 
     def _build_raw(self, query: RawSQL) -> _Source:
-        text = _text(query.text, query.params, query.source)
+        sql = self.rewritten(query.text, query.source)[0] if self._guarded else query.text
+        text = _text(sql, query.params, query.source)
 
         def columns() -> list[str]:
             sub = text.columns().subquery("llmtrain_probe")
@@ -250,9 +300,11 @@ class SQLBackend(DataBackend):
             self._source(source)  # the QueryError that says it is no SQL query
             raise AssertionError("unreachable")
         what = source.source if isinstance(source, Query) else f"table {source!r}"
-        return self._retrying(
+        found = self._retrying(
             "reading the catalog", lambda: self._catalog(schema, table, column), what
         )
+        given = isinstance(source, RawSQL) and source.table is not None  # not traced: told
+        return replace(found, traced=False) if given else found
 
     def _catalog(self, schema: str | None, table: str, column: str | None) -> Source:
         inspector = sa.inspect(self.engine)
@@ -276,7 +328,61 @@ class SQLBackend(DataBackend):
         python_type = _python_type(columns[column]["type"])
         if python_type in (None, object):  # an untyped (SQLite) column: what its keys hold
             python_type = self._held_type(schema, table, column)
-        return Source(f"{schema}.{table}", column, python_type)
+        view = table in inspector.get_view_names(schema)
+        return Source(f"{schema}.{table}", column, python_type, traced=not view)
+
+    def _text_of(self, query: Query) -> tuple[str, dict[str, Any]]:
+        """The selection as one SELECT of its keys, and its parameters."""
+        q = self.engine.dialect.identifier_preparer.quote
+        if isinstance(query, RawSQL):
+            return f"SELECT {q(query.key)} FROM ({query.text}) llmtrain_q", query.params
+        rows, key = (query.messages, query.by) if isinstance(query, Conversations) else (query, "")
+        if not isinstance(rows, Table):
+            raise QueryError(f"{query.source} is no SQL query")
+        key = key or self.key_name(rows)
+        named = f"{q(rows.schema)}.{q(rows.name)}" if rows.schema else q(rows.name)
+        where = f" WHERE ({rows.where_sql})" if rows.where_sql else ""
+        return f"SELECT DISTINCT {q(key)} FROM {named}{where}", rows.params
+
+    def reads(self, query: Query) -> list[str] | None:
+        try:
+            _, bases = self.rewritten(self._text_of(query)[0], query.source, lambda g, n: None)
+        except QueryError:  # not parsed: which tables it reads is unknown
+            return None
+        return sorted(f"{schema}.{table}" for schema, table in bases)
+
+    def derived_keys(self, query: Query, source: Source, keys: Sequence[Key]) -> list[Key]:
+        """As the tables are now: the selection read with ``source`` narrowed to ``keys``."""
+        sql, params = self._text_of(query)
+        q = self.engine.dialect.identifier_preparer.quote
+        schema, _, table = source.name.partition(".")
+        target, named = (schema, table), f"{q(schema)}.{q(table)}"
+        bound = {f"llmtrain_k{i}": k for i, k in enumerate(keys)}
+
+        def only(guards: list[Guarded], name: str) -> str | None:
+            inside = ", ".join(":" + p for p in bound)
+            return f"{name}.{q(source.key)} IN ({inside})" if name == named else None
+
+        text, bases = self.rewritten(sql, query.source, where=only)
+        if target not in bases:
+            return []
+        stmt = _text(text, {**params, **bound}, query.source)
+        return [r[0] for r in self._rows(stmt, {}, query.source)]
+
+    def forget_keys(self, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
+        if not source.traced:
+            raise QueryError(
+                f"forget(): {source.name} is a view; forget the rows of the tables it reads, "
+                "which every selection then leaves out"
+            )
+        schema, table = source.name.split(".", 1)
+        stored = self._retrying(
+            "writing forgotten keys",
+            lambda: store_keys(self.engine, schema, table, source.key, list(keys)),
+            source.name,
+        )
+        self.guarded()
+        return stored
 
     def _held_type(self, schema: str, table: str, column: str) -> type | None:
         """The one Python type of the smallest and largest key, or None (mixed, or empty)."""

@@ -18,8 +18,9 @@ from llmtrain.data.skips import read_skips
 from llmtrain.data.snapshot import RunSnapshot, View, tagged
 from llmtrain.db.backend import Key
 from llmtrain.db.keys import key_digests, key_repr, same_key
+from llmtrain.db.queries import Mix, Query
 from llmtrain.db.sources import Source
-from llmtrain.errors import StoreError
+from llmtrain.errors import QueryError, StoreError
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -70,6 +71,8 @@ class RunLineage:
         order = epoch_order(view, config.fit.query(), d, t.seed, int(info.get("world_size") or 1))
         rows = t.per_device_train_batch_size * t.gradient_accumulation_steps
         rule = StepRule(order, rows, rows)
+        if steps is None and run.status in ("created", "running"):  # may train any of its plan
+            steps = t.max_steps if t.max_steps > 0 else rule.per_epoch * t.num_train_epochs
         if steps is None:  # its last known step: final or reached, or its newest checkpoint's
             checkpoints = db.metadata.list_checkpoints(run.run_id)
             steps = max([int(info.get("steps") or 0), *(c.step for c in checkpoints)])
@@ -230,25 +233,28 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
         mixed = "sources" in run.info  # a mixture's keys are tagged with their source
-        sources = list(run.info["sources"]) if mixed else [run.info.get("source")]
-        if found_source.identity not in sources:
-            continue
         try:
+            wanted = _wanted(db, run, found_source, keys)
+            if not wanted:
+                continue
             lineage = RunLineage.of(db, run)
-        except StoreError:
+        except (StoreError, QueryError):  # its snapshot, or a table it read, is gone
             result.underivable.append(run.run_id)
             continue
-        wanted = [
-            tagged(part, k) if mixed else k
-            for part, identity in enumerate(sources)
-            if identity == found_source.identity
-            for k in keys
-        ]
+        asked: dict[str, list[Key]] = {}  # a selection key -> the asked keys it comes from
+        for part, key, one in wanted:
+            mine = asked.setdefault(key_repr(tagged(part, key) if mixed else key), [])
+            mine += [] if any(same_key(one, k) for k in mine) else [one]
+        ours = {
+            key_repr(tagged(p, k) if mixed else k): tagged(p, k) if mixed else k
+            for p, k, _ in wanted
+        }
         uses = [
-            Use(key["key"] if mixed else key, run.run_id, run.identifier, run.version, *use, v)
-            for key, index in find(lineage.view, db.artifacts, wanted)
+            Use(one, run.run_id, run.identifier, run.version, *use, v)
+            for key, index in find(lineage.view, db.artifacts, list(ours.values()))
             for use in lineage.uses(index)
             for v in [lineage.version_of(index, use[0])]  # the row's version as trained
+            for one in asked[key_repr(key)]
         ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
@@ -265,6 +271,29 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if m.payload.get("run_id") in first
     ]
     return result
+
+
+def _wanted(
+    db: Database, run: Any, source: Source, keys: Sequence[Key]
+) -> list[tuple[int, Key, Key]]:
+    """(part, selection key, the asked key it comes from) for each of ``keys`` of ``source`` the
+    run's selection reads: its own keys where they are the table's, else the keys the database
+    derives from them (a join's, a view's, a conversation's), each asked key its own statement."""
+    info = run.info
+    sources = list(info["sources"]) if "sources" in info else [info.get("source")]
+    reads = info.get("reads") or [[] for _ in sources]
+    direct = info.get("direct") or [True for _ in sources]
+    out: list[tuple[int, Key, Key]] = []
+    for part, (identity, read) in enumerate(zip(sources, reads)):
+        if identity == source.identity and direct[part]:
+            out += [(part, k, k) for k in keys]
+        elif read is None:
+            raise QueryError(f"run {run.run_id}: which tables its selection reads is unknown")
+        elif source.name in read:
+            select = Query.from_dict(info["query"])
+            query = select.parts[part].select if isinstance(select, Mix) else select
+            out += [(part, d, k) for k in keys for d in db.backend.derived_keys(query, source, [k])]
+    return out
 
 
 def find(view: View, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:

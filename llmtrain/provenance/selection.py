@@ -1,25 +1,26 @@
-"""Which rows a new run trains on: its snapshot less forgotten (incrementally, trained) rows. Key
-sets are sorted 8-byte digest arrays (``np.isin``): 80 MB for 10M keys, a Python set ~1 GB."""
+"""Which rows a new run trains on (its snapshot, forgotten rows left out by the database; less, for
+an incremental fit, trained rows) and what it records of its sources. Key sets are sorted 8-byte
+digest arrays (``np.isin``): 80 MB for 10M keys, a Python set ~1 GB."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from llmtrain.config.args import build
-from llmtrain.data.snapshot import MixedView, RunSnapshot, ViewWriter, tagged, take_snapshot
+from llmtrain.data.snapshot import RunSnapshot, ViewWriter, take_snapshot
 from llmtrain.db.keys import Key, key_digests, key_repr
-from llmtrain.db.queries import Conversations, Mix, Query, Table
-from llmtrain.errors import ComponentNotFoundError, ConfigError, DataError, QueryError
-from llmtrain.provenance.lineage import PARENT, RunLineage, chain, forgotten
+from llmtrain.db.queries import Mix, Query, RawSQL
+from llmtrain.db.sources import Source
+from llmtrain.errors import ComponentNotFoundError, ConfigError, QueryError
+from llmtrain.provenance.lineage import FORGOTTEN, PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
     from llmtrain.config.args import TrainerConfig
-    from llmtrain.data.snapshot import KeySnapshot
     from llmtrain.stores.handle import Database
 
 log = logging.getLogger("llmtrain.training")
@@ -78,22 +79,16 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
     return Trained(k, p, pk, list(finished)), parent
 
 
-def keep_rows(
-    view: Any, store: Any, gone: np.ndarray, new: Callable[[Any, Any], np.ndarray] | None = None
-) -> tuple[Any, list[Key]]:
-    """A new KeySnapshot of the keys of ``view`` not in ``gone`` (digests) and, with ``new``,
-    marked by ``new(keys, versions)``; and the keys ``gone`` left out."""
+def keep_rows(view: Any, store: Any, new: Callable[[Any, Any], np.ndarray]) -> Any:
+    """A new KeySnapshot of the keys of ``view`` that ``new(keys, versions)`` marks."""
     has_versions = view.versions is not None
     writer = ViewWriter(store, view.chunk_size, has_versions)
-    excluded: list[Key] = []
     for start in range(0, view.count, view.chunk_size):
         keys = view.keys(store, start, start + view.chunk_size)
         versions = view.versions_of(store, start, start + view.chunk_size) if has_versions else None
-        out = np.isin(key_digests(keys), gone)
-        excluded += [keys[i] for i in np.flatnonzero(out).tolist()]
-        kept = np.flatnonzero(~out if new is None else ~out & new(keys, versions)).tolist()
+        kept = np.flatnonzero(new(keys, versions)).tolist()
         writer.extend([keys[i] for i in kept], [versions[i] for i in kept] if versions else [])
-    return writer.done(), excluded
+    return writer.done()
 
 
 #: a parent's adapter must have these as the continuing fit has them
@@ -149,92 +144,54 @@ def check_parent(
                 "in its own shape (fit without incremental=True to train a new one)"
             )
     runs = {r.run_id for r, _ in chain(db, run.run_id)}
-    source = run.info.get("source")
-    carried = {r: k for r, k in forgotten(db, source)[1].items() if r in runs} if source else {}
+    carried = {r: k for r, k in forgotten(db, None)[1].items() if r in runs}
     if carried and not allow_forgotten:
         shown = sorted({k for keys in carried.values() for k in keys})
         raise ConfigError(
             f"{name} trained on rows forgotten since "
-            f"({', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''} of {source}): "
+            f"({', '.join(shown[:10])}{', ...' if len(shown) > 10 else ''}): "
             "retrain it without them (db.forget(..., retrain=True)), or pass "
             "allow_forgotten_parent=True to continue from it anyway (recorded on the run)"
         )
 
 
-def check_resume(db: Database, run: Any) -> None:
-    """Refuse to resume a run some of whose snapshot's rows were forgotten after it started: it
-    would train them (a new fit leaves them out)."""
-    sources = list(run.info.get("sources") or [run.info.get("source")])
-    view = RunSnapshot.from_record(run.info["snapshot"]).view("train")
-    parts = view.parts if isinstance(view, MixedView) else (view,)
-    gone = 0
-    for part, identity in zip(parts, sources):
-        since = forgotten(db, identity, since=run.created_at)[0]
-        if len(since):
-            gone += sum(int(np.isin(d, since).sum()) for d in part.digests(db.artifacts))
-    if gone:
-        raise ConfigError(
-            f"fit(resume=): {gone} row(s) of run {run.run_id}'s snapshot were forgotten "
-            "(db.forget) after it started, and a resume trains its snapshot as it was: start a "
-            "new fit without resume=, which leaves them out"
-        )
-
-
 def eval_rows(db: Database, config: TrainerConfig) -> RunSnapshot | None:
-    """The snapshot of ``fit(eval_select=)``'s rows less forgotten ones (None: no eval_select)."""
+    """The snapshot of ``fit(eval_select=)``'s rows (None: no eval_select); forgotten rows the
+    database left out, as from every selection."""
     query = config.fit.eval_query() if config.fit else None
     if query is None:
         return None
-    snapshot = take_snapshot(db, query, version_column=config.data_args.version_column)
-    gone = forgotten_rows(db, query, db.backend.resolve(query).identity)
-    if not len(gone):
-        return snapshot
-    return replace(snapshot, train=keep_rows(snapshot.train, db.artifacts, gone)[0])
+    return take_snapshot(db, query, version_column=config.data_args.version_column)
 
 
-def forgotten_rows(db: Database, query: Query, identity: str) -> np.ndarray:
-    """Digests of the selection's forgotten rows: forgotten by its own key, and for
-    conversations also each one holding a message forgotten by the message table's key."""
-    gone, _ = forgotten(db, identity)
-    if not isinstance(query, Conversations):
-        return gone
+def run_source(db: Database, query: Query) -> Source:
+    """The table a selection's keys are the keys of; for a key no table has (computed, a
+    subquery's, a union's), the selection itself: its lineage is derived by the database."""
     try:
-        messages = db.backend.resolve(query.messages.name)  # keyed as the table is
-    except QueryError:  # no single key column: no message was forgotten by one
-        return gone
-    by_message, _ = forgotten(db, messages.identity)
-    if not len(by_message):
-        return gone
-    rows: Query = query.messages
-    if isinstance(rows, Table):
-        rows = Table(rows.name, schema=rows.schema, key=messages.key)
-    held: list[Any] = []  # the conversations of those messages: one pass over keys
-    for page in db.backend.key_pages(rows, query.by, 65_536):
-        hit = np.flatnonzero(np.isin(key_digests(page.keys), by_message)).tolist()
-        held += [page.versions[i] for i in hit] if page.versions else []
-    return np.union1d(gone, key_digests(held)) if held else gone
+        return db.backend.resolve(query)
+    except QueryError:
+        if not isinstance(query, RawSQL):
+            raise
+        return Source(f"query {query.fingerprint()[:16]}", query.key, None, traced=False)
 
 
-def _mixed_rows(db: Database, query: Mix, snapshot: RunSnapshot) -> tuple[RunSnapshot, dict]:
-    """A mixture's snapshot less each source's forgotten rows, and its sources' identities."""
-    train, held = cast(MixedView, snapshot.train), cast("MixedView | None", snapshot.held)
-    identities = [db.backend.resolve(part.select).identity for part in query.parts]
-    excluded: list[str] = []
-    views: list[list[KeySnapshot]] = [list(train.parts), list(held.parts if held else ())]
-    for s, (part, identity) in enumerate(zip(query.parts, identities)):
-        gone = forgotten_rows(db, part.select, identity)
-        if not len(gone):
-            continue
-        views[0][s], out = keep_rows(views[0][s], db.artifacts, gone)
-        excluded += [key_repr(tagged(s, k)) for k in out]
-        if held:
-            views[1][s] = keep_rows(views[1][s], db.artifacts, gone)[0]
-    if not sum(v.count for v in views[0]):
-        raise DataError(f"{query.source}: every row selected is forgotten: nothing to train on")
-    held = MixedView(tuple(views[1])) if held else None
-    snapshot = replace(snapshot, train=MixedView(tuple(views[0])), held=held)
-    info: dict[str, Any] = {"sources": identities}
-    return snapshot, info | ({"excluded_keys": sorted(excluded)} if excluded else {})
+def _sources(db: Database, query: Query) -> dict[str, Any]:
+    """What a run records of where its rows come from: each source's table and whether its keys
+    are that table's own, the tables it reads (views expanded) and the forgets in force there."""
+    parts = [p.select for p in query.parts] if isinstance(query, Mix) else [query]
+    found = [run_source(db, q) for q in parts]
+    reads = [db.backend.reads(q) for q in parts]
+    tables = {t for r in reads for t in r or ()}
+    forgets: dict[str, dict[str, int]] = {}
+    for record in db.metadata.list_components(FORGOTTEN):
+        if record.payload.get("source") in tables:
+            mine = forgets.setdefault(record.identifier, {"keys": 0, "version": 0})
+            mine["keys"] += len(record.payload.get("digests") or ())
+            mine["version"] = max(mine["version"], record.version)
+    ids = [s.identity for s in found]
+    info: dict[str, Any] = {"sources": ids} if isinstance(query, Mix) else {"source": ids[0]}
+    info |= {"direct": [s.traced for s in found], "reads": reads}
+    return info | ({"forgets": forgets} if forgets else {})
 
 
 def select_rows(
@@ -249,17 +206,15 @@ def select_rows(
     to record on the run about it. Every refusal comes before anything is recorded."""
     assert config.fit is not None  # set by fit() before it registers
     query = config.fit.query()
+    if isinstance(query, Mix) and incremental:
+        raise ConfigError(
+            "fit(incremental=True) with select=lt.mix(...): incremental fits continue "
+            "one source's new rows; fit the mixture in full"
+        )
+    info = _sources(db, query)
     if isinstance(query, Mix):
-        if incremental:
-            raise ConfigError(
-                "fit(incremental=True) with select=lt.mix(...): incremental fits continue "
-                "one source's new rows; fit the mixture in full"
-            )
-        return _mixed_rows(db, query, snapshot)
-    resolved = db.backend.resolve(query)
-    source = resolved.identity
-    gone = forgotten_rows(db, query, source)
-    info: dict[str, Any] = {"source": source}
+        return snapshot, info
+    source = info["source"]
     trained = parent = None
     if incremental:
         if config.lora_args is None:
@@ -273,23 +228,10 @@ def select_rows(
     if parent is None and config.init_from is not None:  # the first run from an earlier model
         parent = starting_model(db, config.init_from)
         check_parent(db, config, parent, allow_forgotten_parent, f"init_from={config.init_from!r}")
-    excluded: list[str] = []
-    selected = snapshot.train.count
-    if len(gone) or trained is not None:
-        new = None if trained is None else trained.new
-        view, out = keep_rows(snapshot.train, db.artifacts, gone, new)
-        excluded = [key_repr(k) for k in out]
+    if trained is not None:
+        view = keep_rows(snapshot.train, db.artifacts, trained.new)
+        log.info("%s: %d row(s) trained before left out", source, snapshot.train.count - view.count)
         snapshot = replace(snapshot, train=view)
-        log.info("%s: %d of the selection's rows left out", resolved.name, selected - view.count)
-    if len(gone) and snapshot.held is not None:  # nor are forgotten rows evaluated on
-        snapshot = replace(snapshot, held=keep_rows(snapshot.held, db.artifacts, gone)[0])
-    if excluded:
-        info["excluded_keys"] = sorted(excluded)
-    if excluded and len(excluded) == selected:
-        raise DataError(
-            f"{query.source} selects {selected} row(s), every one forgotten "
-            f"(db.forget on {resolved.name}): nothing to train on"
-        )
     if parent is not None:
         info[PARENT] = {
             "run_id": parent.payload["run_id"],

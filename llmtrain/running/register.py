@@ -38,7 +38,7 @@ def register(
 ) -> RunPlan | Done:
     """Check, then record the trainer version (unless stored already) and the run; a resume
     reads its run's snapshot and record (no scan of the rows)."""
-    from llmtrain.provenance.selection import check_resume, eval_rows, pin_init_from, select_rows
+    from llmtrain.provenance.selection import eval_rows, pin_init_from, select_rows
 
     check_before_recording(config, db)
     config = pin_init_from(db, config)
@@ -48,7 +48,6 @@ def register(
         run, checkpoint = found
         if run.status == "completed":
             return Done(run.run_id)
-        check_resume(db, run)
         # this attempt's callbacks, where its launched workers read them
         db.metadata.update_run(run.run_id, info={"callbacks": list(callbacks)})
         return replace(RunPlan.from_record(run), resume_from=checkpoint, callbacks=callbacks)
@@ -132,7 +131,10 @@ def new_snapshot(
         db, fit.query(), eval_fraction=data.eval_fraction, version_column=data.version_column
     )
     if snapshot.count == 0:
-        raise DataError(f"{fit.query().source} selects 0 rows: nothing to train on")
+        raise DataError(
+            f"{fit.query().source} selects 0 rows (forgotten rows, db.forget, are left out): "
+            "nothing to train on"
+        )
     replay = fit.data_fingerprint and fit.db == db.uri and not incremental
     if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (

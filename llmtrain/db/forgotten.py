@@ -1,0 +1,221 @@
+"""Forgotten rows, left out by the database itself. ``db.forget`` copies a table's forgotten keys
+into a table of the data database typed like its key column (``CREATE TABLE .. AS SELECT key``:
+same type, collation, padding); every statement llmtrain runs then reads that table through
+``NOT EXISTS`` against them, views expanded from the catalog, so the server's own equality rules
+decide. A selection whose reads cannot be rewritten (a table function, a user function, a
+statement that does not parse) is refused while any row of the database is forgotten."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from llmtrain.db.keys import Key
+from llmtrain.errors import QueryError
+
+REGISTRY = "_llmtrain_forgotten"  # one row a table with forgotten keys: where they are kept
+_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+_VIEWS = {  # a view's definition (PostgreSQL: a materialized one's too), by schema and name
+    "sqlite": "SELECT sql FROM {schema}.sqlite_master WHERE type = 'view' AND name = :n",
+    "postgresql": "SELECT definition FROM pg_views WHERE schemaname = :s AND viewname = :n "
+    "UNION ALL SELECT definition FROM pg_matviews WHERE schemaname = :s AND matviewname = :n",
+    "mysql": "SELECT VIEW_DEFINITION FROM information_schema.VIEWS "
+    "WHERE TABLE_SCHEMA = :s AND TABLE_NAME = :n",
+}
+_USER_FUNCTIONS = {  # functions of the database's users (they may read any table); SQLite: none
+    "postgresql": "SELECT 1 FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE "
+    "lower(p.proname) = lower(:n) AND s.nspname NOT IN ('pg_catalog', 'information_schema')",
+    "mysql": "SELECT 1 FROM information_schema.ROUTINES WHERE lower(ROUTINE_NAME) = lower(:n)",
+}
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """A table with forgotten rows: its key column and the table holding those keys."""
+
+    schema: str
+    table: str
+    key: str
+    keys_table: str
+
+
+def _registry() -> sa.Table:
+    return sa.Table(
+        REGISTRY,
+        sa.MetaData(),
+        sa.Column("identity", sa.String(300), primary_key=True),
+        *[sa.Column(c, sa.String(128)) for c in ("schema_name", "table_name", "key_column")],
+        sa.Column("keys_table", sa.String(64)),
+    )
+
+
+def guarded_tables(conn: sa.Connection) -> list[Guarded]:
+    """Every table with forgotten rows (none, creating nothing, if no row was ever forgotten)."""
+    if not sa.inspect(conn).has_table(REGISTRY):
+        return []
+    reg = _registry()
+    return [Guarded(*r) for r in conn.execute(sa.select(*list(reg.c)[1:]).order_by(reg.c[0]))]
+
+
+def store_keys(
+    engine: sa.Engine, schema: str, table: str, key: str, keys: Sequence[Key]
+) -> list[tuple[int, Key]]:
+    """Add ``keys`` to the table's forgotten keys; (position in ``keys``, the row's own key) of
+    each that matches a row, matched by the database (a case-insensitive or padded key too)."""
+    identity = f"{schema}.{table}({key})"
+    name = "_llmtrain_fk_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
+    q = engine.dialect.identifier_preparer.quote
+    source, kept, batch = f"{q(schema)}.{q(table)}", q(name), uuid.uuid4().hex
+    with engine.begin() as conn:
+        if not sa.inspect(conn).has_table(name):
+            for ddl in (
+                f"CREATE TABLE {kept} AS SELECT {q(key)} AS k FROM {source} WHERE 1 = 0",
+                f"ALTER TABLE {kept} ADD COLUMN n INTEGER",
+                f"ALTER TABLE {kept} ADD COLUMN batch VARCHAR(32)",
+                f"CREATE INDEX {q(name + '_k')} ON {kept} (k)",
+            ):
+                conn.execute(sa.text(ddl))
+        reg = _registry()
+        reg.create(conn, checkfirst=True)
+        if conn.execute(sa.select(reg.c[0]).where(reg.c[0] == identity)).first() is None:
+            conn.execute(reg.insert().values((identity, schema, table, key, name)))
+        insert = sa.text(f"INSERT INTO {kept} (k, n, batch) VALUES (:k, :n, :b)")
+        conn.execute(insert, [{"k": k, "n": i, "b": batch} for i, k in enumerate(keys)])
+        matched = sa.text(
+            f"SELECT f.n, t.{q(key)} FROM {kept} f JOIN {source} t ON t.{q(key)} = f.k "
+            "WHERE f.batch = :b"
+        )
+        return [(int(n), k) for n, k in conn.execute(matched, {"b": batch})]
+
+
+#: (a table's guards, its quoted name) -> the condition its rows are read under (None: all)
+Condition = Callable[[list[Guarded], str], "str | None"]
+
+
+def excluding(quote: Callable[[str], str]) -> Condition:
+    """Rows whose key is none of the table's forgotten keys (by each key column forgotten by)."""
+
+    def where(guards: list[Guarded], name: str) -> str | None:
+        return (
+            " AND ".join(
+                f"NOT EXISTS (SELECT 1 FROM {quote(g.keys_table)} llmtrain_f "
+                f"WHERE {name}.{quote(g.key)} = llmtrain_f.k)"
+                for g in guards
+            )
+            or None
+        )
+
+    return where
+
+
+class Rewriter:
+    """One statement's reads, rewritten: every base table read under ``where``, views expanded
+    from the catalog; ``bases`` collects the tables it reads. ``conn``: for the catalog."""
+
+    def __init__(self, conn: sa.Connection, guarded: list[Guarded], where: Condition) -> None:
+        self.conn, self.guarded, self.where = conn, guarded, where
+        self.dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
+        self.read = _DIALECTS.get(self.dialect)
+        self.inspector = sa.inspect(conn)
+        self.default = self.inspector.default_schema_name or "main"
+        self.quote = conn.dialect.identifier_preparer.quote
+        self.bases: set[tuple[str, str]] = set()
+
+    def refuse(self, why: str) -> QueryError:
+        count = "SELECT count(*) FROM {}"
+        counts = [
+            f"{g.schema}.{g.table} "
+            f"({self.conn.execute(sa.text(count.format(self.quote(g.keys_table)))).scalar()} keys)"
+            for g in self.guarded
+        ]
+        return QueryError(
+            f"{why}: llmtrain cannot tell which tables it reads, and rows of "
+            f"{', '.join(counts) or 'its tables'} are forgotten (db.forget); select with plain "
+            "SELECTs over tables and views, so the database leaves the forgotten rows out"
+        )
+
+    def sql(self, text: str, what: str) -> str:
+        import sqlglot
+        from sqlglot import exp
+
+        try:
+            tree = sqlglot.parse_one(text, read=self.read)
+        except sqlglot.errors.ParseError as exc:
+            raise self.refuse(f"{what} does not parse ({str(exc).splitlines()[0]})") from None
+        self._rewrite(tree, what, depth=0)
+        tree = tree.transform(  # bound parameters stay ``:name`` in every dialect
+            lambda n: exp.var(":" + n.name) if isinstance(n, exp.Placeholder) and n.name else n
+        )
+        return str(tree.sql(dialect=self.read))
+
+    def _rewrite(self, tree: Any, what: str, depth: int) -> None:
+        import sqlglot
+        from sqlglot import exp
+
+        if depth > 16:
+            raise self.refuse(f"{what} nests views more than 16 deep")
+        for func in tree.find_all(exp.Anonymous):
+            found = _USER_FUNCTIONS.get(self.dialect)
+            if found and self.conn.execute(sa.text(found), {"n": func.name}).first():
+                raise self.refuse(f"{what} calls the database's function {func.name}()")
+        ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
+        for node in list(tree.find_all(exp.Table)):
+            if not isinstance(node.this, exp.Identifier):
+                raise self.refuse(f"{what} reads the table function {node.this.sql()}")
+            if node.args.get("db") is None and node.name in ctes:
+                continue
+            schema, name = self._catalog_name(node.args.get("db"), node.this)
+            alias = node.args.get("alias") or exp.TableAlias(this=exp.to_identifier(node.name))
+            if node.args.get("db") is not None and not node.args.get("alias"):
+                for column in tree.find_all(exp.Column):  # db.t.c (MariaDB's views): now t.c
+                    if column.table == node.name and column.args.get("db") is not None:
+                        column.set("db", None)
+            view = self._view(schema, name)
+            if view is not None:
+                inner = sqlglot.parse_one(view, read=self.read)
+                if isinstance(inner, exp.Create):  # SQLite keeps the CREATE VIEW statement
+                    if isinstance(inner.this, exp.Schema) and inner.this.expressions:
+                        raise self.refuse(f"view {schema}.{name} names its columns")
+                    inner = inner.expression
+                self._rewrite(inner, f"view {schema}.{name}", depth + 1)
+                node.replace(exp.Subquery(this=inner, alias=alias))
+                continue
+            self.bases.add((schema, name))
+            mine = [g for g in self.guarded if (g.schema, g.table) == (schema, name)]
+            quoted = f"{self.quote(schema)}.{self.quote(name)}"
+            condition = self.where(mine, quoted)
+            if condition is not None:
+                select = sqlglot.parse_one(
+                    f"SELECT * FROM {quoted} WHERE {condition}", read=self.read
+                )
+                node.replace(exp.Subquery(this=select, alias=alias))
+
+    def _catalog_name(self, schema_id: Any, name_id: Any) -> tuple[str, str]:
+        """(schema, table) as the catalog spells them: PostgreSQL folds unquoted names to lower
+        case, SQLite matches any case, MariaDB names are exact."""
+
+        def folded(ident: Any) -> str:
+            fold = self.dialect == "postgresql" and not ident.quoted
+            return str(ident.name).lower() if fold else str(ident.name)
+
+        schema = folded(schema_id) if schema_id is not None else self.default
+        name = folded(name_id)
+        if self.dialect == "sqlite":
+            schema = schema.lower()
+            names = [
+                *self.inspector.get_table_names(schema),
+                *self.inspector.get_view_names(schema),
+            ]
+            name = next((n for n in names if n.lower() == name.lower()), name)
+        return schema, name
+
+    def _view(self, schema: str, name: str) -> str | None:
+        """The view's definition; None for a table."""
+        sql = _VIEWS[self.dialect].format(schema=self.quote(schema))
+        found = self.conn.execute(sa.text(sql), {"s": schema, "n": name}).scalar()
+        return None if found is None else str(found).strip().rstrip(";")
