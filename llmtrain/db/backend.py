@@ -87,6 +87,11 @@ class DataBackend(ABC):
         """Add ``keys`` to the keys the database leaves out of ``source``; (position, the row's
         own key) of each that matched a row, matched by the database's rules."""
 
+    def row_keys(self, source: Source, key: Key) -> list[Key]:
+        """The keys of the rows the database takes ``key`` for (a case-insensitive collation's
+        ``k5`` for ``K5``, a padded ``char(n)``'s); MongoDB compares as Python does."""
+        return [key]
+
     def pages(self, query: Query, fields: Fields, page_size: int) -> Iterator[KeyedRows]:
         """The selection's rows in key order, ``page_size`` a statement, keys checked."""
 

@@ -369,6 +369,12 @@ class SQLBackend(DataBackend):
         stmt = _text(text, {**params, **bound}, query.source)
         return [r[0] for r in self._rows(stmt, {}, query.source)]
 
+    def row_keys(self, source: Source, key: Key) -> list[Key]:
+        q = self.engine.dialect.identifier_preparer.quote
+        name = f"{q(source.name.partition('.')[0])}.{q(source.name.partition('.')[2])}"
+        stmt = sa.text(f"SELECT {q(source.key)} FROM {name} WHERE {q(source.key)} = :k")
+        return [r[0] for r in self._rows(stmt, {"k": key}, source.name)]
+
     def forget_keys(self, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
         if not source.traced:
             raise QueryError(

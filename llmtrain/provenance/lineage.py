@@ -20,7 +20,8 @@ from llmtrain.db.backend import Key
 from llmtrain.db.keys import key_digests, key_repr, same_key
 from llmtrain.db.queries import Mix, Query
 from llmtrain.db.sources import Source
-from llmtrain.errors import QueryError, StoreError
+from llmtrain.errors import ConfigError, QueryError, StoreError
+from llmtrain.stores.artifacts import open_artifacts
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -63,8 +64,9 @@ class RunLineage:
                 "the rows it trained cannot be derived"
             )
         view = RunSnapshot.from_record(info["snapshot"]).view("train")
+        store = run_store(db, run)
         if view.chunks:
-            db.artifacts.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
+            store.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
         config = build(TrainerConfig, info["config"], f"run {run.run_id}")
         d, t = config.data_args, config.training_args
         assert config.fit is not None
@@ -79,10 +81,10 @@ class RunLineage:
         limit = int(steps)
         if t.max_steps <= 0:  # an epoch-bounded run never goes past its epochs
             limit = min(limit, rule.per_epoch * t.num_train_epochs)
-        skips = read_skips(db.artifacts, info)
-        skipped = by_index(view, db.artifacts, skips.skipped.values())
-        changed = by_index(view, db.artifacts, skips.changed.values())
-        return cls(run.run_id, view, db.artifacts, rule, limit, skipped, changed)
+        skips = read_skips(store, info)
+        skipped = by_index(view, store, skips.skipped.values())
+        changed = by_index(view, store, skips.changed.values())
+        return cls(run.run_id, view, store, rule, limit, skipped, changed)
 
     def epochs(self) -> range:
         return range(self.rule.epoch_of(self.limit) + 1 if self.limit else 0)
@@ -143,6 +145,18 @@ class RunLineage:
                 step = int(self.rule.steps(epoch, np.int64(position)))
                 if step <= self.limit:
                     yield epoch, step, rank
+
+
+def run_store(db: Database, run: Any) -> Any:
+    """The artifact store the run wrote its snapshot to: this connection's, or the one its record
+    names (another machine's folder, a bucket), opened for reading."""
+    recorded = run.info.get("artifacts")
+    if not recorded or recorded == db.artifacts.location:
+        return db.artifacts
+    try:
+        return open_artifacts(recorded, metadata_uri="")
+    except ConfigError as exc:
+        raise StoreError(f"run {run.run_id} stored its artifacts in {recorded}: {exc}") from None
 
 
 def chain(db: Database, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
@@ -225,6 +239,9 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
     result = TrainedOn(found_source.name, keys)
     gone = set(forgotten(db, found_source.identity)[0].tolist())
     result.forgotten = [k for k, d in zip(keys, key_digests(keys).tolist()) if d in gone]
+    if found_source.traced and len(keys) <= 100:  # and as the rows spell them ("K5": "k5")
+        spelled = [r for k in keys for r in db.backend.row_keys(found_source, k)]
+        keys = list({key_repr(k): k for k in [*keys, *spelled]}.values())
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
     for run in runs:  # oldest first: a parent is settled before the runs continuing from it
@@ -251,7 +268,7 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         }
         uses = [
             Use(one, run.run_id, run.identifier, run.version, *use, v)
-            for key, index in find(lineage.view, db.artifacts, list(ours.values()))
+            for key, index in find(lineage.view, lineage.store, list(ours.values()))
             for use in lineage.uses(index)
             for v in [lineage.version_of(index, use[0])]  # the row's version as trained
             for one in asked[key_repr(key)]
