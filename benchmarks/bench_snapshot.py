@@ -19,6 +19,9 @@ Part 2, for each backend and row count (the tables of ``bench_datasets.py``, reu
 
 Side by side per backend: the smallest and the largest row count, and their ratio. The
 resume's ratio stays near 1 (it reads no key of the table); the start's grows with the rows.
+
+Part 3 (``--forget rows:forgotten``): what forgotten rows add to a snapshot, side by side with
+the same table where none is forgotten (:func:`forget_cost`).
 """
 
 from __future__ import annotations
@@ -194,12 +197,63 @@ def first_step(uri: str) -> float:
         return seen.at - t0
 
 
+def forget_cost(rows: int, forgotten: int) -> None:
+    """Part 3: a SQLite table of ``rows`` int keys, twice side by side: one database with no
+    forgotten row, one with ``forgotten`` keys forgotten (``db.forget``); the snapshot's time in
+    each, best of 3, and the ratio (the cost of leaving the forgotten rows out); the forget's
+    own time beside the raw key read's."""
+    folder = Path(tempfile.mkdtemp(prefix="llmtrain-bench-forget-"))
+    dbs = {}
+    for name in ("plain", "forgotten"):
+        with sqlite3.connect(folder / f"{name}.db") as conn:
+            conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, q TEXT)")
+            conn.execute(
+                "WITH RECURSIVE s(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM s WHERE x < ?) "
+                "INSERT INTO docs SELECT x * 3, 'q' FROM s",
+                (rows - 1,),
+            )
+        dbs[name] = lt.connect(f"sqlite:///{folder / name}.db", artifacts=folder / name)
+    step = max(rows // forgotten, 1) * 3
+    t0 = time.perf_counter()
+    dbs["forgotten"].forget("docs", list(range(0, step * forgotten, step))[:forgotten])
+    forget_s = time.perf_counter() - t0
+    raw = best(
+        lambda: len(
+            sqlite3.connect(folder / "plain.db")
+            .execute("SELECT id FROM docs ORDER BY id")
+            .fetchall()
+        )
+    )
+    snap = {
+        name: best(lambda db=db: take_snapshot(db, lt.Table("docs"), store=MemoryStore()).count)
+        for name, db in dbs.items()
+    }
+    print(
+        f"forget cost, SQLite, {rows:,} rows, {forgotten:,} forgotten: snapshot {snap['plain']:.2f}s"
+        f" -> {snap['forgotten']:.2f}s (x{snap['forgotten'] / snap['plain']:.3f}); the forget "
+        f"{forget_s:.2f}s = {forget_s / raw:.1f}x the raw key read ({raw:.2f}s)",
+        flush=True,
+    )
+
+
+def best(call: Callable[[], int], tries: int = 3) -> float:
+    times = []
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--rows", default="100000,1000000")
     parser.add_argument("--backends", default="sqlite,postgresql")
+    parser.add_argument("--forget", default="10000000:100000", help="rows:forgotten, '' skips")
     args = parser.parse_args(argv)
+    if args.forget:
+        forget_cost(*map(int, args.forget.split(":")))
     if args.keys:
         ratios(args.backends.split(","), args.keys)
     if not args.rows:

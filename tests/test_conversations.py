@@ -170,7 +170,8 @@ def test_a_long_conversation_loses_its_earliest_exchanges(tiny: Path) -> None:
 
 def test_fit_on_conversations_records_and_replays_them(tiny: Path, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'chat.db'}"
-    fill(uri, "messages", _message_rows({c: CHATS[c] for c in GOOD}))
+    rows = _message_rows({c: CHATS[c] for c in GOOD})
+    fill(uri, "messages", rows)
     db = lt.connect(uri, artifacts=tmp_path / "artifacts")
     select = _select(uri)
     trainer = lt.LLMTrainer(
@@ -185,7 +186,9 @@ def test_fit_on_conversations_records_and_replays_them(tiny: Path, tmp_path: Pat
     by_conversation = lt.Table("messages", key="conversation_id")
     assert db.trained_on(select, 3) and db.trained_on(by_conversation, 7)
     assert not db.trained_on(select, 4)
-    assert not db.trained_on("messages", 7)  # message row 7 is no conversation's key
+    # message row 7, by the message table's own key: the conversation holding it trained
+    conversation = next(r["conversation_id"] for r in rows if r["id"] == 7)
+    assert db.trained_on("messages", 7).runs == db.trained_on(select, conversation).runs != []
     again = db.load("trainer", "chat")
     assert again.config.fit is not None and again.config.fit.X == "messages"
     assert again.fit() is not None  # a replay of the same conversations
@@ -287,4 +290,6 @@ def test_forgetting_a_message_leaves_its_conversation_out(
     trainer.fit(db=db, select=_select(any_uri))
     assert sorted(row.key for row in db.lineage("model", "forgets")) == [1, 2, 7]
     (run,) = db.metadata.list_runs("trainer", "forgets")
-    assert run.info["excluded_keys"] == ["int:3"]
+    assert [f["keys"] for f in run.info["forgets"].values()] == [1]
+    # the forget names the runs that trained its conversation, by the message's own key
+    assert db.forget("messages", [message]).runs == []  # none did: it was left out since

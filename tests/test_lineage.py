@@ -178,7 +178,8 @@ def test_lineage_equals_the_trace_through_resume_incremental_and_forget(
     third = KeyTrace()
     (retrained,) = forgotten.retrain(callbacks=[third])
     retrain_run = db.metadata.get_run(retrained.record.run_id)
-    assert retrain_run.info["excluded_keys"] == [key] and "parent" not in retrain_run.info
+    assert retrain_run.info["forgets"]["main.docs(id)"]["keys"] == 1
+    assert "parent" not in retrain_run.info
     assert key not in {k for k, _ in _trace_rows(third)}
     assert len({k for k, _ in _trace_rows(third)}) == 23
     assert _lineage(db, "lin") == {retrain_run.run_id: _trace_rows(third)}

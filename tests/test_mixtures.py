@@ -208,7 +208,8 @@ def test_forgetting_a_row_of_one_source_leaves_it_out_of_the_next_mixture(
     keys = [c.key for c in db.lineage("model", "mx-forget", retrained.version)]
     assert {"part": 1, "key": 3} not in keys and {"part": 0, "key": 3} in keys
     run = db.metadata.list_runs("trainer", "mx-forget")[-1]
-    assert run.info["excluded_keys"] == ["dict:{'part': 1, 'key': 3}", "dict:{'part': 1, 'key': 4}"]
+    assert run.info["forgets"] == {"main.small(id)": {"keys": 2, "version": 0}}
+    assert run.info["reads"] == [["main.big"], ["main.small"]]
 
 
 def test_llmtrain_fit_trains_a_mixture_from_yaml(tiny: Path, tmp_path: Path) -> None:

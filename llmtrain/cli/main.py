@@ -264,6 +264,9 @@ def cmd_forget(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         result = db.forget(args.table, args.keys)
         say(f"forgot {len(args.keys)} key(s) of {result.source}: later runs leave them out")
+        if result.unmatched:
+            shown = ", ".join(map(str, result.unmatched[:10]))
+            say(f"no row has {len(result.unmatched)} of them ({shown}): recorded all the same")
         report_usage(result.found)
         if args.retrain:
             for model in result.retrain():

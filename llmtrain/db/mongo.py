@@ -83,7 +83,7 @@ class MongoBackend(DataBackend):
             (ConnectionFailure,),
         )
 
-    def _left_out(self, name: str) -> dict[str, Any]:
+    def _left_out(self, name: str, by: str | None = None) -> dict[str, Any]:
         """The condition leaving out a collection's forgotten documents (one count a call; a view
         over any forgotten documents is refused: its pipeline is not rewritten)."""
         db = mongo_database(self._uri)
@@ -99,7 +99,12 @@ class MongoBackend(DataBackend):
                 "(db.forget): select the collection it reads, so they are left out"
             )
         keys = [d["key"] for d in db[FORGOTTEN].find({"source": f"{db.name}.{name}(_id)"})]
-        return {"_id": {"$nin": keys}} if keys else {}
+        if not keys:
+            return {}
+        if by is None:
+            return {"_id": {"$nin": keys}}
+        gone = db[name].distinct(by, {"_id": {"$in": keys}})  # a conversation goes whole
+        return {"$and": [{"_id": {"$nin": keys}}, {by: {"$nin": gone}}]}
 
     def key_name(self, query: Query) -> str:
         self._query(query)
@@ -163,7 +168,7 @@ class MongoBackend(DataBackend):
         if not isinstance(query, Conversations):
             return self._find(query, fields, {} if lower is None else key_after(lower), limit)
         by, order, messages = f"${query.by}", f"${query.order}", self._query(query)
-        left_out = self._left_out(messages.name)
+        left_out = self._left_out(messages.name, query.by)
         pipeline: list[dict[str, Any]] = [
             {"$match": {"$and": [messages.filter, {query.by: {"$exists": True}}, left_out]}},
             {"$group": {"_id": by, TURNS: {"$max": order}}},
@@ -178,7 +183,8 @@ class MongoBackend(DataBackend):
         if not isinstance(query, Conversations):
             return self._find(query, fields, {"_id": {"$in": keys}})
         messages = self._query(query)
-        cond = {"$and": [messages.filter, {query.by: {"$in": keys}}, self._left_out(messages.name)]}
+        left_out = self._left_out(messages.name, query.by)
+        cond = {"$and": [messages.filter, {query.by: {"$in": keys}}, left_out]}
         sort = [(query.by, 1), (query.order, 1)]
         docs = self._read("reading messages", messages.name, lambda c: c.find(cond).sort(sort))
         return conversations([[get_path(d, f, None) for f in query.columns] for d in docs])

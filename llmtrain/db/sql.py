@@ -22,7 +22,7 @@ from llmtrain.db.forgotten import (
     guarded_tables,
     store_keys,
 )
-from llmtrain.db.keys import Key, KeyPage, check_keys
+from llmtrain.db.keys import Key, KeyPage, check_keys, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source, key_table, match_name, split_name
@@ -187,7 +187,7 @@ class SQLBackend(DataBackend):
                 )
         return self._sources[fingerprint]
 
-    def _build_table(self, query: Table) -> _Source:
+    def _build_table(self, query: Table, filtered: bool = True) -> _Source:
         try:
             table = self._retrying(
                 "reading the table schema",
@@ -215,7 +215,7 @@ class SQLBackend(DataBackend):
         names = [c.name for c in table.c]
         if missing := [name for name in query.columns or () if name not in table.c]:
             raise QueryError(f"{query.source} has no column {missing[0]!r}; columns: {names}")
-        if self._guarded:  # read through the forgotten-row filter, its views expanded
+        if self._guarded and filtered:  # read through the forgotten-row filter, views expanded
             q = self.engine.dialect.identifier_preparer.quote
             named = f"{q(query.schema)}.{q(table.name)}" if query.schema else q(table.name)
             text, _ = self.rewritten(f"SELECT * FROM {named}", query.source)
@@ -233,8 +233,28 @@ class SQLBackend(DataBackend):
         messages = self._source(query.messages)
         by, order = messages.column(query.by), messages.column(query.order)
         grouped = messages.select(by.label(query.by), sa.func.max(order).label(TURNS))
+        if (gone := self._forgotten_conversations(query)) is not None:
+            grouped = grouped.where(by.not_in(gone))
         sub = grouped.group_by(by).subquery("llmtrain_conversations")
         return _Source(sub.c[query.by], {TURNS: sub.c[TURNS]}, None, query.source)
+
+    def _forgotten_conversations(self, query: Conversations) -> Any:
+        """The conversations holding a forgotten message, left out whole: its other turns may
+        quote it (None: no message of the table is forgotten)."""
+        rows = query.messages
+        assert isinstance(rows, Table)
+        table = self._build_table(rows, filtered=False).key.table
+        schema = getattr(table, "schema", None) or sa.inspect(self.engine).default_schema_name
+        name = getattr(table, "name", rows.name)
+        mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
+        if not mine:
+            return None
+        q = self.engine.dialect.identifier_preparer.quote
+        quoted, by = f"{q(str(schema))}.{q(name)}", q(query.by)
+        kept = excluding(q)(mine, quoted)
+        sql = f"SELECT {by} FROM {quoted} WHERE {by} IS NOT NULL AND NOT ({kept})"
+        gone = sa.text(sql).columns(sa.column(query.by)).subquery("llmtrain_gone")
+        return sa.select(gone.c[query.by])
 
     def _build_raw(self, query: RawSQL) -> _Source:
         sql = self.rewritten(query.text, query.source)[0] if self._guarded else query.text
@@ -313,6 +333,8 @@ class SQLBackend(DataBackend):
         else:
             schema = match_name(schema, inspector.get_schema_names(), "schema", self.uri, True)
         names = [*inspector.get_table_names(schema), *inspector.get_view_names(schema)]
+        if self.engine.dialect.name == "postgresql" and table.lower() in names:
+            table = table.lower()  # as PostgreSQL reads a name unquoted: Docs is docs
         table = match_name(table, names, "table", f"{schema} of {self.uri}", fold=True)
         columns = {c["name"]: c for c in inspector.get_columns(table, schema)}
         if column is None:
@@ -404,8 +426,12 @@ class SQLBackend(DataBackend):
     def key_pages(
         self, query: Query, version_column: str | None, page_size: int
     ) -> Iterator[KeyPage]:
-        """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys."""
-        src = self._source(query)
+        """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys. A
+        table's own forgotten rows are read as keys (the database joins them to its key table)
+        and left out here: a probe per row of a 10M-row scan costs more than the scan."""
+        src, gone = self._source(query), self._forgotten_keys(query)
+        if gone is not None:
+            src = self._build_table(query, filtered=False)  # type: ignore[arg-type]
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
         if any(_converts(c.type, self.engine.dialect) for c in cols):
             yield from super().key_pages(query, version_column, page_size)
@@ -423,13 +449,48 @@ class SQLBackend(DataBackend):
             if ints and None not in keys:
                 keys = np.array(keys, dtype=np.int64)
             check_keys(keys, lower, src.key.name, query.source)
-            yield KeyPage(keys, [r[1] for r in rows] if version_column else None)
+            versions = [r[1] for r in rows] if version_column else None
+            if gone is not None and len(gone):
+                digests = key_digests(keys)  # gone is sorted: one search, no sort a page
+                kept = np.flatnonzero(
+                    gone[np.searchsorted(gone, digests).clip(max=len(gone) - 1)] != digests
+                )
+                keys = keys[kept] if isinstance(keys, np.ndarray) else [keys[i] for i in kept]
+                versions = [versions[i] for i in kept] if versions is not None else None
+            yield KeyPage(keys, versions)
+
+    def _forgotten_keys(self, query: Query) -> np.ndarray | None:
+        """Sorted digests of a base table's forgotten rows' keys, as ``query`` keys them; None
+        where the statement itself leaves them out (a view, a join, any SQL)."""
+        if not isinstance(query, Table) or not self._guarded:
+            return None
+        src = self._build_table(query, filtered=False)
+        table = src.key.table
+        if not isinstance(table, sa.Table):
+            return None
+        inspector = sa.inspect(self.engine)
+        schema = table.schema or inspector.default_schema_name or "main"
+        if table.name in inspector.get_view_names(schema):  # its definition is rewritten
+            return None
+        mine = [g for g in self._guarded if (g.schema, g.table) == (schema, table.name)]
+        q = self.engine.dialect.identifier_preparer.quote
+        joined = " UNION ".join(
+            f"SELECT t.{q(src.key.name)} FROM {q(g.keys_table)} f "
+            f"JOIN {q(schema)}.{q(table.name)} t ON t.{q(g.key)} = f.k"
+            for g in mine
+        )
+        keys = (
+            [r[0] for r in self._rows(sa.text(joined), {}, query.source, raw=True)] if mine else []
+        )
+        return np.unique(key_digests(keys)) if keys else np.zeros(0, dtype=np.uint64)
 
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if isinstance(query, Conversations):
             src = self._source(query.messages)
             cols = [src.column(c) for c in query.columns]
             stmt = src.select(*cols).where(cols[0].in_(keys)).order_by(*cols[:2])
+            if (gone := self._forgotten_conversations(query)) is not None:
+                stmt = stmt.where(cols[0].not_in(gone))
             return conversations(self._rows(stmt, {}, query.source))
         src = self._source(query)
         stmt = src.select(src.key, *[src.column(f) for f in fields]).where(src.key.in_(keys))

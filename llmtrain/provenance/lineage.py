@@ -64,8 +64,9 @@ class RunLineage:
                 "the rows it trained cannot be derived"
             )
         view = RunSnapshot.from_record(info["snapshot"]).view("train")
-        store = run_store(db, run)
-        if view.chunks:
+        store = db.artifacts
+        if view.chunks and not store.exists(view.chunks[0]):  # where the run wrote them
+            store = run_store(db, run)
             store.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
         config = build(TrainerConfig, info["config"], f"run {run.run_id}")
         d, t = config.data_args, config.training_args
@@ -148,8 +149,7 @@ class RunLineage:
 
 
 def run_store(db: Database, run: Any) -> Any:
-    """The artifact store the run wrote its snapshot to: this connection's, or the one its record
-    names (another machine's folder, a bucket), opened for reading."""
+    """The artifact store the run recorded (another machine's folder, a bucket), for reading."""
     recorded = run.info.get("artifacts")
     if not recorded or recorded == db.artifacts.location:
         return db.artifacts
