@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import psutil
 import pytest
 import torch
 from conftest import S3Server, fill, fresh_database
@@ -360,6 +361,12 @@ def test_a_node_killed_mid_run_restarts_with_the_job_and_resumes(cluster: Cluste
             if runs:
                 checkpoints = [c.step for c in cluster.db.metadata.list_checkpoints(runs[0].run_id)]
             time.sleep(0.05)
+        # every process of both nodes (torchrun, the ranks): no secret on a command line
+        pods = [psutil.Process(p.pid) for p in procs]
+        tree = [q for pod in pods for q in [pod, *pod.children(recursive=True)]]
+        lines = [" ".join(q.cmdline()) for q in tree]
+        assert len(tree) >= 4 and all("llmtrain.cli fit" in line for line in lines), lines
+        assert not [line for line in lines if PASSWORD in line or cluster.s3.secret_key in line]
         kill(procs[1])  # the node is lost
         assert procs[1].wait(timeout=30) == -9
         kill(procs[0], 15)  # the JobSet's restart deletes the other pod
