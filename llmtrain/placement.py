@@ -1,4 +1,5 @@
-"""This process's place in the job, resolved once: the only reader of RANK/WORLD_SIZE/LOCAL_RANK."""
+"""This process's place in the job, resolved once: the only reader of RANK/WORLD_SIZE/LOCAL_RANK
+(and GROUP_RANK, torchrun's node rank)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Placement:
     world_size: int = 1
     local_rank: int = 0
     launched: bool = False  # started by torchrun/deepspeed (every rank runs the script)
+    node_rank: int = 0  # the node's index among the job's nodes (recorded with the run)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -37,7 +39,8 @@ class Placement:
             rank, world = dist.get_rank(), dist.get_world_size()
         else:
             rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
-        return cls(rank, world, int(env.get("LOCAL_RANK", 0)), "LOCAL_RANK" in env)
+        local, node = int(env.get("LOCAL_RANK", 0)), int(env.get("GROUP_RANK", 0))
+        return cls(rank, world, local, "LOCAL_RANK" in env, node)
 
     @classmethod
     def resolve(cls, rank: int | None = None, world_size: int | None = None) -> Placement:

@@ -217,6 +217,8 @@ def test_fit_on_ray_trains_records_and_loads_in_peft(env: Env) -> None:
     assert run.status == "completed", run.error
     assert run.info["strategy"] == "ddp" and run.info["world_size"] == WORLD
     assert run.info["steps"] == STEPS
+    world = run.info["world"]  # the node ranks Ray gave its workers: one node here
+    assert world["nodes"] == 1 and [r["node_rank"] for r in world["ranks"]] == [0] * WORLD
     info = run.info["ray"]
     assert info["status"] == "completed" and info["num_workers"] == WORLD
     assert info["checkpoints"] == ["checkpoint-00000002", "checkpoint-00000004"]

@@ -212,8 +212,17 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    job = load_job(args.config, args.overrides, flags=("resume",))
+    job = load_job(args.config, args.overrides, flags=("resume",))  # mistakes: here, once
+    from llmtrain.placement import Placement
+    from llmtrain.running.launchers.command import PET_ENV, TORCHRUN
     from llmtrain.running.trainer import LLMTrainer
+
+    if os.environ.get(PET_ENV) and not Placement.from_environment().launched:
+        # one entry point on one node or several: torchrun (reading PET_*) starts this fit in
+        # each process, where rank 0 registers the run and every rank trains its own rows
+        again = ["fit", args.config, *(["--resume"] if args.resume else []), *args.overrides]
+        sys.stdout.flush()
+        os.execv(TORCHRUN[0], [*TORCHRUN, "-m", "llmtrain.cli", *again])
 
     trainer = LLMTrainer(job.config.name, **job.options)
     with closing(connect(job.db_uri, artifacts=job.config.artifacts)) as db:

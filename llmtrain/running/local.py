@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -94,12 +95,19 @@ def train_run(
     targs, started, completed = plan.config.training_args, False, False
     try:
         run.setup()
+        # the world it ran in: each rank's host and node rank (as a launcher or Ray placed it)
+        where = {"host": socket.gethostname(), "node_rank": strategy.placement.node_rank}
+        ranks = strategy.gather_object(where)
         if strategy.is_main:
             batch = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
             info = {
                 "strategy": strategy.name,
                 "world_size": strategy.world_size,
                 "global_batch_size": batch * strategy.world_size,
+                "world": {
+                    "nodes": len({(r["host"], r["node_rank"]) for r in ranks}),
+                    "ranks": ranks,
+                },
             }
             db.metadata.update_run(plan.run_id, status="running", info=info)
         started = True

@@ -17,6 +17,10 @@ DB_ENV = "LLMTRAIN_DB_URI"
 METADATA_ENV = "LLMTRAIN_METADATA_URI"
 ARTIFACTS_ENV = "LLMTRAIN_ARTIFACTS"
 JOB_ENV = "LLMTRAIN_JOB_DIR"  # where workers write their pid and, on failure, the traceback
+#: torchrun reads its nodes, processes, node rank and master from PET_NNODES, PET_NPROC_PER_NODE,
+#: PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT (Kubeflow Trainer's torch plugin sets them)
+PET_ENV = "PET_NNODES"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 class WorkerCommand(NamedTuple):
@@ -56,7 +60,7 @@ def launcher_argv(launcher: Launcher, port: int) -> list[str]:
             "max_restarts": 0,
         }
         pairs = [item for name, value in flags.items() for item in (f"--{name}", str(value))]
-        return [sys.executable, "-m", "torch.distributed.run", *pairs, "-m"]
+        return [*TORCHRUN, *pairs, "-m"]
     argv = [sys.executable, "-m", "deepspeed.launcher.runner"]
     argv += ["--num_gpus", str(launcher.num_processes), "--master_port", str(port)]
     if launcher.hostfile:

@@ -79,7 +79,11 @@ def train_loop(config: dict[str, Any]) -> None:
 
     context, broker = ray.train.get_context(), config["broker"]
     placement = Placement(
-        context.get_world_rank(), context.get_world_size(), context.get_local_rank(), launched=True
+        context.get_world_rank(),
+        context.get_world_size(),
+        context.get_local_rank(),
+        launched=True,
+        node_rank=context.get_node_rank(),
     )
     db = RemoteDB(broker)  # rows, records and artifacts: through the driver
     # a restarted worker group continues from the last checkpoint, as a resume does
