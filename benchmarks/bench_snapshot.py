@@ -225,24 +225,16 @@ def forget_cost(rows: int, forgotten: int) -> None:
         )
     )
     snap = {
-        name: best(lambda db=db: take_snapshot(db, lt.Table("docs"), store=MemoryStore()).count)
+        name: best(lambda db=db: take_snapshot(db, lt.Table("docs"), store=MemoryStore()))
         for name, db in dbs.items()
     }
     print(
-        f"forget cost, SQLite, {rows:,} rows, {forgotten:,} forgotten: snapshot {snap['plain']:.2f}s"
-        f" -> {snap['forgotten']:.2f}s (x{snap['forgotten'] / snap['plain']:.3f}); the forget "
+        f"forget cost, SQLite, {rows:,} rows, {forgotten:,} forgotten: snapshot "
+        f"{snap['plain']:.2f}s -> {snap['forgotten']:.2f}s "
+        f"(x{snap['forgotten'] / snap['plain']:.3f}); the forget "
         f"{forget_s:.2f}s = {forget_s / raw:.1f}x the raw key read ({raw:.2f}s)",
         flush=True,
     )
-
-
-def best(call: Callable[[], int], tries: int = 3) -> float:
-    times = []
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:

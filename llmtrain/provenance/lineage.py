@@ -63,11 +63,7 @@ class RunLineage:
                 f"run {run.run_id} of {run.identifier!r} recorded no key snapshot or config: "
                 "the rows it trained cannot be derived"
             )
-        view = RunSnapshot.from_record(info["snapshot"]).view("train")
-        store = db.artifacts
-        if view.chunks and not store.exists(view.chunks[0]):  # where the run wrote them
-            store = run_store(db, run)
-            store.require(view.chunks[0], info.get("artifacts"), f"run {run.run_id}")
+        view, store = run_view(db, run)
         config = build(TrainerConfig, info["config"], f"run {run.run_id}")
         d, t = config.data_args, config.training_args
         assert config.fit is not None
@@ -148,15 +144,21 @@ class RunLineage:
                     yield epoch, step, rank
 
 
-def run_store(db: Database, run: Any) -> Any:
-    """The artifact store the run recorded (another machine's folder, a bucket), for reading."""
-    recorded = run.info.get("artifacts")
-    if not recorded or recorded == db.artifacts.location:
-        return db.artifacts
-    try:
-        return open_artifacts(recorded, metadata_uri="")
-    except ConfigError as exc:
-        raise StoreError(f"run {run.run_id} stored its artifacts in {recorded}: {exc}") from None
+def run_view(db: Database, run: Any) -> tuple[View, Any]:
+    """The run's training keys and the store holding them: this connection's, else the one the
+    run recorded (another machine's folder, a bucket), opened for reading."""
+    view = RunSnapshot.from_record(run.info["snapshot"]).view("train")
+    store, recorded = db.artifacts, run.info.get("artifacts")
+    if view.chunks and not store.exists(view.chunks[0]) and recorded != store.location:
+        try:
+            store = open_artifacts(recorded, metadata_uri="")
+        except ConfigError as exc:
+            raise StoreError(
+                f"run {run.run_id} stored its artifacts in {recorded}: {exc}"
+            ) from None
+    if view.chunks:
+        store.require(view.chunks[0], recorded, f"run {run.run_id}")
+    return view, store
 
 
 def chain(db: Database, run_id: str, steps: int | None = None) -> list[tuple[Any, int | None]]:
@@ -250,25 +252,24 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
         mixed = "sources" in run.info  # a mixture's keys are tagged with their source
+        asked: dict[str, list[Key]] = {}  # a selection key -> the asked keys it comes from
+        ours: dict[str, Key] = {}
         try:
-            wanted = _wanted(db, run, found_source, keys)
-            if not wanted:
-                continue
-            lineage = RunLineage.of(db, run)
+            for part, key, one in _wanted(db, run, found_source, keys):
+                selected = tagged(part, key) if mixed else key
+                ours[key_repr(selected)] = selected
+                mine = asked.setdefault(key_repr(selected), [])
+                mine += [] if any(same_key(one, k) for k in mine) else [one]
+            # the snapshot first: a run holding none of the keys costs a read of its chunks
+            hits = find(*run_view(db, run), list(ours.values())) if ours else []
+            lineage = RunLineage.of(db, run) if hits else None
         except (StoreError, QueryError):  # its snapshot, or a table it read, is gone
             result.underivable.append(run.run_id)
             continue
-        asked: dict[str, list[Key]] = {}  # a selection key -> the asked keys it comes from
-        for part, key, one in wanted:
-            mine = asked.setdefault(key_repr(tagged(part, key) if mixed else key), [])
-            mine += [] if any(same_key(one, k) for k in mine) else [one]
-        ours = {
-            key_repr(tagged(p, k) if mixed else k): tagged(p, k) if mixed else k
-            for p, k, _ in wanted
-        }
         uses = [
             Use(one, run.run_id, run.identifier, run.version, *use, v)
-            for key, index in find(lineage.view, lineage.store, list(ours.values()))
+            for key, index in hits
+            if lineage is not None
             for use in lineage.uses(index)
             for v in [lineage.version_of(index, use[0])]  # the row's version as trained
             for one in asked[key_repr(key)]
