@@ -241,20 +241,29 @@ class SQLBackend(DataBackend):
     def _forgotten_conversations(self, query: Conversations) -> Any:
         """The conversations holding a forgotten message, left out whole: its other turns may
         quote it (None: no message of the table is forgotten)."""
-        rows = query.messages
-        assert isinstance(rows, Table)
-        table = self._build_table(rows, filtered=False).key.table
-        schema = getattr(table, "schema", None) or sa.inspect(self.engine).default_schema_name
-        name = getattr(table, "name", rows.name)
+        assert isinstance(query.messages, Table)
+        found = self._forgotten_rows(query.messages, query.by)
+        if found is None:
+            return None
+        gone = found.columns(sa.column(query.by)).subquery("llmtrain_gone")
+        return sa.select(gone.c[query.by]).where(gone.c[query.by].is_not(None))
+
+    def _forgotten_rows(self, rows: Table, column: str) -> sa.TextClause | None:
+        """``column`` of a base table's forgotten rows, the database joining its forgotten keys
+        to the table (None: it has none, or it is a view, whose definition is rewritten)."""
+        source = self.resolve(rows)
+        schema, _, name = source.name.partition(".")
         mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
-        if not mine:
+        if not mine or not source.traced:
             return None
         q = self.engine.dialect.identifier_preparer.quote
-        quoted, by = f"{q(str(schema))}.{q(name)}", q(query.by)
-        kept = excluding(q)(mine, quoted)
-        sql = f"SELECT {by} FROM {quoted} WHERE {by} IS NOT NULL AND NOT ({kept})"
-        gone = sa.text(sql).columns(sa.column(query.by)).subquery("llmtrain_gone")
-        return sa.select(gone.c[query.by])
+        return sa.text(
+            " UNION ".join(
+                f"SELECT t.{q(column)} FROM {q(g.keys_table)} f "
+                f"JOIN {q(schema)}.{q(name)} t ON t.{q(g.key)} = f.k"
+                for g in mine
+            )
+        )
 
     def _build_raw(self, query: RawSQL) -> _Source:
         sql = self.rewritten(query.text, query.source)[0] if self._guarded else query.text
@@ -460,28 +469,16 @@ class SQLBackend(DataBackend):
             yield KeyPage(keys, versions)
 
     def _forgotten_keys(self, query: Query) -> np.ndarray | None:
-        """Sorted digests of a base table's forgotten rows' keys, as ``query`` keys them; None
-        where the statement itself leaves them out (a view, a join, any SQL)."""
+        """Sorted digests of a table's forgotten rows' keys, as ``query`` keys them; None where
+        the statement itself leaves them out (a view, a join, any SQL)."""
         if not isinstance(query, Table) or not self._guarded:
             return None
-        src = self._build_table(query, filtered=False)
-        table = src.key.table
-        if not isinstance(table, sa.Table):
+        if not self.resolve(query).traced:  # a view: its definition is rewritten
             return None
-        inspector = sa.inspect(self.engine)
-        schema = table.schema or inspector.default_schema_name or "main"
-        if table.name in inspector.get_view_names(schema):  # its definition is rewritten
-            return None
-        mine = [g for g in self._guarded if (g.schema, g.table) == (schema, table.name)]
-        q = self.engine.dialect.identifier_preparer.quote
-        joined = " UNION ".join(
-            f"SELECT t.{q(src.key.name)} FROM {q(g.keys_table)} f "
-            f"JOIN {q(schema)}.{q(table.name)} t ON t.{q(g.key)} = f.k"
-            for g in mine
-        )
-        keys = (
-            [r[0] for r in self._rows(sa.text(joined), {}, query.source, raw=True)] if mine else []
-        )
+        found = self._forgotten_rows(query, self.key_name(query))
+        if found is None:
+            return np.zeros(0, dtype=np.uint64)
+        keys = [r[0] for r in self._rows(found, {}, query.source, raw=True)]
         return np.unique(key_digests(keys)) if keys else np.zeros(0, dtype=np.uint64)
 
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
