@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_run.sh [--only NAME,...]     # on the GPU machine, wheels in .whl/
 #   bash benchmarks/gpu_run.sh --smoke               # here, on the CPU: no install, tiny sizes
+#   GPU_WHEELS=DIR bash benchmarks/gpu_run.sh --smoke  # the install from DIR too (a rehearsal)
 #
 # The wheels: `bash benchmarks/gpu_wheels.sh` here, then carry .whl (GPU.md has the call).
 set -uo pipefail
@@ -15,7 +16,7 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1
 
-if [[ " $* " != *" --smoke "* ]]; then
+if [[ " $* " != *" --smoke "* || -n ${GPU_WHEELS:-} ]]; then
     wheels=${GPU_WHEELS:-.whl}
     if ! compgen -G "$wheels/*.whl" >/dev/null; then
         echo "gpu_run.sh: no wheels in $wheels: run 'bash benchmarks/gpu_wheels.sh' on a" \

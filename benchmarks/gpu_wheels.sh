@@ -34,7 +34,8 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
     manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
     platforms+=(--platform "$p")
 done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+# GPU_PYTHON: another image's CPython (3.11 fetches wheels a 3.11 machine can test them with)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU_PYTHON:-3.12}" \
     --implementation cp "${platforms[@]}" -d "$dir" "${pkgs[@]}"
 
 if [[ $what != trl ]] && ! compgen -G "$dir/deepspeed-*.whl" >/dev/null; then
