@@ -261,15 +261,19 @@ def orchestrate(args: argparse.Namespace) -> int:
             f"({main['wall_s']:.0f} s)",
             flush=True,
         )
-    if gpus == 1 and {"qlora", "fsdp_qlora"} <= results.keys():
-        a, b = results["qlora"]["losses"][:3], results["fsdp_qlora"]["losses"][:3]
+    saved = workdir / "gpu_check.json"  # one call a configuration (gpu_run.py): compare across
+    both = {**(json.loads(saved.read_text()) if saved.is_file() else {}), **results}
+    if gpus == 1 and {"qlora", "fsdp_qlora"} <= both.keys() & set(CONFIGS):
+        a, b = both["qlora"]["losses"][:3], both["fsdp_qlora"]["losses"][:3]
         agree = all(abs(x - y) <= 2e-2 * abs(x) for x, y in zip(a, b))
-        ok &= agree
+        ok &= agree or not {"qlora", "fsdp_qlora"} & results.keys()
+        if "fsdp_qlora" in results:
+            results["fsdp_qlora"]["agrees_with_qlora"] = agree
         print(
             f"fsdp_qlora vs qlora first losses: {a} vs {b}: "
             f"{'agree' if agree else 'MISMATCH (sharded 4-bit weights are wrong)'}"
         )
-    (workdir / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    saved.write_text(json.dumps({**both, **results}, indent=2))
     print(SUMMARY + json.dumps({"device": device, "matmul_tflops": peak, "results": results}))
     return 0 if ok else 1
 

@@ -210,6 +210,10 @@ def figures(check: Check) -> str:
             text += f", merged vs trained rel. err. {one['merge_rel_err']:.1e}"
             if one.get("merge_base_rel_err") is not None:
                 text += f" (merged into the fp base: {one['merge_base_rel_err']:.1e})"
+        if "agrees_with_qlora" in one:
+            text += (
+                f", first losses {'agree' if one['agrees_with_qlora'] else 'DIFFER'} from qlora's"
+            )
         return text
     if check.parse == "loss":
         if "cuda_ratio" in r:
