@@ -104,9 +104,17 @@ def main() -> None:
     )
     print(f"chunked / plain peak RSS: {ratio:.2f}x (goal <= {GOAL}x)")
     print(f"chunked / plain growth over the RSS before the step: {step_ratio:.2f}x")
+    summary = {"vocab": args.vocab, "tokens": args.tokens, "batch": args.batch, **results}
+    summary |= {"rss_ratio": ratio, "growth_ratio": step_ratio, "goal": GOAL}
     if args.device == "cuda":
         r = chunked["cuda_peak_mb"] / plain["cuda_peak_mb"]
-        print(f"chunked / plain torch.cuda.max_memory_allocated: {r:.2f}x")
+        step = chunked["cuda_step_mb"] / plain["cuda_step_mb"]
+        print(
+            f"chunked / plain torch.cuda.max_memory_allocated: {r:.2f}x "
+            f"(the step's own: {step:.2f}x)"
+        )
+        summary |= {"cuda_ratio": r, "cuda_step_ratio": step}
+    print("LOSS_MEMORY_RESULT " + json.dumps(summary))  # for benchmarks/gpu_run.py
 
 
 if __name__ == "__main__":
