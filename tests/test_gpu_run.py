@@ -106,20 +106,3 @@ def test_cpu_smoke_of_the_gpu_run(tmp_path: Path) -> None:
     assert "| 2 | packing | ok |" in table and "sdpa float32: loss packed - padded" in table
     assert "| 1 | loss_memory | ok |" in table
     assert "===== packing:" in (out / "gpu_run.log").read_text()
-
-
-@pytest.mark.slow
-def test_cpu_smoke_of_every_check(tmp_path: Path) -> None:
-    """Every check's code path: TRL's side, QLoRA's merge, the launchers (minutes on 2 cores)."""
-    done = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_run.py"), "--smoke", "--budget", "1500"]
-        + ["--out", str(tmp_path / "out"), "--work", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert done.returncode == 0, done.stdout[-5000:]
-    results = json.loads((tmp_path / "out" / "results.json").read_text())["checks"]
-    ran = {name for name, r in results.items() if r["status"] == "ok"}
-    assert ran == {c.name for c in gpu_run.checks(tmp_path) if c.smoke}
-    assert results["qlora"]["result"]["results"]["qlora"]["merge_ok"]
