@@ -330,20 +330,25 @@ class SQLBackend(DataBackend):
             raise AssertionError("unreachable")
         what = source.source if isinstance(source, Query) else f"table {source!r}"
         found = self._retrying(
-            "reading the catalog", lambda: self._catalog(schema, table, column), what
+            "reading the catalog",
+            lambda: self._catalog(schema, table, column, isinstance(source, str)),
+            what,
         )
         given = isinstance(source, RawSQL) and source.table is not None  # not traced: told
         return replace(found, traced=False) if given else found
 
-    def _catalog(self, schema: str | None, table: str, column: str | None) -> Source:
+    def _catalog(
+        self, schema: str | None, table: str, column: str | None, typed: bool = False
+    ) -> Source:
+        """``typed``: a name typed as in SQL, read as PostgreSQL reads it unquoted (Docs: docs)."""
         inspector = sa.inspect(self.engine)
         if schema is None:
             schema = inspector.default_schema_name or "main"
         else:
             schema = match_name(schema, inspector.get_schema_names(), "schema", self.uri, True)
         names = [*inspector.get_table_names(schema), *inspector.get_view_names(schema)]
-        if self.engine.dialect.name == "postgresql" and table.lower() in names:
-            table = table.lower()  # as PostgreSQL reads a name unquoted: Docs is docs
+        if typed and self.engine.dialect.name == "postgresql" and table.lower() in names:
+            table = table.lower()
         table = match_name(table, names, "table", f"{schema} of {self.uri}", fold=True)
         columns = {c["name"]: c for c in inspector.get_columns(table, schema)}
         if column is None:
