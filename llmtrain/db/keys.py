@@ -72,6 +72,15 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
     return out
 
 
+def in_sorted(sorted_digests: np.ndarray, digests: np.ndarray) -> np.ndarray:
+    """Which of ``digests`` are in ``sorted_digests``: one search, no sort (``np.isin`` sorts
+    both every call)."""
+    if not len(sorted_digests):
+        return np.zeros(len(digests), dtype=bool)
+    at = np.searchsorted(sorted_digests, digests).clip(max=len(sorted_digests) - 1)
+    return sorted_digests[at] == digests
+
+
 def held_mask(digests: np.ndarray, fraction: float) -> np.ndarray:
     """Which keys the held-out split takes: a digest below ``fraction`` of the range."""
     return digests < np.uint64(min(int(max(fraction, 0) * 2**64), 2**64 - 1))

@@ -22,7 +22,7 @@ from llmtrain.db.forgotten import (
     guarded_tables,
     store_keys,
 )
-from llmtrain.db.keys import Key, KeyPage, check_keys, key_digests
+from llmtrain.db.keys import Key, KeyPage, check_keys, in_sorted, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source, key_table, match_name, split_name
@@ -465,10 +465,7 @@ class SQLBackend(DataBackend):
             check_keys(keys, lower, src.key.name, query.source)
             versions = [r[1] for r in rows] if version_column else None
             if gone is not None and len(gone):
-                digests = key_digests(keys)  # gone is sorted: one search, no sort a page
-                kept = np.flatnonzero(
-                    gone[np.searchsorted(gone, digests).clip(max=len(gone) - 1)] != digests
-                )
+                kept = np.flatnonzero(~in_sorted(gone, key_digests(keys)))
                 keys = keys[kept] if isinstance(keys, np.ndarray) else [keys[i] for i in kept]
                 versions = [versions[i] for i in kept] if versions is not None else None
             yield KeyPage(keys, versions)

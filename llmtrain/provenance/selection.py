@@ -4,6 +4,7 @@ digest arrays (``np.isin``): 80 MB for 10M keys, a Python set ~1 GB."""
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -12,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmtrain.config.args import build
-from llmtrain.data.snapshot import RunSnapshot, ViewWriter, take_snapshot
-from llmtrain.db.keys import Key, key_digests, key_repr
+from llmtrain.data.snapshot import RunSnapshot, ViewWriter, decode_chunk, take_snapshot
+from llmtrain.db.keys import Key, in_sorted, key_digests
 from llmtrain.db.queries import Mix, Query, RawSQL
 from llmtrain.db.sources import Source
-from llmtrain.errors import ComponentNotFoundError, ConfigError, QueryError
+from llmtrain.errors import ComponentNotFoundError, ConfigError, QueryError, StoreError
 from llmtrain.provenance.lineage import FORGOTTEN, PARENT, RunLineage, chain, forgotten
 
 if TYPE_CHECKING:
@@ -28,7 +29,8 @@ log = logging.getLogger("llmtrain.training")
 
 def pair_digests(keys: Sequence[Key] | np.ndarray, versions: Sequence[Any]) -> np.ndarray:
     """Digests of (key, version): a row changed in place gets a new one."""
-    return key_digests([f"{key_repr(k)}\x00{key_repr(v)}" for k, v in zip(keys, versions)])
+    with np.errstate(over="ignore"):
+        return key_digests(keys) ^ key_digests(list(versions)) * np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass
@@ -40,54 +42,86 @@ class Trained:
     pair_keys: np.ndarray  # the keys of ``pairs``: what a fit without versions compares
     runs: list[str]
 
-    def new(self, keys: Sequence[Key], versions: Sequence[Any] | None) -> np.ndarray:
+    def new(self, keys: Sequence[Key] | np.ndarray, versions: Sequence[Any] | None) -> np.ndarray:
         """A mask of the rows none of those runs trained on (in the same version)."""
         mine = key_digests(keys)
-        fresh = ~np.isin(mine, self.keys)
+        fresh = ~in_sorted(self.keys, mine)
         if versions is None:  # no version column: only unseen keys are new
-            return fresh & ~np.isin(mine, self.pair_keys)
-        return fresh & ~np.isin(pair_digests(keys, versions), self.pairs)
+            return fresh & ~in_sorted(self.pair_keys, mine)
+        return fresh & ~in_sorted(self.pairs, pair_digests(keys, versions))
 
 
 def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any]:
     """What the completed runs of trainer ``identifier`` on ``source`` trained on (each row in
-    the version read for training), and the newest model they made (None: none)."""
-    empty = np.zeros(0, dtype=np.uint64)
-    keys, pairs, pair_keys = [empty], [empty], [empty]
+    the version read for training), and the newest model they made (None: none): one sorted
+    array a run, kept beside its record, so a nightly fit reads data, not history."""
     finished = {
         r.run_id: r
         for r in db.metadata.list_runs("trainer", identifier)
         if r.status == "completed" and r.info.get("source") == source
     }
-    for run in finished.values():
-        lineage = RunLineage.of(db, run)
-        view, mask = lineage.view, lineage.trained()
-        for start in range(0, view.count, view.chunk_size):
-            stop = min(start + view.chunk_size, view.count)
-            kept = np.flatnonzero(mask[start:stop])
-            chunk_keys = view.keys_at(db.artifacts, start + kept)
-            if view.versions is None:
-                keys.append(key_digests(chunk_keys))
-            else:
-                read = view.versions_of(db.artifacts, start, stop)
-                versions = [lineage.last_version(start + i, read[i]) for i in kept.tolist()]
-                pairs.append(pair_digests(chunk_keys, versions))
-                pair_keys.append(key_digests(chunk_keys))
+    each = [run_trained(db, run) for run in finished.values()]
+    empty = np.zeros(0, dtype=np.uint64)
+    k, p, pk = (
+        (np.unique(np.concatenate([empty, *parts])) for parts in zip(*each))
+        if each
+        else (empty, empty, empty)
+    )
     models = reversed(db.metadata.list_components("model", identifier))
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
-    k, p, pk = (np.unique(np.concatenate(parts)) for parts in (keys, pairs, pair_keys))
     return Trained(k, p, pk, list(finished)), parent
 
 
+_TRAINED = ("keys", "pairs", "pair_keys")
+
+
+def run_trained(db: Database, run: Any) -> tuple[np.ndarray, ...]:
+    """The run's trained rows as sorted digests (keys, pairs, pair keys): the artifact its
+    record names (``trained``), else derived from its lineage once and kept (said in the log)."""
+    if blob := run.info.get("trained"):
+        try:
+            with np.load(io.BytesIO(db.artifacts.get_bytes(blob)), allow_pickle=False) as kept:
+                return tuple(kept[name] for name in _TRAINED)
+        except (StoreError, ValueError, KeyError, OSError) as exc:
+            log.warning("run %s: its trained rows' digests are unreadable (%s)", run.run_id, exc)
+    lineage = RunLineage.of(db, run)
+    view, store, mask = lineage.view, lineage.store, lineage.trained()
+    parts: dict[str, list[np.ndarray]] = {name: [] for name in _TRAINED}
+    for c, chunk in enumerate(view.chunks):
+        start = c * view.chunk_size
+        kept = np.flatnonzero(mask[start : start + view.chunk_size])
+        keys = decode_chunk(store.get_bytes(chunk))[kept]
+        keys = keys if keys.dtype == np.int64 else keys.tolist()
+        if view.versions is None:
+            parts["keys"].append(key_digests(keys))
+            continue
+        read = decode_chunk(store.get_bytes(view.versions[c]))[kept].tolist()
+        versions = [lineage.last_version(start + i, v) for i, v in zip(kept.tolist(), read)]
+        parts["pairs"].append(pair_digests(keys, versions))
+        parts["pair_keys"].append(key_digests(keys))
+    empty = np.zeros(0, dtype=np.uint64)
+    arrays = [np.unique(np.concatenate([empty, *parts[name]])) for name in _TRAINED]
+    out = io.BytesIO()
+    np.savez(out, keys=arrays[0], pairs=arrays[1], pair_keys=arrays[2])
+    db.metadata.update_run(run.run_id, info={"trained": db.artifacts.put_bytes(out.getvalue())})
+    log.info("run %s: its trained rows' digests derived from its lineage and kept", run.run_id)
+    return tuple(arrays)
+
+
 def keep_rows(view: Any, store: Any, new: Callable[[Any, Any], np.ndarray]) -> Any:
-    """A new KeySnapshot of the keys of ``view`` that ``new(keys, versions)`` marks."""
+    """A new KeySnapshot of the keys of ``view`` that ``new(keys, versions)`` marks, a chunk's
+    keys at a time as arrays."""
     has_versions = view.versions is not None
     writer = ViewWriter(store, view.chunk_size, has_versions)
-    for start in range(0, view.count, view.chunk_size):
-        keys = view.keys(store, start, start + view.chunk_size)
-        versions = view.versions_of(store, start, start + view.chunk_size) if has_versions else None
-        kept = np.flatnonzero(new(keys, versions)).tolist()
-        writer.extend([keys[i] for i in kept], [versions[i] for i in kept] if versions else [])
+    for c, chunk in enumerate(view.chunks):
+        keys = decode_chunk(store.get_bytes(chunk))
+        keys = keys if keys.dtype == np.int64 else keys.tolist()
+        versions = (
+            decode_chunk(store.get_bytes(view.versions[c])).tolist() if has_versions else None
+        )
+        kept = np.flatnonzero(new(keys, versions))
+        picked = keys[kept] if isinstance(keys, np.ndarray) else [keys[i] for i in kept.tolist()]
+        writer.extend(picked, [versions[i] for i in kept.tolist()] if versions else [])
     return writer.done()
 
 
