@@ -17,7 +17,7 @@ from llmtrain.data.plan import StepRule
 from llmtrain.data.skips import read_skips
 from llmtrain.data.snapshot import RunSnapshot, View, tagged
 from llmtrain.db.backend import Key
-from llmtrain.db.keys import key_digests, key_repr, same_key
+from llmtrain.db.keys import in_sorted, key_digests, key_repr, same_key
 from llmtrain.db.queries import Mix, Query
 from llmtrain.db.sources import Source
 from llmtrain.errors import ConfigError, QueryError, StoreError
@@ -143,7 +143,7 @@ class RunLineage:
         for epoch in self.epochs():
             for rank in range(self.rule.order.world_size):
                 order, steps = self._trained(epoch, rank)
-                hit = np.isin(order, wanted)
+                hit = np.isin(order, wanted, kind="table")  # indexes: a bitmap, no sort
                 for i, step in zip(order[hit].tolist(), steps[hit].tolist()):
                     yield i, epoch, step, rank
 
@@ -260,6 +260,8 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         keys = list({key_repr(k): k for k in [*keys, *spelled]}.values())
     runs = db.metadata.list_runs("trainer")
     first: dict[str, int] = {}  # run -> the first step that consumed a row (or inherited it)
+    own = {key_repr(k): k for k in keys}  # a run keyed by the table's own keys: built once
+    own_asked, own_digests = {r: {r: k} for r, k in own.items()}, key_digests(list(own.values()))
     for run in runs:  # oldest first: a parent is settled before the runs continuing from it
         parent = run.info.get(PARENT)
         parent = parent if isinstance(parent, dict) else {}
@@ -269,12 +271,16 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         asked: dict[str, dict[str, Key]] = {}  # a selection key -> the asked keys it comes of
         ours: dict[str, Key] = {}
         try:
-            for part, key, one in _wanted(db, run, found_source, keys):
+            wanted = _wanted(db, run, found_source, keys)
+            for part, key, one in [] if wanted is None else wanted:
                 selected = tagged(part, key) if mixed else key
                 ours[key_repr(selected)] = selected
                 asked.setdefault(key_repr(selected), {})[key_repr(one)] = one
+            if wanted is None:
+                asked, ours = own_asked, own
             # the snapshot first: a run holding none of the keys costs a read of its chunks
-            hits = find(*run_view(db, run), list(ours.values())) if ours else []
+            digests = own_digests if wanted is None else None
+            hits = find(*run_view(db, run), list(ours.values()), digests) if ours else []
             lineage = RunLineage.of(db, run) if hits else None
         except (StoreError, QueryError):  # its snapshot, or a table it read, is gone
             result.underivable.append(run.run_id)
@@ -309,14 +315,17 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
 
 def _wanted(
     db: Database, run: Any, source: Source, keys: Sequence[Key]
-) -> list[tuple[int, Key, Key]]:
+) -> list[tuple[int, Key, Key]] | None:
     """(part, selection key, the asked key it comes from) for each of ``keys`` of ``source`` the
-    run's selection reads: its own keys where they are the table's, else the keys the database
-    derives from them (a join's, a view's, a conversation's), each asked key its own statement."""
+    run's selection reads: its own keys where they are the table's (None: a one-source run
+    keyed by them, the common case), else the keys the database derives from them (a join's,
+    a view's, a conversation's), each asked key its own statement."""
     info = run.info
     sources = list(info["sources"]) if "sources" in info else [info.get("source")]
     reads = info.get("reads") or [[] for _ in sources]
     direct = info.get("direct") or [True for _ in sources]
+    if sources == [source.identity] and direct[0]:
+        return None
     out: list[tuple[int, Key, Key]] = []
     for part, (identity, read) in enumerate(zip(sources, reads)):
         if identity == source.identity and direct[part]:
@@ -330,22 +339,24 @@ def _wanted(
     return out
 
 
-def find(view: View, store: Any, keys: Sequence[Key]) -> list[tuple[Key, int]]:
+def find(
+    view: View, store: Any, keys: Sequence[Key], digests: np.ndarray | None = None
+) -> list[tuple[Key, int]]:
     """(key, index) of each of ``keys`` in ``view`` (same type: ``1`` is not ``True``), found by
     digests chunk by chunk (10M int keys well under a second), each match confirmed on the key."""
     if not len(keys):
         return []
-    wanted = key_digests(list(keys))
+    wanted = key_digests(list(keys)) if digests is None else digests
     by_digest = dict(zip(wanted.tolist(), keys))
-    wanted.sort()
+    wanted = np.sort(wanted)
     found, base = [], 0
-    for digests in view.digests(store):
-        at = np.flatnonzero(np.isin(digests, wanted))
+    for chunk in view.digests(store):
+        at = np.flatnonzero(in_sorted(wanted, chunk))
         if len(at):  # the chunk's keys at those places, read together
             for i, key in zip(at.tolist(), view.keys_at(store, base + at)):
-                if same_key(key, by_digest[int(digests[i])]):
+                if same_key(key, by_digest[int(chunk[i])]):
                     found.append((key, base + i))
-        base += len(digests)
+        base += len(chunk)
     return found
 
 

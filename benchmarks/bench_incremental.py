@@ -1,0 +1,104 @@
+"""Nightly incremental fits at scale, side by side with a fresh fit of the same table.
+
+    python benchmarks/bench_incremental.py [--rows 1000000,10000000] [--nights 10] [--new 1000]
+
+For each row count (SQLite): a fresh fit's time from ``fit()`` to its first optimizer step; then a
+trainer whose first run trained the whole table (a real fit of one step, its record's steps set
+to the epoch's, so its lineage holds every row), and ``--nights`` incremental fits, each after
+``--new`` rows are inserted (one step of 1024 rows trains them all). Printed: the fresh fit's and
+the first and last nights' times to their first step, and the ratios (goals: the first night
+within 1.5x of the fresh fit, the last within 1.2x of the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import llmtrain as lt
+from llmtrain.testing import tiny_model
+from llmtrain.training.callbacks import Callback
+
+
+class FirstStep(Callback):
+    at = 0.0
+
+    def on_step(self, run: Any, keys: list[str]) -> None:
+        self.at = self.at or time.perf_counter()
+
+
+def first_step(fit: Any) -> float:
+    seen = FirstStep()
+    started = time.perf_counter()
+    fit(seen)
+    return seen.at - started
+
+
+def trainer(name: str, model: Path) -> lt.LLMTrainer:
+    return lt.LLMTrainer(
+        name,
+        model=str(model),
+        prompt_template="Q: {X}\nA: {Y}",
+        max_steps=1,
+        batch_size=1024,
+        progress_bar=False,
+        version_column="v",
+    )
+
+
+def nights(rows: int, count: int, new: int, root: Path, model: Path) -> tuple[float, list[float]]:
+    path = root / f"docs-{rows}.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE docs (id INTEGER PRIMARY KEY, q TEXT, a TEXT, v INTEGER)")
+        conn.execute(
+            "WITH RECURSIVE s(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM s WHERE x < ?) "
+            "INSERT INTO docs SELECT x, 'question ' || x, 'answer ' || (x % 7), 1 FROM s",
+            (rows - 1,),
+        )
+    db = lt.connect(f"sqlite:///{path}", artifacts=root / f"artifacts-{rows}")
+    select = lt.Table("docs")
+    fresh = first_step(
+        lambda cb: trainer("fresh", model).fit(X="q", Y="a", db=db, select=select, callbacks=[cb])
+    )
+    trainer("nightly", model).fit(X="q", Y="a", db=db, select=select)
+    (run,) = db.metadata.list_runs("trainer", "nightly")
+    db.metadata.update_run(run.run_id, info={"steps": -(-rows // 1024)})  # it trained them all
+    times, top = [], rows
+    for _ in range(count):
+        with sqlite3.connect(path) as conn:
+            conn.executemany(
+                "INSERT INTO docs VALUES (?, ?, 'new', 1)",
+                ((i, f"question {i}") for i in range(top, top + new)),
+            )
+        top += new
+        again = db.load("trainer", "nightly")
+        times.append(first_step(lambda cb, t=again: t.fit(incremental=True, callbacks=[cb])))
+    db.close()
+    return fresh, times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1000000,10000000")
+    parser.add_argument("--nights", type=int, default=10)
+    parser.add_argument("--new", type=int, default=1000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = tiny_model(root / "tiny")
+        for rows in map(int, args.rows.split(",")):
+            fresh, times = nights(rows, args.nights, args.new, root, model)
+            print(
+                f"SQLite {rows:,} rows: fresh fit {fresh:.2f} s to its first step; night 1 "
+                f"{times[0]:.2f} s (x{times[0] / fresh:.2f} the fresh fit), night {len(times)} "
+                f"{times[-1]:.2f} s (x{times[-1] / times[0]:.2f} night 1)",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
