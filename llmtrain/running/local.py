@@ -12,6 +12,7 @@ from llmtrain.datalayer import Datalayer
 from llmtrain.errors import DistributedError
 from llmtrain.integrations.trackers import make_trackers
 from llmtrain.placement import Placement
+from llmtrain.provenance.selection import run_trained
 from llmtrain.stores.components import check_identifier
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import RunStatus
@@ -163,6 +164,8 @@ def store_model(
             **(info or {}),
         },
     )
+    if "source" in (run := db.metadata.get_run(plan.run_id)).info:  # what a nightly fit reads
+        run_trained(db, run)
     return model
 
 
