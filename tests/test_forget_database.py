@@ -43,7 +43,8 @@ def _schema(uri: str) -> None:
         run = conn.execute
         run(
             sa.text(
-                "CREATE TABLE docs (id INTEGER PRIMARY KEY, ext INTEGER, q TEXT, a TEXT, lang VARCHAR(4))"
+                "CREATE TABLE docs (id INTEGER PRIMARY KEY, ext INTEGER, q TEXT, a TEXT, "
+                "lang VARCHAR(4))"
             )
         )
         run(sa.text("CREATE TABLE fb (fid INTEGER PRIMARY KEY, doc INTEGER, note TEXT)"))
@@ -68,7 +69,8 @@ def _schema(uri: str) -> None:
         if kind == "postgresql":
             run(
                 sa.text(
-                    "CREATE FUNCTION shout(x TEXT) RETURNS TEXT AS $$ SELECT upper(x) $$ LANGUAGE SQL"
+                    "CREATE FUNCTION shout(x TEXT) RETURNS TEXT AS $$ SELECT upper(x) $$ "
+                    "LANGUAGE SQL"
                 )
             )
         elif kind == "mysql":
