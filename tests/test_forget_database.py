@@ -258,7 +258,8 @@ class _Trained(Callback):
     def on_step(self, run: Any, keys: list[Any]) -> None:
         self.keys[run.step] = list(keys)
         if run.step == self.at:  # another process commits a forget while this fit runs
-            code = f"import llmtrain as lt; lt.connect({self.uri!r}).forget('docs', {self.forgotten!r})"
+            forget = f"lt.connect({self.uri!r}).forget('docs', {self.forgotten!r})"
+            code = f"import llmtrain as lt; {forget}"
             subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
