@@ -366,3 +366,38 @@ def test_a_forget_committed_while_a_fit_runs_leaves_the_row_out_and_names_the_ru
     finally:
         for _ in uris:
             pass
+
+
+@seed(20261205)
+@settings(max_examples=12, deadline=None, derandomize=True)
+@given(gone=st.sets(st.integers(0, N - 1), max_size=4), lang=st.sampled_from([None, "en"]))
+def test_mongodb_leaves_forgotten_documents_and_their_conversations_out(
+    gone: set[int], lang: str | None
+) -> None:
+    """A collection (its filter, its projection) and conversations of a messages collection:
+    a forgotten document is not read, a conversation holding a forgotten message goes whole."""
+    import uuid
+
+    from llmtrain.db.engines import mongo_database
+
+    uri = f"mongomock://localhost/lt_{uuid.uuid4().hex[:8]}"
+    database = mongo_database(uri)
+    docs = [{"_id": i, "q": f"q {i}", "lang": "en" if i % 3 else "de"} for i in range(N)]
+    database["docs"].insert_many(docs)
+    database["messages"].insert_many(
+        [
+            {"_id": 100 + i, "chat": i // 3, "turn": i % 3, "role": "user", "content": "x"}
+            for i in range(N)
+        ]
+    )
+    db = lt.connect(uri)
+    if gone:
+        db.forget("docs", sorted(gone))
+        db.forget("messages", [100 + i for i in sorted(gone)])
+    select = lt.Collection("docs").find({"lang": lang} if lang else {}, projection=["q"])
+    expected = {i for i in range(N) if i not in gone and (lang is None or docs[i]["lang"] == lang)}
+    read = {k for page in db.backend.key_pages(select, None, 5) for k in _list(page.keys)}
+    assert read == expected
+    chats = lt.Conversations(lt.Collection("messages"), by="chat", order="turn")
+    kept = {k for page in db.backend.key_pages(chats, None, 5) for k in _list(page.keys)}
+    assert kept == {c for c in range(N // 3) if not {3 * c, 3 * c + 1, 3 * c + 2} & gone}
