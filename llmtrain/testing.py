@@ -105,10 +105,9 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
             tok.decoder = decoders.Sequence(fuse)
         trainer = trainers.BpeTrainer(initial_alphabet=alphabet, **options)
     tok.train_from_iterator(corpus, trainer=trainer)
-    bos = tok.token_to_id("<s>")
     # The post-processor is what makes ``tokenizer(text)`` add BOS, as Llama tokenizers do.
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
