@@ -97,9 +97,8 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
             tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
             tok.decoder = decoders.Metaspace(prepend_scheme="first")
         else:
-            tok.normalizer = normalizers.Sequence(
-                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-            )
+            prepend = [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            tok.normalizer = normalizers.Sequence(prepend)
             # as Llama-2's: the tokens fused before the first space is stripped, not each one's
             fuse = [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
             tok.decoder = decoders.Sequence(fuse)
