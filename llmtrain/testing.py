@@ -97,18 +97,16 @@ def train_tokenizer(corpus: list[str], *, style: str = "bytelevel", vocab_size: 
             tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
             tok.decoder = decoders.Metaspace(prepend_scheme="first")
         else:
-            tok.normalizer = normalizers.Sequence(
-                [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-            )
+            prepend = [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+            tok.normalizer = normalizers.Sequence(prepend)
             # as Llama-2's: the tokens fused before the first space is stripped, not each one's
             fuse = [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
             tok.decoder = decoders.Sequence(fuse)
         trainer = trainers.BpeTrainer(initial_alphabet=alphabet, **options)
     tok.train_from_iterator(corpus, trainer=trainer)
-    bos = tok.token_to_id("<s>")
     # The post-processor is what makes ``tokenizer(text)`` add BOS, as Llama tokenizers do.
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
     )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -102,7 +102,6 @@ class RemoteDB:
 
 
 def read_files(folder: str | Path) -> dict[str, bytes]:
-    """A folder as relative path -> content."""
     root = Path(folder)
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

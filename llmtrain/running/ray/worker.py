@@ -75,8 +75,6 @@ class RayCheckpointer(Checkpointer):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """``train_loop_per_worker`` of the TorchTrainer."""
-
     context, broker = ray.train.get_context(), config["broker"]
     placement = Placement(
         context.get_world_rank(),

@@ -156,7 +156,6 @@ class ArtifactStore(ABC):
         raise ArtifactNotFoundError(message)
 
     def put(self, obj: bytes | str | Path) -> str:
-        """Bytes, a file path or a folder path."""
         if isinstance(obj, (bytes, bytearray, memoryview)):
             return self.put_bytes(bytes(obj))
         path = Path(obj)

@@ -71,8 +71,7 @@ Row = Mapping[str, Any]  # a backend primitive's row: column -> value, JSON stil
 
 
 class MetadataStore(ABC):
-    """The rules, once; a backend supplies the ``_``-primitives below, creates nothing when only
-    read and raises :class:`Conflict` when a unique key is taken (concurrent adds retry)."""
+    """The rules, once, over a backend's ``_``-primitives (which create nothing when only read)."""
 
     _driver_errors: tuple[type[BaseException], ...] = ()  # what becomes a StoreError
 
@@ -120,7 +119,6 @@ class MetadataStore(ABC):
     def get_component(
         self, type_id: str, identifier: str, version: int | None = None
     ) -> ComponentRecord:
-        """The given version, or the newest; ComponentNotFoundError if absent."""
         what = f"{type_id} {identifier!r}"
         filters = {"type_id": type_id, "identifier": identifier, **_given(version=version)}
         rows = self._rows(f"reading {what}", "components", version is None, **filters)
@@ -237,12 +235,9 @@ class MetadataStore(ABC):
     def add_checkpoint(
         self, run_id: str, step: int, artifact_id: str, info: dict[str, Any]
     ) -> CheckpointRecord:
+        now = self._now()
         record = CheckpointRecord(
-            run_id=run_id,
-            step=step,
-            artifact_id=artifact_id,
-            created_at=self._now(),
-            info=dict(info),
+            run_id=run_id, step=step, artifact_id=artifact_id, created_at=now, info=dict(info)
         )
         try:
             with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
@@ -324,7 +319,6 @@ def _given(**filters: Any) -> dict[str, Any]:
 
 
 def dumps(value: Any, what: str) -> str:
-    """JSON or a StoreError that says which value could not be stored."""
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
