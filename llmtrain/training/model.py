@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,13 +13,13 @@ from pydantic import BaseModel, ConfigDict
 
 from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
-from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.errors import CheckpointError, ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
+from llmtrain.training.export import STACKS, MergeInto
 
 if TYPE_CHECKING:
     from llmtrain.formatting import Formatter
     from llmtrain.stores.handle import Components
-    from llmtrain.training.export import MergeInto
 
 
 class ModelRecord(BaseModel):
@@ -166,7 +169,13 @@ class TrainedModel:
         if self._formatter is None:
             from llmtrain.formatting import Formatter
 
-            record, (_, tokenizer) = self.record, self.load()
+            record = self.record
+            if self._loaded is None and not record.full_model:  # an export needs no weights
+                from llmtrain.training.modeling import load_tokenizer
+
+                tokenizer = load_tokenizer(record.base)
+            else:
+                tokenizer = self.load()[1]
             self._formatter = Formatter(
                 tokenizer,
                 None if record.chat_template else record.prompt_template,
@@ -190,17 +199,74 @@ class TrainedModel:
             ]
         return outputs[0] if isinstance(X, str) else outputs
 
-    def export_adapter(self, dest: str | Path) -> Path:
-        """Write the adapter in PEFT's layout to the new folder ``dest``."""
+    def serving_problems(
+        self, stacks: Sequence[str] = STACKS, *, adapter: bool = True
+    ) -> list[str]:
+        """What ``stacks`` would refuse or answer wrongly, served as the adapter (or merged),
+        one line each with the way out."""
+        from llmtrain.training.export import serving_problems
+
+        with tempfile.TemporaryDirectory(prefix="llmtrain-check-") as scratch:
+            config = None
+            if adapter:
+                folder = self._adapter_folder(Path(scratch) / "adapter")
+                config = json.loads((folder / "adapter_config.json").read_text())
+            return serving_problems(config, self.formatter().prompt("").heal, stacks)
+
+    def export_adapter(
+        self, dest: str | Path, *, check: Sequence[str] = STACKS, strict: bool = False
+    ) -> Path:
+        """Write the adapter in PEFT's layout, with the prompt (:meth:`export_merged`), to the
+        new folder ``dest``."""
         from llmtrain.training.export import check_new_folder
 
-        return self._adapter_folder(check_new_folder(dest, "adapter destination"))
+        self._check(check, strict, adapter=True)
+        dest = self._adapter_folder(check_new_folder(dest, "adapter destination"))
+        self._write_prompt(dest, {"export": "adapter"})
+        return dest
 
-    def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
-        """Merge into the new folder ``dest`` (with the tokenizer); returns what it merged into."""
+    def export_merged(
+        self,
+        dest: str | Path,
+        *,
+        into: MergeInto = "trained",
+        check: Sequence[str] = STACKS,
+        strict: bool = False,
+    ) -> str:
+        """Merge into the new folder ``dest``; returns what it merged into. The tokenizer goes
+        with it, its chat template rendering the training prompt, and llmtrain_export.json
+        (template, heal, EOS, objective, base, run). What ``check``'s stacks refuse is a warning,
+        with ``strict`` a ConfigError before anything is written."""
         from llmtrain.training.export import check_new_folder, write_merged
 
+        self._check(check, strict, adapter=False)
         dest = check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
-            return write_merged(self.record.base, adapter, dest, into)
+            what = write_merged(self.record.base, adapter, dest, into)
+        self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})
+        return what
+
+    def _check(self, stacks: Sequence[str], strict: bool, *, adapter: bool) -> None:
+        problems = self.serving_problems(stacks, adapter=adapter) if stacks else []
+        if strict and problems:
+            raise ConfigError("strict export refused: " + "; ".join(problems))
+        for problem in problems:
+            warnings.warn(problem, ServingWarning, stacklevel=3)
+
+    def _write_prompt(self, dest: Path, note: dict[str, Any]) -> None:
+        from llmtrain.training.export import write_prompt
+
+        record, run = self.record, self._require_db().metadata.get_run(self.record.run_id)
+        note |= {
+            "model": record.identifier,
+            "version": self.version,
+            "run_id": record.run_id,
+            "checkpoint": (self.checkpoint or {}).get("step"),
+            "base": record.base.model_name_or_path,
+            "revision": record.base.revision,
+            "objective": run.info["config"]["objective_args"]["objective"],
+            "prompt_template": record.prompt_template,
+            "chat_template": record.chat_template,
+        }
+        write_prompt(dest, self.formatter(), note)
