@@ -15,6 +15,7 @@ from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
 from llmtrain.errors import CheckpointError, ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
+from llmtrain.training import export
 from llmtrain.training.export import STACKS, MergeInto
 
 if TYPE_CHECKING:
@@ -110,8 +111,6 @@ class TrainedModel:
 
     def _adapter_folder(self, dest: Path) -> Path:
         """The adapter in PEFT's layout at ``dest`` (the chosen checkpoint's weights if any)."""
-        from llmtrain.training.export import stable_adapter_config
-
         db = self._require_db()
         if self.record.full_model:
             raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
@@ -121,7 +120,7 @@ class TrainedModel:
 
             weights = self._checkpoint_weights()
             save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-        stable_adapter_config(dest)
+        export.stable_adapter_config(dest)
         return dest
 
     def _checkpoint_weights(self) -> dict[str, Any]:
@@ -204,24 +203,20 @@ class TrainedModel:
     ) -> list[str]:
         """What ``stacks`` would refuse or answer wrongly, served as the adapter (or merged),
         one line each with the way out."""
-        from llmtrain.training.export import serving_problems
-
         with tempfile.TemporaryDirectory(prefix="llmtrain-check-") as scratch:
             config = None
             if adapter:
                 folder = self._adapter_folder(Path(scratch) / "adapter")
                 config = json.loads((folder / "adapter_config.json").read_text())
-            return serving_problems(config, self.formatter().prompt("").heal, stacks)
+            return export.serving_problems(config, self.formatter().prompt("").heal, stacks)
 
     def export_adapter(
         self, dest: str | Path, *, check: Sequence[str] = STACKS, strict: bool = False
     ) -> Path:
         """Write the adapter in PEFT's layout, with the prompt (:meth:`export_merged`), to the
         new folder ``dest``."""
-        from llmtrain.training.export import check_new_folder
-
         self._check(check, strict, adapter=True)
-        dest = self._adapter_folder(check_new_folder(dest, "adapter destination"))
+        dest = self._adapter_folder(export.check_new_folder(dest, "adapter destination"))
         self._write_prompt(dest, {"export": "adapter"})
         return dest
 
@@ -237,13 +232,11 @@ class TrainedModel:
         with it, its chat template rendering the training prompt, and llmtrain_export.json
         (template, heal, EOS, objective, base, run). What ``check``'s stacks refuse is a warning,
         with ``strict`` a ConfigError before anything is written."""
-        from llmtrain.training.export import check_new_folder, write_merged
-
         self._check(check, strict, adapter=False)
-        dest = check_new_folder(dest, "merged destination")
+        dest = export.check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
-            what = write_merged(self.record.base, adapter, dest, into)
+            what = export.write_merged(self.record.base, adapter, dest, into)
         self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})
         return what
 
@@ -255,8 +248,6 @@ class TrainedModel:
             warnings.warn(problem, ServingWarning, stacklevel=3)
 
     def _write_prompt(self, dest: Path, note: dict[str, Any]) -> None:
-        from llmtrain.training.export import write_prompt
-
         record, run = self.record, self._require_db().metadata.get_run(self.record.run_id)
         note |= {
             "model": record.identifier,
@@ -269,4 +260,4 @@ class TrainedModel:
             "prompt_template": record.prompt_template,
             "chat_template": record.chat_template,
         }
-        write_prompt(dest, self.formatter(), note)
+        export.write_prompt(dest, self.formatter(), note)
