@@ -241,6 +241,8 @@ def test_export_writes_what_stock_peft_and_transformers_load(
     exported = load_file(str(best / "adapter_model.safetensors"))
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    note = json.loads((best / "llmtrain_export.json").read_text())
+    assert (note["checkpoint"], note["version"]) == (checkpoint["step"], 0)
 
 
 def test_qlora_merges_into_the_dequantised_weights_it_trained_against(
