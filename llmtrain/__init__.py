@@ -15,6 +15,7 @@ from llmtrain.errors import (
     DataError,
     LlmtrainError,
     QueryError,
+    ServingWarning,
     StoreError,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "QueryDataset",
     "QueryError",
     "RawSQL",
+    "ServingWarning",
     "StoreError",
     "Table",
     "connect",

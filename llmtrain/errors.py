@@ -64,3 +64,7 @@ class CheckpointError(LlmtrainError):
 
 class DistributedError(LlmtrainError):
     """A distributed job failed; the message carries the failing rank's error."""
+
+
+class ServingWarning(UserWarning):
+    """An export that a serving stack would refuse or answer wrongly (``export --strict``)."""

@@ -22,6 +22,7 @@ from llmtrain.cli import main
 from llmtrain.db.keys import held_out
 from llmtrain.errors import CheckpointError, ConfigError
 from llmtrain.testing import tiny_model
+from llmtrain.training.export import STACKS
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -240,6 +241,8 @@ def test_export_writes_what_stock_peft_and_transformers_load(
     exported = load_file(str(best / "adapter_model.safetensors"))
     assert exported.keys() == saved.keys()
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
+    note = json.loads((best / "llmtrain_export.json").read_text())
+    assert (note["checkpoint"], note["version"]) == (checkpoint["step"], 0)
 
 
 def test_qlora_merges_into_the_dequantised_weights_it_trained_against(
@@ -257,7 +260,7 @@ def test_qlora_merges_into_the_dequantised_weights_it_trained_against(
     assert "dequantised 4-bit" in model.export_merged(tmp_path / "trained")
     merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "trained"), tokenizer)
     torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)
-    note = json.loads((tmp_path / "trained" / "llmtrain_merge.json").read_text())
+    note = json.loads((tmp_path / "trained" / "llmtrain_export.json").read_text())
     assert note["into"] == "trained"
 
     assert "full-precision" in model.export_merged(tmp_path / "base", into="base")
@@ -297,3 +300,149 @@ def test_the_adapter_id_does_not_depend_on_the_hash_seed(
     assert result.returncode == 0, result.stderr[-2000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("ADAPTER")]
     assert line.split()[1] == other.record.adapter
+
+
+# -- serving: the prompt travels with the export, what the stacks refuse is said at export -----
+HEALED = "Q: {X} A: {Y}"  # its prompt ends in a space the answer's first token carries
+
+
+def _fed_ids(model: Any, x: str) -> list[int]:
+    """The ids generate() gives the model for ``x``: its embedding layer's first input."""
+    torch_model, _ = model.load(device="cpu")
+    seen: list[list[int]] = []
+    hook = torch_model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(args[0][0].tolist())
+    )
+    try:
+        model.generate(x, max_new_tokens=1)
+    finally:
+        hook.remove()
+    return seen[0]
+
+
+def _chat_ids(folder: Path, x: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    chat = [{"role": "user", "content": x}]
+    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+
+
+@pytest.mark.parametrize("style", ["bytelevel", "metaspace"])
+def test_the_exported_chat_template_renders_the_healed_training_prompt(
+    style: str, db: Any, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Chat endpoints render the export's chat template: its ids are those generate() gives the
+    model, the prompt's last space left for the answer's first token (``Ġred``/``▁red``) as in
+    training; completions are sent the prompt without that space (BOS added by the server)."""
+    from transformers import AutoTokenizer
+
+    tiny = tiny_model(tmp_path_factory.mktemp("models") / style, tokenizer=style)
+    trainer = lt.LLMTrainer(f"healed-{style}", model=tiny, prompt_template=HEALED, max_steps=1)
+    model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+    with pytest.warns(lt.ServingWarning, match="last characters ' '"):
+        model.export_adapter(tmp_path / "adapter")
+    with pytest.warns(lt.ServingWarning, match="last characters ' '"):
+        model.export_merged(tmp_path / "merged")
+    for x in (PROMPT, "What is the capital of France?", "ünïcode ✓"):
+        fed = _fed_ids(model, x)
+        assert _chat_ids(tmp_path / "adapter", x) == _chat_ids(tmp_path / "merged", x) == fed
+        completion = AutoTokenizer.from_pretrained(tmp_path / "merged")(f"Q: {x} A:")
+        assert completion.input_ids == fed
+    note = json.loads((tmp_path / "merged" / "llmtrain_export.json").read_text())
+    run = db.metadata.get_run(model.record.run_id)
+    assert note == {
+        "export": "merged",
+        "into": "trained",
+        "merged_into": "full-precision base weights",
+        "model": f"healed-{style}",
+        "version": model.version,
+        "run_id": run.run_id,
+        "checkpoint": None,
+        "base": str(tiny),
+        "revision": None,
+        "objective": "sft",
+        "prompt_template": HEALED,
+        "chat_template": False,
+        "eos_token": "</s>",
+        "heal": " ",
+    }
+    adapter_note = json.loads((tmp_path / "adapter" / "llmtrain_export.json").read_text())
+    assert adapter_note["export"] == "adapter" and adapter_note["heal"] == " "
+
+
+def test_a_chat_template_trained_model_keeps_its_own_template(
+    tiny: Path, db: Any, tmp_path: Path
+) -> None:
+    from llmtrain.testing import CHAT_TEMPLATE
+
+    trainer = lt.LLMTrainer("chatty", model=tiny, chat_template=True, max_steps=1)
+    model = trainer.fit(X="instruction", Y="output", db=db, select=lt.Table("docs"))
+    model.export_merged(tmp_path / "merged", strict=True)  # nothing to heal: no warning
+    assert (tmp_path / "merged" / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert _chat_ids(tmp_path / "merged", PROMPT) == _fed_ids(model, PROMPT)
+    assert json.loads((tmp_path / "merged" / "llmtrain_export.json").read_text())["heal"] == ""
+
+
+def test_export_checks_say_what_each_stack_refuses_and_strict_refuses_it(
+    tiny: Path, db: Any, other: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's engine dies on a DoRA adapter (and with it every adapter it serves) and on one
+    of a rank above max_lora_rank; llama.cpp's LoRA converter (Ollama's too) takes lora_A/B
+    tensors alone: each is said at export, with the way out, and --strict writes nothing."""
+    _fit(tiny, db, "dora", max_steps=1, use_dora=True)
+    _fit(tiny, db, "odd", max_steps=1, lora_r=12, bias="all")
+    argv = ["--db", db.uri, "--artifacts", str(db.artifacts.root)]
+
+    def export(name: str, *options: str) -> tuple[int, list[str]]:
+        status = main(["export", name, *argv, *options])
+        out = capsys.readouterr()
+        return status, [line for line in (out.out + out.err).splitlines() if line]
+
+    dora = "vllm, llama.cpp, ollama refuse a DoRA adapter: export --merged instead"
+    assert export("dora", "--adapter", str(tmp_path / "a"), "--strict") == (
+        2,
+        [
+            f"warning: {dora}",
+            "llmtrain: error: export of dora v0 refused for vllm,llama.cpp,ollama: see the "
+            "warnings",
+        ],
+    )
+    assert not (tmp_path / "a").exists()
+    status, lines = export("dora", "--adapter", str(tmp_path / "a"))  # a warning only
+    assert status == 0 and lines[0] == f"warning: {dora}"
+    assert json.loads((tmp_path / "a" / "adapter_config.json").read_text())["use_dora"]
+    assert export("dora", "--merged", str(tmp_path / "m"), "--strict")[0] == 0  # merged: fine
+
+    status, lines = export("odd", "--check", "vllm")
+    assert status == 2 and lines[:2] == [
+        "warning: vllm refuse trained LoRA biases: export --merged instead",
+        "warning: vllm: rank 12 is not one of max_lora_rank (1, 8, 16, 32, 64, 128, 256, 320, "
+        "512): serve with max_lora_rank=16",
+    ]
+    status, lines = export("odd", "--check", "llama.cpp")  # no rank limit there
+    assert status == 2 and len(lines) == 2 and "rank" not in " ".join(lines)
+    assert export("other", "--check", "vllm,llama.cpp,ollama") == (
+        0,
+        ["other v0: vllm, llama.cpp, ollama serve it as trained"],
+    )
+    status, lines = export("other", "--check", "vllm,tgi")
+    assert status == 2 and lines == [
+        "llmtrain: error: --check tgi: not a stack; name some of ('vllm', 'llama.cpp', 'ollama')"
+    ]
+    assert export("other")[1][-1].startswith("llmtrain: error: export needs --adapter DIR")
+
+
+def test_modules_to_save_and_ranks_above_vllms_largest_are_served_merged() -> None:
+    """vLLM takes modules_to_save of a classifier/score head alone, llama.cpp none."""
+    from llmtrain.training.export import serving_problems
+
+    (problem,) = serving_problems({"r": 1024}, "", ["vllm"])
+    assert problem.endswith("512): export --merged instead")
+    assert serving_problems({"r": 8, "modules_to_save": ["lm_head"]}, "", list(STACKS)) == [
+        "vllm, llama.cpp, ollama refuse modules_to_save {'lm_head'}: export --merged instead"
+    ]
+    assert serving_problems({"r": 64, "modules_to_save": ["score"]}, "", list(STACKS)) == [
+        "llama.cpp, ollama refuse modules_to_save {'score'}: export --merged instead"
+    ]
+    assert serving_problems({"r": 64, "use_dora": True}, " ", []) == []

@@ -26,6 +26,7 @@ from llmtrain.errors import (
     QueryError,
 )
 from llmtrain.provenance.lineage import trained_on
+from llmtrain.training.export import STACKS
 
 USAGE_EXAMPLES = """\
 examples:
@@ -83,9 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_export,
         "model",
         help="write a model for serving stacks: the adapter (PEFT) and/or the merged model",
-        description="Write a trained model to folders that serving stacks load. Nothing is "
-        "stored in the database.",
+        description="Write a trained model to folders that serving stacks load, each with the "
+        "tokenizer, a chat template rendering the training prompt and llmtrain_export.json. "
+        "What the stacks would refuse is a warning (with --strict, refused). Nothing is stored "
+        "in the database.",
     )
+    export.add_argument(
+        "--check",
+        metavar="STACKS",
+        help=f"the serving stacks to check for, comma-separated (default: {','.join(STACKS)}); "
+        "without --adapter/--merged, only check the adapter",
+    )
+    _flag(export, "--strict", "refuse to export what the checked stacks would refuse")
     export.add_argument(
         "--checkpoint", help="'best' (save_best_by) or a step: that checkpoint's weights"
     )
@@ -286,20 +296,28 @@ def cmd_forget(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    if args.adapter is None and args.merged is None:
-        raise ConfigError("export needs --adapter DIR and/or --merged DIR")
+    only_check = args.adapter is None and args.merged is None
+    if only_check and args.check is None:
+        raise ConfigError("export needs --adapter DIR and/or --merged DIR, or --check STACKS")
+    stacks = STACKS if args.check is None else tuple(s for s in args.check.split(",") if s)
     with _connect(args) as db:
         checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
         model = db.load("model", args.name, args.version, checkpoint=checkpoint)
         which = f"{model.identifier} v{model.version}" + (
             f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
         )
+        problems = model.serving_problems(stacks, adapter=args.adapter is not None or only_check)
+        say(*(f"warning: {problem}" for problem in problems))
+        if problems and (args.strict or only_check):
+            raise ConfigError(f"export of {which} refused for {','.join(stacks)}: see the warnings")
+        if only_check:
+            say(f"{which}: {', '.join(stacks)} serve it as trained")
         if args.adapter is not None:
-            folder = model.export_adapter(args.adapter)
+            folder = model.export_adapter(args.adapter, check=())
             say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")
         if args.merged is not None:
-            what = model.export_merged(args.merged, into=args.merge_into)
+            what = model.export_merged(args.merged, into=args.merge_into, check=())
             say(
                 f"wrote {which} merged into the {what} to {args.merged.resolve()} "
-                "(safetensors, with the tokenizer)"
+                "(safetensors, with the tokenizer and the training prompt)"
             )

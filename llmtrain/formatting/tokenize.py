@@ -12,6 +12,7 @@ model to stop mid-answer would be wrong). Such examples have ``truncated=True``.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -193,6 +194,34 @@ class Formatter:
         keep = max(max_tokens - len(head), 1)
         return Prompt(head + made.ids[len(head) :][-keep:], made.heal)
 
+    def served_chat_template(self) -> str:
+        """A chat template that renders, for one user message, the text whose ids are exactly
+        :meth:`prompt`'s (so the healed prompt: chat endpoints then answer as generation does);
+        an assistant message follows with EOS. A chat-trained model keeps its own. After BOS a
+        space is written where the tokenizer spells a text's start so (``"▁Q"``)."""
+        if self.chat_template:
+            return str(self.tokenizer.chat_template)
+        template = self.template or PromptTemplate("{X}")
+        between, empty = template.between, template.prompt("")
+        before = empty[: len(empty) - len(between)]
+        healed = between[: len(between) - self._absorbed]
+        head = str(self.tokenizer.decode(self._head if self.documents else self._prefix))
+        for space in ("", " "):
+            served = (
+                f"{_literal(head + space)}{{% for message in messages %}}{{% if message['role'] "
+                f"== 'user' %}}{_literal(before)}{{{{ message['content'] }}}}{{% if loop.last %}}"
+                f"{_literal(healed)}{{% else %}}{_literal(between)}{{% endif %}}{{% elif message"
+                "['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}{% endif %}"
+                "{% endfor %}"
+            )
+            probe = [{"role": "user", "content": "probe question"}]
+            ids = self.tokenizer.apply_chat_template(
+                probe, chat_template=served, add_generation_prompt=True, return_dict=False
+            )
+            if list(ids) == self.prompt("probe question").ids:
+                break
+        return served
+
     def _prompt(self, x: str) -> Prompt:
         if self.documents:
             text = self.template.prompt(x) if self.template else x
@@ -372,6 +401,11 @@ class Formatter:
             return Example(ids, list(ids), key, truncated)
         ignored = [IGNORE_INDEX] * (len(head) + len(prompt))
         return Example(ids, ignored + labels + [IGNORE_INDEX] * len(tail), key, truncated)
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Jinja expression (a JSON string is a valid Jinja string literal)."""
+    return "{{ " + json.dumps(text, ensure_ascii=False) + " }}"
 
 
 def _masked(ids: list[int], mask: list[int]) -> list[int]:

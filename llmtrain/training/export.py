@@ -1,18 +1,70 @@
-"""The adapter in PEFT's layout and the merged model. After QLoRA, merging into the full-precision
-base moved the tiny test model's logits by 3.9: ``into="trained"`` merges into what training saw."""
+"""The adapter in PEFT's layout and the merged model, each with the prompt it was trained on. After
+QLoRA, merging into the full-precision base moved the tiny test model's logits by 3.9:
+``into="trained"`` merges into what training saw.
+
+Serving stacks render the tokenizer's chat template, so an export carries one that renders the
+training prompt (measured with vLLM's CPU build and llama.cpp: 0/16 answers through the chat
+endpoints with the base's template, as generate() with it), and ``llmtrain_export.json``. What a
+stack refuses is checked before anything is written: one DoRA adapter, or one of a rank above
+``max_lora_rank``, kills vLLM's engine and every adapter it serves."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from llmtrain.config.args import ModelArguments
 from llmtrain.errors import ConfigError
 
+if TYPE_CHECKING:
+    from llmtrain.formatting import Formatter
+
 MergeInto = Literal["trained", "base"]
+#: the serving stacks an export is checked for (``export --check``)
+STACKS = ("vllm", "llama.cpp", "ollama")
+#: the ranks vLLM's ``max_lora_rank`` takes
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def serving_problems(adapter: dict[str, Any] | None, heal: str, stacks: Sequence[str]) -> list[str]:
+    """What ``stacks`` refuse or answer wrongly, one line each with the way out; ``adapter``:
+    the exported adapter_config.json (None for a merged model). llama.cpp's LoRA converter,
+    which Ollama's adapters go through too, takes lora_A/lora_B tensors alone."""
+    if unknown := sorted(set(stacks) - set(STACKS)):
+        raise ConfigError(f"--check {','.join(unknown)}: not a stack; name some of {STACKS}")
+    problems: list[str] = []
+    if adapter is not None:
+        saved = set(adapter.get("modules_to_save") or ())
+        other = saved - {"classifier", "score"}  # vLLM takes these alone; llama.cpp none
+        for refusing, what in (
+            (stacks if adapter.get("use_dora") else [], "a DoRA adapter"),
+            ([s for s in stacks if saved and (s != "vllm" or other)], f"modules_to_save {saved}"),
+            (stacks if adapter.get("bias", "none") != "none" else [], "trained LoRA biases"),
+        ):
+            if refusing:
+                problems.append(f"{', '.join(refusing)} refuse {what}: export --merged instead")
+        rank = int(adapter["r"])
+        if "vllm" in stacks and rank not in VLLM_RANKS:
+            fits = [r for r in VLLM_RANKS if r >= rank]
+            way = f"serve with max_lora_rank={fits[0]}" if fits else "export --merged instead"
+            problems.append(f"vllm: rank {rank} is not one of max_lora_rank {VLLM_RANKS}: {way}")
+    if heal and stacks:
+        problems.append(
+            f"{', '.join(stacks)}: the prompt's last characters {heal!r} are the start of the "
+            "answer's first token in training: send completions the prompt without them (as the "
+            "exported chat template renders it), and cut them from each answer's start"
+        )
+    return problems
+
+
+def write_prompt(dest: Path, formatter: Formatter, note: dict[str, Any]) -> None:
+    """The tokenizer, its chat template rendering the training prompt, and llmtrain_export.json."""
+    formatter.tokenizer.save_pretrained(dest)
+    (dest / "chat_template.jinja").write_text(formatter.served_chat_template())
+    note = {**note, "eos_token": formatter.tokenizer.eos_token, "heal": formatter.prompt("").heal}
+    (dest / "llmtrain_export.json").write_text(json.dumps(note, indent=2, sort_keys=True))
 
 
 def stable_adapter_config(folder: Path) -> None:
@@ -37,10 +89,11 @@ def check_new_folder(dest: str | Path, option: str) -> Path:
 
 
 def write_merged(args: ModelArguments, adapter_dir: Path, dest: Path, into: MergeInto) -> str:
-    """Write base + adapter merged, and the tokenizer, to ``dest``; returns what it merged into."""
+    """Write base + adapter merged to ``dest``; returns what it merged into."""
+    import torch
     from peft import PeftModel
 
-    from llmtrain.training.modeling import load_model, load_tokenizer
+    from llmtrain.training.modeling import load_model
 
     if into not in ("trained", "base"):
         raise ConfigError(f"merge into= must be 'trained' or 'base', not {into!r}")
@@ -68,7 +121,4 @@ def write_merged(args: ModelArguments, adapter_dir: Path, dest: Path, into: Merg
         what = f"dequantised {args.bits}-bit base weights (what training saw)"
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
-    load_tokenizer(args).save_pretrained(dest)
-    note = {"base": args.model_name_or_path, "into": into, "merged_into": what}
-    (dest / "llmtrain_merge.json").write_text(json.dumps(note, indent=2, sort_keys=True))
     return what

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -10,13 +13,14 @@ from pydantic import BaseModel, ConfigDict
 
 from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
-from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.errors import CheckpointError, ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
+from llmtrain.training import export
+from llmtrain.training.export import STACKS, MergeInto
 
 if TYPE_CHECKING:
     from llmtrain.formatting import Formatter
     from llmtrain.stores.handle import Components
-    from llmtrain.training.export import MergeInto
 
 
 class ModelRecord(BaseModel):
@@ -107,8 +111,6 @@ class TrainedModel:
 
     def _adapter_folder(self, dest: Path) -> Path:
         """The adapter in PEFT's layout at ``dest`` (the chosen checkpoint's weights if any)."""
-        from llmtrain.training.export import stable_adapter_config
-
         db = self._require_db()
         if self.record.full_model:
             raise ConfigError(f"model {self.identifier!r} was fully fine-tuned: it has no adapter")
@@ -118,7 +120,7 @@ class TrainedModel:
 
             weights = self._checkpoint_weights()
             save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-        stable_adapter_config(dest)
+        export.stable_adapter_config(dest)
         return dest
 
     def _checkpoint_weights(self) -> dict[str, Any]:
@@ -166,7 +168,13 @@ class TrainedModel:
         if self._formatter is None:
             from llmtrain.formatting import Formatter
 
-            record, (_, tokenizer) = self.record, self.load()
+            record = self.record
+            if self._loaded is None and not record.full_model:  # an export needs no weights
+                from llmtrain.training.modeling import load_tokenizer
+
+                tokenizer = load_tokenizer(record.base)
+            else:
+                tokenizer = self.load()[1]
             self._formatter = Formatter(
                 tokenizer,
                 None if record.chat_template else record.prompt_template,
@@ -190,17 +198,66 @@ class TrainedModel:
             ]
         return outputs[0] if isinstance(X, str) else outputs
 
-    def export_adapter(self, dest: str | Path) -> Path:
-        """Write the adapter in PEFT's layout to the new folder ``dest``."""
-        from llmtrain.training.export import check_new_folder
+    def serving_problems(
+        self, stacks: Sequence[str] = STACKS, *, adapter: bool = True
+    ) -> list[str]:
+        """What ``stacks`` would refuse or answer wrongly, served as the adapter (or merged),
+        one line each with the way out."""
+        with tempfile.TemporaryDirectory(prefix="llmtrain-check-") as scratch:
+            config = None
+            if adapter:
+                folder = self._adapter_folder(Path(scratch) / "adapter")
+                config = json.loads((folder / "adapter_config.json").read_text())
+            return export.serving_problems(config, self.formatter().prompt("").heal, stacks)
 
-        return self._adapter_folder(check_new_folder(dest, "adapter destination"))
+    def export_adapter(
+        self, dest: str | Path, *, check: Sequence[str] = STACKS, strict: bool = False
+    ) -> Path:
+        """Write the adapter in PEFT's layout, with the prompt (:meth:`export_merged`), to the
+        new folder ``dest``."""
+        self._check(check, strict, adapter=True)
+        dest = self._adapter_folder(export.check_new_folder(dest, "adapter destination"))
+        self._write_prompt(dest, {"export": "adapter"})
+        return dest
 
-    def export_merged(self, dest: str | Path, *, into: MergeInto = "trained") -> str:
-        """Merge into the new folder ``dest`` (with the tokenizer); returns what it merged into."""
-        from llmtrain.training.export import check_new_folder, write_merged
-
-        dest = check_new_folder(dest, "merged destination")
+    def export_merged(
+        self,
+        dest: str | Path,
+        *,
+        into: MergeInto = "trained",
+        check: Sequence[str] = STACKS,
+        strict: bool = False,
+    ) -> str:
+        """Merge into the new folder ``dest``; returns what it merged into. The tokenizer goes
+        with it, its chat template rendering the training prompt, and llmtrain_export.json
+        (template, heal, EOS, objective, base, run). What ``check``'s stacks refuse is a warning,
+        with ``strict`` a ConfigError before anything is written."""
+        self._check(check, strict, adapter=False)
+        dest = export.check_new_folder(dest, "merged destination")
         with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
-            return write_merged(self.record.base, adapter, dest, into)
+            what = export.write_merged(self.record.base, adapter, dest, into)
+        self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})
+        return what
+
+    def _check(self, stacks: Sequence[str], strict: bool, *, adapter: bool) -> None:
+        problems = self.serving_problems(stacks, adapter=adapter) if stacks else []
+        if strict and problems:
+            raise ConfigError("strict export refused: " + "; ".join(problems))
+        for problem in problems:
+            warnings.warn(problem, ServingWarning, stacklevel=3)
+
+    def _write_prompt(self, dest: Path, note: dict[str, Any]) -> None:
+        record, run = self.record, self._require_db().metadata.get_run(self.record.run_id)
+        note |= {
+            "model": record.identifier,
+            "version": self.version,
+            "run_id": record.run_id,
+            "checkpoint": (self.checkpoint or {}).get("step"),
+            "base": record.base.model_name_or_path,
+            "revision": record.base.revision,
+            "objective": run.info["config"]["objective_args"]["objective"],
+            "prompt_template": record.prompt_template,
+            "chat_template": record.chat_template,
+        }
+        export.write_prompt(dest, self.formatter(), note)

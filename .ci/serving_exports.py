@@ -1,0 +1,98 @@
+"""The serving lane's first half, in the project's environment: fit tiny models as a user would,
+export them, and note what generate() answers; .ci/serving_check.py asks the real stacks.
+
+    python3 .ci/serving_exports.py OUT    # writes OUT/cases.json and the exports under OUT
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import warnings
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import llmtrain as lt
+from llmtrain.formatting import PromptTemplate
+from llmtrain.testing import tiny_model
+
+COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
+ROWS = [(i, f"What is color number {i % 8}?", COLORS[i % 8]) for i in range(64)]
+PROMPTS = [f"What is color number {i}?" for i in range(8)]
+KINDS: dict[
+    str, dict[str, Any]
+] = {  # name: trainer options; a head size vLLM's CPU attention takes (128 / 2 heads)
+    "plain": {"prompt_template": "### Instruction:\n{X}\n\n### Response:\n{Y}"},
+    "healed": {"prompt_template": "Q: {X} A: {Y}"},  # ends in a space: the answer's first token
+    "chat": {"chat_template": True},
+    "dora": {"prompt_template": "Q: {X}\nA:{Y}", "use_dora": True},  # to serve merged
+}
+
+
+def completion_prompt(model: lt.TrainedModel, x: str, heal: str) -> str:
+    """The text a user sends a completion endpoint (which adds BOS): the training prompt
+    without its healed tail; for a chat-trained model, its chat template rendered."""
+    if model.record.prompt_template is None:
+        tokenizer = model.formatter().tokenizer
+        chat = [{"role": "user", "content": x}]
+        text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return str(text).removeprefix(tokenizer.bos_token)
+    text = PromptTemplate(model.record.prompt_template).prompt(x)
+    return text[: len(text) - len(heal)]
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with closing(sqlite3.connect(out / "data.db")) as con, con:
+        con.execute("CREATE TABLE IF NOT EXISTS docs (id INTEGER PRIMARY KEY, q TEXT, a TEXT)")
+        con.executemany("INSERT OR REPLACE INTO docs VALUES (?, ?, ?)", ROWS)
+    db = lt.connect(f"sqlite:///{out / 'data.db'}", artifacts=out / "artifacts")
+    base = tiny_model(out / "base", hidden_size=128, num_heads=2)
+    cases = []
+    for name, options in KINDS.items():
+        trainer = lt.LLMTrainer(
+            name,
+            model=str(base),
+            max_steps=60,
+            batch_size=8,
+            learning_rate=1e-2,
+            lora_dropout=0.0,
+            progress_bar=False,
+            **options,
+        )
+        model = trainer.fit(X="q", Y="a", db=db, select=lt.Table("docs"))
+        refused = None
+        if options.get("use_dora"):  # refused with strict=True, written with a warning without
+            try:
+                model.export_adapter(out / name / "adapter", strict=True)
+            except lt.ConfigError as exc:
+                refused = str(exc)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.export_adapter(out / name / "adapter")
+            model.export_merged(out / name / "merged")
+        note = json.loads((out / name / "merged" / "llmtrain_export.json").read_text())
+        cases.append(
+            {
+                "name": name,
+                "base": str(base),
+                "adapter": str(out / name / "adapter"),
+                "merged": str(out / name / "merged"),
+                "heal": note["heal"],
+                "completion_prompts": [completion_prompt(model, x, note["heal"]) for x in PROMPTS],
+                "prompts": PROMPTS,
+                "answers": model.generate(PROMPTS, max_new_tokens=6),
+                "refused": refused,
+                "warnings": sorted(
+                    {str(w.message) for w in caught if w.category is lt.ServingWarning}
+                ),
+            }
+        )
+        print(name, "answers", cases[-1]["answers"], flush=True)
+    (out / "cases.json").write_text(json.dumps(cases, indent=2))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
