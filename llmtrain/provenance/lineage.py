@@ -293,7 +293,7 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
                 Use(one, run.run_id, run.identifier, run.version, epoch, step, rank, v)
                 for index, epoch, step, rank in lineage.uses_of(list(key_at))
                 for v in [lineage.version_of(index, epoch)]  # the row's version as trained
-                for one in asked[key_repr(key_at[index])]
+                for one in asked[key_repr(key_at[index])].values()
             ]
         )
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
