@@ -5,6 +5,7 @@ is normalised by pairs; the run, lineage and replay are SFT's."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,14 @@ def test_dpo_from_an_sft_model_has_that_model_as_its_reference(tiny: Path, tmp_p
     assert stored and not [name for name in stored if "reference" in name]
     more = dpo.fit(db=db, select=lt.Table("feedback"), incremental=True, **FIELDS)
     assert more is not None
+    for i, trained in enumerate([model, more]):  # the trained adapter alone, stored and exported
+        for folder in (tmp_path / f"stored{i}", trained.export_adapter(tmp_path / f"export{i}")):
+            if not folder.exists():
+                db.artifacts.get_dir(trained.record.adapter, folder)
+            files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+            assert files == ["adapter_config.json", "adapter_model.safetensors"], files
+            config = json.loads((folder / "adapter_config.json").read_text())
+            assert config["target_modules"] == sorted(config["target_modules"])
     newest = db.metadata.list_runs("trainer", "dpo")[-1]
     assert newest.info["parent"]["run_id"] == run.run_id
     assert db.metadata.get_metrics(newest.run_id)[0].values["loss"] == pytest.approx(

@@ -612,3 +612,38 @@ def test_token_budget_packs_each_steps_rows_and_resumes_into_the_same_batches(
     a, b = _adapter(db, reference, tmp_path), _adapter(db, resumed, tmp_path)
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("modules", [["lm_head"], ["embed_tokens", "lm_head"]])
+def test_modules_to_save_train_store_load_in_stock_peft_and_resume(
+    tiny: Path, db: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, modules: list[str]
+) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    options = {"max_steps": 4, "save_steps": 2, "modules_to_save": modules}
+    straight = _fit(_trainer(tiny, "heads", **options), db)
+    stored = _adapter(db, straight, tmp_path)
+    assert {k.split(".")[-2] for k in stored} >= set(modules) | {"lora_A", "lora_B"}
+    ours, tokenizer = straight.load(device="cpu")
+    ids = tokenizer(["What is color number 2?"], return_tensors="pt").input_ids
+    folder = tmp_path / "stock"
+    db.artifacts.get_dir(straight.record.adapter, folder)
+    stock = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), folder)
+    with torch.no_grad():
+        expected = ours(input_ids=ids).logits
+        torch.testing.assert_close(stock.eval()(input_ids=ids).logits, expected)
+    base = AutoModelForCausalLM.from_pretrained(tiny).state_dict()
+    for key, value in stored.items():  # the saved modules trained, as the LoRA layers did
+        if "lora_" not in key:
+            assert not torch.equal(value, base[key.removeprefix("base_model.model.")]), key
+    undo = crash_after_checkpoint(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        _fit(_trainer(tiny, "heads-crash", **options), db)
+    undo()
+    resumed = _adapter(
+        db, _fit(_trainer(tiny, "heads-crash", **options), db, resume=True), tmp_path
+    )
+    assert resumed.keys() == stored.keys()
+    for key in stored:
+        torch.testing.assert_close(resumed[key], stored[key], rtol=0, atol=0)

@@ -120,7 +120,6 @@ class TrainedModel:
 
             weights = self._checkpoint_weights()
             save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-        export.stable_adapter_config(dest)
         return dest
 
     def _checkpoint_weights(self) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from llmtrain.training.batches import (
 )
 from llmtrain.training.callbacks import Callback
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.export import stable_adapter_config
+from llmtrain.training.export import write_adapter
 from llmtrain.training.loss import LossFunction
 from llmtrain.training.modeling import (
     compile_layers,
@@ -507,11 +507,11 @@ class FitRun:
         if self.strategy.is_main:
             folder = self.workdir / "final"
             inner = self.strategy.unwrap(self.model)
-            inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             if self.config.lora_args is None:
+                inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
                 self.tokenizer.save_pretrained(folder)
             else:
-                stable_adapter_config(folder)
+                write_adapter(inner.peft_config["default"], weights, folder)
             artifact = self.db.artifacts.put_dir(folder)
             shutil.rmtree(folder, ignore_errors=True)
         self.strategy.barrier()
