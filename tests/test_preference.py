@@ -202,6 +202,24 @@ def test_reference_log_probs_are_computed_once_per_pair_and_kept(
     assert 2 not in {c.key for c in db.lineage("model", "cached", forgetting.version)}
 
 
+def test_reference_values_kept_in_another_artifact_store_are_computed_again(
+    tiny: Path, tmp_path: Path, references: list[int]
+) -> None:
+    """One database, two artifact stores (two machines): the values one store keeps are a miss
+    on the other, computed there and kept there; each store then reads its own."""
+    here = _db(tmp_path)
+    there = lt.connect(here.uri, artifacts=tmp_path / "elsewhere")
+    computed = []
+    for db in (here, there, here, there):
+        references.clear()
+        model = lt.LLMTrainer("dpo", model=tiny, objective="dpo", max_steps=2, **OPTIONS).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+        computed.append(references[:])
+        assert model is not None
+    assert computed == [[4, 4], [4, 4], [], []]
+
+
 def test_a_resumed_run_reads_the_reference_values_its_crashed_attempt_kept(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: list[int]
 ) -> None:
