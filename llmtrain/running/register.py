@@ -12,8 +12,9 @@ from typing import Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
-from llmtrain.data.snapshot import RunSnapshot, label_counts, take_snapshot
+from llmtrain.data.snapshot import MixedView, RunSnapshot, label_counts, take_snapshot
 from llmtrain.datalayer import Datalayer
+from llmtrain.db.queries import Mix
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
@@ -135,6 +136,11 @@ def new_snapshot(
             f"{fit.query().source} selects 0 rows (forgotten rows, db.forget, are left out): "
             "nothing to train on"
         )
+    if isinstance(query := fit.query(), Mix) and isinstance(snapshot.train, MixedView):
+        for part, view, weight in zip(query.parts, snapshot.train.parts, query.weights or ()):
+            if view.count == 0:
+                source = part.select.source
+                raise DataError(f"mix(): {source} has no rows to train, but weight {weight:g}")
     replay = fit.data_fingerprint and fit.db == db.uri and not incremental
     if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (
