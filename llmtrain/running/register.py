@@ -215,6 +215,11 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
     check_model_folder(config)  # no row read for these
+    if config.data_args.chat_template:  # probed as the run will: no template, no tags
+        from llmtrain.formatting import Formatter
+        from llmtrain.training.modeling import load_tokenizer
+
+        Formatter(load_tokenizer(config.model_args), chat_template=True)
     for query, named in fit.sources():
         rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
         for role, name in named:
