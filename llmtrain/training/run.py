@@ -260,6 +260,7 @@ class FitRun:
         try:
             for group in stream:
                 batches, targets = self._pair(group)
+                lr = self.scheduler.get_last_lr()[0]  # this step's: the step moves it on
                 loss = self._train_step(batches, targets) if targets else self._empty_step()
                 keys = group.keys  # derived from the step's batches: once
                 self.examples += len(keys)
@@ -276,7 +277,7 @@ class FitRun:
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
                 metrics = {
                     "loss": loss,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "grad_norm": self.last_grad_norm,
                     "tokens": float(self.tokens_seen),
                     "tokens_per_s": rate,
