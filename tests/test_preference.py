@@ -102,20 +102,38 @@ def test_preference_tuning_widens_every_pairs_margin(
         assert again is not None and again.version == model.version + 1
 
 
-def test_packed_and_padded_pairs_train_alike(tiny: Path, tmp_path: Path) -> None:
-    """Packed padding-free, each token knows its sequence: the same losses as padded rows."""
-    db = _db(tmp_path)
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_packed_and_padded_rows_train_alike(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, objective: str
+) -> None:
+    """Packed padding-free, 2-4 sequences a row, each token knows its sequence and position:
+    the same losses as padded rows."""
+    from llmtrain.training import preference
+
+    db = _db(tmp_path, ROWS if objective == "dpo" else FEEDBACK)
+    fields = FIELDS if objective == "dpo" else KTO_FIELDS
+    per_row: list[int] = []  # sequences in each packed row the policy's forward reads
+    compute = preference.sequence_logprobs
+
+    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        if "sequence_index" in batch and torch.is_grad_enabled():
+            labels = batch["labels"] != IGNORE_INDEX
+            per_row.extend(len(set(i[t].tolist())) for i, t in zip(batch["sequence_index"], labels))
+        return compute(model, batch, **kwargs)
+
+    monkeypatch.setattr(preference, "sequence_logprobs", counted)
     losses = []
     for packing in (False, True):
-        name = f"dpo-packed-{packing}"
-        options = {**OPTIONS, "packing": packing, "max_steps": 4}
-        lt.LLMTrainer(name, model=tiny, objective="dpo", **options).fit(
-            db=db, select=lt.Table("feedback"), **FIELDS
+        name = f"{objective}-packed-{packing}"
+        options = {**OPTIONS, "packing": packing, "max_steps": 3, "max_length": 96}
+        lt.LLMTrainer(name, model=tiny, objective=objective, **options).fit(
+            db=db, select=lt.Table("feedback"), **fields
         )
         (run,) = db.metadata.list_runs("trainer", name)
         losses.append([m.values["loss"] for m in db.metadata.get_metrics(run.run_id)])
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     assert losses[0][0] != losses[0][-1]
+    assert max(per_row) >= 3 and per_row.count(1) <= len(per_row) / 4, per_row
 
 
 def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
