@@ -156,3 +156,13 @@ def test_ci_waits_for_a_login_that_runs_a_query() -> None:
     assert run("mariadb_login", MYSQL_PWD="wrong") != 0
     ping = "mariadb-admin --protocol=tcp -h 127.0.0.1 -u root ping >/dev/null 2>&1"
     assert run(ping, MYSQL_PWD="wrong") == 0
+
+
+def test_property_tests_are_seeded() -> None:
+    """Every hypothesis test draws the same examples each run (tests/conftest.py), so a failing
+    one reproduces, whatever its own @settings say."""
+    from hypothesis import settings
+    from test_forget import test_no_model_fitted_after_a_forget_holds_the_row as forget_property
+
+    assert settings().derandomize
+    assert forget_property._hypothesis_internal_use_settings.derandomize  # type: ignore[attr-defined]
