@@ -242,7 +242,9 @@ def test_bad_and_too_long_conversations_are_skipped_and_recorded(
     assert sorted(row.key for row in db.lineage("model", "skips")) == GOOD
 
 
-def test_llmtrain_fit_takes_conversations_from_yaml(tiny: Path, tmp_path: Path) -> None:
+def test_llmtrain_fit_takes_conversations_from_yaml(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from llmtrain.cli.main import main
 
     uri = f"sqlite:///{tmp_path / 'chat.db'}"
@@ -261,6 +263,10 @@ def test_llmtrain_fit_takes_conversations_from_yaml(tiny: Path, tmp_path: Path) 
     fit = db.load("trainer", "yaml-chat").config.fit
     assert fit is not None and fit.X == "messages" and fit.query() == _select(uri)
     assert sorted(row.key for row in db.lineage("model", "yaml-chat")) == GOOD
+    capsys.readouterr()
+    assert main(["show", "trainer", "yaml-chat", "--db", uri]) == 0  # and its newest run
+    shown = "messages (conversations) from conversations of table messages by conversation_id"
+    assert capsys.readouterr().out.count(shown) == 2
 
 
 def test_a_json_column_of_messages_trains_as_conversations(any_uri: str, tiny: Path) -> None:

@@ -240,7 +240,9 @@ def test_forgetting_a_row_of_one_source_leaves_it_out_of_the_next_mixture(
     assert run.info["reads"] == [["main.big"], ["main.small"]]
 
 
-def test_llmtrain_fit_trains_a_mixture_from_yaml(tiny: Path, tmp_path: Path) -> None:
+def test_llmtrain_fit_trains_a_mixture_from_yaml(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import yaml
 
     from llmtrain.cli import main
@@ -270,6 +272,10 @@ def test_llmtrain_fit_trains_a_mixture_from_yaml(tiny: Path, tmp_path: Path) -> 
     stored = db.load("trainer", "mx-yaml").to_dict()["fit"]
     assert stored["X"] == "body" and stored["select"] == _mix(weights=[0.75, 0.25]).to_dict()
     assert Counter(c.key["part"] for c in db.lineage("model", "mx-yaml")) == {0: 6, 1: 2}
+    capsys.readouterr()
+    assert main(["show", "trainer", "mx-yaml", "--db", uri]) == 0  # and its newest run
+    shown = "body (documents) from table big; q -> a from table small"
+    assert capsys.readouterr().out.count(shown) == 2
 
 
 def test_a_mixture_refuses_what_it_cannot_train(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -398,8 +399,12 @@ def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, c
     capsys.readouterr()
     where = ["--db", db.uri, "--artifacts", str(tmp_path / "artifacts")]
     assert main(["show", "trainer", "dpo-yaml", *where]) == 0
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().out  # the trainer, then its newest run: one rule for both
     assert "DPO, LoRA r=8" in shown and "prompt -> chosen over rejected" in shown
+    assert "data       prompt -> chosen over rejected from table feedback" in shown
+    assert re.search(r"REWARDS/MARGINS\s.*\sLOGPS/CHOSEN", shown) or re.search(
+        r"LOGPS/CHOSEN\s.*\sREWARDS/MARGINS", shown
+    )
     fill(db.uri, "thumbs", FEEDBACK)  # KTO on feedback, from the DPO model
     kto = {
         **config,
@@ -413,6 +418,8 @@ def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, c
     assert main(["show", "trainer", "kto-yaml", *where]) == 0
     shown = capsys.readouterr().out
     assert "KTO, LoRA r=8" in shown and "prompt -> answer (liked: liked)" in shown
+    assert "data       prompt -> answer (liked: liked) from table thumbs" in shown
+    assert re.search(r"\sKL\s", shown) and "REWARDS/CHOSEN" in shown
 
 
 # -- KTO: thumbs up/down on single answers ------------------------------------------------------
