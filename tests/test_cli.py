@@ -263,15 +263,20 @@ def test_bad_overrides_exit_2_naming_the_option(
 def test_each_command_reports_its_own_mistakes_and_describes_itself(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, _, err = run_cli(capsys, "replay", "X", "--verison", "0")
-    assert code == 2 and err.startswith("usage: llmtrain replay ")
-    assert (
-        "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)"
-        in err
-    )
-    # a prefix is a typo too, not the option it starts (`--resum` must not resume)
-    code, _, err = run_cli(capsys, "replay", "X", "--resum")
-    assert code == 2 and "unrecognized arguments: --resum (did you mean --resume?)" in err
+    for argv, expected in [
+        (
+            ["replay", "X", "--verison", "0"],
+            "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)",
+        ),
+        # a prefix is a typo too, not the option it starts (`--resum` must not resume)
+        (["replay", "X", "--resum"], "unrecognized arguments: --resum (did you mean --resume?)"),
+        (["forgt", "docs", "1"], "invalid choice: 'forgt' (choose from 'fit', "),
+        (["forgt", "docs", "1"], "(did you mean forget?)"),
+        (["show", "trainr"], "(did you mean trainer?)"),
+        (["export", "m", "--merge-into", "bsae"], "(did you mean base?)"),
+    ]:
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and expected in err and err.count("\n") == 1, err
     from llmtrain.cli import build_parser
 
     for command in (

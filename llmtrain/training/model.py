@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
-from llmtrain.errors import CheckpointError, ConfigError, ServingWarning
+from llmtrain.errors import ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
 from llmtrain.training import export
 from llmtrain.training.export import STACKS, MergeInto
@@ -77,7 +77,7 @@ class TrainedModel:
 
             best = db.metadata.get_run(run_id).info.get(BEST)
             if not best:
-                raise CheckpointError(
+                raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} v{self.version} recorded no best "
                     "checkpoint: train with training_args.save_best_by"
                 )
@@ -88,7 +88,7 @@ class TrainedModel:
                     self.checkpoint = {"step": record.step, "artifact": record.artifact_id}
                     break
             else:
-                raise CheckpointError(
+                raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} has no checkpoint "
                     f"{str(checkpoint)!r}"
                 )
