@@ -233,7 +233,7 @@ class TrainedModel:
         with ``strict`` a ConfigError before anything is written."""
         self._check(check, strict, adapter=False)
         dest = export.check_new_folder(dest, "merged destination")
-        with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
+        with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
             what = export.write_merged(self.record.base, adapter, dest, into)
         self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})
