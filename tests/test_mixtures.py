@@ -294,6 +294,11 @@ def test_a_mixture_refuses_what_it_cannot_train(
         lt.mix(_mix(), lt.Table("big"))
     with pytest.raises(ConfigError, match=r"data.select.mix\[1\]"):
         build_query({"mix": [{"table": "big"}, {"tabel": "small"}]})
+    # in the file's words, not Python's (list('3:1'), __init__() missing an argument)
+    with pytest.raises(ConfigError, match=r"^data.select: mix\(weights='3:1'\): one positive"):
+        build_query({"mix": [{"table": "big"}, {"table": "small"}], "weights": "3:1"})
+    with pytest.raises(ConfigError, match="^data.select: conversations: needs by:$"):
+        build_query({"conversations": {"table": "messages"}, "order": "turn"})
     trainer = lt.LLMTrainer("mx-bad", model=tiny, **OPTIONS)
     with pytest.raises(ConfigError, match="incremental"):
         trainer.fit(db=db, select=_mix(), incremental=True)
