@@ -214,19 +214,11 @@ def data_text(config: dict[str, Any]) -> str:
     spec, chat = FitSpec.model_validate(fit), (config.get("data_args") or {}).get("chat_template")
     shown = []
     for part in spec.parts():
-        x, *y = part.fields_or(spec.fields)
-        what = (
-            f"{x} -> {spec.chosen} over {spec.rejected}"
-            if spec.pairs
-            else f"{x} -> {y[0]} (liked: {spec.label})"
-            if spec.label
-            else f"{x} -> {y[0]}"
-            if y
-            else f"{x} (conversations)"
-            if chat or isinstance(part.select, Conversations)
-            else f"{x} (documents)"
-        )
-        shown.append(f"{what} from {query_text(part.select.to_dict())}")
+        x, *y = part.fields_or(spec.fields)  # y: the answer, the pair's or the answer and label
+        kind = "conversations" if chat or isinstance(part.select, Conversations) else "documents"
+        what = f"{x} -> {' over '.join(y) if spec.pairs else y[0]}" if y else f"{x} ({kind})"
+        liked = f" (liked: {spec.label})" if spec.label else ""
+        shown.append(f"{what}{liked} from {query_text(part.select.to_dict())}")
     return "; ".join(shown)
 
 

@@ -16,8 +16,10 @@ from llmtrain.data.snapshot import MixedView, RunSnapshot, label_counts, take_sn
 from llmtrain.datalayer import Datalayer
 from llmtrain.db.queries import Mix
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
+from llmtrain.formatting import Formatter
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
+from llmtrain.training.modeling import check_model_path, load_tokenizer, target_modules_for
 from llmtrain.training.plan import Done, RunPlan
 from llmtrain.versions import library_versions
 
@@ -216,9 +218,6 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
     check_model_folder(config)  # no row read for these
     if config.data_args.chat_template:  # probed as the run will: no template, no tags
-        from llmtrain.formatting import Formatter
-        from llmtrain.training.modeling import load_tokenizer
-
         Formatter(load_tokenizer(config.model_args), chat_template=True)
     for query, named in fit.sources():
         rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
@@ -232,8 +231,6 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
 
 def check_model_folder(config: TrainerConfig) -> None:
     """A local model folder, and the LoRA targets against its linear layers (on a skeleton)."""
-    from llmtrain.training.modeling import check_model_path, target_modules_for
-
     margs, name = config.model_args, config.model_args.model_name_or_path
     check_model_path(name)
     folder = Path(os.path.expanduser(name))
