@@ -34,6 +34,8 @@ class Source:
         return [self._typed(k, where) for k in keys]
 
     def _typed(self, key: Any, where: str) -> Key:
+        if isinstance(key, str) and len(key) > 4096:  # kept in records (PG indexes 2704 bytes)
+            raise ConfigError(f"{where}: a key of {len(key)} characters (at most 4096)")
         want = self.key_type
         if want is not None and type(key) is want:
             return key
