@@ -141,8 +141,7 @@ def new_snapshot(
     if isinstance(query := fit.query(), Mix) and isinstance(snapshot.train, MixedView):
         for part, view, weight in zip(query.parts, snapshot.train.parts, query.weights or ()):
             if view.count == 0:
-                source = part.select.source
-                raise DataError(f"mix(): {source} has no rows to train, but weight {weight:g}")
+                raise DataError(f"mix(): {part.select.source} has no rows, but weight {weight:g}")
     replay = fit.data_fingerprint and fit.db == db.uri and not incremental
     if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (

@@ -68,9 +68,8 @@ def write_prompt(dest: Path, formatter: Formatter, note: dict[str, Any]) -> None
 
 
 def write_adapter(config: Any, weights: dict[str, Any], folder: Path) -> None:
-    """The trained adapter alone, in PEFT's layout. ``PeftModel.save_pretrained`` converted the
-    weights a second time (a KeyError on ``modules_to_save``) and wrote every adapter, a DPO
-    reference too, with these weights; lists sorted (PEFT's hash-seed order gave many ids)."""
+    """The trained adapter alone (PeftModel.save_pretrained converted the weights twice, failing
+    on modules_to_save, and wrote a DPO reference too), lists sorted (hash-seed order: many ids)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
