@@ -15,11 +15,13 @@ _NOISY_LOGS = (  # (logger name, message prefix) of what is noise on every run
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward"),
     # DeepSpeed's accelerator probe on a machine without a GPU
     ("DeepSpeed", "Setting accelerator to CPU"),
+    ("kernels._internals.hf_hub", "Skipping publisher trust check"),  # the same, offline
 )
 _NOISY_WARNINGS = (
     (FutureWarning, r".*is_gradient_checkpointing.*"),
     (DeprecationWarning, r".*torch\.jit\.script_method.*"),
     (UserWarning, r".*TypedStorage is deprecated.*"),
+    (UserWarning, r"Detected call of `lr_scheduler.step\(\)` before"),  # a step of skipped rows
 )
 # Deprecations raised inside the libraries a fit drives: news for us, noise for the user
 # (transformers 5 warns on every fit about its own v6 renames).

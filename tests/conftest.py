@@ -12,10 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import sqlalchemy as sa
 
 pytest_plugins = ["pytester"]
+# property tests draw the same examples every run: a failure reproduces
+hypothesis.settings.register_profile("seeded", derandomize=True)
+hypothesis.settings.load_profile("seeded")
 
 PG_ADMIN = os.environ.get("LLMTRAIN_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 MY_ADMIN = os.environ.get("LLMTRAIN_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306")
@@ -25,15 +29,26 @@ SQL_BACKENDS = ["sqlite", "postgresql", "mariadb"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def _no_skip_in_ci(report: Any) -> None:
     """In CI (``CI`` set) every skip fails: a test that would skip for a missing server,
     package or tool there would hide that its promise went untested."""
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
     if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, which must run every test: {report.longrepr}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A skip in a test, or in its fixtures' setup (a missing server)."""
+    outcome = yield
+    _no_skip_in_ci(outcome.get_result())  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A skip while collecting (a module-level ``pytest.importorskip``)."""
+    outcome = yield
+    _no_skip_in_ci(outcome.get_result())  # type: ignore[attr-defined]
 
 
 def _server_or_skip(kind: str, admin_url: str) -> sa.Engine:

@@ -237,6 +237,10 @@ def test_missing_components_and_databases_fail_cleanly(
     assert code == 2 and "--db" in err
     code, _, err = run_cli(capsys, "show", "--bogus")
     assert code == 2 and "unrecognized arguments: --bogus" in err
+    # a key no integer column holds: one short line, the user's mistake (a ValueError: exit 1)
+    for key, said in (("9" * 5000, "a key of 5000 characters"), ("9" * 100, "is not a key of")):
+        code, _, err = run_cli(capsys, "trained-on", "docs", key, "--db", fitted)
+        assert code == 2 and said in err and err.count("\n") == 1 and len(err) < 300
 
 
 @pytest.mark.parametrize(
@@ -263,15 +267,20 @@ def test_bad_overrides_exit_2_naming_the_option(
 def test_each_command_reports_its_own_mistakes_and_describes_itself(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, _, err = run_cli(capsys, "replay", "X", "--verison", "0")
-    assert code == 2 and err.startswith("usage: llmtrain replay ")
-    assert (
-        "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)"
-        in err
-    )
-    # a prefix is a typo too, not the option it starts (`--resum` must not resume)
-    code, _, err = run_cli(capsys, "replay", "X", "--resum")
-    assert code == 2 and "unrecognized arguments: --resum (did you mean --resume?)" in err
+    for argv, expected in [
+        (
+            ["replay", "X", "--verison", "0"],
+            "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)",
+        ),
+        # a prefix is a typo too, not the option it starts (`--resum` must not resume)
+        (["replay", "X", "--resum"], "unrecognized arguments: --resum (did you mean --resume?)"),
+        (["forgt", "docs", "1"], "invalid choice: 'forgt' (choose from 'fit', "),
+        (["forgt", "docs", "1"], "(did you mean forget?)"),
+        (["show", "trainr"], "(did you mean trainer?)"),
+        (["export", "m", "--merge-into", "bsae"], "(did you mean base?)"),
+    ]:
+        code, _, err = run_cli(capsys, *argv)
+        assert code == 2 and expected in err and err.count("\n") == 1, err
     from llmtrain.cli import build_parser
 
     for command in (

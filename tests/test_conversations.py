@@ -199,6 +199,30 @@ def test_fit_on_conversations_records_and_replays_them(tiny: Path, tmp_path: Pat
     assert sorted(row.key for row in db.lineage("model", "chat2")) == [1, 2, 7]
 
 
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [(None, "has no chat template"), ("{{ messages[0]['content'] }}", "generation")],
+)
+def test_a_chat_template_problem_is_refused_before_anything_is_recorded(
+    tiny: Path, tmp_path: Path, template: str | None, problem: str
+) -> None:
+    import shutil
+
+    model = shutil.copytree(tiny, tmp_path / "model")
+    config = model / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    if template is not None:
+        (model / "chat_template.jinja").write_text(template)
+    uri = f"sqlite:///{tmp_path / 'chat.db'}"
+    fill(uri, "messages", _message_rows({c: CHATS[c] for c in GOOD}))
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    trainer = lt.LLMTrainer("chat", model=model, chat_template=True, max_steps=1)
+    with pytest.raises(ConfigError, match=problem):
+        trainer.fit(db=db, select=_select(uri))
+    assert db.show() == []
+
+
 def test_bad_and_too_long_conversations_are_skipped_and_recorded(
     tiny: Path, tmp_path: Path
 ) -> None:
@@ -218,7 +242,9 @@ def test_bad_and_too_long_conversations_are_skipped_and_recorded(
     assert sorted(row.key for row in db.lineage("model", "skips")) == GOOD
 
 
-def test_llmtrain_fit_takes_conversations_from_yaml(tiny: Path, tmp_path: Path) -> None:
+def test_llmtrain_fit_takes_conversations_from_yaml(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from llmtrain.cli.main import main
 
     uri = f"sqlite:///{tmp_path / 'chat.db'}"
@@ -237,6 +263,10 @@ def test_llmtrain_fit_takes_conversations_from_yaml(tiny: Path, tmp_path: Path) 
     fit = db.load("trainer", "yaml-chat").config.fit
     assert fit is not None and fit.X == "messages" and fit.query() == _select(uri)
     assert sorted(row.key for row in db.lineage("model", "yaml-chat")) == GOOD
+    capsys.readouterr()
+    assert main(["show", "trainer", "yaml-chat", "--db", uri]) == 0  # and its newest run
+    shown = "messages (conversations) from conversations of table messages by conversation_id"
+    assert capsys.readouterr().out.count(shown) == 2
 
 
 def test_a_json_column_of_messages_trains_as_conversations(any_uri: str, tiny: Path) -> None:

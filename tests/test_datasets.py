@@ -293,6 +293,24 @@ def test_raw_sql_join(sql_uri: str) -> None:
     assert rows[0] == {"instruction": "instr 2", "label": "L2", "_key": 2}
 
 
+def test_sql_text_may_end_in_a_comment_and_sqlite_names_any_case(sql_uri: str) -> None:
+    """A query or filter ending in ``-- comment`` (it swallowed what llmtrain wraps around it);
+    on SQLite, whose names are case-insensitive, lt.Table("DOCS") reads table docs."""
+    fill(sql_uri, "docs", _rows(10))
+    db = lt.connect(sql_uri)
+    queries = [
+        lt.sql("SELECT id, instruction FROM docs -- every row", key="id"),
+        lt.Table("docs").where("id < :n -- the first ones", n=5),
+    ]
+    if sql_uri.startswith("sqlite"):
+        queries.append(lt.Table("DOCS"))
+    for query, count in zip(queries, [10, 5, 10]):
+        rows = list(lt.CachedQueryDataset(db, query, ["instruction"], return_keys=True))
+        assert sorted(_keys(rows)) == list(range(count))
+    with pytest.raises(lt.QueryError, match="nope"):
+        len(lt.CachedQueryDataset(db, lt.Table("nope"), ["instruction"]))
+
+
 def test_plain_iteration_state_is_exact_mid_window(any_uri: str) -> None:
     fill(any_uri, "docs", _rows(100))
     db = lt.connect(any_uri)

@@ -476,7 +476,26 @@ def _pgrep(pattern: str) -> list[str]:
     return out.split()
 
 
-def test_a_failing_rank_fails_the_job_promptly_and_leaves_no_process(env: Env) -> None:
+def test_a_failing_rank_fails_the_job_promptly_and_leaves_no_process(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promptly by the job's own clocks: from the failing rank's traceback file (its mtime) to
+    the run recorded failed, no more than the launcher's grace periods and a few seconds."""
+    from datetime import UTC
+
+    from llmtrain.running.launchers.process import GRACE_S, WorkerJob
+
+    failed_at: list[float] = []
+    first_error = WorkerJob.first_error
+
+    def noted(self: WorkerJob) -> Any:
+        found = first_error(self)
+        if found is not None and not failed_at:
+            path = self.job_dir / "errors" / f"rank{found[0]}.txt"
+            failed_at.append(path.stat().st_mtime)
+        return found
+
+    monkeypatch.setattr(WorkerJob, "first_error", noted)
     trainer = _trainer(
         env, "dist-fails", launcher=lt.Launcher(kind="torchrun", num_processes=WORLD)
     )
@@ -489,6 +508,8 @@ def test_a_failing_rank_fails_the_job_promptly_and_leaves_no_process(env: Env) -
     (run,) = env.db.metadata.list_runs("trainer", "dist-fails")
     assert not _pgrep(run.run_id)
     assert run.status == "failed" and "rank 1 failed: BadRowError" in run.error
+    recorded = run.updated_at.replace(tzinfo=run.updated_at.tzinfo or UTC).timestamp()
+    assert 0 < recorded - failed_at[0] < 2 * GRACE_S + 10
 
 
 def test_a_job_past_its_timeout_is_stopped_with_every_worker(tmp_path: Path) -> None:

@@ -76,9 +76,12 @@ def test_a_template_and_a_fit_must_agree_on_y(tiny: Path, sqlite_uri: str, tmp_p
         lt.LLMTrainer(
             "c", model=tiny, eval_metrics=["exact_match"], eval_fraction=0.5, packing=True
         ).fit(X="body", db=db, select=lt.Table("docs"))
-    with pytest.raises(ConfigError, match="packing=True"):
-        lt.LLMTrainer("d", model=tiny).fit(X="body", db=db, select=lt.Table("docs"))
+    with pytest.raises(ConfigError, match="^[^;]*cannot take data_args.packing=False: a long"):
+        lt.LLMTrainer("d", model=tiny, packing=False).fit(X="body", db=db, select=lt.Table("docs"))
     assert db.metadata.list_runs() == []
+    plain = lt.LLMTrainer("e", model=tiny, max_steps=1, progress_bar=False)  # packs documents
+    assert plain.fit(X="body", db=db, select=lt.Table("docs")) is not None
+    assert db.load("trainer", "e").to_dict()["data_args"]["packing"] is True
 
 
 OPTIONS: dict[str, Any] = {

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.db.keys import held_out
-from llmtrain.errors import CheckpointError, ConfigError
+from llmtrain.errors import ConfigError
 from llmtrain.testing import tiny_model
 from llmtrain.training.export import STACKS
 
@@ -192,7 +192,7 @@ def test_the_best_checkpoint_survives_pruning_and_loads(scored: Any, db: Any) ->
         torch.testing.assert_close(state[key], value)
     final, tokenizer = db.load("model", "scored").load(device="cpu")
     assert not torch.allclose(_logits(model, tokenizer), _logits(final, tokenizer))
-    with pytest.raises(CheckpointError, match="no checkpoint '99'"):
+    with pytest.raises(ConfigError, match="no checkpoint '99'"):
         db.load("model", "scored", checkpoint=99)
 
 
@@ -232,6 +232,9 @@ def test_export_writes_what_stock_peft_and_transformers_load(
     torch.testing.assert_close(_logits(plain, tokenizer), expected, rtol=1e-4, atol=1e-4)
     # a folder that holds something is refused, and nothing is half-written
     assert main([*argv, "--adapter", str(adapter)]) == 2
+    capsys.readouterr()  # a checkpoint that is not there is the user's mistake: one line, 2
+    assert main([*argv, "--checkpoint", "bset", "--adapter", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.endswith("has no checkpoint 'bset'\n")
     # the best checkpoint's weights, in the same layout
     best = tmp_path / "best"
     assert main([*argv, "--checkpoint", "best", "--adapter", str(best)]) == 0

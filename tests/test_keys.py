@@ -177,6 +177,21 @@ def test_a_null_key_is_refused(sql_uri: str) -> None:
         len(_dataset(db, query))
 
 
+def test_a_key_longer_than_any_key_is_refused_before_it_is_recorded(tmp_path: Any) -> None:
+    """A 5 MB text key named to forget() or trained_on() is refused in one line, not written
+    into a forget record; a long key that can exist (4,096 characters) is looked up."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    with sql_engine(uri, create=True).begin() as conn:
+        conn.execute(sa.text("CREATE TABLE docs (id TEXT PRIMARY KEY, text TEXT)"))
+        conn.execute(sa.text("INSERT INTO docs VALUES ('k0', 'x'), ('k1', 'y')"))
+    db = lt.connect(uri)
+    huge = "k" * 5_000_000
+    for call, keys in ((db.forget, [huge]), (db.trained_on, huge)):
+        with pytest.raises(ConfigError, match=r"^\w+\(\): a key of 5000000 characters \(at most"):
+            call("docs", keys)
+    assert db.metadata.list_components() == [] and not db.trained_on("docs", "k" * 4096).runs
+
+
 def test_a_nan_key_is_refused_not_read_twice(tmp_path: Any) -> None:
     """PostgreSQL sorts NaN above every number and finds it equal to itself; Python does
     not, so a page starting at a NaN would read its row again. Both readers refuse it."""

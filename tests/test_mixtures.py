@@ -192,6 +192,32 @@ def test_a_mixture_reads_each_source_by_key_on_every_backend(
     assert len(consumed) == 12 and {c.key["part"] for c in consumed} == {0, 1}
 
 
+def test_default_weights_are_the_sources_sizes_and_an_empty_weighted_source_is_refused(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Without weights an epoch is every row once, as concatenating the sources would give; a
+    source with a weight but no rows is refused before anything is recorded."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    fill(uri, "big", _docs(40))
+    fill(uri, "small", _qa(10))
+    fill(uri, "none", _qa(1))
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    plain = lt.mix(_docs_part(), lt.Table("small").fields(X="q", Y="a"))
+    assert (
+        plain.to_dict()["weights"] is None and lt.Query.from_dict(plain.to_dict()).weights is None
+    )
+    for epoch in range(2):
+        ds = lt.CachedQueryDataset(db, plain, ["body"], return_keys=True, seed=epoch)
+        ds.set_epoch(epoch)
+        keys = [(r["_key"]["part"], r["_key"]["key"]) for r in ds]
+        assert sorted(keys) == [(0, i) for i in range(40)] + [(1, i) for i in range(10)]
+    trainer = lt.LLMTrainer("mx-empty", model=tiny, **OPTIONS)
+    empty = lt.Table("none").where("id > 5").fields(X="q", Y="a")
+    with pytest.raises(lt.DataError, match=r"^mix\(\): table none .*no rows, but weight 1$"):
+        trainer.fit(db=db, select=lt.mix(_docs_part(), empty, weights=[3, 1]))
+    assert db.metadata.list_runs("trainer", "mx-empty") == []
+
+
 def test_forgetting_a_row_of_one_source_leaves_it_out_of_the_next_mixture(
     tiny: Path, tmp_path: Path
 ) -> None:
@@ -212,7 +238,9 @@ def test_forgetting_a_row_of_one_source_leaves_it_out_of_the_next_mixture(
     assert run.info["reads"] == [["main.big"], ["main.small"]]
 
 
-def test_llmtrain_fit_trains_a_mixture_from_yaml(tiny: Path, tmp_path: Path) -> None:
+def test_llmtrain_fit_trains_a_mixture_from_yaml(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import yaml
 
     from llmtrain.cli import main
@@ -242,6 +270,10 @@ def test_llmtrain_fit_trains_a_mixture_from_yaml(tiny: Path, tmp_path: Path) -> 
     stored = db.load("trainer", "mx-yaml").to_dict()["fit"]
     assert stored["X"] == "body" and stored["select"] == _mix(weights=[0.75, 0.25]).to_dict()
     assert Counter(c.key["part"] for c in db.lineage("model", "mx-yaml")) == {0: 6, 1: 2}
+    capsys.readouterr()
+    assert main(["show", "trainer", "mx-yaml", "--db", uri]) == 0  # and its newest run
+    shown = "body (documents) from table big; q -> a from table small"
+    assert capsys.readouterr().out.count(shown) == 2
 
 
 def test_a_mixture_refuses_what_it_cannot_train(
@@ -260,6 +292,11 @@ def test_a_mixture_refuses_what_it_cannot_train(
         lt.mix(_mix(), lt.Table("big"))
     with pytest.raises(ConfigError, match=r"data.select.mix\[1\]"):
         build_query({"mix": [{"table": "big"}, {"tabel": "small"}]})
+    # in the file's words, not Python's (list('3:1'), __init__() missing an argument)
+    with pytest.raises(ConfigError, match=r"^data.select: mix\(weights='3:1'\): one positive"):
+        build_query({"mix": [{"table": "big"}, {"table": "small"}], "weights": "3:1"})
+    with pytest.raises(ConfigError, match="^data.select: conversations: needs by:$"):
+        build_query({"conversations": {"table": "messages"}, "order": "turn"})
     trainer = lt.LLMTrainer("mx-bad", model=tiny, **OPTIONS)
     with pytest.raises(ConfigError, match="incremental"):
         trainer.fit(db=db, select=_mix(), incremental=True)

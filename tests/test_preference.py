@@ -5,7 +5,9 @@ is normalised by pairs; the run, lineage and replay are SFT's."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +103,38 @@ def test_preference_tuning_widens_every_pairs_margin(
         assert again is not None and again.version == model.version + 1
 
 
-def test_packed_and_padded_pairs_train_alike(tiny: Path, tmp_path: Path) -> None:
-    """Packed padding-free, each token knows its sequence: the same losses as padded rows."""
-    db = _db(tmp_path)
+@pytest.mark.parametrize("objective", ["dpo", "kto"])
+def test_packed_and_padded_rows_train_alike(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, objective: str
+) -> None:
+    """Packed padding-free, 2-4 sequences a row, each token knows its sequence and position:
+    the same losses as padded rows."""
+    from llmtrain.training import preference
+
+    db = _db(tmp_path, ROWS if objective == "dpo" else FEEDBACK)
+    fields = FIELDS if objective == "dpo" else KTO_FIELDS
+    per_row: list[int] = []  # sequences in each packed row the policy's forward reads
+    compute = preference.sequence_logprobs
+
+    def counted(model: Any, batch: dict[str, Any], **kwargs: Any) -> Any:
+        if "sequence_index" in batch and torch.is_grad_enabled():
+            labels = batch["labels"] != IGNORE_INDEX
+            per_row.extend(len(set(i[t].tolist())) for i, t in zip(batch["sequence_index"], labels))
+        return compute(model, batch, **kwargs)
+
+    monkeypatch.setattr(preference, "sequence_logprobs", counted)
     losses = []
     for packing in (False, True):
-        name = f"dpo-packed-{packing}"
-        options = {**OPTIONS, "packing": packing, "max_steps": 4}
-        lt.LLMTrainer(name, model=tiny, objective="dpo", **options).fit(
-            db=db, select=lt.Table("feedback"), **FIELDS
+        name = f"{objective}-packed-{packing}"
+        options = {**OPTIONS, "packing": packing, "max_steps": 3, "max_length": 96}
+        lt.LLMTrainer(name, model=tiny, objective=objective, **options).fit(
+            db=db, select=lt.Table("feedback"), **fields
         )
         (run,) = db.metadata.list_runs("trainer", name)
         losses.append([m.values["loss"] for m in db.metadata.get_metrics(run.run_id)])
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     assert losses[0][0] != losses[0][-1]
+    assert max(per_row) >= 3 and per_row.count(1) <= len(per_row) / 4, per_row
 
 
 def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
@@ -201,6 +221,24 @@ def test_reference_log_probs_are_computed_once_per_pair_and_kept(
     assert 2 not in {c.key for c in db.lineage("model", "cached", forgetting.version)}
 
 
+def test_reference_values_kept_in_another_artifact_store_are_computed_again(
+    tiny: Path, tmp_path: Path, references: list[int]
+) -> None:
+    """One database, two artifact stores (two machines): the values one store keeps are a miss
+    on the other, computed there and kept there; each store then reads its own."""
+    here = _db(tmp_path)
+    there = lt.connect(here.uri, artifacts=tmp_path / "elsewhere")
+    computed = []
+    for db in (here, there, here, there):
+        references.clear()
+        model = lt.LLMTrainer("dpo", model=tiny, objective="dpo", max_steps=2, **OPTIONS).fit(
+            db=db, select=lt.Table("feedback"), **FIELDS
+        )
+        computed.append(references[:])
+        assert model is not None
+    assert computed == [[4, 4], [4, 4], [], []]
+
+
 def test_a_resumed_run_reads_the_reference_values_its_crashed_attempt_kept(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, references: list[int]
 ) -> None:
@@ -255,7 +293,8 @@ def test_preference_options_are_checked_before_anything_is_recorded(
     db = _db(tmp_path)
     select = lt.Table("feedback")
     cases = [
-        ({"objective": "dpo"}, {"X": "prompt", "Y": "chosen"}, "trains fit.X=, chosen=, rejected="),
+        ({"objective": "dpo"}, {"X": "prompt", "Y": "chosen"}, "chosen= and rejected= missing"),
+        ({"objective": "dpo"}, {"X": "prompt", "chosen": "chosen"}, "^[^;]*: rejected= missing"),
         ({}, FIELDS, "set objective='dpo', 'orpo' or 'simpo'"),
         ({"objective": "dpo", "lora_args": None}, FIELDS, "the reference is the model with its"),
         ({"objective": "dpo", "loss_type": "kto"}, FIELDS, "loss_type"),
@@ -266,7 +305,7 @@ def test_preference_options_are_checked_before_anything_is_recorded(
             "per_device_train_batch_size=1: KTO's KL estimate",
         ),
         ({"objective": "dpo"}, KTO_FIELDS, "fit.label=. trains feedback on single answers"),
-        ({"objective": "kto"}, {"X": "prompt", "Y": "chosen"}, "kto' trains fit.X=, Y=, label=."),
+        ({"objective": "kto"}, {"X": "prompt", "Y": "chosen"}, "kto' trains .*: label= missing"),
         (
             {"save_best_by": "eval_rewards/margins", "eval_fraction": 0.5},
             {"X": "prompt", "Y": "chosen"},
@@ -322,6 +361,15 @@ def test_dpo_from_an_sft_model_has_that_model_as_its_reference(tiny: Path, tmp_p
     assert stored and not [name for name in stored if "reference" in name]
     more = dpo.fit(db=db, select=lt.Table("feedback"), incremental=True, **FIELDS)
     assert more is not None
+    for i, trained in enumerate([model, more]):  # the trained adapter alone, stored and exported
+        for folder in (tmp_path / f"stored{i}", trained.export_adapter(tmp_path / f"export{i}")):
+            if not folder.exists():
+                db.artifacts.get_dir(trained.record.adapter, folder)
+            files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+            weights = [f for f in files if "adapter" in f or "/" in f]  # the prompt's files aside
+            assert weights == ["adapter_config.json", "adapter_model.safetensors"], files
+            config = json.loads((folder / "adapter_config.json").read_text())
+            assert config["target_modules"] == sorted(config["target_modules"])
     newest = db.metadata.list_runs("trainer", "dpo")[-1]
     assert newest.info["parent"]["run_id"] == run.run_id
     assert db.metadata.get_metrics(newest.run_id)[0].values["loss"] == pytest.approx(
@@ -353,8 +401,12 @@ def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, c
     capsys.readouterr()
     where = ["--db", db.uri, "--artifacts", str(tmp_path / "artifacts")]
     assert main(["show", "trainer", "dpo-yaml", *where]) == 0
-    shown = capsys.readouterr().out
+    shown = capsys.readouterr().out  # the trainer, then its newest run: one rule for both
     assert "DPO, LoRA r=8" in shown and "prompt -> chosen over rejected" in shown
+    assert "data       prompt -> chosen over rejected from table feedback" in shown
+    assert re.search(r"REWARDS/MARGINS\s.*\sLOGPS/CHOSEN", shown) or re.search(
+        r"LOGPS/CHOSEN\s.*\sREWARDS/MARGINS", shown
+    )
     fill(db.uri, "thumbs", FEEDBACK)  # KTO on feedback, from the DPO model
     kto = {
         **config,
@@ -368,6 +420,8 @@ def test_llmtrain_fit_trains_preferences_from_yaml(tiny: Path, tmp_path: Path, c
     assert main(["show", "trainer", "kto-yaml", *where]) == 0
     shown = capsys.readouterr().out
     assert "KTO, LoRA r=8" in shown and "prompt -> answer (liked: liked)" in shown
+    assert "data       prompt -> answer (liked: liked) from table thumbs" in shown
+    assert re.search(r"\sKL\s", shown) and "REWARDS/CHOSEN" in shown
 
 
 # -- KTO: thumbs up/down on single answers ------------------------------------------------------

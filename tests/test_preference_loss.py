@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from llmtrain.formatting import IGNORE_INDEX
+from llmtrain.formatting import IGNORE_INDEX, Example, PackedCollator
 from llmtrain.testing import tiny_model
 from llmtrain.training.preference import (
     dpo_loss,
@@ -310,19 +310,11 @@ def _sequences(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _packed(seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One row, position ids restarting per sequence, three padding tokens after."""
-    ids = torch.cat([s[0] for s in seqs] + [torch.zeros(3, dtype=torch.long)])
-    labels = torch.cat([s[1] for s in seqs] + [torch.full((3,), IGNORE_INDEX)])
-    positions = torch.cat([torch.arange(len(s[0])) for s in seqs] + [torch.arange(3)])
-    index = torch.cat(
-        [torch.full((len(s[0]),), i) for i, s in enumerate(seqs)] + [torch.full((3,), -1)]
-    )
-    return {
-        "input_ids": ids[None],
-        "labels": labels[None],
-        "position_ids": positions[None],
-        "sequence_index": index[None],
-    }
+    """Two sequences a row through the library's collator: each token's sequence, positions
+    restarting per sequence, the shorter row padded."""
+    examples = [Example(i.tolist(), lab.tolist()) for i, lab in seqs]
+    rows = [examples[i : i + 2] for i in range(0, len(examples), 2)]
+    return PackedCollator(64, 0).collate_rows(rows, sequences=examples)
 
 
 def _padded(seqs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:

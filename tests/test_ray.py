@@ -355,6 +355,7 @@ def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) ->
     assert [c.step for c in env.db.metadata.list_checkpoints(run.run_id)] == [2]
     # the stored recipe, replayed: a new Ray job continues the run from its checkpoint
     model = env.db.load("trainer", "ray-failing").fit(resume=True, callbacks=[trace])
+    uninterrupted = _uninterrupted(env)  # its trace too: this test may run alone
     (run,) = env.db.metadata.list_runs("trainer", "ray-failing")
     assert run.status == "completed" and run.info["steps"] == STEPS
     for rank in range(WORLD):  # the new Ray job began at the checkpoint, optimizer restored
@@ -365,7 +366,7 @@ def test_worker_error_fails_the_run_and_a_resume_on_ray_finishes_it(env: Env) ->
         assert _trace(env.root / f"trace-resumed.rank{rank}") == _trace(
             env.root / f"trace-plain.rank{rank}"
         )
-    plain, resumed = _adapter(env, _uninterrupted(env)), _adapter(env, model)
+    plain, resumed = _adapter(env, uninterrupted), _adapter(env, model)
     for name in plain:
         torch.testing.assert_close(resumed[name], plain[name], rtol=1e-5, atol=1e-6)
 

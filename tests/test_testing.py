@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -105,20 +107,62 @@ def test_refuses_bad_arguments_and_foreign_directories(tmp_path: Path) -> None:
 
 def test_in_ci_every_skip_fails(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     """One session-level rule (tests/conftest.py): a test that would skip in CI (a server, a
-    package or a tool missing there) fails instead, whatever made it skip."""
+    package or a tool missing there) fails instead, whatever made it skip and wherever: in the
+    test, in a fixture's setup (a missing server) or at collection (``importorskip``)."""
     pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
     pytester.makepyfile(
-        """
+        test_skips="""
         import pytest
+        @pytest.fixture
+        def server():
+            pytest.skip("server not reachable")
         def test_needs_a_server():
             pytest.skip("server not reachable")
+        def test_needs_a_fixture(server):
+            pass
         def test_runs():
             pass
-        """
+        """,
+        test_module="""
+        import pytest
+        pytest.importorskip("no_such_package_here")
+        def test_never_collected():
+            pass
+        """,
     )
     monkeypatch.delenv("CI", raising=False)
-    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1, skipped=1)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1, skipped=3)
     monkeypatch.setenv("CI", "1")
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*skipped in CI, which must run every test*"])
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "--continue-on-collection-errors"
+    )
+    result.assert_outcomes(passed=1, failed=1, errors=2)
+    assert result.stdout.str().count("skipped in CI, which must run every test") >= 3
+
+
+def test_ci_waits_for_a_login_that_runs_a_query() -> None:
+    """.ci/run waits for each server until the tests' own login runs a query: a login the
+    server turns away fails it, where pg_isready and mariadb-admin ping answer yes."""
+    script = (Path(__file__).parents[1] / ".ci" / "run").read_text()
+    logins = "\n".join(line for line in script.splitlines() if "_login() {" in line)
+
+    def run(command: str, **env: str) -> int:
+        job = subprocess.run(["bash", "-c", f"{logins}\n{command}"], env={**os.environ, **env})
+        return job.returncode
+
+    assert run("pg_login") == 0 and run("mariadb_login") == 0
+    assert run("pg_login", PGDATABASE="no_such_database") != 0
+    assert run("pg_isready -q -h 127.0.0.1", PGDATABASE="no_such_database") == 0
+    assert run("mariadb_login", MYSQL_PWD="wrong") != 0
+    ping = "mariadb-admin --protocol=tcp -h 127.0.0.1 -u root ping >/dev/null 2>&1"
+    assert run(ping, MYSQL_PWD="wrong") == 0
+
+
+def test_property_tests_are_seeded() -> None:
+    """Every hypothesis test draws the same examples each run (tests/conftest.py), so a failing
+    one reproduces, whatever its own @settings say."""
+    from hypothesis import settings
+    from test_forget import test_no_model_fitted_after_a_forget_holds_the_row as forget_property
+
+    assert settings().derandomize
+    assert forget_property._hypothesis_internal_use_settings.derandomize  # type: ignore[attr-defined]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from contextlib import closing, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from llmtrain import __version__
 from llmtrain.cli.report import query_text, report_fit, report_usage, show, stored_records
@@ -39,8 +40,21 @@ examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """A mistake in one line (argparse prints its usage block first), with the closest option
+    or command: ``--resum`` (did you mean --resume?), ``forgt`` (did you mean forget?)."""
+
+    def error(self, message: str) -> NoReturn:
+        if wrong := re.search(r"(?:invalid choice: '|unrecognized arguments: )([^' ]+)", message):
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            known += [str(c) for a in self._actions for c in a.choices or ()]
+            if close := difflib.get_close_matches(wrong[1], known, n=1):
+                message += f" (did you mean {close[0]}?)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmtrain",
         description="Fine-tune LLMs on rows streamed from SQL and MongoDB.",
         epilog=USAGE_EXAMPLES,
@@ -170,11 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra and args.command != "fit":
-            command = args.commands[args.command]
-            options = [o[2:] for o in command._option_string_actions if o.startswith("--")]
-            close = difflib.get_close_matches(extra[0].lstrip("-"), options, n=1)
-            hint = f" (did you mean --{close[0]}?)" if close else ""
-            command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+            args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     quiet()

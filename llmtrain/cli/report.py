@@ -9,9 +9,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from llmtrain.config.args import TrainerConfig, build
+from llmtrain.config.spec import FitSpec
 from llmtrain.console import say, table
 from llmtrain.datalayer import Datalayer
-from llmtrain.db.queries import Query
+from llmtrain.db.queries import Conversations, Query
 from llmtrain.errors import ComponentNotFoundError, LlmtrainError
 from llmtrain.provenance.lineage import chain, forgotten
 
@@ -99,18 +100,8 @@ def stored_records(db: Datalayer, type_id: str, name: str) -> list[Any]:
 def show_trainer(db: Datalayer, name: str) -> None:
     rows = []
     for r in stored_records(db, "trainer", name):
-        config, fit = recipe(r.payload), r.payload.get("fit")
-        target = fit and (
-            f"{fit['X']} -> {fit['Y']} (liked: {fit['label']})"
-            if fit.get("label")
-            else f"{fit['X']} -> {fit['Y']}"
-            if fit.get("Y")
-            else f"{fit['X']} -> {fit['chosen']} over {fit['rejected']}"
-            if fit.get("rejected")
-            else f"{fit['X']} (documents)"
-        )
-        data = f"{target} from {query_text(fit['select'])}" if fit else "-"
-        base = config.model_args.model_name_or_path
+        config = recipe(r.payload)
+        base, data = config.model_args.model_name_or_path, data_text(r.payload)
         rows.append((r.version, when(r.created_at), base, config.method(), data))
     say(table(rows, ["version", "created", "base model", "adapter", "data"]), "")
     show_runs(db, name)
@@ -181,7 +172,7 @@ def run_summary(db: Datalayer, run: Any) -> list[str]:
         f"run        {run.run_id}",
         f"trainer    {run.identifier} v{run.version}",
         f"status     {run.status}" + (f": {run.error}" if run.error else ""),
-        f"data       {info.get('X')} -> {info.get('Y')} from {query_text(info.get('query'))}",
+        f"data       {data_text(info.get('config') or {})}",
         f"database   {info.get('db')}",
         f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
         f"adapter    {info.get('artifact')}",
@@ -206,13 +197,29 @@ def run_summary(db: Datalayer, run: Any) -> list[str]:
     for m in metrics:  # an evaluation off the logging steps gets its own row
         by_step.setdefault(m.step, {}).update(m.values)
     if by_step:
-        keys = ("loss", "lr", "tokens_per_s", "eval_loss")
+        keys = ["loss", "lr", "tokens_per_s", "eval_loss"]  # then the objective's, evaluation's
+        keys += sorted({k for v in by_step.values() for k in v} - {*keys, "tokens", "grad_norm"})
         rows = [(s, *(v.get(k) for k in keys)) for s, v in sorted(by_step.items())]
-        lines += ["", table(rows, ["step", "loss", "lr", "tokens/s", "eval loss"])]
+        lines += ["", table(rows, ["step", *(k.replace("_per_s", "/s") for k in keys)])]
     checkpoints = db.metadata.list_checkpoints(run.run_id)
     if checkpoints:
         lines += ["", table([(c.step, c.artifact_id) for c in checkpoints], ["step", "checkpoint"])]
     return lines
+
+
+def data_text(config: dict[str, Any]) -> str:
+    """What a trainer's (or run's) recorded fit reads, each source in its shape."""
+    if not (fit := config.get("fit")):
+        return "-"
+    spec, chat = FitSpec.model_validate(fit), (config.get("data_args") or {}).get("chat_template")
+    shown = []
+    for part in spec.parts():
+        x, *y = part.fields_or(spec.fields)  # y: the answer, the pair's or the answer and label
+        kind = "conversations" if chat or isinstance(part.select, Conversations) else "documents"
+        what = f"{x} -> {' over '.join(y) if spec.pairs else y[0]}" if y else f"{x} ({kind})"
+        liked = f" (liked: {spec.label})" if spec.label else ""
+        shown.append(f"{what}{liked} from {query_text(part.select.to_dict())}")
+    return "; ".join(shown)
 
 
 def query_text(query: dict[str, Any] | None) -> str:

@@ -219,8 +219,8 @@ class DataArguments(_Args):
     """Use the tokenizer's chat template (fit() with no Y: X holds conversations)."""
     assistant_turns: Literal["all", "last"] = "all"
     """Conversations: train every assistant reply, or the last one only."""
-    packing: bool = False
-    """Pack examples into rows; no cross-attention."""
+    packing: bool | None = None
+    """Pack examples into rows; no cross-attention. None: documents packed, other rows not."""
     max_tokens_per_batch: int | None = Field(default=None, ge=8)
     """Token cap of a packed micro-batch; None with packing: batch_size rows of max_length."""
     cache_size: int = Field(default=1024, ge=1)
@@ -451,7 +451,7 @@ class TrainerConfig(_Args):
 
     @model_validator(mode="after")
     def _rules(self) -> TrainerConfig:
-        problems = self._template_problems()
+        problems = self._objective_problems() + self._template_problems()  # missing fields first
         if self.deepspeed_config is not None and self.fsdp_config is not None:
             problems.append("deepspeed_config and fsdp_config: choose one strategy, not both")
         if self.ray_config is not None and self.launcher is not None:
@@ -471,7 +471,7 @@ class TrainerConfig(_Args):
                 f"data_args.max_tokens_per_batch={d.max_tokens_per_batch} is less than one "
                 f"row of max_length={d.max_length}"
             )
-        problems += self._evaluation_problems() + self._objective_problems()
+        problems += self._evaluation_problems()
         m = self.model_args
         if self.training_args.torch_compile:
             # bitsandbytes breaks the graph at every layer; FSDP2's and DeepSpeed's hooks are
@@ -547,10 +547,11 @@ class TrainerConfig(_Args):
             )
         if objective == "sft":
             return problems
-        if objective == "kto" and fit is not None and shape != "feedback":
-            problems.append("objective='kto' trains fit(X=, Y=, label=): the label says liked")
-        if objective in pairs and fit is not None and shape != "pairs":
-            problems.append(f"objective={objective!r} trains fit(X=, chosen=, rejected=), no Y")
+        needs = ("Y", "label") if objective == "kto" else ("chosen", "rejected")
+        if fit is not None and shape != ("feedback" if objective == "kto" else "pairs"):
+            missing = " and ".join(f"{n}=" for n in needs if not getattr(fit, n))
+            wanted = f"fit(X=, {needs[0]}=, {needs[1]}=)"
+            problems.append(f"objective={objective!r} trains {wanted}: {missing} missing")
         if fit is not None and fit.query().kind == "mix":
             problems.append(f"objective={objective!r} trains one source, not lt.mix(...)")
         if objective in ("dpo", "kto") and self.lora_args is None:
@@ -632,10 +633,12 @@ class TrainerConfig(_Args):
             )
         if not y and d.chat_template:  # conversations: lt.Conversations, or X's JSON lists
             return None
+        if not y and d.packing is None:  # documents pack: a long one's windows fill rows
+            d.packing = True
         if not y and not d.packing:
             return (
-                "fit() with no Y (documents) needs data_args.packing=True: a long document's "
-                "windows are packed under the step's token budget, not stacked in one batch"
+                "fit() with no Y (documents) cannot take data_args.packing=False: a long "
+                "document's windows are packed under the step's token budget"
             )
         if template is None:
             if d.chat_template or not y:

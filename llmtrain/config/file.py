@@ -197,16 +197,16 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
             f"{where}: unknown key(s) {unknown}; a selection has one of "
             "kind:, table:, collection:, sql: or conversations:"
         )
-    if "mix" in spec and "kind" not in spec:
-        return _mix(spec, where)
     forms = [k for k in ("kind", *_FORMS) if k in spec]
-    if len(forms) != 1:
+    if len(forms) != 1 and "mix" not in spec:
         raise ConfigError(
             f"{where} needs exactly one of kind:, table:, collection:, sql: or conversations:"
             + (f" (got {forms})" if forms else "")
         )
-    form = forms[0]
+    form = forms[0] if forms else "mix"
     try:
+        if form == "mix":
+            return _mix(spec, where)
         if form == "kind":
             return Query.from_dict(spec)
         query_class, allowed = _FORMS[form]
@@ -219,7 +219,10 @@ def build_query(spec: Any, where: str = "data.select") -> Query:
         if "allow_javascript" in spec:
             spec["allow_javascript"] = bool(spec["allow_javascript"])
         return query_class(spec.pop(form), **spec)
-    except (QueryError, KeyError, TypeError) as exc:
+    except TypeError as exc:  # "__init__() missing ... argument: 'by'": as the file names it
+        needs = re.findall(r"'(\w+)'", str(exc).partition("argument")[2])
+        raise ConfigError(f"{where}: {form}: needs {', '.join(n + ':' for n in needs)}") from None
+    except (QueryError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
 
@@ -234,10 +237,7 @@ def _mix(spec: dict[str, Any], where: str) -> Mix:
         x, y = item.pop("X", None), item.pop("Y", None)
         query = build_query(item, f"{where}.mix[{i}]")
         parts.append(query.fields(x, y) if x else query)
-    try:
-        return Mix(parts, weights=spec.get("weights"), epoch_rows=spec.get("epoch_rows"))
-    except QueryError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    return Mix(parts, weights=spec.get("weights"), epoch_rows=spec.get("epoch_rows"))
 
 
 @dataclass

@@ -418,7 +418,7 @@ def epoch_order(view: View, query: Query, args: Any, seed: int, world: int) -> O
     assert isinstance(query, Mix)
     counts = tuple(p.count for p in view.parts)
     rows = (query.epoch_rows or sum(counts)) if sum(counts) else 0
-    return MixOrder(rows, *options, counts, query.weights)
+    return MixOrder(rows, *options, counts, query.weights or tuple(map(float, counts)))
 
 
 def _as_snapshotted(row: Row, turns: Any, last: Any) -> Any:

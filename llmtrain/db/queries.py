@@ -289,8 +289,9 @@ class Part:
 
 
 class Mix(Query):
-    """Sources of one database, drawn by ``weights`` (:class:`~llmtrain.data.plan.MixOrder`); an
-    epoch is ``epoch_rows`` rows (default: every source's once); a source run out starts over."""
+    """Sources of one database, drawn by ``weights`` (:class:`~llmtrain.data.plan.MixOrder`;
+    default: their sizes); an epoch is ``epoch_rows`` rows (default: every source's once, so
+    without weights every row once); a source run out starts over."""
 
     kind = "mix"
 
@@ -304,15 +305,16 @@ class Mix(Query):
         self.parts = tuple(_part(p) for p in parts)
         if len(self.parts) < 2:
             raise QueryError("mix() needs at least two sources")
-        weights = [1.0] * len(self.parts) if weights is None else list(weights)
-        if len(weights) != len(self.parts) or not all(
-            isinstance(w, (int, float)) and w > 0 for w in weights
+        if weights is not None and (
+            not isinstance(weights, (list, tuple))
+            or len(weights) != len(self.parts)
+            or not all(isinstance(w, (int, float)) and w > 0 for w in weights)
         ):
             raise QueryError(
                 f"mix(weights={weights!r}): one positive number for each of the "
                 f"{len(self.parts)} sources"
             )
-        self.weights = tuple(float(w) for w in weights)
+        self.weights = None if weights is None else tuple(float(w) for w in weights)
         if epoch_rows is not None and (not isinstance(epoch_rows, int) or epoch_rows < 1):
             raise QueryError(f"mix(epoch_rows={epoch_rows!r}): a positive number of rows")
         self.epoch_rows = epoch_rows
@@ -322,7 +324,7 @@ class Mix(Query):
         return "mix of " + ", ".join(p.select.source for p in self.parts)
 
     def to_dict(self) -> dict[str, Any]:
-        parts, weights = [p.to_dict() for p in self.parts], list(self.weights)
+        parts, weights = [p.to_dict() for p in self.parts], self.weights and list(self.weights)
         return dict(kind=self.kind, parts=parts, weights=weights, epoch_rows=self.epoch_rows)
 
 

@@ -34,6 +34,8 @@ class Source:
         return [self._typed(k, where) for k in keys]
 
     def _typed(self, key: Any, where: str) -> Key:
+        if isinstance(key, str) and len(key) > 4096:  # kept in records (PG indexes 2704 bytes)
+            raise ConfigError(f"{where}: a key of {len(key)} characters (at most 4096)")
         want = self.key_type
         if want is not None and type(key) is want:
             return key
@@ -46,7 +48,7 @@ class Source:
                 return want(int(key))
             if isinstance(key, float) and key.is_integer():
                 return int(key)
-            if isinstance(key, str) and re.fullmatch(r"-?\d+", key.strip()):
+            if isinstance(key, str) and re.fullmatch(r"-?\d{1,20}", key.strip()):  # 64 bits
                 return int(key)
         elif want is ObjectId and isinstance(key, str) and ObjectId.is_valid(key):
             return ObjectId(key)
@@ -62,7 +64,7 @@ class Source:
     def _refuse(self, key: Any, where: str) -> Key:
         holds = self.key_type.__name__ if self.key_type else "document ids"
         raise ConfigError(
-            f"{where}: key {key!r} ({type(key).__name__}) is not a key of {self.name}, whose "
+            f"{where}: key {key!r:.40} ({type(key).__name__}) is not a key of {self.name}, whose "
             f"{self.key!r} column holds {holds}"
         )
 

@@ -55,7 +55,7 @@ def _pairs(rows: Sequence[Any], names: Sequence[str]) -> KeyedRows:
 
 def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
     try:
-        return sa.text(sql).bindparams(**params)
+        return sa.text(sql + "\n").bindparams(**params)  # a closing -- comment ends there
     except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
         raise QueryError(f"{source}: {exc}") from None
 
@@ -188,14 +188,15 @@ class SQLBackend(DataBackend):
         return self._sources[fingerprint]
 
     def _build_table(self, query: Table, filtered: bool = True) -> _Source:
+        def reflect() -> sa.Table:
+            name, found = query.name, sa.inspect(self.engine)
+            if self.engine.dialect.name == "sqlite":  # any case there, but not in its reflection
+                names = [*found.get_table_names(query.schema), *found.get_view_names(query.schema)]
+                name = match_name(name, names, "table", self.uri, True)
+            return sa.Table(name, sa.MetaData(), schema=query.schema, autoload_with=self.engine)
+
         try:
-            table = self._retrying(
-                "reading the table schema",
-                lambda: sa.Table(
-                    query.name, sa.MetaData(), schema=query.schema, autoload_with=self.engine
-                ),
-                query.source,
-            )
+            table = self._retrying("reading the table schema", reflect, query.source)
         except sa.exc.NoSuchTableError:
             raise QueryError(f"{query.source} does not exist in {self.uri}") from None
         if query.key is not None:
@@ -224,7 +225,7 @@ class SQLBackend(DataBackend):
             key = table.c[key.name]
         columns = {name: table.c[name] for name in query.columns or names}
         where = (
-            _text(f"({query.where_sql})", query.params, query.source) if query.where_sql else None
+            _text(f"({query.where_sql}\n)", query.params, query.source) if query.where_sql else None
         )
         return _Source(key, columns, where, query.source)
 

@@ -12,11 +12,14 @@ from typing import Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
-from llmtrain.data.snapshot import RunSnapshot, label_counts, take_snapshot
+from llmtrain.data.snapshot import MixedView, RunSnapshot, label_counts, take_snapshot
 from llmtrain.datalayer import Datalayer
+from llmtrain.db.queries import Mix
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
+from llmtrain.formatting import Formatter
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
+from llmtrain.training.modeling import check_model_path, load_tokenizer, target_modules_for
 from llmtrain.training.plan import Done, RunPlan
 from llmtrain.versions import library_versions
 
@@ -135,6 +138,10 @@ def new_snapshot(
             f"{fit.query().source} selects 0 rows (forgotten rows, db.forget, are left out): "
             "nothing to train on"
         )
+    if isinstance(query := fit.query(), Mix) and isinstance(snapshot.train, MixedView):
+        for part, view, weight in zip(query.parts, snapshot.train.parts, query.weights or ()):
+            if view.count == 0:
+                raise DataError(f"mix(): {part.select.source} has no rows, but weight {weight:g}")
     replay = fit.data_fingerprint and fit.db == db.uri and not incremental
     if replay and fit.data_fingerprint != snapshot.fingerprint:
         message = (
@@ -209,6 +216,8 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
     assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
     check_model_folder(config)  # no row read for these
+    if config.data_args.chat_template:  # probed as the run will: no template, no tags
+        Formatter(load_tokenizer(config.model_args), chat_template=True)
     for query, named in fit.sources():
         rows = db.backend.fetch_rows(query, [n for _, n in named], None, FIRST_ROWS)
         for role, name in named:
@@ -221,8 +230,6 @@ def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
 
 def check_model_folder(config: TrainerConfig) -> None:
     """A local model folder, and the LoRA targets against its linear layers (on a skeleton)."""
-    from llmtrain.training.modeling import check_model_path, target_modules_for
-
     margs, name = config.model_args, config.model_args.model_name_or_path
     check_model_path(name)
     folder = Path(os.path.expanduser(name))

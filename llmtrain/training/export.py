@@ -67,15 +67,18 @@ def write_prompt(dest: Path, formatter: Formatter, note: dict[str, Any]) -> None
     (dest / "llmtrain_export.json").write_text(json.dumps(note, indent=2, sort_keys=True))
 
 
-def stable_adapter_config(folder: Path) -> None:
-    """Sort the lists of adapter_config.json: PEFT's hash-seed order gave one adapter many ids."""
-    path = folder / "adapter_config.json"
-    config = json.loads(path.read_text())
-    for key in ("target_modules", "modules_to_save", "exclude_modules"):
-        value = config.get(key)
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            config[key] = sorted(value)
-    path.write_text(json.dumps(config, indent=2, sort_keys=True))
+def write_adapter(config: Any, weights: dict[str, Any], folder: Path) -> None:
+    """The trained adapter alone (PeftModel.save_pretrained converted the weights twice, failing
+    on modules_to_save, and wrote a DPO reference too), lists sorted (hash-seed order: many ids)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    fields = {**config.to_dict(), "inference_mode": True}
+    for key, value in fields.items():
+        if isinstance(value, (set, list)) and all(isinstance(v, str) for v in value):
+            fields[key] = sorted(value)
+    (folder / "adapter_config.json").write_text(json.dumps(fields, indent=2, sort_keys=True))
+    save_file(weights, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def check_new_folder(dest: str | Path, option: str) -> Path:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
-from llmtrain.errors import CheckpointError, ConfigError, ServingWarning
+from llmtrain.errors import ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
 from llmtrain.training import export
 from llmtrain.training.export import STACKS, MergeInto
@@ -77,7 +77,7 @@ class TrainedModel:
 
             best = db.metadata.get_run(run_id).info.get(BEST)
             if not best:
-                raise CheckpointError(
+                raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} v{self.version} recorded no best "
                     "checkpoint: train with training_args.save_best_by"
                 )
@@ -88,7 +88,7 @@ class TrainedModel:
                     self.checkpoint = {"step": record.step, "artifact": record.artifact_id}
                     break
             else:
-                raise CheckpointError(
+                raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} has no checkpoint "
                     f"{str(checkpoint)!r}"
                 )
@@ -120,7 +120,6 @@ class TrainedModel:
 
             weights = self._checkpoint_weights()
             save_file(weights, str(dest / "adapter_model.safetensors"), metadata={"format": "pt"})
-        export.stable_adapter_config(dest)
         return dest
 
     def _checkpoint_weights(self) -> dict[str, Any]:
@@ -234,7 +233,7 @@ class TrainedModel:
         with ``strict`` a ConfigError before anything is written."""
         self._check(check, strict, adapter=False)
         dest = export.check_new_folder(dest, "merged destination")
-        with tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
+        with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
             adapter = self._adapter_folder(Path(scratch) / "adapter")
             what = export.write_merged(self.record.base, adapter, dest, into)
         self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})

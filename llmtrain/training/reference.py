@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from llmtrain.db.keys import key_repr
-from llmtrain.errors import ComponentNotFoundError
+from llmtrain.errors import ArtifactCorruptError, ArtifactNotFoundError, ComponentNotFoundError
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -46,8 +46,11 @@ class ReferenceCache:
         self.db, self.fingerprint = db, fingerprint
         self.values: dict[str, tuple[float, float]] = {}
         self.new: dict[str, tuple[float, float]] = {}
-        for blob in self._blobs():
-            pairs = json.loads(db.artifacts.get_bytes(blob))
+        for blob in self._blobs():  # one unreadable (in another machine's store) is a miss
+            try:
+                pairs = json.loads(db.artifacts.get_bytes(blob))
+            except (ArtifactNotFoundError, ArtifactCorruptError):
+                continue
             self.values.update({k: (c, r) for k, (c, r) in pairs.items()})
 
     def _blobs(self) -> list[str]:

@@ -36,7 +36,7 @@ from llmtrain.training.batches import (
 )
 from llmtrain.training.callbacks import Callback
 from llmtrain.training.checkpoint import Checkpointer
-from llmtrain.training.export import stable_adapter_config
+from llmtrain.training.export import write_adapter
 from llmtrain.training.loss import LossFunction
 from llmtrain.training.modeling import (
     compile_layers,
@@ -260,6 +260,7 @@ class FitRun:
         try:
             for group in stream:
                 batches, targets = self._pair(group)
+                lr = self.scheduler.get_last_lr()[0]  # this step's: the step moves it on
                 loss = self._train_step(batches, targets) if targets else self._empty_step()
                 keys = group.keys  # derived from the step's batches: once
                 self.examples += len(keys)
@@ -276,7 +277,7 @@ class FitRun:
                 rate = (self.tokens_seen - tokens_at_start) / (time.perf_counter() - started)
                 metrics = {
                     "loss": loss,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "grad_norm": self.last_grad_norm,
                     "tokens": float(self.tokens_seen),
                     "tokens_per_s": rate,
@@ -507,11 +508,11 @@ class FitRun:
         if self.strategy.is_main:
             folder = self.workdir / "final"
             inner = self.strategy.unwrap(self.model)
-            inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
             if self.config.lora_args is None:
+                inner.save_pretrained(folder, state_dict=weights, safe_serialization=True)
                 self.tokenizer.save_pretrained(folder)
             else:
-                stable_adapter_config(folder)
+                write_adapter(inner.peft_config["default"], weights, folder)
             artifact = self.db.artifacts.put_dir(folder)
             shutil.rmtree(folder, ignore_errors=True)
         self.strategy.barrier()

@@ -109,17 +109,17 @@ def main() -> None:
     if cfg.get("hold"):
         callbacks.append(install_hold(cfg["hold"]))
     key_pages: list[int] = []
-    if cfg.get("count_key_pages"):  # keyset pages of keys only: a snapshot being taken
+    if cfg.get("count_key_pages"):  # pages of keys: what taking a snapshot reads
         from llmtrain.db.sql import SQLBackend
 
-        fetch_rows = SQLBackend.fetch_rows
+        pages = SQLBackend.key_pages
 
-        def counted(self: Any, query: Any, fields: Any, *args: Any, **kwargs: Any) -> Any:
-            if not fields:
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            for page in pages(self, *args, **kwargs):
                 key_pages.append(1)
-            return fetch_rows(self, query, fields, *args, **kwargs)
+                yield page
 
-        SQLBackend.fetch_rows = counted  # type: ignore[method-assign]
+        SQLBackend.key_pages = counted  # type: ignore[method-assign]
     db = lt.connect(cfg["uri"], artifacts=cfg["artifacts"])
     trainer = lt.LLMTrainer(
         cfg["identifier"], model=cfg["model"], prompt_template=TEMPLATE, **cfg["options"]
