@@ -59,8 +59,9 @@ def _registry() -> sa.Table:
 
 def guarded_tables(conn: sa.Connection) -> list[Guarded]:
     """Every table with forgotten rows (none, creating nothing, if no row was ever forgotten)."""
-    if conn.dialect.name in ("mysql", "mariadb"):  # DESCRIBE is denied, not absent, to a user
-        found = conn.execute(sa.text(_VISIBLE), {"n": REGISTRY}).first()  # without privileges
+    if conn.dialect.name in ("mysql", "mariadb"):  # DESCRIBE: denied, not absent, to a user
+        # without privileges; information_schema lists only what the user may see
+        found = conn.execute(sa.text(_VISIBLE), {"n": REGISTRY}).first() is not None
     else:
         found = sa.inspect(conn).has_table(REGISTRY)
     if not found:
