@@ -27,6 +27,7 @@ from typing import Any
 import sqlalchemy as sa
 
 import llmtrain as lt
+from llmtrain.provenance.selection import run_trained
 from llmtrain.testing import tiny_model
 from llmtrain.training.callbacks import Callback
 
@@ -100,7 +101,8 @@ def nights(
     )
     trainer("nightly", model).fit(X="q", Y="a", db=db, select=select)
     (run,) = db.metadata.list_runs("trainer", "nightly")
-    db.metadata.update_run(run.run_id, info={"steps": -(-rows // 1024)})  # it trained them all
+    db.metadata.update_run(run.run_id, info={"steps": -(-rows // 1024), "trained": None})
+    run_trained(db, db.metadata.get_run(run.run_id))  # kept as a run that trained them all keeps it
     times, top = [], rows
     for _ in range(count):
         with sa.create_engine(uri).begin() as conn:
@@ -111,6 +113,8 @@ def nights(
         top += new
         again = db.load("trainer", "nightly")
         times.append(first_step(lambda cb, t=again: t.fit(incremental=True, callbacks=[cb])))
+        night = db.metadata.list_runs("trainer", "nightly")[-1]
+        assert night.info["incremental"]["new_rows"] == new, night.info["incremental"]
     db.close()
     return fresh, times
 

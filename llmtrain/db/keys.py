@@ -75,10 +75,14 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
 def in_sorted(sorted_digests: np.ndarray, digests: np.ndarray) -> np.ndarray:
     """Which of ``digests`` are in ``sorted_digests``: one search, no sort (``np.isin`` sorts
     both every call)."""
-    if not len(sorted_digests):
+    if not len(sorted_digests) or not len(digests):
         return np.zeros(len(digests), dtype=bool)
-    at = np.searchsorted(sorted_digests, digests).clip(max=len(sorted_digests) - 1)
-    return sorted_digests[at] == digests
+    order = np.argsort(digests)  # sorted needles search a large array 2-3x faster (locality)
+    wanted = digests[order]
+    at = np.searchsorted(sorted_digests, wanted).clip(max=len(sorted_digests) - 1)
+    found = np.empty(len(digests), dtype=bool)
+    found[order] = sorted_digests[at] == wanted
+    return found
 
 
 def held_mask(digests: np.ndarray, fraction: float) -> np.ndarray:

@@ -35,20 +35,26 @@ def pair_digests(keys: Sequence[Key] | np.ndarray, versions: Sequence[Any]) -> n
 
 @dataclass
 class Trained:
-    """Sorted digests of earlier runs' rows: keys (runs without versions), (key, version) pairs."""
+    """Earlier runs' rows, one sorted digest array a run (no merge: a night adds a small one):
+    keys (runs without versions), (key, version) pairs, and the pairs' keys."""
 
-    keys: np.ndarray
-    pairs: np.ndarray
-    pair_keys: np.ndarray  # the keys of ``pairs``: what a fit without versions compares
+    keys: list[np.ndarray]
+    pairs: list[np.ndarray]
+    pair_keys: list[np.ndarray]  # what a fit without versions compares
     runs: list[str]
 
     def new(self, keys: Sequence[Key] | np.ndarray, versions: Sequence[Any] | None) -> np.ndarray:
         """A mask of the rows none of those runs trained on (in the same version)."""
         mine = key_digests(keys)
-        fresh = ~in_sorted(self.keys, mine)
-        if versions is None:  # no version column: only unseen keys are new
-            return fresh & ~in_sorted(self.pair_keys, mine)
-        return fresh & ~in_sorted(self.pairs, pair_digests(keys, versions))
+        seen = [*self.keys, *(self.pair_keys if versions is None else ())]
+        digests = [(mine, a) for a in seen]
+        if versions is not None:
+            pairs = pair_digests(keys, versions)
+            digests += [(pairs, a) for a in self.pairs]
+        old = np.zeros(len(mine), dtype=bool)
+        for wanted, trained in digests:
+            old |= in_sorted(trained, wanted)
+        return ~old
 
 
 def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any]:
@@ -61,15 +67,10 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
         if r.status == "completed" and r.info.get("source") == source
     }
     each = [run_trained(db, run) for run in finished.values()]
-    empty = np.zeros(0, dtype=np.uint64)
-    k, p, pk = (
-        (np.unique(np.concatenate([empty, *parts])) for parts in zip(*each))
-        if each
-        else (empty, empty, empty)
-    )
+    keys, pairs, pair_keys = [list(a) for a in zip(*each)] if each else ([], [], [])
     models = reversed(db.metadata.list_components("model", identifier))
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
-    return Trained(k, p, pk, list(finished)), parent
+    return Trained(keys, pairs, pair_keys, list(finished)), parent
 
 
 _TRAINED = ("keys", "pairs", "pair_keys")
