@@ -67,10 +67,18 @@ def trained_by(db: Database, identifier: str, source: str) -> tuple[Trained, Any
         if r.status == "completed" and r.info.get("source") == source
     }
     each = [run_trained(db, run) for run in finished.values()]
-    keys, pairs, pair_keys = [list(a) for a in zip(*each)] if each else ([], [], [])
+    keys, pairs, pair_keys = [_two(list(a)) for a in zip(*each)] if each else ([], [], [])
     models = reversed(db.metadata.list_components("model", identifier))
     parent = next((m for m in models if m.payload.get("run_id") in finished), None)
     return Trained(keys, pairs, pair_keys, list(finished)), parent
+
+
+def _two(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The largest array as kept and the rest (the nights since) merged: two searches a chunk,
+    however many nights there were."""
+    arrays = sorted(arrays, key=len)
+    rest = [np.unique(np.concatenate(arrays[:-1]))] if len(arrays) > 1 else []
+    return [arrays[-1], *rest]
 
 
 _TRAINED = ("keys", "pairs", "pair_keys")
