@@ -40,7 +40,7 @@ def one_step(mode: str, vocab: int, tokens: int, batch: int, device: str) -> dic
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from llmtrain.training.loss import LossFunction, plain_loss_sum
+    from llmtrain.objectives.loss import LossFunction, plain_loss_sum
 
     torch.manual_seed(0)
     config = LlamaConfig(

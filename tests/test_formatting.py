@@ -534,7 +534,7 @@ def test_packing_rejects_overlong_examples() -> None:
 def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> None:
     """Every example once, rows of at most max_length, at most the budget's rows, and under
     3% padding in every micro-batch (rows x its fullest row)."""
-    from llmtrain.training.batches import FILL, micro_batches
+    from llmtrain.objectives.collate import FILL, micro_batches
 
     examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate(lengths)]
     batches = micro_batches(examples, 32, 32 * rows_per_batch + 7)
@@ -549,7 +549,7 @@ def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> 
 def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
     """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
     from llmtrain.training.batches import empty_batch
-    from llmtrain.training.loss import LossFunction
+    from llmtrain.objectives.loss import LossFunction
 
     model = AutoModelForCausalLM.from_pretrained(llama_path)
     empty = empty_batch(pad_id=5)

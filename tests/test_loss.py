@@ -11,7 +11,7 @@ import torch
 
 from llmtrain.formatting import IGNORE_INDEX
 from llmtrain.testing import tiny_model
-from llmtrain.training.loss import LossFunction, plain_loss_sum
+from llmtrain.objectives.loss import LossFunction, plain_loss_sum
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,7 @@ def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_
     import llmtrain as lt
     from llmtrain.training import run as run_module
     from llmtrain.training.callbacks import Callback
-    from llmtrain.training.loss import LossFunction as Loss
+    from llmtrain.objectives.loss import LossFunction as Loss
     from llmtrain.training.strategies.single import SingleProcess
 
     events: list[str] = []

@@ -109,7 +109,7 @@ def test_packed_and_padded_rows_train_alike(
 ) -> None:
     """Packed padding-free, 2-4 sequences a row, each token knows its sequence and position:
     the same losses as padded rows."""
-    from llmtrain.training import preference
+    from llmtrain.objectives import preference
 
     db = _db(tmp_path, ROWS if objective == "dpo" else FEEDBACK)
     fields = FIELDS if objective == "dpo" else KTO_FIELDS
@@ -174,7 +174,7 @@ def test_a_dpo_run_resumes_to_the_same_adapter_and_evaluates_preferences(
 @pytest.fixture
 def references(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The rows of each reference forward, as they run (the policy's forward has grad)."""
-    from llmtrain.training import preference
+    from llmtrain.objectives import preference
 
     counts: list[int] = []
     compute = preference.sequence_logprobs
@@ -527,7 +527,7 @@ def test_kto_pairs_each_prompt_with_its_neighbours_answer_for_the_kl_estimate(ti
     """The collate's second sequences (KTO's KL estimate, TRL's pairing): prompt i with the
     answer of the row before it in the micro-batch, packed with the answers themselves."""
     from llmtrain.formatting import PackedCollator
-    from llmtrain.training.batches import PairCollate
+    from llmtrain.objectives.preference import PairCollate
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     formatter = Formatter(tokenizer, TEMPLATE, max_length=32, x_field="prompt", y_field="answer")
@@ -580,7 +580,8 @@ def test_qlora_kto_from_a_qlora_sft_model_starts_at_its_reference(
 def test_label_counts_are_the_snapshots_valid_labels(any_uri: str, tmp_path: Path) -> None:
     """KTO's default weights count the snapshot's rows only (not one added since) and only
     values that are labels (not 2), as the reader would take them."""
-    from llmtrain.data.snapshot import label_counts, take_snapshot
+    from llmtrain.data.snapshot import take_snapshot
+    from llmtrain.objectives.kto import label_counts
 
     fill(any_uri, "thumbs", [{"id": i, "liked": int(i % 3 != 0)} for i in range(30)])
     fill(any_uri, "extra", [{"id": 30, "liked": 2}, {"id": 31, "liked": 1}])
@@ -615,7 +616,7 @@ def test_a_pair_whose_long_answer_cuts_the_prompt_compares_both_answers_after_th
     """max_length cuts a long answer's prompt from the left: its short partner is given the same
     shorter prompt, so the two log-probs compare answers to one context (and fit max_length)."""
     from llmtrain.formatting import IGNORE_INDEX
-    from llmtrain.training.batches import PairCollate
+    from llmtrain.objectives.preference import PairCollate
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     formatter = Formatter(tokenizer, TEMPLATE, max_length=40, x_field="prompt", y_field="chosen")

@@ -16,14 +16,11 @@ import torch
 
 from llmtrain.formatting import IGNORE_INDEX, Example, PackedCollator
 from llmtrain.testing import tiny_model
-from llmtrain.training.preference import (
-    dpo_loss,
-    kto_loss,
-    orpo_loss,
-    plain_sequence_logprobs,
-    sequence_logprobs,
-    simpo_loss,
-)
+from llmtrain.objectives.dpo import dpo_loss
+from llmtrain.objectives.kto import kto_loss
+from llmtrain.objectives.loss import plain_sequence_logprobs, sequence_logprobs
+from llmtrain.objectives.orpo import orpo_loss
+from llmtrain.objectives.simpo import simpo_loss
 
 PAIRS, WIDTH = 6, 12
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")

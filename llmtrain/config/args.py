@@ -13,6 +13,7 @@ from llmtrain.config.metrics import logged_name, metric_problems
 from llmtrain.config.spec import FitSpec
 from llmtrain.db.queries import Conversations
 from llmtrain.errors import ConfigError
+from llmtrain.objectives import OBJECTIVES, objective_of, objective_problems
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: a TrainerConfig section whose fields are also LLMTrainer's flat keywords
@@ -255,9 +256,10 @@ class DataArguments(_Args):
 class ObjectiveArguments(_Args):
     """What the loss trains: the responses (sft), or preferences; formulas and defaults as TRL's."""
 
-    objective: Literal["sft", "dpo", "kto", "orpo", "simpo"] = "sft"
-    """dpo, kto: against the reference (the starting model: the base with its adapter off, or an
-    earlier model's adapter); orpo, simpo: without. kto trains (prompt, completion, liked) rows."""
+    objective: str = "sft"
+    """A registered objective (``llmtrain.objectives``): sft; dpo, kto against the reference (the
+    starting model: the base with its adapter off, or an earlier model's adapter); orpo, simpo
+    without. kto trains (prompt, completion, liked) rows."""
     beta: float = Field(default=0.1, gt=0)
     """DPO's, KTO's and SimPO's inverse temperature; ORPO's lambda."""
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
@@ -271,6 +273,12 @@ class ObjectiveArguments(_Args):
     label counts (undesirable 1), so each kind weighs the same (recorded); one None: 1."""
     undesirable_weight: float | None = Field(default=None, gt=0)
     """KTO: the weight of disliked completions (see desirable_weight)."""
+
+    @model_validator(mode="after")
+    def _known(self) -> ObjectiveArguments:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}: not one of {sorted(OBJECTIVES)}")
+        return self
 
 
 class DeepspeedConfig(_Args):
@@ -520,54 +528,12 @@ class TrainerConfig(_Args):
         return self
 
     def _objective_problems(self) -> list[str]:
-        """Preference objectives train one source in their shape; DPO's and KTO's reference is
-        the model with its adapter off (or as it started), so they need an adapter."""
-        objective, fit = self.objective_args.objective, self.fit
-        shape = fit.shape if fit is not None else None
-        best, pairs, problems = self.training_args.best_key(), ("dpo", "orpo", "simpo"), []
-        if shape == "pairs" and objective not in pairs:
-            problems.append(
-                "fit(chosen=, rejected=) trains preferences: set objective='dpo', 'orpo' or 'simpo'"
-            )
-        if shape == "feedback" and objective != "kto":
-            problems.append("fit(label=) trains feedback on single answers: set objective='kto'")
-        if objective == "sft" and best is not None and best.startswith("eval_rewards/"):
-            problems.append(
-                f"training_args.save_best_by={best!r}: rewards are a preference objective's"
-            )
-        if objective == "kto" and best == "eval_rewards/accuracies":
-            problems.append(
-                f"training_args.save_best_by={best!r}: KTO has no pairs to be accurate on; "
-                "use eval_rewards/margins"
-            )
+        """The objective's fields and rules (its module's), then what any objective needs."""
+        problems = objective_problems(self)
         if self.init_from is not None and self.lora_args is None:
             problems.append(
                 f"init_from={self.init_from!r} continues an earlier model's adapter; "
                 "lora_args=None trains none"
-            )
-        if objective == "sft":
-            return problems
-        needs = ("Y", "label") if objective == "kto" else ("chosen", "rejected")
-        if fit is not None and shape != ("feedback" if objective == "kto" else "pairs"):
-            missing = " and ".join(f"{n}=" for n in needs if not getattr(fit, n))
-            wanted = f"fit(X=, {needs[0]}=, {needs[1]}=)"
-            problems.append(f"objective={objective!r} trains {wanted}: {missing} missing")
-        if fit is not None and fit.query().kind == "mix":
-            problems.append(f"objective={objective!r} trains one source, not lt.mix(...)")
-        if objective in ("dpo", "kto") and self.lora_args is None:
-            problems.append(
-                f"objective={objective!r} with lora_args=None: the reference is the model "
-                "with its adapter off; train an adapter"
-            )
-        if objective == "kto" and self.training_args.per_device_train_batch_size < 2:
-            problems.append(
-                "objective='kto' with per_device_train_batch_size=1: KTO's KL estimate pairs "
-                "each prompt with another row's completion of its micro-batch; use 2 or more"
-            )
-        if self.training_args.eval_metrics:
-            problems.append(
-                f"training_args.eval_metrics compare answers with Y; "
-                f"objective={objective!r} logs preference accuracy and margins"
             )
         return problems
 
@@ -664,8 +630,8 @@ class TrainerConfig(_Args):
         lora = self.lora_args
         text = "full" if lora is None else f"{'DoRA' if lora.use_dora else 'LoRA'} r={lora.r}"
         text += f", {self.model_args.bits}-bit" if self.model_args.bits else ""
-        objective = self.objective_args.objective
-        return text if objective == "sft" else f"{objective.upper()}, {text}"
+        objective = objective_of(self).method()
+        return f"{objective}, {text}" if objective else text
 
 
 def quantization_problems(

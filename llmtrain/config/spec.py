@@ -6,8 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmtrain.data.rows import Shape
 from llmtrain.db.queries import MESSAGES, Mix, Part, Query
+
+#: the fields fit() takes, in the order rows carry them
+ROLES = ("X", "Y", "chosen", "rejected", "label")
 
 
 class DataSelection(BaseModel):
@@ -52,17 +54,13 @@ class DataSelection(BaseModel):
         return (self.chosen, self.rejected) if self.chosen and self.rejected else None
 
     @property
-    def fields(self) -> list[str]:
-        if self.pairs:
-            return [self.X, *self.pairs]
-        if self.label and self.Y:
-            return [self.X, self.Y, self.label]
-        return [self.X] if self.Y is None else [self.X, self.Y]
+    def roles(self) -> list[str]:
+        """The fit() fields given, in the order rows carry them (the objective says which)."""
+        return [role for role in ROLES if getattr(self, role)]
 
     @property
-    def shape(self) -> Shape:
-        """What the fields hold: pairs, feedback or text (a conversation is its source's)."""
-        return "pairs" if self.pairs else "feedback" if self.label and self.Y else "text"
+    def fields(self) -> list[str]:
+        return [getattr(self, role) for role in self.roles]
 
 
 def _conversations_x(select: Any) -> str | None:
@@ -87,10 +85,8 @@ class FitSpec(DataSelection):
     def sources(self) -> list[tuple[Query, list[tuple[str, str]]]]:
         """Each source read (a mixture's each, the eval rows') with its (role, field) pairs."""
         evaluated = [Part(q) for q in filter(None, [self.eval_query()])]
-        roles = {"pairs": ("X", "chosen", "rejected"), "feedback": ("X", "Y", "label")}
-        role = roles.get(self.shape, ("X", "Y"))
         return [
-            (p.select, list(zip(role, p.fields_or(self.fields))))
+            (p.select, list(zip(self.roles, p.fields_or(self.fields))))
             for p in [*self.parts(), *evaluated]
         ]
 

@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from llmtrain.data.loader import QueryDataLoader
 from llmtrain.data.plan import MixOrder, Order
 from llmtrain.data.position import Position, Positioned
-from llmtrain.data.rows import Shape, check_on_bad_row, check_row, normalise_fields
+from llmtrain.data.rows import RowCheck, Shape, check_on_bad_row, check_row, normalise_fields
 from llmtrain.data.snapshot import (
     Blobs,
     MemoryStore,
@@ -97,7 +97,7 @@ class CachedQueryDataset(IterableDataset[Row]):
         store: Blobs | None = None,
         version_column: str | None = None,
         conversations: bool = False,
-        shape: Shape = "text",
+        check: RowCheck | None = None,
     ) -> None:
         if not isinstance(select, Query):
             raise ConfigError(f"select must be a llmtrain query, got {type(select).__name__}")
@@ -117,9 +117,10 @@ class CachedQueryDataset(IterableDataset[Row]):
         mixed = isinstance(select, Mix)
         parts = select.parts if isinstance(select, Mix) else (Part(select),)
         self.sources = [
-            _Source.of(p, i if mixed else None, self.fields, conversations, version_column, shape)
+            _Source.of(p, i if mixed else None, self.fields, conversations, version_column)
             for i, p in enumerate(parts)
         ]
+        self.check = check
         self.version_column = version_column if snapshot is not None else None
         if any(isinstance(p.select, Conversations) for p in parts) and snapshot is not None:
             self.version_column = TURNS  # a conversation's version: its last turn
@@ -350,6 +351,7 @@ class CachedQueryDataset(IterableDataset[Row]):
                 self.on_bad_row,
                 logged=self.stats.skipped_once,
                 shape=source.shape,
+                check=self.check,
             ):
                 return row
         except BadRowError as exc:
@@ -378,13 +380,11 @@ class _Source:
         fields: tuple[str, ...],
         chat: bool,
         version_column: str | None,
-        shape: Shape = "text",
     ) -> _Source:
         own = normalise_fields(part.fields_or(fields))
         if isinstance(part.select, Conversations):  # its version: its last turn
             return cls(part.select, own, "conversation", TURNS, index)
-        if chat and len(own) == 1:
-            shape = "conversation"
+        shape: Shape = "conversation" if chat and len(own) == 1 else "text"
         return cls(part.select, own, shape, version_column, index)
 
     def own(self, key: Key) -> Key:

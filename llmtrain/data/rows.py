@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 from llmtrain.db.backend import Key
 from llmtrain.db.keys import key_repr
@@ -14,9 +14,10 @@ from llmtrain.errors import BadRowError, ConfigError
 
 log = logging.getLogger("llmtrain.data")
 OnBadRow = Literal["raise", "skip"]
-#: what a row's fields hold: text; one conversation; (prompt, chosen, rejected) answers to
-#: prefer between; or (prompt, completion, label) feedback on one answer
-Shape = Literal["text", "conversation", "pairs", "feedback"]
+#: what a row's fields hold: text, or one conversation (an objective may check its own way)
+Shape = Literal["text", "conversation"]
+#: an objective's own check of a row: (field, problem) or None; it may normalise the row
+RowCheck = Callable[[Mapping[str, Any], Sequence[str]], "tuple[str, str] | None"]
 
 
 def check_on_bad_row(value: str) -> OnBadRow:
@@ -91,41 +92,26 @@ def check_row(
     *,
     logged: set[str] | None = None,
     shape: Shape = "text",
+    check: RowCheck | None = None,
 ) -> bool:
     """True: use the row; False: skip it (``on_bad_row="skip"``, see :func:`bad_row`); else raise
-    BadRowError naming the source, key and first bad field. Makes a feedback label a bool."""
-    problem = _row_problem(row, fields, shape)
+    BadRowError naming the source, key and first bad field (``check``: the objective's own)."""
+    problem = _row_problem(row, fields, shape, check)
     return True if problem is None else bad_row(source, key, *problem, on_bad_row, logged)
 
 
-def _row_problem(row: object, fields: Sequence[str], shape: Shape) -> tuple[str, str] | None:
+def _row_problem(
+    row: object, fields: Sequence[str], shape: Shape, check: RowCheck | None
+) -> tuple[str, str] | None:
     if not isinstance(row, (dict, Mapping)):  # dict first: skips the ABC check
         return fields[0], f"cannot be read: the row is a {type(row).__name__}, not a mapping"
-    check = conversation_problem if shape == "conversation" else text_problem
-    for field in fields[:-1] if shape == "feedback" else fields:
-        if (problem := check(row, field)) is not None:
+    if check is not None:
+        return check(row, fields)
+    field_problem = conversation_problem if shape == "conversation" else text_problem
+    for field in fields:
+        if (problem := field_problem(row, field)) is not None:
             return field, problem
-    if shape == "pairs":
-        _, chosen, rejected = fields
-        if row[chosen] == row[rejected]:
-            return rejected, f"equals field {chosen!r}: there is nothing to prefer"
-    if shape == "feedback":
-        problem = label_problem(row, fields[-1])  # type: ignore[arg-type]
-        if problem is not None:
-            return fields[-1], problem
-    for field in fields[1:] if shape in ("pairs", "feedback") else ():
-        if isinstance(row[field], str) and not row[field].strip():
-            return field, "is empty: there is no answer to judge"
     return None
-
-
-def label_problem(row: dict[str, object], field: str) -> str | None:
-    """Why ``row[field]`` is not a like (true, 1) or a dislike (false, 0); made a bool."""
-    value = row.get(field)
-    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
-        row[field] = bool(value)
-        return None
-    return f"is {value!r}, not a label (true/false or 1/0)"
 
 
 def bad_row(

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 import numpy as np
 from bson import ObjectId
 
-from llmtrain.data.rows import label_problem
 from llmtrain.db.keys import DIGEST, Key, held_mask, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Mix, Query
 from llmtrain.errors import ConfigError, QueryError
@@ -455,23 +454,18 @@ def take_snapshot(
     return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)
 
 
-def label_counts(db: Database, query: Query, view: View, label: str) -> tuple[int, int]:
-    """(liked, disliked) rows of ``view`` by ``label``, read in keyset pages like the snapshot
-    (label as version), counted per distinct value; rows added since, or a value that is no label,
-    do not count. 1M rows: 0.8 s, against 0.35 s for the snapshot itself."""
+def value_counts(db: Database, query: Query, view: View, column: str) -> Counter[tuple[type, Any]]:
+    """How many rows of ``view`` hold each value of ``column`` (by type too: 1.0 == 1), read in
+    keyset pages like the snapshot (the column as version); rows added since do not count.
+    1M rows: 0.8 s, against 0.35 s for the snapshot itself."""
     ours = np.sort(np.concatenate([np.zeros(0, dtype=np.uint64), *view.digests(db.artifacts)]))
-    found: Counter[tuple[type, Any]] = Counter()  # by type too: 1.0 == 1, but is no label
-    for page in db.backend.key_pages(query, label, _KEY_PAGE) if len(ours) else ():
+    found: Counter[tuple[type, Any]] = Counter()
+    for page in db.backend.key_pages(query, column, _KEY_PAGE) if len(ours) else ():
         digests = key_digests(page.keys)  # ours sorted once, searched per page (isin re-sorts)
         at = np.searchsorted(ours, digests).clip(max=len(ours) - 1)
         inside = (ours[at] == digests).tolist()
         found.update((type(v), v) for v, counted in zip(page.versions or (), inside) if counted)
-    counts = {True: 0, False: 0}
-    for (_, value), n in found.items():
-        row = {label: value}
-        if label_problem(row, label) is None:
-            counts[bool(row[label])] += n
-    return counts[True], counts[False]
+    return found
 
 
 def data_fingerprint(fraction: float, train: View, held: View | None) -> str:

@@ -12,12 +12,13 @@ from typing import Any
 
 from llmtrain.config.args import TrainerConfig, build
 from llmtrain.console import say
-from llmtrain.data.snapshot import MixedView, RunSnapshot, label_counts, take_snapshot
+from llmtrain.data.snapshot import MixedView, RunSnapshot, take_snapshot
 from llmtrain.datalayer import Datalayer
 from llmtrain.db.queries import Mix
 from llmtrain.errors import ComponentNotFoundError, ConfigError, DataChangedError, DataError
 from llmtrain.formatting import Formatter
 from llmtrain.integrations.trackers import check_trackers
+from llmtrain.objectives import objective_of
 from llmtrain.stores.metadata.base import CheckpointRecord, RunRecord
 from llmtrain.training.modeling import check_model_path, load_tokenizer, target_modules_for
 from llmtrain.training.plan import Done, RunPlan
@@ -76,7 +77,7 @@ def register(
     if version is None:
         payload = config.model_dump(mode="json")
         version = db.metadata.add_component(TRAINER, config.identifier, payload)
-    config = kto_weights(db, config, snapshot)
+    config = objective_of(config).prepare(db, config, snapshot)
     held = eval_rows(db, config)
     plan = RunPlan(
         uuid.uuid4().hex, version, config, snapshot, None, rows.get("parent"), callbacks, held
@@ -103,25 +104,6 @@ def register(
         },
     )
     return plan
-
-
-def kto_weights(db: Datalayer, config: TrainerConfig, snapshot: RunSnapshot) -> TrainerConfig:
-    """KTO with neither weight set: liked rows weigh disliked / liked (disliked 1), from the
-    snapshot's label counts, so each kind weighs the same in all; the run records them (a
-    resume keeps them, a replay counts its own snapshot). One set: the other is 1."""
-    args, fit = config.objective_args, config.fit
-    if args.objective != "kto" or fit is None or fit.label is None:
-        return config
-    desirable, undesirable = args.desirable_weight, args.undesirable_weight
-    if desirable is None and undesirable is None:
-        liked, disliked = label_counts(db, fit.query(), snapshot.train, fit.label)
-        desirable = disliked / liked if liked and disliked else 1.0
-        say(
-            f"{config.identifier}: {liked} liked and {disliked} disliked row(s): KTO "
-            f"desirable_weight={desirable:.4g}, undesirable_weight=1"
-        )
-    weights = {"desirable_weight": desirable or 1.0, "undesirable_weight": undesirable or 1.0}
-    return config.model_copy(update={"objective_args": args.model_copy(update=weights)})
 
 
 def new_snapshot(

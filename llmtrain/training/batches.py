@@ -16,159 +16,14 @@ import torch
 from llmtrain.config.args import DataArguments
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, RunSnapshot
 from llmtrain.data.plan import StepRule
-from llmtrain.data.rows import Shape
+from llmtrain.data.rows import RowCheck
 from llmtrain.data.snapshot import Split
-from llmtrain.db.keys import key_repr
 from llmtrain.db.queries import Query
-from llmtrain.formatting import (
-    IGNORE_INDEX,
-    Example,
-    Formatter,
-    PackedCollator,
-    pack_examples,
-    pad_collate,
-)
-from llmtrain.training.reference import pair_digest
+from llmtrain.formatting import IGNORE_INDEX, Formatter, PackedCollator
+from llmtrain.objectives import OBJECTIVES, Objective
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
-
-
-@dataclass
-class Collate:
-    """(key, row) pairs -> a padded or packed batch (``max_tokens``: a step's micro-batches)."""
-
-    formatters: Sequence[Formatter]  # one a source: a mixture's by the part in each key
-    pad_id: int
-    source: str
-    packer: PackedCollator | None
-    max_tokens: int | None = None
-
-    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        made = self._format(rows)
-        examples = [e for e in made if e.input_ids]  # an empty one: a row the formatter skipped
-        skipped = {"skipped": [e.key for e in made if not e.input_ids]}
-        if self.max_tokens is None:
-            if not examples:
-                return skipped
-            batch = self.packer(examples) if self.packer else pad_collate(examples, self.pad_id)
-            return _counted(batch, examples) | skipped
-        assert self.packer is not None
-        packed = micro_batches(examples, self.packer.max_length, self.max_tokens)
-        return [
-            _counted(self.packer.collate_rows(rows), [e for row in rows for e in row])
-            | (skipped if i == 0 else {})
-            for i, rows in enumerate(packed)
-        ] or [skipped]
-
-    def _format(self, rows: list[tuple[Any, dict[str, Any]]]) -> list[Example]:
-        if len(self.formatters) == 1:
-            return self.formatters[0].format_batch(rows, source=self.source)
-        parts: dict[int, list[tuple[Any, dict[str, Any]]]] = {}
-        for key, row in rows:
-            parts.setdefault(key["part"], []).append((key, row))
-        return [
-            example
-            for part, mine in sorted(parts.items())
-            for example in self.formatters[part].format_batch(mine, source=self.source)
-        ]
-
-
-@dataclass
-class PairCollate:
-    """Preference rows (the reader checked them) -> two sequences a row: the prompt with the answer
-    (``chosen``, or KTO's completion), then with ``second`` (the rejected answer) or, with
-    ``feedback`` (``second``: the label), the previous row's completion, KTO's mismatched pair for
-    its KL estimate (TRL's). ``num_target_tokens`` counts rows, what a step is normalised by;
-    ``per_batch``: each micro-batch's rows when the loader hands over a step's rows at once."""
-
-    formatter: Formatter
-    answer: str
-    second: str
-    pad_id: int
-    source: str
-    packer: PackedCollator | None
-    per_batch: int | None = None
-    feedback: bool = False
-
-    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        size = self.per_batch or max(len(rows), 1)
-        made = [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
-        return made if self.per_batch is not None else made[0] if made else {}
-
-    def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
-        f, n = self.formatter, len(rows)
-        donors = rows[-1:] + rows[:-1] if self.feedback else rows  # feedback: the row before's
-        field = self.answer if self.feedback else self.second
-        others = [(k, {**r, self.answer: s[field]}) for (k, r), (_, s) in zip(rows, donors)]
-        examples = f.format_batch(rows, source=self.source)
-        examples += f.format_batch(others, source=self.source)
-        if not f.train_on_inputs:  # both sequences after the same prompt ids: the shorter one
-            for i in range(n):
-                examples[i], examples[n + i] = same_prompt(examples[i], examples[n + i])
-        if self.packer is None:
-            batch = pad_collate(examples, self.pad_id)
-        else:
-            packed = pack_examples(examples, self.packer.max_length)
-            batch = self.packer.collate_rows(packed, sequences=examples)
-        pairs = zip(rows, examples[:n], examples[n:])
-        digests = [pair_digest(key, a.input_ids, b.input_ids) for (key, _), a, b in pairs]
-        liked = {"liked": [row[self.second] for _, row in rows]} if self.feedback else {}
-        counts = {"num_target_tokens": n, "pairs": n, "pair_digests": digests}
-        return _counted(batch, examples) | counts | liked
-
-
-def same_prompt(a: Example, b: Example) -> tuple[Example, Example]:
-    """A pair's sequences after one prompt: a long answer cuts its prompt from the left (BOS and
-    the prompt's end kept), so the other takes that shorter prompt too, and the two log-probs
-    compare answers to the same context."""
-    na, nb = (
-        next((i for i, t in enumerate(e.labels) if t != IGNORE_INDEX), len(e)) for e in (a, b)
-    )
-    if a.input_ids[:na] == b.input_ids[:nb]:
-        return a, b
-    short, n = (a.input_ids[:na], na) if na < nb else (b.input_ids[:nb], nb)
-    long = b.input_ids[:nb] if na < nb else a.input_ids[:na]
-    head = next((i for i, (s, t) in enumerate(zip(short, long)) if s != t), n)  # BOS
-    if head == n or short[head:] != long[len(long) - (n - head) :]:
-        return a, b  # not one prompt cut from the left: left as they are
-
-    def cut(e: Example, m: int) -> Example:
-        ids = short + e.input_ids[m:]
-        return Example(ids, [IGNORE_INDEX] * n + e.labels[m:], e.key, truncated=True)
-
-    return (a, cut(b, nb)) if na < nb else (cut(a, na), b)
-
-
-def _counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
-    """The batch with its host-side counts as plain ints, made here: each ``int(tensor)`` in
-    the loop released the GIL to the batch thread (measured: data wait 5-6% of a step -> 0.4%)."""
-    batch["num_target_tokens"] = int(batch["num_target_tokens"])
-    batch["num_tokens"] = sum(len(e) for e in examples)
-    batch["keys"] = list(dict.fromkeys(key_repr(e.key) for e in examples))  # a row's windows
-    return batch
-
-
-#: a row shares a micro-batch only with rows at least this full relative to its fullest, so
-#: at most 3% of the positions a micro-batch feeds the model are padding
-FILL = 0.97
-
-
-def micro_batches(
-    examples: Sequence[Example], max_length: int, max_tokens: int
-) -> list[list[list[Example]]]:
-    """Rows of at most ``max_length`` tokens packed best-fit-decreasing, grouped fullest first into
-    micro-batches of at most ``max_tokens // max_length`` rows alike in length (:data:`FILL`)."""
-    rows = sorted(pack_examples(examples, max_length), key=lambda r: -sum(map(len, r)))
-    per_batch = max(1, max_tokens // max_length)
-    batches: list[list[list[Example]]] = []
-    for row in rows:
-        last = batches[-1] if batches else []
-        if last and len(last) < per_batch and sum(map(len, row)) >= FILL * sum(map(len, last[0])):
-            last.append(row)
-        else:
-            batches.append([row])
-    return batches
 
 
 def make_collate(
@@ -178,24 +33,27 @@ def make_collate(
     args: DataArguments,
     source: str,
     *,
-    token_budget: int | None = None,
-    shape: Shape = "text",
+    objective: Objective = OBJECTIVES["sft"],
     fields: Sequence[str] = (),
+    token_budget: int | None = None,
     batch_size: int = 1,
-) -> Collate | PairCollate:
-    """The collate of ``args``: ``token_budget`` packs a step's rows, ``shape`` selects pairs."""
+) -> Any:
+    """The objective's collate under ``args`` (``token_budget``: a step's rows packed)."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
     formatters = [formatter] if isinstance(formatter, Formatter) else list(formatter)
-    if shape in ("pairs", "feedback"):
-        per_batch = batch_size if token_budget is not None else None
-        answer, second = fields[1:]
-        pad, feedback = tokenizer.pad_token_id, shape == "feedback"
-        return PairCollate(formatters[0], answer, second, pad, source, packer, per_batch, feedback)
-    return Collate(formatters, tokenizer.pad_token_id, source, packer, token_budget)
+    return objective.collate(
+        formatters,
+        tokenizer.pad_token_id,
+        source,
+        packer,
+        fields=fields,
+        token_budget=token_budget,
+        batch_size=batch_size,
+    )
 
 
 def view_dataset(
@@ -204,7 +62,7 @@ def view_dataset(
     fields: list[str],
     args: DataArguments,
     *,
-    shape: Shape = "text",
+    check: RowCheck | None = None,
     split: Split,
     snapshot: RunSnapshot | None,
     rank: int,
@@ -231,7 +89,7 @@ def view_dataset(
         snapshot=snapshot,
         version_column=args.version_column,
         conversations=args.chat_template,  # a source of one field: conversations
-        shape=shape,
+        check=check,
     )
 
 
@@ -261,7 +119,7 @@ class TrainBatches:
         args: DataArguments,
         *,
         batch_size: int,
-        collate: Collate | PairCollate,
+        collate: Any,
         accumulation: int = 1,
     ) -> None:
         self.dataset = dataset

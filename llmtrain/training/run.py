@@ -24,6 +24,8 @@ from llmtrain.db.queries import Mix, Query
 from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
 from llmtrain.formatting.template import PromptTemplate
+from llmtrain.objectives import objective_of
+from llmtrain.objectives.reference import REFERENCE, ReferenceCache, reference_fingerprint
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.batches import (
@@ -37,7 +39,6 @@ from llmtrain.training.batches import (
 from llmtrain.training.callbacks import Callback
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.export import write_adapter
-from llmtrain.training.loss import LossFunction
 from llmtrain.training.modeling import (
     compile_layers,
     load_model,
@@ -46,9 +47,7 @@ from llmtrain.training.modeling import (
 )
 from llmtrain.training.plan import RunPlan
 from llmtrain.training.precision import Precision
-from llmtrain.training.preference import PREFERENCE, REFERENCE, WITH_REFERENCE, PreferenceLoss
 from llmtrain.training.progress import Progress, make_progress
-from llmtrain.training.reference import ReferenceCache, reference_fingerprint
 from llmtrain.training.strategies.base import Strategy
 
 log = logging.getLogger("llmtrain.training")
@@ -107,13 +106,12 @@ class FitRun:
             compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
-        objective, cache = cfg.objective_args, None
-        if objective.objective in WITH_REFERENCE:
+        self.objective, cache = objective_of(cfg), None
+        if self.objective.reference:
             parent = (self.plan.parent or {}).get("adapter")
             fingerprint = reference_fingerprint(cfg.model_args, str(self.precision), parent)
             cache = ReferenceCache(self.db, fingerprint)
-        preference = objective.objective in PREFERENCE
-        self.loss = PreferenceLoss(model, objective, cache) if preference else LossFunction(model)
+        self.loss = self.objective.loss(model, cfg.objective_args, cache)
 
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
@@ -126,7 +124,7 @@ class FitRun:
             select,
             fit.fields,
             self.dargs,
-            shape=fit.shape,
+            check=self.objective.row_check(),
             split="train",
             snapshot=self.snapshot,
             seed=t.seed,
@@ -191,7 +189,7 @@ class FitRun:
             self.base_model,
             self.dargs,
             query.source,
-            shape=fit.shape,
+            objective=self.objective,
             fields=fit.fields,
             **options,
         )
@@ -213,7 +211,7 @@ class FitRun:
                 f"the adapter of model v{parent.get('model_version')} does not fit this "
                 f"trainer's LoRA layers ({', '.join(unexpected[:3])}, ...)"
             )
-        if self.config.objective_args.objective in WITH_REFERENCE:
+        if objective_of(self.config).reference:
             frozen = copy.copy(model.peft_config["default"])
             frozen.lora_dropout = 0.0  # the reference is deterministic: its values are kept
             model.add_adapter(REFERENCE, frozen)
@@ -282,8 +280,7 @@ class FitRun:
                     "tokens": float(self.tokens_seen),
                     "tokens_per_s": rate,
                 }
-                if isinstance(self.loss, PreferenceLoss):  # the step's rewards and margins
-                    metrics |= self.loss.logged()
+                metrics |= self.loss.logged()  # the objective's: rewards, margins
                 self.history.append({"step": self.step, "loss": loss})
                 progress.step(self.step, metrics)
                 if self.step % t.logging_steps == 0 or self.step == self.total_steps:
@@ -369,8 +366,7 @@ class FitRun:
     def _eval_step(self, progress: Progress) -> None:
         """Collective. Evaluate, log, and checkpoint a new best by save_best_by."""
         metrics = {"eval_loss": self.evaluate(), **self.score_generations()}
-        if isinstance(self.loss, PreferenceLoss):  # preference accuracy and mean margin
-            metrics |= {f"eval_{name}": v for name, v in self.loss.logged().items()}
+        metrics |= {f"eval_{name}": v for name, v in self.loss.logged().items()}
         self._log(metrics)
         progress.evaluated(self.step, metrics["eval_loss"])
         key = self.targs.best_key()
@@ -457,7 +453,7 @@ class FitRun:
                 fit.query() if other is None else other,
                 fit.fields,
                 self.dargs,
-                shape=fit.shape,
+                check=self.objective.row_check(),
                 split="held_out" if held else "all",
                 snapshot=self.snapshot if held else self.plan.eval_snapshot,
                 shuffle=False,

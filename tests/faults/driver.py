@@ -49,7 +49,7 @@ def install_hold(spec: dict[str, Any]) -> Any:
     holder = HoldAfterStep()
 
     if kind == "mid-step":
-        from llmtrain.training.loss import LossFunction
+        from llmtrain.objectives.loss import LossFunction
 
         compute = LossFunction.__call__
 

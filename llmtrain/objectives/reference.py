@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,8 @@ if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
 
 KIND = "reference_logps"
+#: a reference adapter: the adapter an earlier model trained, kept frozen beside the trained one
+REFERENCE = "reference"
 
 
 def pair_digest(key: Any, chosen: list[int], rejected: list[int]) -> str:
@@ -78,3 +82,24 @@ class ReferenceCache:
             self.db.metadata.add_component(
                 KIND, self.fingerprint, {"blobs": [*self._blobs(), blob]}
             )
+
+
+@contextmanager
+def reference_model(base: Any) -> Iterator[None]:
+    """The reference: the :data:`REFERENCE` adapter, set on each LoRA layer (PEFT's ``set_adapter``
+    would touch ``requires_grad`` under a wrapped model), else the base with its adapter off."""
+    if REFERENCE not in getattr(base, "peft_config", {}):
+        with base.disable_adapter():
+            yield
+        return
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in base.modules() if isinstance(m, BaseTunerLayer)]
+    active = [layer.active_adapters for layer in layers]
+    for layer in layers:
+        layer._active_adapter = [REFERENCE]
+    try:
+        yield
+    finally:
+        for layer, names in zip(layers, active):
+            layer._active_adapter = names

@@ -1,15 +1,19 @@
 """The training loss without the full logits (8.4 GB of float32 at vocab 128k, 8 x 2048 tokens):
 the head projects only targets a chunk at a time, gradients taken in the forward (Liger's scheme):
 peak RSS 0.22x the plain path's at 1 x 2048 (``benchmarks/bench_loss_memory.py``). Gemma-2's
-softcapped logits take the plain path."""
+softcapped logits take the plain path. Preference objectives take per-sequence log-probabilities
+the same way: a batch is padded (sequence ``i``: row ``i``) or packed (``position_ids`` restart
+at 0 per sequence; ``sequence_index`` [B, T]: each token's sequence)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from llmtrain.formatting import IGNORE_INDEX
 
@@ -102,6 +106,10 @@ class LossFunction:
 
         return self.through_head(model, batch, loss_from_hidden)
 
+    def logged(self) -> dict[str, float]:
+        """Metrics besides the loss: none."""
+        return {}
+
     def through_head(
         self, model: Any, batch: dict[str, Any], on_hidden: Callable[..., Any]
     ) -> torch.Tensor:
@@ -113,3 +121,67 @@ class LossFunction:
             return model(**model_inputs(batch), use_cache=False).logits
         finally:
             del head.forward
+
+
+def _targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask over the shifted positions, target ids, their sequence); position 0 is no target."""
+    labels = batch["labels"][:, 1:]
+    keep = labels != IGNORE_INDEX
+    if "position_ids" in batch:
+        keep &= batch["position_ids"][:, 1:] != 0
+    index = batch.get("sequence_index")
+    if index is None:
+        rows = torch.arange(labels.size(0), device=labels.device)
+        index = rows[:, None].expand_as(batch["labels"])
+    return keep, labels[keep], index[:, 1:][keep]
+
+
+def _per_sequence(
+    logps: torch.Tensor, index: torch.Tensor, batch: dict[str, Any], size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
+        packed = "sequence_index" in batch
+        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
+    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
+
+
+def plain_sequence_logprobs(
+    model: Any, batch: dict[str, Any], *, num_sequences: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` from the full logits (the reference; softcapped heads)."""
+    keep, targets, index = _targets(batch)
+    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1][keep]
+    logps = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return _per_sequence(logps, index, batch, num_sequences)
+
+
+def sequence_logprobs(
+    model: Any,
+    batch: dict[str, Any],
+    *,
+    head: LossFunction | None = None,
+    num_sequences: int | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log p(target) [S] float32, target count [S]) per sequence; the head projects only
+    targets, a chunk at a time, checkpointed: the gradient is only known after the forward."""
+    found = head if head is not None else LossFunction(model, chunk_elements=chunk_elements)
+    if not found.chunked:
+        return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
+    keep, targets, index = _targets(batch)
+
+    def logps_from_hidden(hidden: torch.Tensor, own_forward: Any) -> torch.Tensor:
+        def chunk_logps(hidden: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+            logits = own_forward(hidden).float()
+            return logits.log_softmax(-1).gather(-1, picked[:, None]).squeeze(-1)
+
+        selected, size = hidden[:, :-1][keep], found.chunk
+        compute: Callable[..., torch.Tensor] = chunk_logps
+        if torch.is_grad_enabled():
+            compute = partial(checkpoint, chunk_logps, use_reentrant=False)
+        starts = range(0, selected.size(0), size)
+        parts = [compute(selected[i : i + size], targets[i : i + size]) for i in starts]
+        return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
+
+    logps = found.through_head(model, batch, logps_from_hidden)
+    return _per_sequence(logps, index, batch, num_sequences)

@@ -1,0 +1,46 @@
+"""Training objectives by name, as strategies are: each module owns the fit() fields it takes,
+its rules, its rows' check, its collate, its reference and its loss. A new objective is one
+module and one line in :data:`OBJECTIVES`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.objectives.base import Objective
+from llmtrain.objectives.dpo import DPO
+from llmtrain.objectives.kto import KTO
+from llmtrain.objectives.orpo import ORPO
+from llmtrain.objectives.sft import SFT
+from llmtrain.objectives.simpo import SimPO
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT(), DPO(), KTO(), ORPO(), SimPO())}
+
+
+def objective_of(config: Any) -> Objective:
+    """The objective a TrainerConfig trains."""
+    return OBJECTIVES[config.objective_args.objective]
+
+
+def objective_problems(config: Any) -> list[str]:
+    """The fit's fields against its objective's (one that takes them named), then its rules."""
+    chosen, fit, problems = objective_of(config), config.fit, []
+    if fit is not None and not chosen.takes(fit.roles):
+        extra = [r for r in fit.roles if r not in SFT.roles]  # what makes rows more than text
+        fits = [repr(name) for name, o in OBJECTIVES.items() if extra and o.takes(fit.roles)]
+        if fits:
+            names = " or ".join(filter(None, [", ".join(fits[:-1]), fits[-1]]))
+            trains = OBJECTIVES[fits[0].strip("'")].trains
+            problems.append(
+                f"fit({', '.join(f'{r}=' for r in extra)}) trains {trains}: set objective={names}"
+            )
+        missing = [r for r in chosen.roles if r not in fit.roles and r not in chosen.optional]
+        if missing:
+            wanted = ", ".join(f"{r}=" for r in chosen.roles)
+            problems.append(
+                f"objective={chosen.name!r} trains fit({wanted}): "
+                f"{' and '.join(f'{r}=' for r in missing)} missing"
+            )
+    return problems + chosen.problems(config)
+
+
+__all__ = ["OBJECTIVES", "Objective", "objective_of", "objective_problems"]

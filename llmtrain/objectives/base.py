@@ -1,0 +1,70 @@
+"""A training objective: the fit() fields it takes, its configuration rules, the check of its
+rows, its collate and its loss, in one registered module. The loop, the reader, the snapshot
+and the records ask the objective, never its name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from llmtrain.data.rows import RowCheck
+from llmtrain.formatting import Formatter, PackedCollator
+
+
+class Loss(Protocol):
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The batch's summed loss (the loop divides by the step's ``num_target_tokens``)."""
+
+    def logged(self) -> dict[str, float]:
+        """Metrics besides the loss since the last call (rewards, margins)."""
+
+
+class Objective:
+    """What one objective trains; subclasses set the class attributes and their rules."""
+
+    name: ClassVar[str]
+    #: the fit() fields it trains, in the order its rows carry them (``optional``: may be left)
+    roles: ClassVar[tuple[str, ...]]
+    optional: ClassVar[tuple[str, ...]] = ()
+    #: what rows of these fields hold, in the message that suggests this objective
+    trains: ClassVar[str]
+    #: trains against a frozen reference (the starting model), whose values are cached
+    reference: ClassVar[bool] = False
+
+    def takes(self, roles: Sequence[str]) -> bool:
+        return set(self.roles) - set(self.optional) <= set(roles) <= set(self.roles)
+
+    def row_check(self) -> RowCheck | None:
+        """How the reader checks a row (None: its own: text fields, or a conversation)."""
+        return None
+
+    def method(self) -> str:
+        """What ``show`` prints before the adapter."""
+        return self.name.upper()
+
+    def problems(self, config: Any) -> list[str]:
+        """This objective's contradictions in ``config`` (a TrainerConfig) beyond its fields."""
+        return []
+
+    def prepare(self, db: Any, config: Any, snapshot: Any) -> Any:
+        """The config the run records, completed from its snapshot (as given by default)."""
+        return config
+
+    def collate(
+        self,
+        formatters: Sequence[Formatter],
+        pad_id: int,
+        source: str,
+        packer: PackedCollator | None,
+        *,
+        fields: Sequence[str],
+        token_budget: int | None,
+        batch_size: int,
+    ) -> Callable[[list[tuple[Any, dict[str, Any]]]], Any]:
+        raise NotImplementedError
+
+    def loss(self, base: Any, args: Any, cache: Any = None) -> Loss:
+        """The loss of ``base`` (the unwrapped model) under ``args`` (objective_args)."""
+        raise NotImplementedError

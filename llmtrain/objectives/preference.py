@@ -1,0 +1,233 @@
+"""What preference objectives share: two sequences a row (the prompt with each answer) scored
+as per-sequence log-probabilities, TRL's logged metrics, and the reference's values cached."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmtrain.data.rows import RowCheck, text_problem
+from llmtrain.formatting import (
+    IGNORE_INDEX,
+    Example,
+    Formatter,
+    PackedCollator,
+    pack_examples,
+    pad_collate,
+)
+from llmtrain.objectives.base import Objective
+from llmtrain.objectives.collate import counted
+from llmtrain.objectives.loss import LossFunction, sequence_logprobs
+from llmtrain.objectives.reference import ReferenceCache, pair_digest, reference_model
+
+Metrics = dict[str, torch.Tensor]
+
+
+def smoothed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """-log sigmoid(x), the label flipped with probability ``eps`` (conservative DPO)."""
+    return -(1 - eps) * F.logsigmoid(x) - eps * F.logsigmoid(-x)
+
+
+def pair_metrics(good: torch.Tensor, bad: torch.Tensor, beta: float, *logps: Any) -> Metrics:
+    """TRL's logged names, means of detached tensors (no device read); rewards: ``beta`` * x."""
+    chosen, rejected = beta * good.detach(), beta * bad.detach()
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracies": (chosen > rejected).float().mean(),
+        "rewards/margins": (chosen - rejected).mean(),
+        "logps/chosen": logps[0].detach().mean(),
+        "logps/rejected": logps[1].detach().mean(),
+    }
+
+
+def answered(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, str] | None:
+    """A blank answer judges nothing."""
+    for field in fields:
+        if isinstance(row[field], str) and not row[field].strip():
+            return field, "is empty: there is no answer to judge"
+    return None
+
+
+def pair_problem(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, str] | None:
+    """A text prompt and two different, non-blank answers to prefer between."""
+    for field in fields:
+        if (problem := text_problem(row, field)) is not None:
+            return field, problem
+    _, chosen, rejected = fields
+    if row[chosen] == row[rejected]:
+        return rejected, f"equals field {chosen!r}: there is nothing to prefer"
+    return answered(row, fields[1:])
+
+
+class Preference(Objective):
+    """Pairs: ``compute`` turns the batch's per-sequence log-probs into the loss."""
+
+    roles, trains = ("X", "chosen", "rejected"), "preferences"
+    feedback = False  # the second sequence: the rejected answer (or KTO's mismatched one)
+
+    def row_check(self) -> RowCheck | None:
+        return pair_problem
+
+    def problems(self, config: Any) -> list[str]:
+        name, problems = self.name, []
+        if config.fit is not None and config.fit.query().kind == "mix":
+            problems.append(f"objective={name!r} trains one source, not lt.mix(...)")
+        if self.reference and config.lora_args is None:
+            problems.append(
+                f"objective={name!r} with lora_args=None: the reference is the model "
+                "with its adapter off; train an adapter"
+            )
+        if config.training_args.eval_metrics:
+            problems.append(
+                f"training_args.eval_metrics compare answers with Y; "
+                f"objective={name!r} logs preference accuracy and margins"
+            )
+        return problems
+
+    def collate(
+        self,
+        formatters: Sequence[Formatter],
+        pad_id: int,
+        source: str,
+        packer: PackedCollator | None,
+        *,
+        fields: Sequence[str],
+        token_budget: int | None,
+        batch_size: int,
+    ) -> PairCollate:
+        per_batch = batch_size if token_budget is not None else None
+        answer, second = fields[1:]
+        f, feedback = formatters[0], self.feedback
+        return PairCollate(f, answer, second, pad_id, source, packer, per_batch, feedback)
+
+    def loss(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> PreferenceLoss:
+        return PreferenceLoss(self, base, args, cache)
+
+    def compute(
+        self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
+    ) -> tuple[torch.Tensor, Metrics, dict[str, int]]:
+        """(loss, metrics, each metric's row count where not every pair's) of ``n`` pairs:
+        chosen (or the completion) first, then rejected (or the mismatched)."""
+        raise NotImplementedError
+
+    def summarized(self, means: dict[str, float]) -> dict[str, float]:
+        """The logged means, completed (KTO's margins: of the means)."""
+        return means
+
+
+@dataclass
+class PairCollate:
+    """Preference rows (the reader checked them) -> two sequences a row: the prompt with the answer
+    (``chosen``, or KTO's completion), then with ``second`` (the rejected answer) or, with
+    ``feedback`` (``second``: the label), the previous row's completion, KTO's mismatched pair for
+    its KL estimate (TRL's). ``num_target_tokens`` counts rows, what a step is normalised by;
+    ``per_batch``: each micro-batch's rows when the loader hands over a step's rows at once."""
+
+    formatter: Formatter
+    answer: str
+    second: str
+    pad_id: int
+    source: str
+    packer: PackedCollator | None
+    per_batch: int | None = None
+    feedback: bool = False
+
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
+        size = self.per_batch or max(len(rows), 1)
+        made = [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
+        return made if self.per_batch is not None else made[0] if made else {}
+
+    def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+        f, n = self.formatter, len(rows)
+        donors = rows[-1:] + rows[:-1] if self.feedback else rows  # feedback: the row before's
+        field = self.answer if self.feedback else self.second
+        others = [(k, {**r, self.answer: s[field]}) for (k, r), (_, s) in zip(rows, donors)]
+        examples = f.format_batch(rows, source=self.source)
+        examples += f.format_batch(others, source=self.source)
+        if not f.train_on_inputs:  # both sequences after the same prompt ids: the shorter one
+            for i in range(n):
+                examples[i], examples[n + i] = same_prompt(examples[i], examples[n + i])
+        if self.packer is None:
+            batch = pad_collate(examples, self.pad_id)
+        else:
+            packed = pack_examples(examples, self.packer.max_length)
+            batch = self.packer.collate_rows(packed, sequences=examples)
+        pairs = zip(rows, examples[:n], examples[n:])
+        digests = [pair_digest(key, a.input_ids, b.input_ids) for (key, _), a, b in pairs]
+        liked = {"liked": [row[self.second] for _, row in rows]} if self.feedback else {}
+        counts = {"num_target_tokens": n, "pairs": n, "pair_digests": digests}
+        return counted(batch, examples) | counts | liked
+
+
+def same_prompt(a: Example, b: Example) -> tuple[Example, Example]:
+    """A pair's sequences after one prompt: a long answer cuts its prompt from the left (BOS and
+    the prompt's end kept), so the other takes that shorter prompt too, and the two log-probs
+    compare answers to the same context."""
+    na, nb = (
+        next((i for i, t in enumerate(e.labels) if t != IGNORE_INDEX), len(e)) for e in (a, b)
+    )
+    if a.input_ids[:na] == b.input_ids[:nb]:
+        return a, b
+    short, n = (a.input_ids[:na], na) if na < nb else (b.input_ids[:nb], nb)
+    long = b.input_ids[:nb] if na < nb else a.input_ids[:na]
+    head = next((i for i, (s, t) in enumerate(zip(short, long)) if s != t), n)  # BOS
+    if head == n or short[head:] != long[len(long) - (n - head) :]:
+        return a, b  # not one prompt cut from the left: left as they are
+
+    def cut(e: Example, m: int) -> Example:
+        ids = short + e.input_ids[m:]
+        return Example(ids, [IGNORE_INDEX] * n + e.labels[m:], e.key, truncated=True)
+
+    return (a, cut(b, nb)) if na < nb else (cut(a, na), b)
+
+
+class PreferenceLoss:
+    """``loss(model, batch)``, summed over ``pairs`` rows (chosen or KTO's completion first, then
+    rejected or mismatched); metrics add up until :meth:`logged`, each over its rows."""
+
+    def __init__(
+        self, objective: Preference, base: Any, args: Any, cache: ReferenceCache | None = None
+    ) -> None:
+        self.objective, self.base, self.args, self.cache = objective, base, args, cache
+        self.head = LossFunction(base)  # the unwrapped model's head, found once
+        self.sums: dict[str, list[float | torch.Tensor]] = {}
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        n = int(batch.get("pairs", 0))
+        logps, counts = sequence_logprobs(model, batch, head=self.head, num_sequences=2 * n)
+        if n == 0:  # a rank's filler batch (every row skipped): its collectives, no gradient
+            return logps.sum()
+        ref = None
+        if self.objective.reference:
+            ref = self._reference(model, batch, n).to(logps.device)
+        loss, metrics, weights = self.objective.compute(logps, counts, ref, batch, self.args)
+        for name, value in metrics.items():
+            if weight := weights.get(name.rsplit("/", 1)[-1], n):
+                total = self.sums.setdefault(name, [0.0, 0])
+                total[0] = total[0] + value.detach().float() * weight
+                total[1] = total[1] + weight
+        return loss * n
+
+    def _reference(self, model: Any, batch: dict[str, Any], n: int) -> torch.Tensor:
+        """The reference's log-probs, from the cache, else a forward (kept for next time)."""
+        digests = batch.get("pair_digests") or []
+        kept = self.cache.get(digests) if self.cache is not None else None
+        if kept is not None:
+            return torch.tensor([c for c, _ in kept] + [r for _, r in kept])
+        with torch.no_grad(), reference_model(self.base):
+            ref, _ = sequence_logprobs(model, batch, head=self.head, num_sequences=2 * n)
+        if self.cache is not None:
+            values = ref.float().cpu().tolist()
+            self.cache.add(digests, values[:n], values[n:])
+        return ref
+
+    def logged(self) -> dict[str, float]:
+        """The mean of each metric over its rows since the last call (reads the device)."""
+        sums, self.sums = self.sums, {}
+        out = {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}
+        return self.objective.summarized(out)

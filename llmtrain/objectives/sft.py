@@ -1,0 +1,41 @@
+"""Supervised fine-tuning: responses to prompts, documents (no Y) and conversations, trained as
+the summed next-token loss on their target tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llmtrain.formatting import Formatter, PackedCollator
+from llmtrain.objectives.base import Objective
+from llmtrain.objectives.collate import Collate
+from llmtrain.objectives.loss import LossFunction
+
+
+class SFT(Objective):
+    name, roles, optional, trains = "sft", ("X", "Y"), ("Y",), "responses"
+
+    def method(self) -> str:
+        return ""
+
+    def problems(self, config: Any) -> list[str]:
+        best = config.training_args.best_key()
+        if best is not None and best.startswith("eval_rewards/"):
+            return [f"training_args.save_best_by={best!r}: rewards are a preference objective's"]
+        return []
+
+    def collate(
+        self,
+        formatters: Sequence[Formatter],
+        pad_id: int,
+        source: str,
+        packer: PackedCollator | None,
+        *,
+        fields: Sequence[str],
+        token_budget: int | None,
+        batch_size: int,
+    ) -> Collate:
+        return Collate(formatters, pad_id, source, packer, token_budget)
+
+    def loss(self, base: Any, args: Any, cache: Any = None) -> LossFunction:
+        return LossFunction(base)
