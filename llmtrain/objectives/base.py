@@ -5,6 +5,7 @@ and the records ask the objective, never its name."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -14,11 +15,25 @@ from llmtrain.formatting import Formatter, PackedCollator
 
 
 class Loss(Protocol):
-    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The batch's summed loss (the loop divides by the step's ``num_target_tokens``)."""
+    """The batch's summed loss (the loop divides by the step's ``num_target_tokens``), and
+    the metrics besides it since the last ``logged()`` (rewards, margins)."""
 
-    def logged(self) -> dict[str, float]:
-        """Metrics besides the loss since the last call (rewards, margins)."""
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor: ...
+    def logged(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What a collate is made of: a formatter a source (a mixture's several), the fit's fields,
+    and ``token_budget``: a step's rows handed over at once, packed into micro-batches."""
+
+    formatters: Sequence[Formatter]
+    pad_id: int
+    source: str
+    packer: PackedCollator | None
+    fields: Sequence[str] = ()
+    token_budget: int | None = None
+    batch_size: int = 1
 
 
 class Objective:
@@ -52,17 +67,7 @@ class Objective:
         """The config the run records, completed from its snapshot (as given by default)."""
         return config
 
-    def collate(
-        self,
-        formatters: Sequence[Formatter],
-        pad_id: int,
-        source: str,
-        packer: PackedCollator | None,
-        *,
-        fields: Sequence[str],
-        token_budget: int | None,
-        batch_size: int,
-    ) -> Callable[[list[tuple[Any, dict[str, Any]]]], Any]:
+    def collate(self, how: Batching) -> Callable[[list[tuple[Any, dict[str, Any]]]], Any]:
         raise NotImplementedError
 
     def loss(self, base: Any, args: Any, cache: Any = None) -> Loss:

@@ -19,7 +19,7 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
-from llmtrain.objectives.base import Objective
+from llmtrain.objectives.base import Batching, Objective
 from llmtrain.objectives.collate import counted
 from llmtrain.objectives.loss import LossFunction, sequence_logprobs
 from llmtrain.objectives.reference import ReferenceCache, pair_digest, reference_model
@@ -89,21 +89,12 @@ class Preference(Objective):
             )
         return problems
 
-    def collate(
-        self,
-        formatters: Sequence[Formatter],
-        pad_id: int,
-        source: str,
-        packer: PackedCollator | None,
-        *,
-        fields: Sequence[str],
-        token_budget: int | None,
-        batch_size: int,
-    ) -> PairCollate:
-        per_batch = batch_size if token_budget is not None else None
-        answer, second = fields[1:]
-        f, feedback = formatters[0], self.feedback
-        return PairCollate(f, answer, second, pad_id, source, packer, per_batch, feedback)
+    def collate(self, how: Batching) -> PairCollate:
+        per_batch = how.batch_size if how.token_budget is not None else None
+        f, (answer, second) = how.formatters[0], how.fields[1:]
+        return PairCollate(
+            f, answer, second, how.pad_id, how.source, how.packer, per_batch, self.feedback
+        )
 
     def loss(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> PreferenceLoss:
         return PreferenceLoss(self, base, args, cache)

@@ -3,11 +3,9 @@ the summed next-token loss on their target tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from llmtrain.formatting import Formatter, PackedCollator
-from llmtrain.objectives.base import Objective
+from llmtrain.objectives.base import Batching, Objective
 from llmtrain.objectives.collate import Collate
 from llmtrain.objectives.loss import LossFunction
 
@@ -24,18 +22,8 @@ class SFT(Objective):
             return [f"training_args.save_best_by={best!r}: rewards are a preference objective's"]
         return []
 
-    def collate(
-        self,
-        formatters: Sequence[Formatter],
-        pad_id: int,
-        source: str,
-        packer: PackedCollator | None,
-        *,
-        fields: Sequence[str],
-        token_budget: int | None,
-        batch_size: int,
-    ) -> Collate:
-        return Collate(formatters, pad_id, source, packer, token_budget)
+    def collate(self, how: Batching) -> Collate:
+        return Collate(how.formatters, how.pad_id, how.source, how.packer, how.token_budget)
 
     def loss(self, base: Any, args: Any, cache: Any = None) -> LossFunction:
         return LossFunction(base)

@@ -21,6 +21,7 @@ from llmtrain.data.snapshot import Split
 from llmtrain.db.queries import Query
 from llmtrain.formatting import IGNORE_INDEX, Formatter, PackedCollator
 from llmtrain.objectives import OBJECTIVES, Objective
+from llmtrain.objectives.base import Batching
 
 if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
@@ -45,15 +46,8 @@ def make_collate(
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
     formatters = [formatter] if isinstance(formatter, Formatter) else list(formatter)
-    return objective.collate(
-        formatters,
-        tokenizer.pad_token_id,
-        source,
-        packer,
-        fields=fields,
-        token_budget=token_budget,
-        batch_size=batch_size,
-    )
+    pad, budget = tokenizer.pad_token_id, token_budget
+    return objective.collate(Batching(formatters, pad, source, packer, fields, budget, batch_size))
 
 
 def view_dataset(
