@@ -70,6 +70,26 @@ class Objective:
     def collate(self, how: Batching) -> Callable[[list[tuple[Any, dict[str, Any]]]], Any]:
         raise NotImplementedError
 
-    def loss(self, base: Any, args: Any, cache: Any = None) -> Loss:
-        """The loss of ``base`` (the unwrapped model) under ``args`` (objective_args)."""
+    def loss(self, run: Any) -> Loss:
+        """The loss of a run (a FitRun: its ``base_model``, ``config``, ``db``, ``plan``)."""
         raise NotImplementedError
+
+
+class Averaged:
+    """Metrics added up until :meth:`logged`, each the mean over the rows it was measured on."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, list[float | torch.Tensor]] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor], rows: int, weights: dict[str, int]) -> None:
+        """``metrics`` of ``rows`` rows (``weights``: by the name's last part, where fewer)."""
+        for name, value in metrics.items():
+            if weight := weights.get(name.rsplit("/", 1)[-1], rows):
+                total = self.sums.setdefault(name, [0.0, 0])
+                total[0] = total[0] + value.detach().float() * weight
+                total[1] = total[1] + weight
+
+    def logged(self) -> dict[str, float]:
+        """The mean of each metric since the last call (reads the device)."""
+        sums, self.sums = self.sums, {}
+        return {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}

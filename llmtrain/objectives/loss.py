@@ -145,30 +145,22 @@ def _per_sequence(
     return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
 
 
-def plain_sequence_logprobs(
-    model: Any, batch: dict[str, Any], *, num_sequences: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sequence_logprobs` from the full logits (the reference; softcapped heads)."""
-    keep, targets, index = _targets(batch)
-    logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1][keep]
-    logps = logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-    return _per_sequence(logps, index, batch, num_sequences)
-
-
-def sequence_logprobs(
+def target_logprobs(
     model: Any,
     batch: dict[str, Any],
     *,
     head: LossFunction | None = None,
-    num_sequences: int | None = None,
+    plain: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of log p(target) [S] float32, target count [S]) per sequence; the head projects only
-    targets, a chunk at a time, checkpointed: the gradient is only known after the forward."""
+) -> torch.Tensor:
+    """log p(target) of each target token, float32, flat in the order of the batch's target
+    mask; the head projects only targets, a chunk at a time, checkpointed (the gradient is only
+    known after the forward). ``plain``: from the full logits (the reference; softcapped heads)."""
     found = head if head is not None else LossFunction(model, chunk_elements=chunk_elements)
-    if not found.chunked:
-        return plain_sequence_logprobs(model, batch, num_sequences=num_sequences)
-    keep, targets, index = _targets(batch)
+    keep, targets, _ = _targets(batch)
+    if plain or not found.chunked:
+        logits = model(**model_inputs(batch), use_cache=False).logits[:, :-1][keep]
+        return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
     def logps_from_hidden(hidden: torch.Tensor, own_forward: Any) -> torch.Tensor:
         def chunk_logps(hidden: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
@@ -183,5 +175,25 @@ def sequence_logprobs(
         parts = [compute(selected[i : i + size], targets[i : i + size]) for i in starts]
         return torch.cat(parts) if parts else selected.new_zeros(0, dtype=torch.float32)
 
-    logps = found.through_head(model, batch, logps_from_hidden)
-    return _per_sequence(logps, index, batch, num_sequences)
+    return found.through_head(model, batch, logps_from_hidden)
+
+
+def sequence_logprobs(
+    model: Any,
+    batch: dict[str, Any],
+    *,
+    head: LossFunction | None = None,
+    num_sequences: int | None = None,
+    plain: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log p(target) [S] float32, target count [S]) per sequence."""
+    logps = target_logprobs(model, batch, head=head, plain=plain, chunk_elements=chunk_elements)
+    return _per_sequence(logps, _targets(batch)[2], batch, num_sequences)
+
+
+def plain_sequence_logprobs(
+    model: Any, batch: dict[str, Any], *, num_sequences: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` from the full logits."""
+    return sequence_logprobs(model, batch, num_sequences=num_sequences, plain=True)

@@ -19,10 +19,15 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
-from llmtrain.objectives.base import Batching, Objective
+from llmtrain.objectives.base import Averaged, Batching, Objective
 from llmtrain.objectives.collate import counted
 from llmtrain.objectives.loss import LossFunction, sequence_logprobs
-from llmtrain.objectives.reference import ReferenceCache, pair_digest, reference_model
+from llmtrain.objectives.reference import (
+    ReferenceCache,
+    pair_digest,
+    reference_fingerprint,
+    reference_model,
+)
 
 Metrics = dict[str, torch.Tensor]
 
@@ -96,8 +101,14 @@ class Preference(Objective):
             f, answer, second, how.pad_id, how.source, how.packer, per_batch, self.feedback
         )
 
-    def loss(self, base: Any, args: Any, cache: ReferenceCache | None = None) -> PreferenceLoss:
-        return PreferenceLoss(self, base, args, cache)
+    def loss(self, run: Any) -> PreferenceLoss:
+        """With a reference, its values are cached by its identity (base, precision, parent)."""
+        cache, config = None, run.config
+        if self.reference:
+            parent = (run.plan.parent or {}).get("adapter")
+            fingerprint = reference_fingerprint(config.model_args, str(run.precision), parent)
+            cache = ReferenceCache(run.db, fingerprint)
+        return PreferenceLoss(self, run.base_model, config.objective_args, cache)
 
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
@@ -186,7 +197,7 @@ class PreferenceLoss:
     ) -> None:
         self.objective, self.base, self.args, self.cache = objective, base, args, cache
         self.head = LossFunction(base)  # the unwrapped model's head, found once
-        self.sums: dict[str, list[float | torch.Tensor]] = {}
+        self.metrics = Averaged()
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         n = int(batch.get("pairs", 0))
@@ -197,11 +208,7 @@ class PreferenceLoss:
         if self.objective.reference:
             ref = self._reference(model, batch, n).to(logps.device)
         loss, metrics, weights = self.objective.compute(logps, counts, ref, batch, self.args)
-        for name, value in metrics.items():
-            if weight := weights.get(name.rsplit("/", 1)[-1], n):
-                total = self.sums.setdefault(name, [0.0, 0])
-                total[0] = total[0] + value.detach().float() * weight
-                total[1] = total[1] + weight
+        self.metrics.add(metrics, n, weights)
         return loss * n
 
     def _reference(self, model: Any, batch: dict[str, Any], n: int) -> torch.Tensor:
@@ -218,7 +225,4 @@ class PreferenceLoss:
         return ref
 
     def logged(self) -> dict[str, float]:
-        """The mean of each metric over its rows since the last call (reads the device)."""
-        sums, self.sums = self.sums, {}
-        out = {name: float(total) / max(float(rows), 1) for name, (total, rows) in sums.items()}
-        return self.objective.summarized(out)
+        return self.objective.summarized(self.metrics.logged())

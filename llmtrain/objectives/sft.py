@@ -25,5 +25,5 @@ class SFT(Objective):
     def collate(self, how: Batching) -> Collate:
         return Collate(how.formatters, how.pad_id, how.source, how.packer, how.token_budget)
 
-    def loss(self, base: Any, args: Any, cache: Any = None) -> LossFunction:
-        return LossFunction(base)
+    def loss(self, run: Any) -> LossFunction:
+        return LossFunction(run.base_model)

@@ -25,7 +25,7 @@ from llmtrain.errors import CheckpointError, DataError
 from llmtrain.formatting import Formatter
 from llmtrain.formatting.template import PromptTemplate
 from llmtrain.objectives import objective_of
-from llmtrain.objectives.reference import REFERENCE, ReferenceCache, reference_fingerprint
+from llmtrain.objectives.reference import REFERENCE
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import CheckpointRecord
 from llmtrain.training.batches import (
@@ -106,13 +106,8 @@ class FitRun:
             compile_layers(model)
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
-        self.objective, cache = objective_of(cfg), None
-        if self.objective.reference:
-            parent = (self.plan.parent or {}).get("adapter")
-            fingerprint = reference_fingerprint(cfg.model_args, str(self.precision), parent)
-            cache = ReferenceCache(self.db, fingerprint)
-        self.loss = self.objective.loss(model, cfg.objective_args, cache)
-
+        self.objective = objective_of(cfg)
+        self.loss = self.objective.loss(self)  # it reads this run's model, config and stores
         fit = self.plan.fit
         self.formatter = self._formatter(fit.fields)
         select = fit.query()
