@@ -6,7 +6,17 @@ from typing import Any
 
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, QueryDataset
 from llmtrain.datalayer import Datalayer, connect
-from llmtrain.db.queries import Collection, Conversations, Mix, Query, RawSQL, Table, mix, sql
+from llmtrain.db.queries import (
+    Collection,
+    Conversations,
+    Mix,
+    Query,
+    RawSQL,
+    Table,
+    mix,
+    sql,
+    sql_reward,
+)
 from llmtrain.errors import (
     BadRowError,
     CheckpointError,
@@ -58,6 +68,7 @@ __all__ = [
     "connect",
     "mix",
     "sql",
+    "sql_reward",
     *_LAZY,
 ]
 

@@ -548,8 +548,8 @@ def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> 
 
 def test_an_empty_micro_batch_adds_no_loss_and_no_gradient(llama_path: Path) -> None:
     """What a process with fewer micro-batches in a step runs, so collectives stay paired."""
-    from llmtrain.training.batches import empty_batch
     from llmtrain.objectives.loss import LossFunction
+    from llmtrain.training.batches import empty_batch
 
     model = AutoModelForCausalLM.from_pretrained(llama_path)
     empty = empty_batch(pad_id=5)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from llmtrain.formatting import IGNORE_INDEX
-from llmtrain.testing import tiny_model
 from llmtrain.objectives.loss import LossFunction, plain_loss_sum
+from llmtrain.testing import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +153,9 @@ def test_the_loop_reads_the_device_once_per_step_and_moves_one_micro_batch_at_a_
     from conftest import fill
 
     import llmtrain as lt
+    from llmtrain.objectives.loss import LossFunction as Loss
     from llmtrain.training import run as run_module
     from llmtrain.training.callbacks import Callback
-    from llmtrain.objectives.loss import LossFunction as Loss
     from llmtrain.training.strategies.single import SingleProcess
 
     events: list[str] = []

@@ -17,7 +17,13 @@ from llmtrain.objectives import OBJECTIVES, Objective
 from llmtrain.testing import tiny_model
 
 #: each fit() role read from one column of one table, so every objective trains the same rows
-COLUMNS = {"X": "prompt", "Y": "chosen", "chosen": "chosen", "rejected": "rejected", "label": "liked"}
+COLUMNS = {
+    "X": "prompt",
+    "Y": "chosen",
+    "chosen": "chosen",
+    "rejected": "rejected",
+    "label": "liked",
+}
 ROWS = [
     {
         "id": i,

@@ -525,7 +525,9 @@ def test_preferences_train_from_every_backend(any_uri: str, tiny: Path, tmp_path
 
 def test_kto_pairs_each_prompt_with_its_neighbours_answer_for_the_kl_estimate(tiny: Path) -> None:
     """The collate's second sequences (KTO's KL estimate, TRL's pairing): prompt i with the
-    answer of the row before it in the micro-batch, packed with the answers themselves."""
+    answer of the row before it in the micro-batch, packed with the answers themselves; as
+    TRL's, prompt i's ids then that answer's ids (``"A:unsure"`` where only green's ``"Ġgreen"``
+    took the space)."""
     from llmtrain.formatting import PackedCollator
     from llmtrain.objectives.preference import PairCollate
 
@@ -538,10 +540,17 @@ def test_kto_pairs_each_prompt_with_its_neighbours_answer_for_the_kl_estimate(ti
     assert batch["pairs"] == 4 and batch["liked"] == [True, True, False, False]
     ids, index = batch["input_ids"].flatten(), batch["sequence_index"].flatten()
     texts = [tokenizer.decode(ids[index == s], skip_special_tokens=True) for s in range(8)]
+    seqs = [ids[index == s].tolist() for s in range(8)]
+    labels = [batch["labels"].flatten()[index == s].tolist() for s in range(8)]
+    trained = [[j for j, t in enumerate(s) if t != IGNORE_INDEX] for s in labels]  # no padding
+    seqs = [s[: t[-1] + 1] for s, t in zip(seqs, trained)]
+    starts = [t[0] for t in trained]
     answers = [row["answer"] for _, row in rows]
     for i, (_, row) in enumerate(rows):
         assert texts[i].endswith(f"{row['prompt']}\nA: {answers[i]}")
-        assert texts[4 + i].endswith(f"{row['prompt']}\nA: {answers[i - 1]}")
+        assert texts[4 + i].endswith(answers[i - 1]) and row["prompt"] in texts[4 + i]
+        before = (i - 1) % 4
+        assert seqs[4 + i] == seqs[i][: starts[i]] + seqs[before][starts[before] :]
 
 
 def test_kto_evaluates_margins_on_held_out_feedback_and_keeps_the_best(

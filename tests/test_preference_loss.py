@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from llmtrain.formatting import IGNORE_INDEX, Example, PackedCollator
-from llmtrain.testing import tiny_model
 from llmtrain.objectives.dpo import dpo_loss
 from llmtrain.objectives.kto import kto_loss
 from llmtrain.objectives.loss import plain_sequence_logprobs, sequence_logprobs
 from llmtrain.objectives.orpo import orpo_loss
 from llmtrain.objectives.simpo import simpo_loss
+from llmtrain.testing import tiny_model
 
 PAIRS, WIDTH = 6, 12
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")

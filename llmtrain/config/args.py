@@ -262,8 +262,9 @@ class ObjectiveArguments(_Args):
     without. kto trains (prompt, completion, liked) rows."""
     beta: float = Field(default=0.1, gt=0)
     """DPO's, KTO's and SimPO's inverse temperature; ORPO's lambda."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
-    """DPO's loss."""
+    loss_type: str | None = None
+    """The objective's variant (None: its first): dpo sigmoid, ipo, hinge, robust; grpo dapo
+    (TRL's default: over the micro-batch's tokens), grpo (per answer), dr_grpo."""
     label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
     """DPO: how likely a preference is flipped (conservative and robust DPO)."""
     simpo_gamma: float = Field(default=0.5, ge=0)
@@ -273,6 +274,26 @@ class ObjectiveArguments(_Args):
     label counts (undesirable 1), so each kind weighs the same (recorded); one None: 1."""
     undesirable_weight: float | None = Field(default=None, gt=0)
     """KTO: the weight of disliked completions (see desirable_weight)."""
+
+    num_generations: int = Field(default=4, ge=2)
+    """GRPO: answers sampled a prompt each step, whose rewards are normalised as a group."""
+    max_new_tokens: int = Field(default=64, ge=1)
+    """GRPO: the longest answer sampled (TRL's max_completion_length)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """GRPO: the sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """GRPO: nucleus sampling's probability mass."""
+    epsilon: float = Field(default=0.2, gt=0, lt=1)
+    """GRPO: the ratio's clip range below (and above, unless epsilon_high)."""
+    epsilon_high: float | None = Field(default=None, gt=0)
+    """GRPO: the clip range above (DAPO's clip-higher); None: epsilon."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: advantages divided by the rewards' std in the group, the batch, or not at all."""
+    reward_weights: list[float] | None = None
+    """GRPO: each reward's weight in the sum (None: 1 each)."""
+    rollouts_table: str | None = Field(default=None, min_length=1)
+    """GRPO: a table of the data database llmtrain writes every sampled answer to (run, step,
+    prompt key, answer, rewards, advantage), for later fits to select from."""
 
     @model_validator(mode="after")
     def _known(self) -> ObjectiveArguments:
@@ -530,6 +551,8 @@ class TrainerConfig(_Args):
     def _objective_problems(self) -> list[str]:
         """The objective's fields and rules (its module's), then what any objective needs."""
         problems = objective_problems(self)
+        if self.fit is not None and self.fit.reward and not objective_of(self).generated:
+            problems.append("fit(reward=) scores generated answers: set objective='grpo'")
         if self.init_from is not None and self.lora_args is None:
             problems.append(
                 f"init_from={self.init_from!r} continues an earlier model's adapter; "
@@ -579,8 +602,9 @@ class TrainerConfig(_Args):
         except ConfigError as exc:
             return [f"prompt_template: {exc}"]
         mixed = fit is not None and len(fit.parts()) > 1
+        generated = ["(generated)"] if objective_of(self).generated else []  # the answer slot
         for part in fit.parts() if fit else ():
-            y = part.fields_or(fit.fields)[1:] if fit else []
+            y = part.fields_or(fit.fields)[1:2] or generated if fit else []
             conversations = isinstance(part.select, Conversations)
             if problem := self._shape_problem(y, conversations, mixed, documents):
                 return [problem]

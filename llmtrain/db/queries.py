@@ -167,6 +167,17 @@ def sql(text: str, *, key: str, source: str | None = None, **params: Any) -> Raw
     return RawSQL(text, key=key, params=params, source=source)
 
 
+def sql_reward(text: str, *, timeout_s: float = 10.0) -> dict[str, Any]:
+    """A reward the database computes for each generated answer: one SELECT of one number with
+    ``:completion``, ``:prompt``, ``:key`` and the row's fields as parameters, run read-only;
+    NULL, an error or ``timeout_s`` passed: a bad reward (recorded), not a crash."""
+    if not isinstance(text, str) or not text.strip():
+        raise QueryError("sql_reward() needs a SELECT statement")
+    if not 0 < timeout_s <= 3600:
+        raise QueryError(f"sql_reward(timeout_s=) must be in (0, 3600], got {timeout_s!r}")
+    return {"sql": text.strip().rstrip(";"), "timeout_s": float(timeout_s)}
+
+
 class Collection(Query):
     """Documents of one MongoDB collection: ``Collection("docs").find({"lang": "en"})``."""
 

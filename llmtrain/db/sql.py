@@ -4,17 +4,22 @@ values only bound; one SELECT a call (on PostgreSQL in autocommit: no BEGIN/ROLL
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+import sqlglot
+from sqlglot import exp
 
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
 from llmtrain.db.forgotten import (
+    _DIALECTS,
     Condition,
     Guarded,
     Rewriter,
@@ -27,7 +32,7 @@ from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conv
 from llmtrain.db.retry import RetryPolicy
 from llmtrain.db.sources import Source, key_table, match_name, split_name
 from llmtrain.db.sql_errors import database_message, is_transient, refusal
-from llmtrain.errors import QueryError
+from llmtrain.errors import ConfigError, QueryError
 
 _LOWER, _LIMIT = "llmtrain_lower", "llmtrain_limit"
 _MAX_PAGES = 256
@@ -81,6 +86,32 @@ class _Source:
         return stmt.where(self.where) if self.where is not None else stmt
 
 
+@contextmanager
+def _read_only(conn: sa.Connection, timeout_s: float) -> Iterator[None]:
+    """A transaction that cannot write and stops after ``timeout_s``; rolled back."""
+    dialect, raw = conn.dialect.name, conn.connection.dbapi_connection
+    tx = conn.begin()  # no statement yet: the first SET still shapes the transaction
+    if dialect == "postgresql":
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {int(timeout_s * 1000)}")
+    elif dialect == "sqlite":
+        conn.exec_driver_sql("PRAGMA query_only = 1")
+        end = time.monotonic() + timeout_s
+        raw.set_progress_handler(lambda: time.monotonic() > end, 10_000)  # type: ignore[union-attr]
+    else:
+        conn.exec_driver_sql("SET TRANSACTION READ ONLY")
+        conn.exec_driver_sql(f"SET SESSION max_statement_time = {timeout_s}")
+    try:
+        yield
+    finally:
+        if dialect == "sqlite":
+            raw.set_progress_handler(None, 0)  # type: ignore[union-attr]
+            conn.exec_driver_sql("PRAGMA query_only = 0")
+        elif dialect != "postgresql":
+            conn.exec_driver_sql("SET SESSION max_statement_time = 0")
+        tx.rollback()
+
+
 class SQLBackend(DataBackend):
     def __init__(self, uri: str, *, retry: RetryPolicy | None = None) -> None:
         super().__init__(uri, retry=retry)
@@ -129,6 +160,32 @@ class SQLBackend(DataBackend):
                 return rewriter.sql(text, what), rewriter.bases
 
         return self._retrying("reading the catalog", rewrite, what)
+
+    def scores(self, text: str, params: Sequence[dict[str, Any]], timeout_s: float) -> list[Any]:
+        """The one value ``text`` (a single SELECT, read without forgotten rows) gives for each
+        of ``params``, in a read-only transaction rolled back; one that fails or runs past
+        ``timeout_s`` gives None. Anything but one SELECT, or a parameter not given: refused."""
+        with self.engine.connect() as conn:
+            dialect = conn.dialect.name
+            unbound = re.sub(r"(?<![:\w]):\w+", "NULL", text)  # placeholders parse in every dialect
+            try:
+                statements = sqlglot.parse(unbound, read=_DIALECTS.get(dialect, dialect))
+            except sqlglot.errors.ParseError:
+                statements = []
+            if len(statements) != 1 or not isinstance(statements[0], exp.Query):
+                raise ConfigError(f"sql_reward {text[:60]!r}: not a single SELECT (read-only)")
+            sql = self.rewritten(text, "sql_reward")[0] if self.guarded() else text
+            stmt = sa.text(sql)
+            if missing := set(stmt._bindparams) - set(params[0] if params else {}):
+                raise ConfigError(f"sql_reward: no value for parameter(s) {sorted(missing)}")
+            out = []
+            for values in params:
+                with _read_only(conn, timeout_s):
+                    try:
+                        out.append(conn.execute(stmt, values).scalar())
+                    except sa.exc.DBAPIError:
+                        out.append(None)
+            return out
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
         """``call`` retried on faults that heal; others a ConfigError (refused) or a QueryError."""

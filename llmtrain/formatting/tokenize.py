@@ -4,6 +4,7 @@ Prompt and response are tokenized as one text (the response alone would get a sp
 from Llama-2 style tokenizers), split by character offsets. A prompt ending in text a response's
 first token can absorb (``"Fruit: "`` + ``"banana"`` is ``Ġbanana``) is cut before it, found once
 by probing; generation re-spells it (:class:`Prompt`, token healing), as the model was trained.
+Preference answers are not healed: scored from where their ids leave the prompt's, as TRL does.
 
 Prompt tokens are ignored unless ``train_on_inputs``; the response and its EOS are trained. Past
 ``max_length``, in order: drop a chat template's untrained tail; cut the prompt from the LEFT
@@ -182,6 +183,34 @@ class Formatter:
             response = ids[cut:] + [self.eos_id]
             examples.append(self._assemble(key, self._prefix, ids[:cut], response, response, []))
         return examples
+
+    def format_pairs(
+        self, rows: KeyedRows, others: KeyedRows, *, mismatched: bool = False, source: str = "rows"
+    ) -> list[Example]:
+        """Preference sequences, ``rows``' then ``others``' (row ``i``'s other answer), scored as
+        TRL 1.16's DPO and KTO trainers do: from where the ids of prompt + answer leave those of
+        the prompt alone (no token healing: log p(answer | prompt)), a pair from the earlier of its
+        two; ``mismatched`` (KTO's KL pairs): the other answer's ids after row ``i``'s prompt."""
+        if self.chat_template or self.documents or self.conversations:
+            return self.format_batch(rows, source=source) + self.format_batch(others, source=source)
+        assert self.template is not None
+        keyed, n = [*rows, *others], len(rows)
+        for key, row in keyed:
+            check_row(source, key, row, (self.x_field, self.y_field))
+        prompts = [self.template.prompt(cast("str", row[self.x_field])) for _, row in keyed]
+        answers = [cast("str", row[self.y_field]) for _, row in keyed]
+        encoded = self._encode(prompts + [p + y for p, y in zip(prompts, answers)]) if keyed else []
+        full = [ids + [self.eos_id] for ids in encoded[2 * n :]]
+        cut = [_common_prefix(a, b) for a, b in zip(encoded, full)]
+        if mismatched:  # TRL's KL completions: row i's prompt ids, then the other's answer ids
+            full[n:] = [full[i][: cut[i]] + full[n + i][cut[n + i] :] for i in range(n)]
+            cut[n:] = cut[:n]
+        else:  # both answers after one prompt
+            cut = [min(cut[i % n], cut[n + i % n]) for i in range(2 * n)]
+        return [
+            self._assemble(key, self._prefix, ids[:c], ids[c:], ids[c:], [])
+            for (key, _), ids, c in zip(keyed, full, cut)
+        ]
 
     def prompt(self, x: str, max_tokens: int | None = None) -> Prompt:
         """What a model is given at inference: the ids a training example has before its
@@ -406,6 +435,11 @@ class Formatter:
 def _literal(text: str) -> str:
     """``text`` as a Jinja expression (a JSON string is a valid Jinja string literal)."""
     return "{{ " + json.dumps(text, ensure_ascii=False) + " }}"
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share (TRL's ``common_prefix_length``)."""
+    return next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
 
 
 def _masked(ids: list[int], mask: list[int]) -> list[int]:

@@ -8,12 +8,15 @@ from typing import Any
 
 from llmtrain.objectives.base import Objective
 from llmtrain.objectives.dpo import DPO
+from llmtrain.objectives.grpo import GRPO
 from llmtrain.objectives.kto import KTO
 from llmtrain.objectives.orpo import ORPO
 from llmtrain.objectives.sft import SFT
 from llmtrain.objectives.simpo import SimPO
 
-OBJECTIVES: dict[str, Objective] = {o.name: o for o in (SFT(), DPO(), KTO(), ORPO(), SimPO())}
+OBJECTIVES: dict[str, Objective] = {
+    o.name: o for o in (SFT(), DPO(), KTO(), ORPO(), SimPO(), GRPO())
+}
 
 
 def objective_of(config: Any) -> Objective:
@@ -40,6 +43,10 @@ def objective_problems(config: Any) -> list[str]:
                 f"objective={chosen.name!r} trains fit({wanted}): "
                 f"{' and '.join(f'{r}=' for r in missing)} missing"
             )
+    loss_type = config.objective_args.loss_type
+    if loss_type is not None and loss_type not in chosen.loss_types:
+        takes = ", ".join(map(repr, chosen.loss_types)) or "none"
+        problems.append(f"loss_type={loss_type!r}: objective={chosen.name!r} takes {takes}")
     return problems + chosen.problems(config)
 
 

@@ -45,8 +45,12 @@ class Objective:
     optional: ClassVar[tuple[str, ...]] = ()
     #: what rows of these fields hold, in the message that suggests this objective
     trains: ClassVar[str]
-    #: trains against a frozen reference (the starting model), whose values are cached
+    #: trains against a frozen reference (the starting model: the adapter off, or its parent's)
     reference: ClassVar[bool] = False
+    #: samples its answers from the policy (the template's {Y} is what it generates)
+    generated: ClassVar[bool] = False
+    #: the loss_type values it takes, its default first
+    loss_types: ClassVar[tuple[str, ...]] = ()
 
     def takes(self, roles: Sequence[str]) -> bool:
         return set(self.roles) - set(self.optional) <= set(roles) <= set(self.roles)

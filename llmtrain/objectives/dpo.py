@@ -45,7 +45,7 @@ def dpo_loss(
 
 
 class DPO(Preference):
-    name, reference = "dpo", True
+    name, reference, loss_types = "dpo", True, ("sigmoid", "ipo", "hinge", "robust")
 
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
@@ -57,7 +57,7 @@ class DPO(Preference):
             ref[:n],
             ref[n:],
             beta=args.beta,
-            loss_type=args.loss_type,
+            loss_type=args.loss_type or self.loss_types[0],
             label_smoothing=args.label_smoothing,
             chosen_tokens=counts[:n],
             rejected_tokens=counts[n:],

@@ -149,8 +149,7 @@ class PairCollate:
         donors = rows[-1:] + rows[:-1] if self.feedback else rows  # feedback: the row before's
         field = self.answer if self.feedback else self.second
         others = [(k, {**r, self.answer: s[field]}) for (k, r), (_, s) in zip(rows, donors)]
-        examples = f.format_batch(rows, source=self.source)
-        examples += f.format_batch(others, source=self.source)
+        examples = f.format_pairs(rows, others, mismatched=self.feedback, source=self.source)
         if not f.train_on_inputs:  # both sequences after the same prompt ids: the shorter one
             for i in range(n):
                 examples[i], examples[n + i] = same_prompt(examples[i], examples[n + i])

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from llmtrain.stores.handle import Database
 
 KIND = "reference_logps"
+#: what a sequence scores, in each fingerprint: values kept before it changed are computed again
+SCORING = "answers from where their ids leave the prompt's (TRL 1.16)"
 #: a reference adapter: the adapter an earlier model trained, kept frozen beside the trained one
 REFERENCE = "reference"
 
@@ -33,7 +35,7 @@ def pair_digest(key: Any, chosen: list[int], rejected: list[int]) -> str:
 def reference_fingerprint(model_args: Any, precision: str, adapter: str | None = None) -> str:
     """The reference's identity: the base model (a local folder's files by size and time too: a
     folder rewritten in place is another reference), the precision and the adapter's id if any."""
-    facts: list[Any] = [model_args.model_dump(mode="json"), precision]
+    facts: list[Any] = [model_args.model_dump(mode="json"), precision, SCORING]
     if adapter is not None:
         facts.append(adapter)
     folder = Path(os.path.expanduser(model_args.model_name_or_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections.abc import Sequence
 from typing import Any, ClassVar, get_args
@@ -72,6 +73,7 @@ class LLMTrainer:
         chosen: str | None = None,
         rejected: str | None = None,
         label: str | None = None,
+        reward: Any = None,
         eval_select: Query | None = None,
         resume: bool | str = False,
         allow_changed_data: bool | None = None,
@@ -89,6 +91,7 @@ class LLMTrainer:
         replay though the rows changed (this call only, recorded; default from ``data_args``).
         ``chosen=``, ``rejected=`` (``objective`` dpo, orpo or simpo): the preferred and the other
         answer to ``X``; ``label=`` (kto): the field saying whether the user liked ``Y``.
+        ``reward=`` (grpo): ``lt.sql_reward(...)``, a function ``"module:name"``, or a list.
         ``incremental=True`` trains only rows no completed run of this trainer trained (new keys;
         changed versions too with ``data_args.version_column``) from the newest model's adapter,
         its parent, which needs the same base and adapter shape and no rows forgotten since
@@ -116,7 +119,7 @@ class LLMTrainer:
             for name, value in flags.items():
                 if not isinstance(value, bool):
                     raise ConfigError(f"fit({name}=) must be True or False, got {value!r}")
-            spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected, label)
+            spec = self._fit_spec(X, Y, db, select, eval_select, chosen, rejected, label, reward)
             data = {**self.config.model_dump(), "fit": spec.model_dump()}
             config = build(TrainerConfig, data, "LLMTrainer")  # the rules that need the fit's data
             placement = Placement.from_environment()  # resolved once for the whole fit
@@ -154,6 +157,7 @@ class LLMTrainer:
         chosen: str | None = None,
         rejected: str | None = None,
         label: str | None = None,
+        reward: Any = None,
     ) -> FitSpec:
         if X is None and Y is None and select is None and not (chosen or rejected or label):
             if self.config.fit is None:
@@ -196,10 +200,28 @@ class LLMTrainer:
             chosen=chosen,
             rejected=rejected,
             label=label,
+            reward=_rewards(reward),
             select=select.to_dict(),
             eval_select=eval_select.to_dict() if eval_select else None,
             db=db.uri,
         )
+
+
+def _rewards(reward: Any) -> list[dict[str, Any]] | None:
+    """fit(reward=) as recorded: each an lt.sql_reward or an import path ``"module:name"``."""
+    if reward is None:
+        return None
+    out = []
+    for one in reward if isinstance(reward, (list, tuple)) else [reward]:
+        if isinstance(one, str) and re.fullmatch(r"[\w.]+:[\w.]+", one):
+            out.append({"function": one})
+        elif isinstance(one, dict) and set(one) == {"sql", "timeout_s"}:
+            out.append(dict(one))
+        else:
+            raise ConfigError(
+                f"fit(reward=) takes lt.sql_reward(...) or a function 'module:name', got {one!r}"
+            )
+    return out
 
 
 def _model_of_run(db: Datalayer, identifier: str, run_id: str) -> Any:

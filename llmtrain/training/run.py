@@ -157,7 +157,8 @@ class FitRun:
     def _formatter(self, fields: list[str]) -> Formatter:
         """The formatter of rows with ``fields`` (a {Y} template only formats sources with a Y)."""
         d, template = self.dargs, None if self.dargs.chat_template else self.config.prompt_template
-        if template and len(fields) == 1 and not PromptTemplate(template).documents:
+        answered = len(fields) > 1 or self.objective.generated
+        if template and not answered and not PromptTemplate(template).documents:
             template = None
         return Formatter(
             self.tokenizer,

@@ -1,0 +1,317 @@
+"""GRPO: each step samples ``num_generations`` answers a prompt from the policy, scores them with
+rewards the database computes (``lt.sql_reward``) or functions (``"module:name"``, TRL's
+signature), and trains TRL 1.16's clipped objective on the group-normalised advantages with a KL
+penalty to the reference (the model with its adapter off, or its parent). Each answer can be
+written back as a row (``rollouts_table``) that later fits select from."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+import sqlalchemy as sa
+import torch
+
+from llmtrain.db.keys import key_repr
+from llmtrain.errors import ConfigError
+from llmtrain.formatting import IGNORE_INDEX
+from llmtrain.objectives.base import Averaged, Batching, Objective
+from llmtrain.objectives.loss import LossFunction, target_logprobs
+from llmtrain.objectives.reference import reference_model
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    beta: float,
+    epsilon: float,
+    epsilon_high: float | None,
+    loss_type: str,
+    max_new_tokens: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL 1.16's loss of [N, T] per-token log-probs on ``mask``'s answer tokens (token-level
+    importance ratios): ``grpo`` the mean of each answer's token mean, ``dr_grpo`` the sum over
+    N x max_new_tokens, ``dapo`` the token mean."""
+    high = epsilon_high if epsilon_high is not None else epsilon
+    ratio, adv, m = torch.exp(logps - old_logps), advantages[:, None], mask.float()
+    per_token = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + high) * adv)
+    kl = torch.zeros_like(per_token)
+    if beta and ref_logps is not None:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        per_token = per_token + beta * kl
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    elif loss_type == "dr_grpo":
+        loss = (per_token * m).sum() / (per_token.size(0) * max_new_tokens)
+    else:
+        loss = (per_token * m).sum() / m.sum().clamp(min=1)
+    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+    tokens = m.sum().clamp(min=1)
+    return loss, {
+        "kl": (kl.detach() * m).sum() / tokens,
+        "clip_ratio": (clipped * m).sum() / tokens,
+    }
+
+
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation ignoring NaNs (Bessel-corrected, NaN below two values; TRL's)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim)
+    count = (~torch.isnan(x)).sum(dim=dim)
+    return torch.sqrt(torch.where(count > 1, variance * count / (count - 1), math.nan))
+
+
+def advantages(rewards: torch.Tensor, weights: list[float], group: int, scale: str) -> Any:
+    """(advantage, weighted reward) of each answer from its [N, R] rewards (NaN: bad): the
+    weighted sum less its group's mean, over the group's (or batch's) std; unscorable: 0."""
+    total = (rewards * torch.tensor(weights)).nansum(1)
+    total[torch.isnan(rewards).all(1)] = math.nan
+    grouped = total.view(-1, group)
+    mean = torch.nanmean(grouped, 1).repeat_interleave(group)
+    std = nanstd(grouped, 1).repeat_interleave(group) if scale == "group" else nanstd(total)
+    out = total - mean if scale == "none" else (total - mean) / (std + 1e-4)
+    return torch.nan_to_num(out, nan=0.0), total
+
+
+def _number(value: Any) -> float:
+    ok = isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(float(value)) else math.nan
+
+
+def scores(db: Any, rewards: list[dict[str, Any]], **row: list[Any]) -> torch.Tensor:
+    """[N, R] rewards of N answers: an SQL reward run by the database per answer (its row's
+    fields, ``completion``, ``prompt`` and ``key`` as parameters), a function called as TRL calls
+    it (``prompts``, ``completions``, each field a keyword). Not a finite number: NaN."""
+    prompts, completions, keys = row.pop("prompts"), row.pop("completions"), row.pop("keys")
+    columns = []
+    for reward in rewards:
+        if "sql" in reward:
+            if not hasattr(db.backend, "scores"):
+                raise ConfigError("sql_reward needs an SQL database; use a function reward")
+            params = [
+                {**{f: v[i] for f, v in row.items()}, "completion": c, "prompt": p, "key": k}
+                for i, (c, p, k) in enumerate(zip(completions, prompts, keys))
+            ]
+            values = db.backend.scores(reward["sql"], params, reward["timeout_s"])
+        else:
+            module, name = reward["function"].split(":")
+            function = getattr(importlib.import_module(module), name)
+            values = function(prompts=prompts, completions=completions, **row)
+        columns.append([_number(v) for v in values])
+    return torch.tensor(columns, dtype=torch.float32).T
+
+
+def write_rollouts(db: Any, table: str, rows: list[dict[str, Any]]) -> None:
+    """The answers as rows of ``table`` in the data database (made at the first write); a
+    step run again after a resume replaces its rows (``id``: run/step/prompt key/answer)."""
+    text, number, whole = sa.Text(), sa.Float(), sa.Integer()
+    columns: list[tuple[str, Any]] = [("run_id", sa.String(64)), ("step", whole)]
+    columns += [("prompt_key", text), ("generation", whole), ("completion", text)]
+    columns += [("tokens", whole), ("reward", number), ("rewards", text), ("advantage", number)]
+    made = sa.Table(
+        table,
+        sa.MetaData(),
+        sa.Column("id", sa.String(255), primary_key=True),
+        *(sa.Column(name, kind) for name, kind in columns),
+    )
+    with db.backend.engine.begin() as conn:
+        made.create(conn, checkfirst=True)
+        conn.execute(made.delete().where(made.c.id.in_([r["id"] for r in rows])))
+        conn.execute(made.insert(), rows)
+
+
+@dataclass
+class RowCollate:
+    """Prompt rows as they are (the loss formats and samples them), ``per_batch`` a micro-batch;
+    ``num_target_tokens`` counts prompts, what a step is normalised by."""
+
+    per_batch: int | None
+
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
+        size = self.per_batch or max(len(rows), 1)
+        made = [
+            {
+                "rows": [row for _, row in rows[i : i + size]],
+                "row_keys": [key for key, _ in rows[i : i + size]],
+                "keys": [key_repr(key) for key, _ in rows[i : i + size]],
+                "num_target_tokens": len(rows[i : i + size]),
+                "num_tokens": 0,
+            }
+            for i in range(0, len(rows), size)
+        ]
+        return made if self.per_batch is not None else made[0] if made else {}
+
+
+class GRPO(Objective):
+    name, roles, optional, trains = "grpo", ("X", "Y"), ("Y",), "prompts scored by rewards"
+    reference, generated, loss_types = True, True, ("dapo", "grpo", "dr_grpo")
+
+    def problems(self, config: Any) -> list[str]:
+        fit, a, problems = config.fit, config.objective_args, []
+        rewards = (fit.reward or []) if fit is not None else None
+        if rewards == []:
+            problems.append(
+                "objective='grpo' needs fit(reward=): lt.sql_reward(...), a function "
+                "'module:name', or a list of them"
+            )
+        if rewards and a.reward_weights is not None and len(a.reward_weights) != len(rewards):
+            problems.append(
+                f"reward_weights has {len(a.reward_weights)} weight(s) for {len(rewards)} reward(s)"
+            )
+        if fit is not None and fit.query().kind == "mix":
+            problems.append("objective='grpo' trains one source, not lt.mix(...)")
+        if a.beta and config.lora_args is None:
+            problems.append(
+                "objective='grpo' with lora_args=None: the KL reference is the model with its "
+                "adapter off; train an adapter or set beta=0"
+            )
+        sharded = config.fsdp_config is not None or config.deepspeed_config is not None
+        if sharded or config.data_args.packing or config.training_args.eval_metrics:
+            problems.append(
+                "objective='grpo' samples answers with the whole model in one process or under "
+                "DDP, unpacked, without eval_metrics: drop fsdp_config, deepspeed_config, "
+                "packing and eval_metrics"
+            )
+        if a.rollouts_table and fit is not None and fit.db.startswith("mongodb"):
+            problems.append("rollouts_table= writes an SQL table; MongoDB is not supported")
+        if a.max_new_tokens >= config.data_args.max_length:
+            problems.append(
+                f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in "
+                f"max_length={config.data_args.max_length}"
+            )
+        return problems
+
+    def collate(self, how: Batching) -> RowCollate:
+        return RowCollate(how.batch_size if how.token_budget is not None else None)
+
+    def loss(self, run: Any) -> GRPOLoss:
+        return GRPOLoss(run)
+
+
+class GRPOLoss:
+    """``loss(model, batch)``: sample, score, then the policy's loss on its own answers, summed
+    over the prompts (each prompt's answers: their mean); metrics add up until :meth:`logged`."""
+
+    def __init__(self, run: Any) -> None:
+        self.run, self.base = run, run.base_model
+        self.args, self.fit = run.config.objective_args, run.plan.fit
+        self.head = LossFunction(self.base)
+        self.metrics = Averaged()
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        if not batch.get("rows"):  # a rank's filler batch: its collectives, no gradient
+            return target_logprobs(model, batch, head=self.head).sum()
+        a, run, group = self.args, self.run, self.args.num_generations
+        tok, x, rows = run.tokenizer, self.fit.X, batch["rows"]
+        room = run.config.data_args.max_length - a.max_new_tokens
+        prompts = [
+            p for row in rows for p in [run.formatter.prompt(row[x], max_tokens=room)] * group
+        ]
+        width, pad, eos = max(len(p.ids) for p in prompts), tok.pad_token_id, tok.eos_token_id
+        device = next(self.base.parameters()).device
+        ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts], device=device)
+        seen = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
+        self.base.eval()
+        with torch.no_grad():
+            out = self.base.generate(
+                input_ids=ids,
+                attention_mask=seen.to(device),
+                do_sample=True,
+                temperature=a.temperature,
+                top_p=a.top_p,
+                top_k=0,
+                max_new_tokens=a.max_new_tokens,
+                pad_token_id=pad,
+                eos_token_id=eos,
+            )
+        self.base.train()
+        answers = out[:, width:]
+        ends = answers == eos
+        lengths = torch.where(ends.any(1), ends.int().argmax(1) + 1, answers.size(1))
+        mask = torch.arange(answers.size(1), device=device)[None] < lengths[:, None]
+        texts = tok.batch_decode(
+            [r[:n] for r, n in zip(answers.tolist(), lengths.tolist())], skip_special_tokens=True
+        )
+        fields = {f: [r[f] for r in rows for _ in range(group)] for f in self.fit.fields}
+        keys = [k for k in batch["row_keys"] for _ in range(group)]
+        each = scores(
+            run.db, self.fit.reward, prompts=fields[x], completions=texts, keys=keys, **fields
+        )
+        weights = a.reward_weights or [1.0] * each.size(1)
+        advantage, reward = advantages(each, weights, group, a.scale_rewards)
+        attention = torch.cat([seen.to(device), mask.long()], 1)
+        labels = torch.full_like(out, IGNORE_INDEX)
+        labels[:, width:][mask] = answers[mask]
+        train = {
+            "input_ids": out,
+            "attention_mask": attention,
+            "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "labels": labels,
+        }
+        logps = self._per_token(model, train, width)
+        ref = None
+        if a.beta:
+            with torch.no_grad(), reference_model(self.base):
+                ref = self._per_token(model, train, width)
+        loss, metrics = grpo_loss(
+            logps,
+            logps.detach(),
+            ref,
+            advantage.to(device),
+            mask,
+            beta=a.beta,
+            epsilon=a.epsilon,
+            epsilon_high=a.epsilon_high,
+            loss_type=a.loss_type or GRPO.loss_types[0],
+            max_new_tokens=a.max_new_tokens,
+        )
+        names = [r.get("function", f"sql{i}").split(":")[-1] for i, r in enumerate(self.fit.reward)]
+        metrics |= {f"rewards/{n}": torch.nanmean(each[:, i]) for i, n in enumerate(names)}
+        metrics |= {"reward": torch.nanmean(reward), "reward_std": nanstd(reward)}
+        metrics["completions/mean_length"] = lengths.float().mean()
+        self.metrics.add(metrics, len(prompts), {})
+        if a.rollouts_table:
+            self._keep(a.rollouts_table, keys, texts, lengths, each, reward, advantage)
+        return loss * len(rows)
+
+    def _per_token(self, model: Any, batch: dict[str, Any], width: int) -> torch.Tensor:
+        """[N, answer length] log p of each answer token (0 where masked)."""
+        flat = target_logprobs(model, batch, head=self.head)
+        keep = batch["labels"][:, 1:] != IGNORE_INDEX
+        return torch.zeros(keep.shape, device=flat.device).masked_scatter(keep, flat)[
+            :, width - 1 :
+        ]
+
+    def _keep(self, table: str, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
+        """Rank by rank, this micro-batch's answers as rows (their step: the one running)."""
+        lengths, each, reward, advantage = (v.tolist() for v in values)
+        step, group, run_id = self.run.step + 1, self.args.num_generations, self.run.run_id
+        rows = [
+            {
+                "id": f"{run_id}/{step}/{key_repr(k)}/{i % group}",
+                "run_id": run_id,
+                "step": step,
+                "prompt_key": key_repr(k),
+                "generation": i % group,
+                "completion": t,
+                "tokens": n,
+                "reward": None if math.isnan(r) else r,
+                "rewards": json.dumps([None if math.isnan(v) else v for v in e]),
+                "advantage": adv,
+            }
+            for i, (k, t, n, r, e, adv) in enumerate(
+                zip(keys, texts, lengths, reward, each, advantage)
+            )
+        ]
+        write_rollouts(self.run.db, table, rows)
+
+    def logged(self) -> dict[str, float]:
+        return self.metrics.logged()
