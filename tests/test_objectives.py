@@ -24,6 +24,12 @@ COLUMNS = {
     "rejected": "rejected",
     "label": "liked",
 }
+#: what an objective that samples its answers is scored by: the share of the stored answer's
+#: first letter in the answer, computed by the database
+REWARD = lt.sql_reward(
+    "SELECT (length(:completion) - length(replace(:completion, substr(chosen, 1, 1), ''))) "
+    "* 1.0 / max(length(:completion), 1) FROM rows WHERE id = :key"
+)
 ROWS = [
     {
         "id": i,
@@ -43,6 +49,7 @@ OPTIONS: dict[str, Any] = {
     "progress_bar": False,
     "max_steps": 4,
     "save_steps": 2,
+    "max_new_tokens": 8,  # what an objective that samples answers samples
 }
 
 
@@ -51,8 +58,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
-def _fields(objective: Objective) -> dict[str, str]:
-    return {role: COLUMNS[role] for role in objective.roles}
+def _fields(objective: Objective) -> dict[str, Any]:
+    fields: dict[str, Any] = {role: COLUMNS[role] for role in objective.roles}
+    return fields | ({"reward": REWARD} if objective.generated else {})
 
 
 def _weights(db: Any, model: Any, folder: Path) -> dict[str, torch.Tensor]:
@@ -78,6 +86,11 @@ def test_every_objective_keeps_the_contract(
             lt.LLMTrainer("refused", model=tiny, objective=name, **OPTIONS).fit(
                 db=db, select=select, **lacking
             )
+    if objective.generated:
+        with pytest.raises(ConfigError, match="needs fit.reward="):
+            lt.LLMTrainer("refused", model=tiny, objective=name, **OPTIONS).fit(
+                db=db, select=select, X="prompt"
+            )
     assert db.metadata.list_runs() == []  # refused before anything was recorded
 
     whole = lt.LLMTrainer("whole", model=tiny, objective=name, **OPTIONS)
@@ -102,4 +115,5 @@ def test_every_objective_keeps_the_contract(
     (run, *_) = db.metadata.list_runs("trainer", "whole")
     assert db.metadata.get_run(run.run_id).info["config"]["objective_args"]["objective"] == name
     logged = db.metadata.get_metrics(run.run_id)[0].values  # the objective's loss trained it
-    assert ("rewards/margins" in logged) == (name != "sft")
+    own = {"sft": "loss", "grpo": "reward"}.get(name, "rewards/margins")
+    assert own in logged and ("rewards/margins" in logged) == (own == "rewards/margins")

@@ -176,7 +176,7 @@ class SQLBackend(DataBackend):
                 raise ConfigError(f"sql_reward {text[:60]!r}: not a single SELECT (read-only)")
             sql = self.rewritten(text, "sql_reward")[0] if self.guarded() else text
             stmt = sa.text(sql)
-            if missing := set(stmt._bindparams) - set(params[0] if params else {}):
+            if params and (missing := set(stmt._bindparams) - set(params[0])):
                 raise ConfigError(f"sql_reward: no value for parameter(s) {sorted(missing)}")
             out = []
             for values in params:

@@ -49,6 +49,8 @@ class Objective:
     reference: ClassVar[bool] = False
     #: samples its answers from the policy (the template's {Y} is what it generates)
     generated: ClassVar[bool] = False
+    #: the metrics its progress shows after the loss
+    shown: ClassVar[tuple[str, ...]] = ()
     #: the loss_type values it takes, its default first
     loss_types: ClassVar[tuple[str, ...]] = ()
 

@@ -94,8 +94,6 @@ def scores(db: Any, rewards: list[dict[str, Any]], **row: list[Any]) -> torch.Te
     columns = []
     for reward in rewards:
         if "sql" in reward:
-            if not hasattr(db.backend, "scores"):
-                raise ConfigError("sql_reward needs an SQL database; use a function reward")
             params = [
                 {**{f: v[i] for f, v in row.items()}, "completion": c, "prompt": p, "key": k}
                 for i, (c, p, k) in enumerate(zip(completions, prompts, keys))
@@ -153,6 +151,7 @@ class RowCollate:
 class GRPO(Objective):
     name, roles, optional, trains = "grpo", ("X", "Y"), ("Y",), "prompts scored by rewards"
     reference, generated, loss_types = True, True, ("dapo", "grpo", "dr_grpo")
+    shown = ("reward", "kl", "completions/mean_length")
 
     def problems(self, config: Any) -> list[str]:
         fit, a, problems = config.fit, config.objective_args, []
@@ -188,6 +187,15 @@ class GRPO(Objective):
                 f"max_length={config.data_args.max_length}"
             )
         return problems
+
+    def prepare(self, db: Any, config: Any, snapshot: Any) -> Any:
+        """SQL rewards are checked (one read-only SELECT) before anything is recorded."""
+        for reward in config.fit.reward:
+            if "sql" in reward:
+                if not hasattr(db.backend, "scores"):
+                    raise ConfigError("sql_reward needs an SQL database; use a function reward")
+                db.backend.scores(reward["sql"], [], reward["timeout_s"])
+        return config
 
     def collate(self, how: Batching) -> RowCollate:
         return RowCollate(how.batch_size if how.token_budget is not None else None)
@@ -248,6 +256,7 @@ class GRPOLoss:
         weights = a.reward_weights or [1.0] * each.size(1)
         advantage, reward = advantages(each, weights, group, a.scale_rewards)
         attention = torch.cat([seen.to(device), mask.long()], 1)
+        batch["num_tokens"] = int(attention.sum())  # what the loop counts: prompts and answers
         labels = torch.full_like(out, IGNORE_INDEX)
         labels[:, width:][mask] = answers[mask]
         train = {

@@ -72,7 +72,7 @@ def pair_problem(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, st
 class Preference(Objective):
     """Pairs: ``compute`` turns the batch's per-sequence log-probs into the loss."""
 
-    roles, trains = ("X", "chosen", "rejected"), "preferences"
+    roles, trains, shown = ("X", "chosen", "rejected"), "preferences", ("rewards/margins",)
     feedback = False  # the second sequence: the rejected answer (or KTO's mismatched one)
 
     def row_check(self) -> RowCheck | None:

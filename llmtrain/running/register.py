@@ -74,10 +74,11 @@ def register(
     config = config.model_copy(
         update={"fit": fit.model_copy(update={"data_fingerprint": snapshot.fingerprint})}
     )
-    if version is None:
+    prepared = objective_of(config).prepare(db, config, snapshot)  # may refuse: first
+    if version is None:  # the recipe as given; the run records what its objective derived
         payload = config.model_dump(mode="json")
         version = db.metadata.add_component(TRAINER, config.identifier, payload)
-    config = objective_of(config).prepare(db, config, snapshot)
+    config = prepared
     held = eval_rows(db, config)
     plan = RunPlan(
         uuid.uuid4().hex, version, config, snapshot, None, rows.get("parent"), callbacks, held

@@ -8,7 +8,13 @@ from typing import Any, TextIO
 
 
 class Progress:
-    """Shows the steps of one run (silently); ``close`` when done."""
+    """Shows the steps of one run (silently); ``close`` when done. ``shown``: the objective's
+    metrics shown after the loss (rewards, KL)."""
+
+    shown: tuple[str, ...] = ()
+
+    def extra(self, metrics: dict[str, float]) -> dict[str, str]:
+        return {k.rsplit("/", 1)[-1]: f"{metrics[k]:.4g}" for k in self.shown if k in metrics}
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         pass
@@ -36,6 +42,7 @@ class Bar(Progress):
             loss=f"{metrics['loss']:.4f}",
             lr=f"{metrics['lr']:.2e}",
             tok_s=f"{metrics['tokens_per_s']:.0f}",
+            **self.extra(metrics),
         )
 
     def evaluated(self, step: int, eval_loss: float) -> None:
@@ -57,6 +64,7 @@ class Lines(Progress):
         self._say(
             f"step {step}/{self.total} loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} "
             f"tokens/s {metrics['tokens_per_s']:.0f}"
+            + "".join(f" {k} {v}" for k, v in self.extra(metrics).items())
         )
 
     def evaluated(self, step: int, eval_loss: float) -> None:
@@ -66,10 +74,14 @@ class Lines(Progress):
         print(f"{self.desc}: {text}", file=self.stream, flush=True)
 
 
-def make_progress(desc: str, total: int, initial: int, every: int, stream: Any = None) -> Progress:
+def make_progress(
+    desc: str, total: int, initial: int, every: int, stream: Any = None, shown: Any = ()
+) -> Progress:
     """A bar when ``stream`` (default: stderr, where tqdm writes) is a terminal, else lines."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
+    made: Progress = Lines(desc, total, every, stream)
     if callable(isatty) and isatty():
-        return Bar(desc, total, initial, stream)
-    return Lines(desc, total, every, stream)
+        made = Bar(desc, total, initial, stream)
+    made.shown = tuple(shown)
+    return made

@@ -250,7 +250,8 @@ class FitRun:
         progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
         if t.progress_bar and self.strategy.is_main:
             desc, total = f"fit {self.config.identifier}", self.total_steps
-            progress = make_progress(desc, total, self.step, t.logging_steps, self.progress_stream)
+            stream, shown = self.progress_stream, self.objective.shown
+            progress = make_progress(desc, total, self.step, t.logging_steps, stream, shown)
         try:
             for group in stream:
                 batches, targets = self._pair(group)
@@ -332,8 +333,7 @@ class FitRun:
     def _train_step(self, group: list[dict[str, Any]], targets: int) -> float:
         """One optimizer step; returns the mean loss. Normalised by the step's target tokens on
         all ranks (each token weighs the same); the device is read once, at the end."""
-        s = self.strategy
-        tokens = sum(b["num_tokens"] for b in group)  # plain ints: no device sync
+        s, tokens = self.strategy, 0
         scale = s.world_size / max(targets, 1)
         total = torch.zeros((), device=s.device)
         for i, host_batch in enumerate(group):
@@ -342,6 +342,7 @@ class FitRun:
                 loss = self.loss(self.model, batch)
             s.backward(self.model, loss * scale)
             total += loss.detach().float()
+            tokens += batch["num_tokens"]  # a plain int (an objective that samples: its own)
         norm = s.optimizer_step(self.model, self.optimizer, self.targs.max_grad_norm)
         self.scheduler.step()
         self.step += 1
