@@ -16,10 +16,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from llmtrain.db.keys import Key
+from llmtrain.db.sources import SQLGLOT_NAMES, folded
 from llmtrain.errors import QueryError
 
 REGISTRY = "_llmtrain_forgotten"  # one row a table with forgotten keys: where they are kept
-_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
 _VIEWS = {  # a view's definition (PostgreSQL: a materialized one's too), by schema and name
     "sqlite": "SELECT sql FROM {schema}.sqlite_master WHERE type = 'view' AND name = :n",
     "postgresql": "SELECT definition FROM pg_views WHERE schemaname = :s AND viewname = :n "
@@ -128,7 +128,7 @@ class Rewriter:
     def __init__(self, conn: sa.Connection, guarded: list[Guarded], where: Condition) -> None:
         self.conn, self.guarded, self.where = conn, guarded, where
         self.dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
-        self.read = _DIALECTS.get(self.dialect)
+        self.read = SQLGLOT_NAMES.get(self.dialect)
         self.inspector = sa.inspect(conn)
         self.default = self.inspector.default_schema_name or "main"
         self.quote = conn.dialect.identifier_preparer.quote
@@ -204,15 +204,9 @@ class Rewriter:
                 node.replace(exp.Subquery(this=select, alias=alias))
 
     def _catalog_name(self, schema_id: Any, name_id: Any) -> tuple[str, str]:
-        """(schema, table) as the catalog spells them: PostgreSQL folds unquoted names to lower
-        case, SQLite matches any case, MariaDB names are exact."""
-
-        def folded(ident: Any) -> str:
-            fold = self.dialect == "postgresql" and not ident.quoted
-            return str(ident.name).lower() if fold else str(ident.name)
-
-        schema = folded(schema_id) if schema_id is not None else self.default
-        name = folded(name_id)
+        """(schema, table) as the catalog spells them: SQLite matches any case, MariaDB exactly."""
+        schema = self.default if schema_id is None else folded(schema_id, self.dialect)
+        name = folded(name_id, self.dialect)
         if self.dialect == "sqlite":
             schema = schema.lower()
             names = [

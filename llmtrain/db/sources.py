@@ -69,7 +69,13 @@ class Source:
         )
 
 
-_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+SQLGLOT_NAMES = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+
+
+def folded(ident: Any, dialect: str) -> str:
+    """A sqlglot name as the catalog spells it: PostgreSQL reads unquoted names in lower case."""
+    name = str(ident.name)
+    return name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
 
 
 def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
@@ -81,17 +87,14 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
 
     ask = "name it with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
     try:
-        tree = sqlglot.parse_one(text, read=_DIALECTS.get(dialect))
+        tree = sqlglot.parse_one(text, read=SQLGLOT_NAMES.get(dialect))
     except sqlglot.errors.ParseError as exc:
         what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
         raise QueryError(what) from None
 
     def named(node: Any, part: str) -> str:
         ident = node.args.get(part)
-        name = ident.name if ident is not None else ""
-        return (
-            name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
-        )
+        return "" if ident is None else folded(ident, dialect)
 
     # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
     outer = (

@@ -102,8 +102,7 @@ class SQLBackend(DataBackend):
         self._guarded = None
 
     def guarded(self) -> list[Guarded]:
-        """The tables with forgotten rows now; statements built before a table joined them are
-        built again (one catalog read a call: each window of a fit checks it)."""
+        """The tables with forgotten rows now (read each call); a change rebuilds the statements."""
         now = self._retrying("reading forgotten tables", self._read_guarded, self.uri)
         if now != self._guarded:
             self._sources.clear()
@@ -118,8 +117,8 @@ class SQLBackend(DataBackend):
     def rewritten(
         self, text: str, what: str, where: Condition | None = None
     ) -> tuple[str, set[tuple[str, str]]]:
-        """``text`` reading each table with forgotten rows without them (``where``: under another
-        condition), views expanded; and the base tables it reads."""
+        """``text`` reading tables without their forgotten rows (or under ``where``), views
+        expanded; and the base tables it reads."""
         guarded = self.guarded() if where is None else self._read_guarded()
 
         def rewrite() -> tuple[str, set[tuple[str, str]]]:
@@ -157,8 +156,7 @@ class SQLBackend(DataBackend):
                     return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
                     # SQLite's error for TEXT that is not UTF-8: a bad row, not a lost connection
-                    undecodable = "Could not decode to UTF-8" in str(exc.orig)
-                    if conn.dialect.name != "sqlite" or not undecodable:
+                    if conn.dialect.name != "sqlite" or "decode to UTF-8" not in str(exc.orig):
                         raise
                     # read again, invalid UTF-8 kept as surrogate escapes so the row checks name it
                     dbapi: Any = conn.connection.dbapi_connection
@@ -240,8 +238,7 @@ class SQLBackend(DataBackend):
         return _Source(sub.c[query.by], {TURNS: sub.c[TURNS]}, None, query.source)
 
     def _forgotten_conversations(self, query: Conversations) -> Any:
-        """The conversations holding a forgotten message, left out whole: its other turns may
-        quote it (None: no message of the table is forgotten)."""
+        """Conversations holding a forgotten message, left out whole: other turns may quote it."""
         assert isinstance(query.messages, Table)
         found = self._forgotten_rows(query.messages, query.by)
         if found is None:
@@ -250,8 +247,7 @@ class SQLBackend(DataBackend):
         return sa.select(gone.c[query.by]).where(gone.c[query.by].is_not(None))
 
     def _forgotten_rows(self, rows: Table, column: str) -> sa.TextClause | None:
-        """``column`` of a base table's forgotten rows, the database joining its forgotten keys
-        to the table (None: it has none, or it is a view, whose definition is rewritten)."""
+        """``column`` of a base table's forgotten rows (None: none, or a view: it is rewritten)."""
         source = self.resolve(rows)
         schema, _, name = source.name.partition(".")
         mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
@@ -472,8 +468,7 @@ class SQLBackend(DataBackend):
             yield KeyPage(keys, versions)
 
     def _forgotten_keys(self, query: Query) -> np.ndarray | None:
-        """Sorted digests of a table's forgotten rows' keys, as ``query`` keys them; None where
-        the statement itself leaves them out (a view, a join, any SQL)."""
+        """Sorted digests of a table's forgotten keys; None where the SQL itself leaves them out."""
         if not isinstance(query, Table) or not self._guarded:
             return None
         if not self.resolve(query).traced:  # a view: its definition is rewritten
