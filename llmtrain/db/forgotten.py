@@ -73,8 +73,7 @@ def guarded_tables(conn: sa.Connection) -> list[Guarded]:
 def store_keys(
     engine: sa.Engine, schema: str, table: str, key: str, keys: Sequence[Key]
 ) -> list[tuple[int, Key]]:
-    """Add ``keys`` to the table's forgotten keys; (position in ``keys``, the row's own key) of
-    each that matches a row, matched by the database (a case-insensitive or padded key too)."""
+    """Add ``keys`` to the table's forgotten keys; (position, row's own key) of those it matched."""
     identity = f"{schema}.{table}({key})"
     name = "_llmtrain_fk_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
     q = engine.dialect.identifier_preparer.quote
@@ -122,8 +121,7 @@ def excluding(quote: Callable[[str], str]) -> Condition:
 
 
 class Rewriter:
-    """One statement's reads, rewritten: every base table read under ``where``, views expanded
-    from the catalog; ``bases`` collects the tables it reads. ``conn``: for the catalog."""
+    """A statement with every base table read under ``where``, views expanded; ``bases``: them."""
 
     def __init__(self, conn: sa.Connection, guarded: list[Guarded], where: Condition) -> None:
         self.conn, self.guarded, self.where = conn, guarded, where

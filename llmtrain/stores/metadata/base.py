@@ -101,15 +101,18 @@ class MetadataStore(ABC):
             raise StoreError(f"{what}: payload must be a dict, got {type(payload).__name__}")
         text = dumps(payload, f"{what} payload")
         stored = json.loads(text)  # as it reads back: tuples become lists
-
-        def same(newest: Row) -> bool:
-            return unless_unchanged and loads(newest["payload"], what) == stored
-
         row = {"type_id": type_id, "identifier": identifier, "payload": text}
         with self._errors(f"adding {what}"):
             for attempt in range(MAX_TRIES):
+                found = self._find("components", True, type_id=type_id, identifier=identifier)
+                version = int(found[0]["version"]) + 1 if found else 0
+                if found and unless_unchanged and loads(found[0]["payload"], what) == stored:
+                    return version - 1
                 try:
-                    return self._insert_component({**row, "created_at": self._now()}, same)
+                    self._insert(
+                        "components", {**row, "version": version, "created_at": self._now()}
+                    )
+                    return version
                 except Conflict:  # another writer took that version first: read again, retry
                     pause(attempt)
         raise StoreError(
@@ -155,12 +158,8 @@ class MetadataStore(ABC):
             updated_at=now,
             info=dict(info),
         )
-        try:
-            with self._errors(f"creating run {run_id!r}"):
-                self._insert("runs", _row(record, f"run {run_id!r} info"))
-        except Conflict:
-            raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
-        return record
+        taken = f"run {run_id!r} already exists in {self._where}"
+        return self._add("runs", record, f"run {run_id!r}", taken)
 
     def update_run(
         self,
@@ -239,12 +238,8 @@ class MetadataStore(ABC):
         record = CheckpointRecord(
             run_id=run_id, step=step, artifact_id=artifact_id, created_at=now, info=dict(info)
         )
-        try:
-            with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
-                self._insert("checkpoints", _row(record, f"checkpoint info of run {run_id!r}"))
-        except Conflict:
-            raise StoreError(f"run {run_id!r} already has a checkpoint at step {step}") from None
-        return record
+        taken = f"run {run_id!r} already has a checkpoint at step {step}"
+        return self._add("checkpoints", record, f"checkpoint {step} of run {run_id!r}", taken)
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
@@ -275,6 +270,16 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
+    def _add(self, table: str, record: R, what: str, taken: str) -> R:
+        """Insert ``record``, its info as JSON; StoreError ``taken`` if its unique key is taken."""
+        row = {**record.model_dump(exclude={"info"}), "info": dumps(record.info, f"{what} info")}
+        try:
+            with self._errors(f"adding {what}"):
+                self._insert(table, row)
+        except Conflict:
+            raise StoreError(taken) from None
+        return record
+
     def _rows(self, doing: str, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         with self._errors(doing):
             return self._find(table, newest, **equal)
@@ -283,15 +288,6 @@ class MetadataStore(ABC):
         return datetime.now(UTC)
 
     # -- backend primitives: rows carry the record's fields, payload/info/values as JSON text --
-    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        """Insert as newest + 1 (or 0), Conflict if taken; the newest's version if ``same``."""
-        found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
-        if found and same(found[0]):
-            return int(found[0]["version"])
-        version = int(found[0]["version"]) + 1 if found else 0
-        self._insert("components", {**row, "version": version})
-        return version
-
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         """Rows whose columns equal ``equal`` (None too), in the table's order; ``newest``: last."""
@@ -339,10 +335,6 @@ def loads(value: Any, what: str) -> Any:
 def pause(attempt: int) -> None:
     """A short random sleep, so racing writers do not collide again in lockstep."""
     time.sleep(random.uniform(0.001, 0.005 * min(attempt + 1, 10)))
-
-
-def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
-    return {**record.model_dump(exclude={"info"}), "info": dumps(record.info, what)}
 
 
 def _record(cls: type[R], row: Row, field: str, what: str) -> R:

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from llmtrain.db.engines import dispose_sql_engine, sql_engine, sqlite_path
+from llmtrain.db.sql_errors import is_lock_conflict
 from llmtrain.errors import StoreError
 from llmtrain.stores.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
@@ -112,17 +113,6 @@ def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
     return ddl
 
 
-def _is_transient(exc: sa.exc.DBAPIError) -> bool:
-    """Lock conflicts that a fresh transaction resolves (deadlock, busy SQLite file)."""
-    orig = exc.orig
-    code = orig.args[0] if orig is not None and orig.args else None
-    return (
-        getattr(orig, "sqlstate", None) in {"40001", "40P01"}  # PostgreSQL
-        or code in (1205, 1213)  # MySQL lock wait timeout, deadlock
-        or "database is locked" in str(orig)  # SQLite
-    )
-
-
 class SQLMetadataStore(MetadataStore):
     """A read without the tables finds nothing; of a missing SQLite file raises (not missing_ok)."""
 
@@ -184,7 +174,7 @@ class SQLMetadataStore(MetadataStore):
             except sa.exc.DBAPIError as exc:
                 # SQLite reports "locked" only after its 60 s busy timeout: few retries.
                 lock_failures += 1
-                if not _is_transient(exc) or lock_failures >= LOCK_TRIES:
+                if not is_lock_conflict(exc) or lock_failures >= LOCK_TRIES:
                     raise
                 pause(lock_failures)
 
@@ -208,19 +198,6 @@ class SQLMetadataStore(MetadataStore):
     def _insert(self, table: str, row: Row) -> None:
         insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
         self._write(lambda conn: conn.execute(insert))
-
-    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
-        query = _select("components", True, {k: row[k] for k in ("type_id", "identifier")})
-
-        def insert(conn: sa.Connection) -> int:
-            newest = next(iter(_rows(conn, query)), None)
-            if newest is not None and same(newest):
-                return int(newest["version"])
-            version = 0 if newest is None else int(newest["version"]) + 1
-            conn.execute(components.insert().values(**row, version=version))
-            return version
-
-        return int(self._write(insert) or 0)
 
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
