@@ -343,7 +343,8 @@ class SQLBackend(DataBackend):
             schema = inspector.default_schema_name or "main"
         else:
             schema = match_name(schema, inspector.get_schema_names(), "schema", self.uri, True)
-        names = [*inspector.get_table_names(schema), *inspector.get_view_names(schema)]
+        views = inspector.get_view_names(schema)
+        names = [*inspector.get_table_names(schema), *views]
         if typed and self.engine.dialect.name == "postgresql" and table.lower() in names:
             table = table.lower()
         table = match_name(table, names, "table", f"{schema} of {self.uri}", fold=True)
@@ -361,8 +362,7 @@ class SQLBackend(DataBackend):
         python_type = _python_type(columns[column]["type"])
         if python_type in (None, object):  # an untyped (SQLite) column: what its keys hold
             python_type = self._held_type(schema, table, column)
-        view = table in inspector.get_view_names(schema)
-        return Source(f"{schema}.{table}", column, python_type, traced=not view)
+        return Source(f"{schema}.{table}", column, python_type, traced=table not in views)
 
     def _text_of(self, query: Query) -> tuple[str, dict[str, Any]]:
         """The selection as one SELECT of its keys, and its parameters."""
