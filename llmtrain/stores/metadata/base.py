@@ -101,18 +101,15 @@ class MetadataStore(ABC):
             raise StoreError(f"{what}: payload must be a dict, got {type(payload).__name__}")
         text = dumps(payload, f"{what} payload")
         stored = json.loads(text)  # as it reads back: tuples become lists
+
+        def same(newest: Row) -> bool:
+            return unless_unchanged and loads(newest["payload"], what) == stored
+
         row = {"type_id": type_id, "identifier": identifier, "payload": text}
         with self._errors(f"adding {what}"):
             for attempt in range(MAX_TRIES):
-                found = self._find("components", True, type_id=type_id, identifier=identifier)
-                version = int(found[0]["version"]) + 1 if found else 0
-                if found and unless_unchanged and loads(found[0]["payload"], what) == stored:
-                    return version - 1
                 try:
-                    self._insert(
-                        "components", {**row, "version": version, "created_at": self._now()}
-                    )
-                    return version
+                    return self._insert_component({**row, "created_at": self._now()}, same)
                 except Conflict:  # another writer took that version first: read again, retry
                     pause(attempt)
         raise StoreError(
@@ -288,6 +285,15 @@ class MetadataStore(ABC):
         return datetime.now(UTC)
 
     # -- backend primitives: rows carry the record's fields, payload/info/values as JSON text --
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        """Insert as newest + 1 (or 0), Conflict if taken; the newest's version if ``same``."""
+        found = self._find("components", True, type_id=row["type_id"], identifier=row["identifier"])
+        if found and same(found[0]):
+            return int(found[0]["version"])
+        version = int(found[0]["version"]) + 1 if found else 0
+        self._insert("components", {**row, "version": version})
+        return version
+
     @abstractmethod
     def _find(self, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         """Rows whose columns equal ``equal`` (None too), in the table's order; ``newest``: last."""

@@ -199,6 +199,19 @@ class SQLMetadataStore(MetadataStore):
         insert = schema.tables[TABLE_PREFIX + table].insert().values(**row)
         self._write(lambda conn: conn.execute(insert))
 
+    def _insert_component(self, row: Row, same: Callable[[Row], bool]) -> int:
+        query = _select("components", True, {k: row[k] for k in ("type_id", "identifier")})
+
+        def insert(conn: sa.Connection) -> int:
+            newest = next(iter(_rows(conn, query)), None)
+            if newest is not None and same(newest):
+                return int(newest["version"])
+            version = 0 if newest is None else int(newest["version"]) + 1
+            conn.execute(components.insert().values(**row, version=version))
+            return version
+
+        return int(self._write(insert) or 0)
+
     def _change_run(self, run_id: str, change: Callable[[Row], dict[str, Any]]) -> Row | None:
         def update(conn: sa.Connection) -> Row | None:
             query = _select("runs", False, {"run_id": run_id}).with_for_update()
