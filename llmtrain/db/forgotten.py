@@ -104,33 +104,31 @@ def store_keys(
 Condition = Callable[[list[Guarded], str], "str | None"]
 
 
-def excluding(quote: Callable[[str], str]) -> Condition:
-    """Rows whose key is none of the table's forgotten keys (by each key column forgotten by)."""
-
-    def where(guards: list[Guarded], name: str) -> str | None:
-        return (
-            " AND ".join(
-                f"NOT EXISTS (SELECT 1 FROM {quote(g.keys_table)} llmtrain_f "
-                f"WHERE {name}.{quote(g.key)} = llmtrain_f.k)"
-                for g in guards
-            )
-            or None
-        )
-
-    return where
-
-
 class Rewriter:
-    """A statement with every base table read under ``where``, views expanded; ``bases``: them."""
+    """A statement's tables read under ``where`` (default: no forgotten rows), views expanded."""
 
-    def __init__(self, conn: sa.Connection, guarded: list[Guarded], where: Condition) -> None:
-        self.conn, self.guarded, self.where = conn, guarded, where
+    def __init__(
+        self, conn: sa.Connection, guarded: list[Guarded], where: Condition | None = None
+    ) -> None:
+        self.conn, self.guarded, self.where = conn, guarded, where or self.excluding
         self.dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
         self.read = SQLGLOT_NAMES.get(self.dialect)
         self.inspector = sa.inspect(conn)
         self.default = self.inspector.default_schema_name or "main"
         self.quote = conn.dialect.identifier_preparer.quote
         self.bases: set[tuple[str, str]] = set()
+
+    def excluding(self, guards: list[Guarded], name: str) -> str | None:
+        """Rows whose key is none of the table's forgotten keys (of each key column forgotten)."""
+        q = self.quote
+        return (
+            " AND ".join(
+                f"NOT EXISTS (SELECT 1 FROM {q(g.keys_table)} llmtrain_f "
+                f"WHERE {name}.{q(g.key)} = llmtrain_f.k)"
+                for g in guards
+            )
+            or None
+        )
 
     def refuse(self, why: str) -> QueryError:
         count = "SELECT count(*) FROM {}"

@@ -18,7 +18,6 @@ from llmtrain.db.forgotten import (
     Condition,
     Guarded,
     Rewriter,
-    excluding,
     guarded_tables,
     store_keys,
 )
@@ -123,8 +122,7 @@ class SQLBackend(DataBackend):
 
         def rewrite() -> tuple[str, set[tuple[str, str]]]:
             with self.engine.connect() as conn:
-                quote = conn.dialect.identifier_preparer.quote
-                rewriter = Rewriter(conn, guarded, where or excluding(quote))
+                rewriter = Rewriter(conn, guarded, where)
                 return rewriter.sql(text, what), rewriter.bases
 
         return self._retrying("reading the catalog", rewrite, what)
