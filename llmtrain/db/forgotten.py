@@ -1,9 +1,8 @@
-"""Forgotten rows, left out by the database itself. ``db.forget`` copies a table's forgotten keys
-into a table of the data database typed like its key column (``CREATE TABLE .. AS SELECT key``:
-same type, collation, padding); every statement llmtrain runs then reads that table through
-``NOT EXISTS`` against them, views expanded from the catalog, so the server's own equality rules
-decide. A selection whose reads cannot be rewritten (a table function, a user function, a
-statement that does not parse) is refused while any row of the database is forgotten."""
+"""Forgotten rows, left out by the database itself: ``db.forget`` copies a table's forgotten keys
+into a table typed like its key column (``CREATE TABLE .. AS SELECT key``: same type, collation,
+padding), and every statement llmtrain runs reads the table through ``NOT EXISTS`` against them,
+views expanded, so the server's own equality rules decide. What cannot be rewritten (a table
+function, a user function, SQL that does not parse) is refused while any row is forgotten."""
 
 from __future__ import annotations
 

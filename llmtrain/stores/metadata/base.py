@@ -63,6 +63,9 @@ class CheckpointRecord(_Record):
     info: dict[str, Any]
 
 
+Info = TypeVar("Info", RunRecord, CheckpointRecord)  # a record with an ``info`` dict
+
+
 class Conflict(Exception):
     """A backend primitive's signal: another record already holds that unique key."""
 
@@ -267,7 +270,7 @@ class MetadataStore(ABC):
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
 
-    def _add(self, table: str, record: R, what: str, taken: str) -> R:
+    def _add(self, table: str, record: Info, what: str, taken: str) -> Info:
         """Insert ``record``, its info as JSON; StoreError ``taken`` if its unique key is taken."""
         row = {**record.model_dump(exclude={"info"}), "info": dumps(record.info, f"{what} info")}
         try:
