@@ -75,8 +75,7 @@ class DataBackend(ABC):
 
     @abstractmethod
     def reads(self, query: Query) -> list[str] | None:
-        """Every base table (collection) the selection reads, views expanded: ``schema.table``
-        (None: unknown, a statement that does not parse)."""
+        """The base tables (``schema.table``) it reads, views expanded; None: it does not parse."""
 
     @abstractmethod
     def derived_keys(self, query: Query, source: Source, keys: Sequence[Key]) -> list[Key]:
@@ -84,12 +83,10 @@ class DataBackend(ABC):
 
     @abstractmethod
     def forget_keys(self, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
-        """Add ``keys`` to the keys the database leaves out of ``source``; (position, the row's
-        own key) of each that matched a row, matched by the database's rules."""
+        """Have the database leave ``keys`` out; (position, row's own key) of those it matched."""
 
     def row_keys(self, source: Source, key: Key) -> list[Key]:
-        """The keys of the rows the database takes ``key`` for (a case-insensitive collation's
-        ``k5`` for ``K5``, a padded ``char(n)``'s); MongoDB compares as Python does."""
+        """Keys of the rows the database takes ``key`` for (``k5`` for ``K5``, a padded char(n))."""
         return [key]
 
     def pages(self, query: Query, fields: Fields, page_size: int) -> Iterator[KeyedRows]:

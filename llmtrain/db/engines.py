@@ -66,10 +66,8 @@ def sql_engine(uri: str, *, create: bool = False) -> Any:
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     """WAL lets readers and one writer work at once (several trainers, one file)."""
-    cur = dbapi_conn.cursor()
-    cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=60000")
-    cur.close()
+    dbapi_conn.execute("PRAGMA journal_mode=WAL")
+    dbapi_conn.execute("PRAGMA busy_timeout=60000")
 
 
 def dispose_sql_engine(uri: str) -> None:

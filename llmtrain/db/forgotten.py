@@ -1,9 +1,8 @@
-"""Forgotten rows, left out by the database itself. ``db.forget`` copies a table's forgotten keys
-into a table of the data database typed like its key column (``CREATE TABLE .. AS SELECT key``:
-same type, collation, padding); every statement llmtrain runs then reads that table through
-``NOT EXISTS`` against them, views expanded from the catalog, so the server's own equality rules
-decide. A selection whose reads cannot be rewritten (a table function, a user function, a
-statement that does not parse) is refused while any row of the database is forgotten."""
+"""Forgotten rows, left out by the database itself: ``db.forget`` copies a table's forgotten keys
+into a table typed like its key column (``CREATE TABLE .. AS SELECT key``: same type, collation,
+padding), and every statement llmtrain runs reads the table through ``NOT EXISTS`` against them,
+views expanded, so the server's own equality rules decide. What cannot be rewritten (a table
+function, a user function, SQL that does not parse) is refused while any row is forgotten."""
 
 from __future__ import annotations
 
@@ -16,10 +15,10 @@ from typing import Any
 import sqlalchemy as sa
 
 from llmtrain.db.keys import Key
+from llmtrain.db.sources import SQLGLOT_NAMES, folded
 from llmtrain.errors import QueryError
 
 REGISTRY = "_llmtrain_forgotten"  # one row a table with forgotten keys: where they are kept
-_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
 _VIEWS = {  # a view's definition (PostgreSQL: a materialized one's too), by schema and name
     "sqlite": "SELECT sql FROM {schema}.sqlite_master WHERE type = 'view' AND name = :n",
     "postgresql": "SELECT definition FROM pg_views WHERE schemaname = :s AND viewname = :n "
@@ -73,8 +72,7 @@ def guarded_tables(conn: sa.Connection) -> list[Guarded]:
 def store_keys(
     engine: sa.Engine, schema: str, table: str, key: str, keys: Sequence[Key]
 ) -> list[tuple[int, Key]]:
-    """Add ``keys`` to the table's forgotten keys; (position in ``keys``, the row's own key) of
-    each that matches a row, matched by the database (a case-insensitive or padded key too)."""
+    """Add ``keys`` to the table's forgotten keys; (position, row's own key) of those it matched."""
     identity = f"{schema}.{table}({key})"
     name = "_llmtrain_fk_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
     q = engine.dialect.identifier_preparer.quote
@@ -105,34 +103,31 @@ def store_keys(
 Condition = Callable[[list[Guarded], str], "str | None"]
 
 
-def excluding(quote: Callable[[str], str]) -> Condition:
-    """Rows whose key is none of the table's forgotten keys (by each key column forgotten by)."""
-
-    def where(guards: list[Guarded], name: str) -> str | None:
-        return (
-            " AND ".join(
-                f"NOT EXISTS (SELECT 1 FROM {quote(g.keys_table)} llmtrain_f "
-                f"WHERE {name}.{quote(g.key)} = llmtrain_f.k)"
-                for g in guards
-            )
-            or None
-        )
-
-    return where
-
-
 class Rewriter:
-    """One statement's reads, rewritten: every base table read under ``where``, views expanded
-    from the catalog; ``bases`` collects the tables it reads. ``conn``: for the catalog."""
+    """A statement's tables read under ``where`` (default: no forgotten rows), views expanded."""
 
-    def __init__(self, conn: sa.Connection, guarded: list[Guarded], where: Condition) -> None:
-        self.conn, self.guarded, self.where = conn, guarded, where
+    def __init__(
+        self, conn: sa.Connection, guarded: list[Guarded], where: Condition | None = None
+    ) -> None:
+        self.conn, self.guarded, self.where = conn, guarded, where or self.excluding
         self.dialect = "mysql" if conn.dialect.name == "mariadb" else conn.dialect.name
-        self.read = _DIALECTS.get(self.dialect)
+        self.read = SQLGLOT_NAMES.get(self.dialect)
         self.inspector = sa.inspect(conn)
         self.default = self.inspector.default_schema_name or "main"
         self.quote = conn.dialect.identifier_preparer.quote
         self.bases: set[tuple[str, str]] = set()
+
+    def excluding(self, guards: list[Guarded], name: str) -> str | None:
+        """Rows whose key is none of the table's forgotten keys (of each key column forgotten)."""
+        q = self.quote
+        return (
+            " AND ".join(
+                f"NOT EXISTS (SELECT 1 FROM {q(g.keys_table)} llmtrain_f "
+                f"WHERE {name}.{q(g.key)} = llmtrain_f.k)"
+                for g in guards
+            )
+            or None
+        )
 
     def refuse(self, why: str) -> QueryError:
         count = "SELECT count(*) FROM {}"
@@ -204,15 +199,9 @@ class Rewriter:
                 node.replace(exp.Subquery(this=select, alias=alias))
 
     def _catalog_name(self, schema_id: Any, name_id: Any) -> tuple[str, str]:
-        """(schema, table) as the catalog spells them: PostgreSQL folds unquoted names to lower
-        case, SQLite matches any case, MariaDB names are exact."""
-
-        def folded(ident: Any) -> str:
-            fold = self.dialect == "postgresql" and not ident.quoted
-            return str(ident.name).lower() if fold else str(ident.name)
-
-        schema = folded(schema_id) if schema_id is not None else self.default
-        name = folded(name_id)
+        """(schema, table) as the catalog spells them: SQLite matches any case, MariaDB exactly."""
+        schema = self.default if schema_id is None else folded(schema_id, self.dialect)
+        name = folded(name_id, self.dialect)
         if self.dialect == "sqlite":
             schema = schema.lower()
             names = [

@@ -73,8 +73,7 @@ def key_digests(keys: Sequence[Key] | np.ndarray) -> np.ndarray:
 
 
 def in_sorted(sorted_digests: np.ndarray, digests: np.ndarray) -> np.ndarray:
-    """Which of ``digests`` are in ``sorted_digests``: one search, no sort (``np.isin`` sorts
-    both every call)."""
+    """Which of ``digests`` are in ``sorted_digests``: one search (``np.isin`` sorts both)."""
     if not len(sorted_digests) or not len(digests):
         return np.zeros(len(digests), dtype=bool)
     order = np.argsort(digests)  # sorted needles search a large array 2-3x faster (locality)

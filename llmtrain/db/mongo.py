@@ -84,8 +84,7 @@ class MongoBackend(DataBackend):
         )
 
     def _left_out(self, name: str, by: str | None = None) -> dict[str, Any]:
-        """The condition leaving out a collection's forgotten documents (one count a call; a view
-        over any forgotten documents is refused: its pipeline is not rewritten)."""
+        """The condition leaving out forgotten documents; a view is refused: it is not rewritten."""
         db = mongo_database(self._uri)
         if FORGOTTEN not in db.list_collection_names():
             return {}

@@ -300,9 +300,8 @@ class Part:
 
 
 class Mix(Query):
-    """Sources of one database, drawn by ``weights`` (:class:`~llmtrain.data.plan.MixOrder`;
-    default: their sizes); an epoch is ``epoch_rows`` rows (default: every source's once, so
-    without weights every row once); a source run out starts over."""
+    """Sources of one database, drawn by ``weights`` (default: their sizes; see ``MixOrder``);
+    an epoch is ``epoch_rows`` rows (default: their sizes' sum); a source run out starts over."""
 
     kind = "mix"
 

@@ -69,37 +69,36 @@ class Source:
         )
 
 
-_DIALECTS = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+SQLGLOT_NAMES = {"postgresql": "postgres", "mysql": "mysql", "mariadb": "mysql", "sqlite": "sqlite"}
+
+
+def folded(ident: Any, dialect: str) -> str:
+    """A sqlglot name as the catalog spells it: PostgreSQL reads ``Docs`` unquoted as ``docs``."""
+    name = str(ident.name)
+    return name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
 
 
 def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
     """(schema, table, column) a SELECT's ``key`` comes from: a bare column of its only table or of
-    the one its qualifier names (alias first); else (computed, UNION) a QueryError: pass source=.
-    PostgreSQL's unquoted names are folded to lower case, as it reads them (``FROM Docs``: docs)."""
+    the one its qualifier names (alias first), as the catalog spells them (:func:`folded`); else
+    (computed, UNION) a QueryError: pass source=."""
     import sqlglot
     from sqlglot import exp
 
     ask = "name it with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
     try:
-        tree = sqlglot.parse_one(text, read=_DIALECTS.get(dialect))
+        tree = sqlglot.parse_one(text, read=SQLGLOT_NAMES.get(dialect))
     except sqlglot.errors.ParseError as exc:
         what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
         raise QueryError(what) from None
 
     def named(node: Any, part: str) -> str:
         ident = node.args.get(part)
-        name = ident.name if ident is not None else ""
-        return (
-            name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
-        )
+        return "" if ident is None else folded(ident, dialect)
 
     # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
-    outer = (
-        [tree.args.get("from_"), *tree.args.get("joins", [])]
-        if isinstance(tree, exp.Select)
-        else []
-    )
-    read = [getattr(part, "this", None) for part in outer]
+    outer = [tree.args.get("from_"), *tree.args.get("joins", [])]
+    read = [getattr(part, "this", None) for part in outer] if isinstance(tree, exp.Select) else []
     ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
     if not read or not all(
         isinstance(t, exp.Table)
@@ -119,9 +118,9 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
     found = projected.get(key)
     bare = isinstance(found, exp.Column) or (found is None and "*" in projected)
     column = named(found, "this") if isinstance(found, exp.Column) else key
-    if bare and isinstance(tree, exp.Select) and len({(s, t) for s, t, _ in tables}) == 1:
+    if bare and len({(s, t) for s, t, _ in tables}) == 1:  # a Select: others were refused
         return tables[0][0], tables[0][1], column
-    if bare and isinstance(found, exp.Column) and found.table and isinstance(tree, exp.Select):
+    if bare and isinstance(found, exp.Column) and found.table:
         qualifier = named(found, "table")
         for match in (lambda a, t: a == found.table, lambda a, t: t == qualifier):
             hits = {(s, t) for s, t, a in tables if match(a, t)}

@@ -23,7 +23,6 @@ from llmtrain.db.forgotten import (
     Condition,
     Guarded,
     Rewriter,
-    excluding,
     guarded_tables,
     store_keys,
 )
@@ -133,8 +132,7 @@ class SQLBackend(DataBackend):
         self._guarded = None
 
     def guarded(self) -> list[Guarded]:
-        """The tables with forgotten rows now; statements built before a table joined them are
-        built again (one catalog read a call: each window of a fit checks it)."""
+        """The tables with forgotten rows now (read each call); a change rebuilds the statements."""
         now = self._retrying("reading forgotten tables", self._read_guarded, self.uri)
         if now != self._guarded:
             self._sources.clear()
@@ -149,14 +147,13 @@ class SQLBackend(DataBackend):
     def rewritten(
         self, text: str, what: str, where: Condition | None = None
     ) -> tuple[str, set[tuple[str, str]]]:
-        """``text`` reading each table with forgotten rows without them (``where``: under another
-        condition), views expanded; and the base tables it reads."""
+        """``text`` reading tables without their forgotten rows (or under ``where``), views
+        expanded; and the base tables it reads."""
         guarded = self.guarded() if where is None else self._read_guarded()
 
         def rewrite() -> tuple[str, set[tuple[str, str]]]:
             with self.engine.connect() as conn:
-                quote = conn.dialect.identifier_preparer.quote
-                rewriter = Rewriter(conn, guarded, where or excluding(quote))
+                rewriter = Rewriter(conn, guarded, where)
                 return rewriter.sql(text, what), rewriter.bases
 
         return self._retrying("reading the catalog", rewrite, what)
@@ -214,8 +211,7 @@ class SQLBackend(DataBackend):
                     return list(conn.execute(stmt, params).all())
                 except sa.exc.OperationalError as exc:
                     # SQLite's error for TEXT that is not UTF-8: a bad row, not a lost connection
-                    undecodable = "Could not decode to UTF-8" in str(exc.orig)
-                    if conn.dialect.name != "sqlite" or not undecodable:
+                    if conn.dialect.name != "sqlite" or "decode to UTF-8" not in str(exc.orig):
                         raise
                     # read again, invalid UTF-8 kept as surrogate escapes so the row checks name it
                     dbapi: Any = conn.connection.dbapi_connection
@@ -297,8 +293,7 @@ class SQLBackend(DataBackend):
         return _Source(sub.c[query.by], {TURNS: sub.c[TURNS]}, None, query.source)
 
     def _forgotten_conversations(self, query: Conversations) -> Any:
-        """The conversations holding a forgotten message, left out whole: its other turns may
-        quote it (None: no message of the table is forgotten)."""
+        """Conversations holding a forgotten message, left out whole: other turns may quote it."""
         assert isinstance(query.messages, Table)
         found = self._forgotten_rows(query.messages, query.by)
         if found is None:
@@ -307,8 +302,7 @@ class SQLBackend(DataBackend):
         return sa.select(gone.c[query.by]).where(gone.c[query.by].is_not(None))
 
     def _forgotten_rows(self, rows: Table, column: str) -> sa.TextClause | None:
-        """``column`` of a base table's forgotten rows, the database joining its forgotten keys
-        to the table (None: it has none, or it is a view, whose definition is rewritten)."""
+        """``column`` of a base table's forgotten rows (None: none, or a view: it is rewritten)."""
         source = self.resolve(rows)
         schema, _, name = source.name.partition(".")
         mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
@@ -404,7 +398,8 @@ class SQLBackend(DataBackend):
             schema = inspector.default_schema_name or "main"
         else:
             schema = match_name(schema, inspector.get_schema_names(), "schema", self.uri, True)
-        names = [*inspector.get_table_names(schema), *inspector.get_view_names(schema)]
+        views = inspector.get_view_names(schema)
+        names = [*inspector.get_table_names(schema), *views]
         if typed and self.engine.dialect.name == "postgresql" and table.lower() in names:
             table = table.lower()
         table = match_name(table, names, "table", f"{schema} of {self.uri}", fold=True)
@@ -422,8 +417,7 @@ class SQLBackend(DataBackend):
         python_type = _python_type(columns[column]["type"])
         if python_type in (None, object):  # an untyped (SQLite) column: what its keys hold
             python_type = self._held_type(schema, table, column)
-        view = table in inspector.get_view_names(schema)
-        return Source(f"{schema}.{table}", column, python_type, traced=not view)
+        return Source(f"{schema}.{table}", column, python_type, traced=table not in views)
 
     def _text_of(self, query: Query) -> tuple[str, dict[str, Any]]:
         """The selection as one SELECT of its keys, and its parameters."""
@@ -529,8 +523,7 @@ class SQLBackend(DataBackend):
             yield KeyPage(keys, versions)
 
     def _forgotten_keys(self, query: Query) -> np.ndarray | None:
-        """Sorted digests of a table's forgotten rows' keys, as ``query`` keys them; None where
-        the statement itself leaves them out (a view, a join, any SQL)."""
+        """Sorted digests of a table's forgotten keys; None where the SQL itself leaves them out."""
         if not isinstance(query, Table) or not self._guarded:
             return None
         if not self.resolve(query).traced:  # a view: its definition is rewritten

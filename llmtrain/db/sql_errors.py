@@ -9,14 +9,19 @@ import sqlalchemy as sa
 
 from llmtrain.errors import ConfigError, DatabaseNotFoundError
 
+# Lock conflicts, which a fresh transaction resolves: PostgreSQL's serialization failure,
+# deadlock, lock not available; MySQL/MariaDB's lock wait timeout, deadlock; a busy SQLite file.
+_PG_LOCKS = frozenset({"40001", "40P01", "55P03"})
+_MYSQL_LOCKS = frozenset({1205, 1213})
+_SQLITE_LOCKS = ("database is locked", "database table is locked")
 # PostgreSQL SQLSTATEs that heal: connection (08), insufficient resources (53), shutdown or
-# startup (57P0x), serialization failure, deadlock, lock not available.
+# startup (57P0x), lock conflicts.
 _PG_TRANSIENT_CLASSES = ("08", "53")
-_PG_TRANSIENT = frozenset({"57P01", "57P02", "57P03", "40001", "40P01", "55P03"})
+_PG_TRANSIENT = _PG_LOCKS | {"57P01", "57P02", "57P03"}
 # MySQL/MariaDB: can't connect, gone away, lost connection, too many connections, shutdown,
-# lock wait timeout, deadlock, connection killed, idle disconnect.
-_MYSQL_TRANSIENT = frozenset({2002, 2003, 2006, 2013, 2055, 1040, 1053, 1205, 1213, 1927, 4031})
-_SQLITE_TRANSIENT = ("database is locked", "database table is locked", "disk i/o error")
+# connection killed, idle disconnect; lock conflicts.
+_MYSQL_TRANSIENT = _MYSQL_LOCKS | {2002, 2003, 2006, 2013, 2055, 1040, 1053, 1927, 4031}
+_SQLITE_TRANSIENT = (*_SQLITE_LOCKS, "disk i/o error")
 _MYSQL_DRIVERS = ("pymysql", "MySQLdb", "mysql", "mariadb")
 # a server that answered and turned the connection away for good (libpq gives no SQLSTATE)
 _PG_REFUSALS = ("does not exist", "authentication failed", "no password supplied", "pg_hba.conf")
@@ -58,6 +63,17 @@ def is_transient(exc: BaseException) -> bool:
         return any(p in str(orig).lower() for p in _SQLITE_TRANSIENT)
     # another driver: only what SQLAlchemy itself calls a lost connection heals
     return False
+
+
+def is_lock_conflict(exc: BaseException) -> bool:
+    """Whether ``exc`` (a SQLAlchemy DBAPIError) is a lock conflict a new transaction resolves."""
+    orig = getattr(exc, "orig", None)
+    module = type(orig).__module__
+    if module.startswith("psycopg"):
+        return getattr(orig, "sqlstate", None) in _PG_LOCKS
+    if module.startswith(_MYSQL_DRIVERS):
+        return _mysql_code(orig) in _MYSQL_LOCKS
+    return module.startswith("sqlite3") and any(p in str(orig).lower() for p in _SQLITE_LOCKS)
 
 
 def refusal(exc: BaseException, where: str) -> ConfigError | None:

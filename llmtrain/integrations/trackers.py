@@ -28,8 +28,7 @@ log = logging.getLogger("llmtrain.trackers")
 
 
 def check_trackers(report_to: Sequence[str]) -> None:
-    """ConfigError naming the extra to install for a missing tracker library, checked without
-    importing (mlflow takes seconds); a ``None`` in ``sys.modules`` counts as missing."""
+    """ConfigError naming the extra a missing tracker needs; found without importing (slow)."""
     for name in report_to:
         found = sys.modules[name] if name in sys.modules else importlib.util.find_spec(name)
         if found is None:

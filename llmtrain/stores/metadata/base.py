@@ -63,6 +63,9 @@ class CheckpointRecord(_Record):
     info: dict[str, Any]
 
 
+Info = TypeVar("Info", RunRecord, CheckpointRecord)  # a record with an ``info`` dict
+
+
 class Conflict(Exception):
     """A backend primitive's signal: another record already holds that unique key."""
 
@@ -155,12 +158,8 @@ class MetadataStore(ABC):
             updated_at=now,
             info=dict(info),
         )
-        try:
-            with self._errors(f"creating run {run_id!r}"):
-                self._insert("runs", _row(record, f"run {run_id!r} info"))
-        except Conflict:
-            raise StoreError(f"run {run_id!r} already exists in {self._where}") from None
-        return record
+        taken = f"run {run_id!r} already exists in {self._where}"
+        return self._add("runs", record, f"run {run_id!r}", taken)
 
     def update_run(
         self,
@@ -239,12 +238,8 @@ class MetadataStore(ABC):
         record = CheckpointRecord(
             run_id=run_id, step=step, artifact_id=artifact_id, created_at=now, info=dict(info)
         )
-        try:
-            with self._errors(f"adding checkpoint {step} of run {run_id!r}"):
-                self._insert("checkpoints", _row(record, f"checkpoint info of run {run_id!r}"))
-        except Conflict:
-            raise StoreError(f"run {run_id!r} already has a checkpoint at step {step}") from None
-        return record
+        taken = f"run {run_id!r} already has a checkpoint at step {step}"
+        return self._add("checkpoints", record, f"checkpoint {step} of run {run_id!r}", taken)
 
     def list_checkpoints(self, run_id: str) -> list[CheckpointRecord]:
         """Oldest step first."""
@@ -274,6 +269,16 @@ class MetadataStore(ABC):
             raise StoreError(
                 f"metadata store {self._where}: {what} failed: {type(detail).__name__}: {detail}"
             ) from exc
+
+    def _add(self, table: str, record: Info, what: str, taken: str) -> Info:
+        """Insert ``record``, its info as JSON; StoreError ``taken`` if its unique key is taken."""
+        row = {**record.model_dump(exclude={"info"}), "info": dumps(record.info, f"{what} info")}
+        try:
+            with self._errors(f"adding {what}"):
+                self._insert(table, row)
+        except Conflict:
+            raise StoreError(taken) from None
+        return record
 
     def _rows(self, doing: str, table: str, newest: bool = False, **equal: Any) -> list[Row]:
         with self._errors(doing):
@@ -339,10 +344,6 @@ def loads(value: Any, what: str) -> Any:
 def pause(attempt: int) -> None:
     """A short random sleep, so racing writers do not collide again in lockstep."""
     time.sleep(random.uniform(0.001, 0.005 * min(attempt + 1, 10)))
-
-
-def _row(record: RunRecord | CheckpointRecord, what: str) -> dict[str, Any]:
-    return {**record.model_dump(exclude={"info"}), "info": dumps(record.info, what)}
 
 
 def _record(cls: type[R], row: Row, field: str, what: str) -> R:

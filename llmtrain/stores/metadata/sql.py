@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import mysql
 
 from llmtrain.db.engines import dispose_sql_engine, sql_engine, sqlite_path
+from llmtrain.db.sql_errors import is_lock_conflict
 from llmtrain.errors import StoreError
 from llmtrain.stores.metadata.base import TABLE_PREFIX, UTC, Conflict, MetadataStore, Row, pause
 
@@ -112,17 +113,6 @@ def ddl_schema(dialect: sa.Dialect) -> sa.MetaData:
     return ddl
 
 
-def _is_transient(exc: sa.exc.DBAPIError) -> bool:
-    """Lock conflicts that a fresh transaction resolves (deadlock, busy SQLite file)."""
-    orig = exc.orig
-    code = orig.args[0] if orig is not None and orig.args else None
-    return (
-        getattr(orig, "sqlstate", None) in {"40001", "40P01"}  # PostgreSQL
-        or code in (1205, 1213)  # MySQL lock wait timeout, deadlock
-        or "database is locked" in str(orig)  # SQLite
-    )
-
-
 class SQLMetadataStore(MetadataStore):
     """A read without the tables finds nothing; of a missing SQLite file raises (not missing_ok)."""
 
@@ -184,7 +174,7 @@ class SQLMetadataStore(MetadataStore):
             except sa.exc.DBAPIError as exc:
                 # SQLite reports "locked" only after its 60 s busy timeout: few retries.
                 lock_failures += 1
-                if not _is_transient(exc) or lock_failures >= LOCK_TRIES:
+                if not is_lock_conflict(exc) or lock_failures >= LOCK_TRIES:
                     raise
                 pause(lock_failures)
 
