@@ -70,28 +70,25 @@ class TrainedModel:
 
     def use_checkpoint(self, checkpoint: str | int) -> None:
         """Use a checkpoint of the run instead of the final weights: ``"best"`` or a step."""
-        db = self._require_db()
-        run_id = self.record.run_id
+        db, run_id = self._require_db(), self.record.run_id
         if checkpoint == "best":
             from llmtrain.training.checkpoint import BEST
 
-            best = db.metadata.get_run(run_id).info.get(BEST)
-            if not best:
+            if not (best := db.metadata.get_run(run_id).info.get(BEST)):
                 raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} v{self.version} recorded no best "
                     "checkpoint: train with training_args.save_best_by"
                 )
             self.checkpoint = dict(best)
         else:
-            for record in db.metadata.list_checkpoints(run_id):
-                if str(checkpoint) in (str(record.step), record.artifact_id):
-                    self.checkpoint = {"step": record.step, "artifact": record.artifact_id}
-                    break
-            else:
+            records = db.metadata.list_checkpoints(run_id)
+            found = [r for r in records if str(checkpoint) in (str(r.step), r.artifact_id)]
+            if not found:
                 raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} has no checkpoint "
                     f"{str(checkpoint)!r}"
                 )
+            self.checkpoint = {"step": found[0].step, "artifact": found[0].artifact_id}
         self._loaded = None
 
     def _require_db(self) -> Components:

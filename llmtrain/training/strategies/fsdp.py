@@ -30,18 +30,6 @@ from llmtrain.training.strategies.base import (
 )
 
 
-def shard_model(model: torch.nn.Module, **options: Any) -> None:
-    """``fully_shard`` every decoder layer, then the root; no layer is an error, not no savings."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ConfigError(
-            f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
-            "(no _no_split_modules and no 'layers' module list)"
-        )
-    for module in [*layers, model]:
-        fully_shard(module, **options)
-
-
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
     """The quantisation rules only the loaded model decides (the trainer checked the config's)."""
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
@@ -83,7 +71,9 @@ class FSDP2(ProcessGroupStrategy):
             )
         if cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        shard_model(model, **options)  # before the optimizer: its parameters are DTensors
+        # every decoder layer, then the root; before the optimizer: its parameters are DTensors
+        for module in [*decoder_layers(model, "fsdp_config"), model]:
+            fully_shard(module, **options)
         model, optimizer = super().setup(model, make_optimizer, precision)
         if cfg.mixed_precision == "fp16" or precision.scaled:
             # fp16 compute (autocast or the shards' param_dtype): scale, per shard
