@@ -41,8 +41,7 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in one line (argparse prints its usage block first), with the closest option
-    or command: ``--resum`` (did you mean --resume?), ``forgt`` (did you mean forget?)."""
+    """A mistake in one line, not argparse's usage block, with the closest option or command."""
 
     def error(self, message: str) -> NoReturn:
         if wrong := re.search(r"(?:invalid choice: '|unrecognized arguments: )([^' ]+)", message):
@@ -211,8 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(exc: Exception, status: int) -> int:
-    """One line, even when the database's message spans several; a failed worker's error keeps
-    its traceback below its first line."""
+    """One line (a database's message may span several); a failed worker's keeps its traceback."""
     text = str(exc) or type(exc).__name__
     text = text if isinstance(exc, DistributedError) else " ".join(text.split())
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)

@@ -23,11 +23,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
 from llmtrain.training.modeling import decoder_layers
 from llmtrain.training.precision import MIXED_DTYPES, Precision
-from llmtrain.training.strategies.base import (
-    MakeOptimizer,
-    ProcessGroupStrategy,
-    init_single_process_group,
-)
+from llmtrain.training.strategies.base import MakeOptimizer, ProcessGroupStrategy
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
@@ -51,10 +47,6 @@ class FSDP2(ProcessGroupStrategy):
     ) -> None:
         super().__init__(placement)
         self.config = config or FSDPConfig()
-
-    def launch(self) -> None:
-        init_single_process_group(self.placement)
-        super().launch()
 
     def setup(
         self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
