@@ -67,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fit",
         allow_abbrev=False,
         help="fit a trainer described by a YAML file",
-        description="Fit the trainer a YAML file describes. Any option of the "
-        "file can be overridden: --training_args.learning_rate 1e-4, "
-        "--lora_args null, --db URI (values are read as YAML). Sections: "
-        f"{', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
+        description="Fit the trainer a YAML file describes. Any option of the file can be "
+        "overridden: --training_args.learning_rate 1e-4, --lora_args null, --db URI (values are "
+        f"read as YAML). Sections: {', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
     )
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
     fit.set_defaults(run=cmd_fit)
