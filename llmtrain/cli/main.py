@@ -310,9 +310,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
         model = db.load("model", args.name, args.version, checkpoint=checkpoint)
-        which = f"{model.identifier} v{model.version}" + (
-            f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
-        )
+        which = f"{model.identifier} v{model.version}"
+        which += f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
         problems = model.serving_problems(stacks, adapter=args.adapter is not None or only_check)
         say(*(f"warning: {problem}" for problem in problems))
         if problems and (args.strict or only_check):

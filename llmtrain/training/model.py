@@ -224,10 +224,9 @@ class TrainedModel:
         check: Sequence[str] = STACKS,
         strict: bool = False,
     ) -> str:
-        """Merge into the new folder ``dest``; returns what it merged into. The tokenizer goes
-        with it, its chat template rendering the training prompt, and llmtrain_export.json
-        (template, heal, EOS, objective, base, run). What ``check``'s stacks refuse is a warning,
-        with ``strict`` a ConfigError before anything is written."""
+        """Merge into the new folder ``dest`` with the tokenizer, a chat template rendering the
+        training prompt and llmtrain_export.json; returns what it merged into. What ``check``'s
+        stacks refuse is a warning, with ``strict`` a ConfigError before anything is written."""
         self._check(check, strict, adapter=False)
         dest = export.check_new_folder(dest, "merged destination")
         with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:
