@@ -69,7 +69,6 @@ class Lines(Progress):
 def make_progress(desc: str, total: int, initial: int, every: int, stream: Any = None) -> Progress:
     """A bar when ``stream`` (default: stderr, where tqdm writes) is a terminal, else lines."""
     stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    if callable(isatty) and isatty():
+    if getattr(stream, "isatty", lambda: False)():
         return Bar(desc, total, initial, stream)
     return Lines(desc, total, every, stream)
