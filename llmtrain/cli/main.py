@@ -41,8 +41,7 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in one line (argparse prints its usage block first), with the closest option
-    or command: ``--resum`` (did you mean --resume?), ``forgt`` (did you mean forget?)."""
+    """A mistake in one line, not argparse's usage block, with the closest option or command."""
 
     def error(self, message: str) -> NoReturn:
         if wrong := re.search(r"(?:invalid choice: '|unrecognized arguments: )([^' ]+)", message):
@@ -68,10 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fit",
         allow_abbrev=False,
         help="fit a trainer described by a YAML file",
-        description="Fit the trainer a YAML file describes. Any option of the "
-        "file can be overridden: --training_args.learning_rate 1e-4, "
-        "--lora_args null, --db URI (values are read as YAML). Sections: "
-        f"{', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
+        description="Fit the trainer a YAML file describes. Any option of the file can be "
+        "overridden: --training_args.learning_rate 1e-4, --lora_args null, --db URI (values are "
+        f"read as YAML). Sections: {', '.join(SECTIONS)}, data; values: {', '.join(SCALARS)}.",
     )
     fit.add_argument("config", help="YAML file (see examples/config.yaml)")
     fit.set_defaults(run=cmd_fit)
@@ -211,8 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(exc: Exception, status: int) -> int:
-    """One line, even when the database's message spans several; a failed worker's error keeps
-    its traceback below its first line."""
+    """One line (a database's message may span several); a failed worker's keeps its traceback."""
     text = str(exc) or type(exc).__name__
     text = text if isinstance(exc, DistributedError) else " ".join(text.split())
     print(f"llmtrain: error: {text}", file=sys.stderr, flush=True)
@@ -313,9 +310,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
         model = db.load("model", args.name, args.version, checkpoint=checkpoint)
-        which = f"{model.identifier} v{model.version}" + (
-            f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
-        )
+        which = f"{model.identifier} v{model.version}"
+        which += f" (checkpoint {args.checkpoint})" if checkpoint is not None else ""
         problems = model.serving_problems(stacks, adapter=args.adapter is not None or only_check)
         say(*(f"warning: {problem}" for problem in problems))
         if problems and (args.strict or only_check):

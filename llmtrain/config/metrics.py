@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 
 Metric = Callable[[str, str], float]
 
-_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+#: ``package.module:name``: what eval_metrics and fit(callbacks=) import
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 BUILTIN: dict[str, Metric] = {
     "exact_match": lambda prediction, reference: float(prediction.strip() == reference.strip()),
     "contains": lambda prediction, reference: float(reference.strip() in prediction),
@@ -29,7 +30,7 @@ def resolve(entry: str) -> Metric:
     """The function an eval_metrics entry names (else ValueError saying why)."""
     if entry in BUILTIN:
         return BUILTIN[entry]
-    if not _PATH.match(entry):
+    if not IMPORT_PATH.match(entry):
         raise ValueError(
             f"{entry!r} is neither {' nor '.join(repr(b) for b in BUILTIN)} nor an import "
             "path 'package.module:function'"

@@ -101,14 +101,12 @@ def train_run(
         ranks = strategy.gather_object(where)
         if strategy.is_main:
             batch = targs.per_device_train_batch_size * targs.gradient_accumulation_steps
+            nodes = len({(r["host"], r["node_rank"]) for r in ranks})
             info = {
                 "strategy": strategy.name,
                 "world_size": strategy.world_size,
                 "global_batch_size": batch * strategy.world_size,
-                "world": {
-                    "nodes": len({(r["host"], r["node_rank"]) for r in ranks}),
-                    "ranks": ranks,
-                },
+                "world": {"nodes": nodes, "ranks": ranks},
             }
             db.metadata.update_run(plan.run_id, status="running", info=info)
         started = True

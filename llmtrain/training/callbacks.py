@@ -4,12 +4,10 @@ import paths ``"module:Name"`` (built with no arguments by every process: what w
 from __future__ import annotations
 
 import importlib
-import re
 from typing import Any
 
+from llmtrain.config.metrics import IMPORT_PATH
 from llmtrain.errors import ConfigError
-
-_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 class Callback:
@@ -33,7 +31,7 @@ class Callback:
 
 def callback_path(spec: str) -> str:
     """``spec`` if it is an import path ``module:Name``, else a ConfigError naming it."""
-    if not _PATH.match(spec):
+    if not IMPORT_PATH.match(spec):
         raise ConfigError(f"fit(callbacks=): {spec!r} is not an import path 'module:Name'")
     return spec
 

@@ -36,6 +36,13 @@ def sha256_file(path: Path) -> str:
         return hashed_copy(fh)
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """Each file under ``folder`` (its path relative to it) -> its sha256: a manifest's lines."""
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p) for p in folder.rglob("*") if p.is_file()
+    }
+
+
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -176,9 +183,7 @@ def seal(
     save_file(weights, str(folder / "weights.safetensors"))
     torch.save(scheduler.state_dict(), folder / "scheduler.pt")
     (folder / STATE).write_text(json.dumps({**state, "format": FORMAT, "world_size": world_size}))
-    written = (p for p in folder.rglob("*") if p.is_file())
-    files = {p.relative_to(folder).as_posix(): sha256_file(p) for p in written}
-    files = dict(sorted({**files, **(more_files or {})}.items()))
+    files = dict(sorted({**digests(folder), **(more_files or {})}.items()))
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}))
 
 

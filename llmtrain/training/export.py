@@ -1,12 +1,10 @@
-"""The adapter in PEFT's layout and the merged model, each with the prompt it was trained on. After
-QLoRA, merging into the full-precision base moved the tiny test model's logits by 3.9:
-``into="trained"`` merges into what training saw.
-
-Serving stacks render the tokenizer's chat template, so an export carries one that renders the
-training prompt (measured with vLLM's CPU build and llama.cpp: 0/16 answers through the chat
-endpoints with the base's template, as generate() with it), and ``llmtrain_export.json``. What a
-stack refuses is checked before anything is written: one DoRA adapter, or one of a rank above
-``max_lora_rank``, kills vLLM's engine and every adapter it serves."""
+"""The adapter in PEFT's layout and the merged model, each with the prompt it was trained on.
+After QLoRA, ``into="trained"`` merges into what training saw (merging into the full-precision
+base moved the tiny test model's logits by 3.9). Serving stacks render the tokenizer's chat
+template, so an export carries one rendering the training prompt (with the base's, vLLM's CPU
+build and llama.cpp answered 0/16), and ``llmtrain_export.json``. What a stack refuses is checked
+before anything is written: one DoRA adapter, or a rank above ``max_lora_rank``, kills vLLM's
+engine and every adapter it serves."""
 
 from __future__ import annotations
 

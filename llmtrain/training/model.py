@@ -70,28 +70,25 @@ class TrainedModel:
 
     def use_checkpoint(self, checkpoint: str | int) -> None:
         """Use a checkpoint of the run instead of the final weights: ``"best"`` or a step."""
-        db = self._require_db()
-        run_id = self.record.run_id
+        db, run_id = self._require_db(), self.record.run_id
         if checkpoint == "best":
             from llmtrain.training.checkpoint import BEST
 
-            best = db.metadata.get_run(run_id).info.get(BEST)
-            if not best:
+            if not (best := db.metadata.get_run(run_id).info.get(BEST)):
                 raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} v{self.version} recorded no best "
                     "checkpoint: train with training_args.save_best_by"
                 )
             self.checkpoint = dict(best)
         else:
-            for record in db.metadata.list_checkpoints(run_id):
-                if str(checkpoint) in (str(record.step), record.artifact_id):
-                    self.checkpoint = {"step": record.step, "artifact": record.artifact_id}
-                    break
-            else:
+            records = db.metadata.list_checkpoints(run_id)
+            found = [r for r in records if str(checkpoint) in (str(r.step), r.artifact_id)]
+            if not found:
                 raise ConfigError(
                     f"run {run_id} of model {self.identifier!r} has no checkpoint "
                     f"{str(checkpoint)!r}"
                 )
+            self.checkpoint = {"step": found[0].step, "artifact": found[0].artifact_id}
         self._loaded = None
 
     def _require_db(self) -> Components:
@@ -227,10 +224,9 @@ class TrainedModel:
         check: Sequence[str] = STACKS,
         strict: bool = False,
     ) -> str:
-        """Merge into the new folder ``dest``; returns what it merged into. The tokenizer goes
-        with it, its chat template rendering the training prompt, and llmtrain_export.json
-        (template, heal, EOS, objective, base, run). What ``check``'s stacks refuse is a warning,
-        with ``strict`` a ConfigError before anything is written."""
+        """Merge into the new folder ``dest`` with the tokenizer, a chat template rendering the
+        training prompt and llmtrain_export.json; returns what it merged into. What ``check``'s
+        stacks refuse is a warning, with ``strict`` a ConfigError before anything is written."""
         self._check(check, strict, adapter=False)
         dest = export.check_new_folder(dest, "merged destination")
         with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-export-") as scratch:

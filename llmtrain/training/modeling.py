@@ -225,8 +225,9 @@ def prepare_for_training(
     return get_peft_model(model, config)
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: classes named by ``_no_split_modules``, else a ``layers`` list."""
+def decoder_layers(model: torch.nn.Module, option: str) -> list[torch.nn.Module]:
+    """The transformer blocks: classes named by ``_no_split_modules``, else a ``layers`` list;
+    none is a ConfigError naming ``option``, not a run that silently shards or compiles nothing."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or [])
@@ -236,16 +237,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         last = name.rsplit(".", 1)[-1]
         if isinstance(module, torch.nn.ModuleList) and last in _LAYER_LISTS and len(module) > 0:
             return list(module)
-    return []
+    raise ConfigError(
+        f"{option}: found no decoder layers in {type(model).__name__} "
+        "(no _no_split_modules and no 'layers' module list)"
+    )
 
 
 def compile_layers(model: Any) -> None:
     """``torch.compile`` each decoder layer in place; the head and the chunked loss stay eager."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ConfigError(
-            f"training_args.torch_compile: found no decoder layers to compile in "
-            f"{type(model).__name__}"
-        )
-    for layer in layers:
+    for layer in decoder_layers(model, "training_args.torch_compile"):
         layer.compile()

@@ -79,9 +79,8 @@ def make_progress(
 ) -> Progress:
     """A bar when ``stream`` (default: stderr, where tqdm writes) is a terminal, else lines."""
     stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
     made: Progress = Lines(desc, total, every, stream)
-    if callable(isatty) and isatty():
+    if getattr(stream, "isatty", lambda: False)():
         made = Bar(desc, total, initial, stream)
     made.shown = tuple(shown)
     return made

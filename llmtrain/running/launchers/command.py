@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from llmtrain.config.args import Launcher
+from llmtrain.config.file import DB_ENV  # the same URI a fit reads by default
 from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError
 
-DB_ENV = "LLMTRAIN_DB_URI"
 METADATA_ENV = "LLMTRAIN_METADATA_URI"
 ARTIFACTS_ENV = "LLMTRAIN_ARTIFACTS"
 JOB_ENV = "LLMTRAIN_JOB_DIR"  # where workers write their pid and, on failure, the traceback

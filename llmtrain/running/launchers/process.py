@@ -84,8 +84,7 @@ class WorkerJob:
             self.stop()  # notes the workers last started, too
             for reader in readers:
                 reader.join(timeout=5)
-        failure = self.first_error()
-        if failure is not None:
+        if (failure := self.first_error()) is not None:
             rank, text = failure
             err = DistributedError(f"rank {rank} failed: {text.strip().splitlines()[0]}\n{text}")
             err.rank, err.details = rank, text  # type: ignore[attr-defined]

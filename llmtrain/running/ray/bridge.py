@@ -19,6 +19,7 @@ import ray
 
 from llmtrain.datalayer import Datalayer
 from llmtrain.errors import DistributedError
+from llmtrain.stores.artifacts.base import check_relpath
 
 log = logging.getLogger("llmtrain.running.ray")
 
@@ -108,9 +109,7 @@ def read_files(folder: str | Path) -> dict[str, bytes]:
 
 def write_files(files: dict[str, bytes], dest: Path) -> Path:
     for rel, data in files.items():
-        path = dest / rel
-        if dest.resolve() not in path.resolve().parents:
-            raise DistributedError(f"refused a file outside its folder: {rel!r}")
+        path = dest.joinpath(*check_relpath(rel).split("/"))  # never outside ``dest``
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     return dest

@@ -18,7 +18,7 @@ from llmtrain.placement import Placement
 from llmtrain.running.local import train_run
 from llmtrain.running.ray.bridge import RemoteDB, call
 from llmtrain.stores.metadata.base import CheckpointRecord
-from llmtrain.training.checkpoint import Checkpointer, rng_state, seal, sha256_file
+from llmtrain.training.checkpoint import Checkpointer, digests, rng_state, seal
 
 
 def checkpoint_name(step: int) -> str:
@@ -44,9 +44,7 @@ class RayCheckpointer(Checkpointer):
             weights = s.trainable_state_dict(model)
             s.save_optimizer(model, optimizer, folder)
             torch.save(rng_state(), folder / f"rng_rank{s.rank}.pt")
-            everyone = s.gather_object(
-                {p.name: sha256_file(p) for p in folder.iterdir() if p.is_file()}
-            )
+            everyone = s.gather_object(digests(folder))
             if s.is_main:
                 others = {k: v for files in everyone[1:] for k, v in files.items()}
                 seal(folder, weights, scheduler, state, world_size=s.world_size, more_files=others)

@@ -183,9 +183,10 @@ class Strategy:
 
 
 class ProcessGroupStrategy(Strategy):
-    """Shared by every multi-process strategy: joining the group."""
+    """Shared by every multi-process strategy: joining the group (unlaunched: a one-process one)."""
 
     def launch(self) -> None:
+        init_single_process_group(self.placement)
         if not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if self.device.type == "cuda":

@@ -23,23 +23,7 @@ from llmtrain.errors import ConfigError
 from llmtrain.placement import Placement
 from llmtrain.training.modeling import decoder_layers
 from llmtrain.training.precision import MIXED_DTYPES, Precision
-from llmtrain.training.strategies.base import (
-    MakeOptimizer,
-    ProcessGroupStrategy,
-    init_single_process_group,
-)
-
-
-def shard_model(model: torch.nn.Module, **options: Any) -> None:
-    """``fully_shard`` every decoder layer, then the root; no layer is an error, not no savings."""
-    layers = decoder_layers(model)
-    if not layers:
-        raise ConfigError(
-            f"FSDP2 found no decoder layers to shard in {type(model).__name__} "
-            "(no _no_split_modules and no 'layers' module list)"
-        )
-    for module in [*layers, model]:
-        fully_shard(module, **options)
+from llmtrain.training.strategies.base import MakeOptimizer, ProcessGroupStrategy
 
 
 def check_quantization(model: torch.nn.Module, device: torch.device) -> None:
@@ -64,10 +48,6 @@ class FSDP2(ProcessGroupStrategy):
         super().__init__(placement)
         self.config = config or FSDPConfig()
 
-    def launch(self) -> None:
-        init_single_process_group(self.placement)
-        super().launch()
-
     def setup(
         self, model: Any, make_optimizer: MakeOptimizer, precision: Precision
     ) -> tuple[Any, Any]:
@@ -83,7 +63,9 @@ class FSDP2(ProcessGroupStrategy):
             )
         if cfg.cpu_offload:
             options["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        shard_model(model, **options)  # before the optimizer: its parameters are DTensors
+        # every decoder layer, then the root; before the optimizer: its parameters are DTensors
+        for module in [*decoder_layers(model, "fsdp_config"), model]:
+            fully_shard(module, **options)
         model, optimizer = super().setup(model, make_optimizer, precision)
         if cfg.mixed_precision == "fp16" or precision.scaled:
             # fp16 compute (autocast or the shards' param_dtype): scale, per shard
