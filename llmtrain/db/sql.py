@@ -19,7 +19,6 @@ from sqlglot import exp
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
 from llmtrain.db.forgotten import (
-    _DIALECTS,
     Condition,
     Guarded,
     Rewriter,
@@ -29,7 +28,7 @@ from llmtrain.db.forgotten import (
 from llmtrain.db.keys import Key, KeyPage, check_keys, in_sorted, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
-from llmtrain.db.sources import Source, key_table, match_name, split_name
+from llmtrain.db.sources import SQLGLOT_NAMES, Source, key_table, match_name, split_name
 from llmtrain.db.sql_errors import database_message, is_transient, refusal
 from llmtrain.errors import ConfigError, QueryError
 
@@ -166,7 +165,7 @@ class SQLBackend(DataBackend):
             dialect = conn.dialect.name
             unbound = re.sub(r"(?<![:\w]):\w+", "NULL", text)  # placeholders parse in every dialect
             try:
-                statements = sqlglot.parse(unbound, read=_DIALECTS.get(dialect, dialect))
+                statements = sqlglot.parse(unbound, read=SQLGLOT_NAMES.get(dialect, dialect))
             except sqlglot.errors.ParseError:
                 statements = []
             if len(statements) != 1 or not isinstance(statements[0], exp.Query):
