@@ -49,13 +49,17 @@ OPTIONS: dict[str, Any] = {
     "progress_bar": False,
     "max_steps": 4,
     "save_steps": 2,
-    "max_new_tokens": 8,  # what an objective that samples answers samples
 }
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
+def _options(objective: Objective) -> dict[str, Any]:
+    """An objective that samples its answers samples 8 tokens (no other takes the setting)."""
+    return OPTIONS | ({"max_new_tokens": 8} if objective.generated else {})
 
 
 def _fields(objective: Objective) -> dict[str, Any]:
@@ -83,21 +87,21 @@ def test_every_objective_keeps_the_contract(
     for role in set(objective.roles) - {"X", *objective.optional}:  # a required field left out
         lacking = {k: v for k, v in fields.items() if k != role}
         with pytest.raises(ConfigError, match=f"{role}= missing"):
-            lt.LLMTrainer("refused", model=tiny, objective=name, **OPTIONS).fit(
+            lt.LLMTrainer("refused", model=tiny, objective=name, **_options(objective)).fit(
                 db=db, select=select, **lacking
             )
     if objective.generated:
         with pytest.raises(ConfigError, match="needs fit.reward="):
-            lt.LLMTrainer("refused", model=tiny, objective=name, **OPTIONS).fit(
+            lt.LLMTrainer("refused", model=tiny, objective=name, **_options(objective)).fit(
                 db=db, select=select, X="prompt"
             )
     assert db.metadata.list_runs() == []  # refused before anything was recorded
 
-    whole = lt.LLMTrainer("whole", model=tiny, objective=name, **OPTIONS)
+    whole = lt.LLMTrainer("whole", model=tiny, objective=name, **_options(objective))
     model = whole.fit(db=db, select=select, **fields)
     undo = crash_after_checkpoint(monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
-        lt.LLMTrainer("crashed", model=tiny, objective=name, **OPTIONS).fit(
+        lt.LLMTrainer("crashed", model=tiny, objective=name, **_options(objective)).fit(
             db=db, select=select, **fields
         )
     undo()
@@ -117,3 +121,29 @@ def test_every_objective_keeps_the_contract(
     logged = db.metadata.get_metrics(run.run_id)[0].values  # the objective's loss trained it
     own = {"sft": "loss", "grpo": "reward"}.get(name, "rewards/margins")
     assert own in logged and ("rewards/margins" in logged) == (own == "rewards/margins")
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_a_setting_of_another_objective_is_refused(name: str, tiny: Path) -> None:
+    """Each objective's own settings are its module's: set for another, they are refused."""
+    for other in OBJECTIVES.values():
+        for field in other.settings.model_fields if other.settings else ():
+            if other.name == name or field in getattr(
+                OBJECTIVES[name].settings, "model_fields", {}
+            ):
+                continue
+            value = next(v for v in (7, 0.3, "none", "t", [0.5]) if _valid(other, field, v))
+            with pytest.raises(
+                ConfigError, match=f"{field}=.* is a setting of objective='{other.name}'"
+            ):
+                lt.LLMTrainer("other", model=tiny, objective=name, **{field: value})
+
+
+def _valid(objective: Objective, field: str, value: Any) -> bool:
+    """``value`` is one ``field`` takes, and not its default."""
+    assert objective.settings is not None
+    try:
+        objective.settings(**{field: value})
+    except ValueError:
+        return False
+    return bool(value != objective.settings.model_fields[field].default)

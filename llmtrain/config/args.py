@@ -13,7 +13,7 @@ from llmtrain.config.metrics import logged_name, metric_problems
 from llmtrain.config.spec import FitSpec
 from llmtrain.db.queries import Conversations
 from llmtrain.errors import ConfigError
-from llmtrain.objectives import OBJECTIVES, objective_of, objective_problems
+from llmtrain.objectives import OBJECTIVES, SETTINGS, objective_of, objective_problems
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: a TrainerConfig section whose fields are also LLMTrainer's flat keywords
@@ -253,47 +253,15 @@ class DataArguments(_Args):
         return (self.max_tokens_per_batch or batch_size * self.max_length) if self.packing else None
 
 
-class ObjectiveArguments(_Args):
-    """What the loss trains: the responses (sft), or preferences; formulas and defaults as TRL's."""
+class ObjectiveArguments(_Args, *SETTINGS):  # type: ignore[misc]
+    """What the loss trains, and each objective's own settings (its module's ``Settings``)."""
 
     objective: str = "sft"
-    """A registered objective (``llmtrain.objectives``): sft; dpo, kto against the reference (the
-    starting model: the base with its adapter off, or an earlier model's adapter); orpo, simpo
-    without. kto trains (prompt, completion, liked) rows."""
-    beta: float = Field(default=0.1, gt=0)
-    """DPO's, KTO's and SimPO's inverse temperature; ORPO's lambda."""
+    """A registered objective, by name (``llmtrain.objectives.OBJECTIVES``)."""
+    beta: float = Field(default=0.1, ge=0)
+    """The objective's strength: its inverse temperature, lambda or KL weight (its module's)."""
     loss_type: str | None = None
-    """The objective's variant (None: its first): dpo sigmoid, ipo, hinge, robust; grpo dapo
-    (TRL's default: over the micro-batch's tokens), grpo (per answer), dr_grpo."""
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
-    """DPO: how likely a preference is flipped (conservative and robust DPO)."""
-    simpo_gamma: float = Field(default=0.5, ge=0)
-    """SimPO's target reward margin."""
-    desirable_weight: float | None = Field(default=None, gt=0)
-    """KTO: the weight of liked completions. Both None: disliked / liked from the snapshot's
-    label counts (undesirable 1), so each kind weighs the same (recorded); one None: 1."""
-    undesirable_weight: float | None = Field(default=None, gt=0)
-    """KTO: the weight of disliked completions (see desirable_weight)."""
-
-    num_generations: int = Field(default=4, ge=2)
-    """GRPO: answers sampled a prompt each step, whose rewards are normalised as a group."""
-    max_new_tokens: int = Field(default=64, ge=1)
-    """GRPO: the longest answer sampled (TRL's max_completion_length)."""
-    temperature: float = Field(default=1.0, gt=0)
-    """GRPO: the sampling temperature."""
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    """GRPO: nucleus sampling's probability mass."""
-    epsilon: float = Field(default=0.2, gt=0, lt=1)
-    """GRPO: the ratio's clip range below (and above, unless epsilon_high)."""
-    epsilon_high: float | None = Field(default=None, gt=0)
-    """GRPO: the clip range above (DAPO's clip-higher); None: epsilon."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """GRPO: advantages divided by the rewards' std in the group, the batch, or not at all."""
-    reward_weights: list[float] | None = None
-    """GRPO: each reward's weight in the sum (None: 1 each)."""
-    rollouts_table: str | None = Field(default=None, min_length=1)
-    """GRPO: a table of the data database llmtrain writes every sampled answer to (run, step,
-    prompt key, answer, rewards, advantage), for later fits to select from."""
+    """The objective's variant (None: its first; each objective lists its own)."""
 
     @model_validator(mode="after")
     def _known(self) -> ObjectiveArguments:

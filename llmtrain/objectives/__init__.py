@@ -19,6 +19,10 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 
+#: every objective's own settings, the fields of objective_args besides name, beta and loss_type
+SETTINGS = tuple(o.settings for o in OBJECTIVES.values() if o.settings is not None)
+
+
 def objective_of(config: Any) -> Objective:
     """The objective a TrainerConfig trains."""
     return OBJECTIVES[config.objective_args.objective]
@@ -43,6 +47,14 @@ def objective_problems(config: Any) -> list[str]:
                 f"objective={chosen.name!r} trains fit({wanted}): "
                 f"{' and '.join(f'{r}=' for r in missing)} missing"
             )
+    args, own = config.objective_args, chosen.settings.model_fields if chosen.settings else {}
+    for other in OBJECTIVES.values():
+        for name, field in other.settings.model_fields.items() if other.settings else ():
+            if name not in own and getattr(args, name) != field.default:
+                problems.append(
+                    f"{name}={getattr(args, name)!r} is a setting of objective={other.name!r}; "
+                    f"objective={chosen.name!r} does not take it"
+                )
     loss_type = config.objective_args.loss_type
     if loss_type is not None and loss_type not in chosen.loss_types:
         takes = ", ".join(map(repr, chosen.loss_types)) or "none"
@@ -50,4 +62,4 @@ def objective_problems(config: Any) -> list[str]:
     return problems + chosen.problems(config)
 
 
-__all__ = ["OBJECTIVES", "Objective", "objective_of", "objective_problems"]
+__all__ = ["OBJECTIVES", "SETTINGS", "Objective", "objective_of", "objective_problems"]

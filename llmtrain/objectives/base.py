@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from llmtrain.data.rows import RowCheck
 from llmtrain.formatting import Formatter, PackedCollator
@@ -36,6 +37,17 @@ class Batching:
     batch_size: int = 1
 
 
+class Settings(BaseModel):
+    """An objective's own fields of ``objective_args`` (flat keywords of LLMTrainer too)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_assignment=True,
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+
 class Objective:
     """What one objective trains; subclasses set the class attributes and their rules."""
 
@@ -51,6 +63,8 @@ class Objective:
     generated: ClassVar[bool] = False
     #: the metrics its progress shows after the loss
     shown: ClassVar[tuple[str, ...]] = ()
+    #: its own settings (fields of objective_args, recorded and replayed), if any
+    settings: ClassVar[type[Settings] | None] = None
     #: the loss_type values it takes, its default first
     loss_types: ClassVar[tuple[str, ...]] = ()
 

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
+from llmtrain.objectives.base import Settings
 from llmtrain.objectives.preference import Metrics, Preference, pair_metrics, smoothed
 
 
@@ -44,8 +46,14 @@ def dpo_loss(
     return losses.mean(), pair_metrics(chosen, rejected, beta, chosen_logps, rejected_logps)
 
 
+class DPOSettings(Settings):
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """DPO: how likely a preference is flipped (conservative and robust DPO)."""
+
+
 class DPO(Preference):
     name, reference, loss_types = "dpo", True, ("sigmoid", "ipo", "hinge", "robust")
+    settings = DPOSettings
 
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any

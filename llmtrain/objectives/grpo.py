@@ -11,15 +11,16 @@ import json
 import math
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 import torch
+from pydantic import Field
 
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.formatting import IGNORE_INDEX
-from llmtrain.objectives.base import Averaged, Batching, Objective
+from llmtrain.objectives.base import Averaged, Batching, Objective, Settings
 from llmtrain.objectives.loss import LossFunction, target_logprobs
 from llmtrain.objectives.reference import reference_model
 
@@ -148,10 +149,32 @@ class RowCollate:
         return made if self.per_batch is not None else made[0] if made else {}
 
 
+class GRPOSettings(Settings):
+    num_generations: int = Field(default=4, ge=2)
+    """GRPO: answers sampled a prompt each step, whose rewards are normalised as a group."""
+    max_new_tokens: int = Field(default=64, ge=1)
+    """GRPO: the longest answer sampled (TRL's max_completion_length)."""
+    temperature: float = Field(default=1.0, gt=0)
+    """GRPO: the sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """GRPO: nucleus sampling's probability mass."""
+    epsilon: float = Field(default=0.2, gt=0, lt=1)
+    """GRPO: the ratio's clip range below (and above, unless epsilon_high)."""
+    epsilon_high: float | None = Field(default=None, gt=0)
+    """GRPO: the clip range above (DAPO's clip-higher); None: epsilon."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: advantages divided by the rewards' std in the group, the batch, or not at all."""
+    reward_weights: list[float] | None = None
+    """GRPO: each reward's weight in the sum (None: 1 each)."""
+    rollouts_table: str | None = Field(default=None, min_length=1)
+    """GRPO: a table of the data database llmtrain writes every sampled answer to (run, step,
+    prompt key, answer, rewards, advantage), for later fits to select from."""
+
+
 class GRPO(Objective):
     name, roles, optional, trains = "grpo", ("X", "Y"), ("Y",), "prompts scored by rewards"
     reference, generated, loss_types = True, True, ("dapo", "grpo", "dr_grpo")
-    shown = ("reward", "kl", "completions/mean_length")
+    shown, settings = ("reward", "kl", "completions/mean_length"), GRPOSettings
 
     def problems(self, config: Any) -> list[str]:
         fit, a, problems = config.fit, config.objective_args, []

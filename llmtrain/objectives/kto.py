@@ -8,10 +8,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from pydantic import Field
 
 from llmtrain.console import say
 from llmtrain.data.rows import RowCheck, text_problem
 from llmtrain.data.snapshot import value_counts
+from llmtrain.objectives.base import Settings
 from llmtrain.objectives.preference import Metrics, Preference, answered
 
 
@@ -84,9 +86,17 @@ def kto_loss(
     }
 
 
+class KTOSettings(Settings):
+    desirable_weight: float | None = Field(default=None, gt=0)
+    """KTO: the weight of liked completions. Both None: disliked / liked from the snapshot's
+    label counts (undesirable 1), so each kind weighs the same (recorded); one None: 1."""
+    undesirable_weight: float | None = Field(default=None, gt=0)
+    """KTO: the weight of disliked completions (see desirable_weight)."""
+
+
 class KTO(Preference):
     name, roles, trains = "kto", ("X", "Y", "label"), "feedback on single answers"
-    reference, feedback = True, True
+    reference, feedback, settings = True, True, KTOSettings
 
     def row_check(self) -> RowCheck | None:
         return feedback_problem

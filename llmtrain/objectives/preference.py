@@ -80,6 +80,8 @@ class Preference(Objective):
 
     def problems(self, config: Any) -> list[str]:
         name, problems = self.name, []
+        if not config.objective_args.beta:
+            problems.append(f"objective={name!r} with beta=0: its loss needs beta > 0")
         if config.fit is not None and config.fit.query().kind == "mix":
             problems.append(f"objective={name!r} trains one source, not lt.mix(...)")
         if self.reference and config.lora_args is None:

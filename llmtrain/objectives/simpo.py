@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from pydantic import Field
 
+from llmtrain.objectives.base import Settings
 from llmtrain.objectives.preference import Metrics, Preference, pair_metrics, smoothed
 
 
@@ -30,8 +32,13 @@ def simpo_loss(
     return losses.mean() + cpo_alpha * nll, metrics
 
 
+class SimPOSettings(Settings):
+    simpo_gamma: float = Field(default=0.5, ge=0)
+    """SimPO's target reward margin."""
+
+
 class SimPO(Preference):
-    name = "simpo"
+    name, settings = "simpo", SimPOSettings
 
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
