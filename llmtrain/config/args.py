@@ -398,7 +398,8 @@ class TrainerConfig(_Args):
     """The adapter; None: full fine-tuning."""
     init_from: str | None = Field(default=None, min_length=1)
     """An earlier model to start from, 'name' (newest; recorded as 'name:N') or 'name:N': its
-    adapter trains on, it is DPO's and KTO's reference, and its lineage is the new model's too."""
+    adapter trains on, it is the reference of an objective that has one, and its lineage is the
+    new model's too."""
     training_args: TrainingArguments = Field(
         default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
@@ -520,7 +521,8 @@ class TrainerConfig(_Args):
         """The objective's fields and rules (its module's), then what any objective needs."""
         problems = objective_problems(self)
         if self.fit is not None and self.fit.reward and not objective_of(self).generated:
-            problems.append("fit(reward=) scores generated answers: set objective='grpo'")
+            takes = " or ".join(repr(n) for n, o in OBJECTIVES.items() if o.generated)
+            problems.append(f"fit(reward=) scores sampled answers: set objective={takes}")
         if self.init_from is not None and self.lora_args is None:
             problems.append(
                 f"init_from={self.init_from!r} continues an earlier model's adapter; "

@@ -89,9 +89,10 @@ class LLMTrainer:
         checkpoint's artifact id) continues the newest run of this trainer version (another
         version's is refused; a completed one returns its model). ``allow_changed_data=True``:
         replay though the rows changed (this call only, recorded; default from ``data_args``).
-        ``chosen=``, ``rejected=`` (``objective`` dpo, orpo or simpo): the preferred and the other
-        answer to ``X``; ``label=`` (kto): the field saying whether the user liked ``Y``.
-        ``reward=`` (grpo): ``lt.sql_reward(...)``, a function ``"module:name"``, or a list.
+        ``chosen=``, ``rejected=``: the preferred and the other answer to ``X``; ``label=``: the
+        field saying whether the user liked ``Y``; ``reward=``: what scores sampled answers,
+        ``lt.sql_reward(...)``, a function ``"module:name"``, or a list (each objective says
+        which fields it takes: ``llmtrain.objectives``).
         ``incremental=True`` trains only rows no completed run of this trainer trained (new keys;
         changed versions too with ``data_args.version_column``) from the newest model's adapter,
         its parent, which needs the same base and adapter shape and no rows forgotten since

@@ -67,7 +67,7 @@ def write_prompt(dest: Path, formatter: Formatter, note: dict[str, Any]) -> None
 
 def write_adapter(config: Any, weights: dict[str, Any], folder: Path) -> None:
     """The trained adapter alone (PeftModel.save_pretrained converted the weights twice, failing
-    on modules_to_save, and wrote a DPO reference too), lists sorted (hash-seed order: many ids)."""
+    on modules_to_save, and wrote the reference adapter too), lists sorted (hash-seed order)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -191,7 +191,8 @@ class FitRun:
         )
 
     def _start_from_parent(self, model: Any) -> None:
-        """Load the parent's adapter (a checkpoint overrides it), and a frozen copy for DPO/KTO."""
+        """Load the parent's adapter (a checkpoint overrides it), and a frozen copy as the
+        reference of an objective that trains against one."""
         parent = self.plan.parent
         if not parent:
             return
@@ -250,8 +251,8 @@ class FitRun:
         progress = Progress()  # silent; rank 0 shows a bar, or plain lines off a terminal
         if t.progress_bar and self.strategy.is_main:
             desc, total = f"fit {self.config.identifier}", self.total_steps
-            stream, shown = self.progress_stream, self.objective.shown
-            progress = make_progress(desc, total, self.step, t.logging_steps, stream, shown)
+            out, shown = self.progress_stream, self.objective.shown
+            progress = make_progress(desc, total, self.step, t.logging_steps, out, shown)
         try:
             for group in stream:
                 batches, targets = self._pair(group)
