@@ -190,7 +190,7 @@ class Formatter:
         """Preference sequences, ``rows``' then ``others``' (row ``i``'s other answer), scored as
         TRL 1.16's preference trainers do: from where the ids of prompt + answer leave those of
         the prompt alone (no token healing: log p(answer | prompt)), a pair from the earlier of its
-        two; ``mismatched`` (feedback's KL pairs): the other answer's ids after row ``i``'s prompt."""
+        two; ``mismatched`` (feedback's KL pairs): the other answer's ids after row i's prompt."""
         if self.chat_template or self.documents or self.conversations:
             return self.format_batch(rows, source=source) + self.format_batch(others, source=source)
         assert self.template is not None
