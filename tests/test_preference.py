@@ -642,3 +642,37 @@ def test_a_pair_whose_long_answer_cuts_the_prompt_compares_both_answers_after_th
         assert ids[a][0] == tokenizer.bos_token_id  # BOS kept, the prompt cut from the left
         assert heads[0] < len(formatter.format({"prompt": prompt, "chosen": "Sunny."}).input_ids)
     assert batch["input_ids"].shape[1] <= 40
+
+
+def test_conversational_pairs_train_as_the_same_rows_in_text(tiny: Path, tmp_path: Path) -> None:
+    """TRL's conversational preference rows: the prompt as its messages (a JSON column), each
+    answer one assistant message. Through the chat template they are the same sequences as the
+    prompt and answers in text: the same losses, step by step; a prompt of other shapes is a
+    bad row that names its field."""
+    import json
+
+    def message(role: str, text: str) -> str:
+        return json.dumps([{"role": role, "content": text}])
+
+    chat = [
+        {**r, "prompt": message("user", r["prompt"]), "chosen": message("assistant", r["chosen"])}
+        | {"rejected": message("assistant", r["rejected"])}
+        for r in ROWS
+    ]
+    db = _db(tmp_path)
+    fill(f"sqlite:///{tmp_path / 'data.db'}", "chat", chat)
+    options = {**OPTIONS, "max_steps": 2, "prompt_template": None, "chat_template": True}
+    losses = []
+    for table in ("feedback", "chat"):
+        lt.LLMTrainer(table, model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table(table), **FIELDS
+        )
+        (run,) = db.metadata.list_runs("trainer", table)
+        losses.append([m.values["loss"] for m in db.metadata.get_metrics(run.run_id)])
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    bad = [{**chat[0], "prompt": json.dumps([{"role": "nobody", "content": "x"}])}]
+    fill(f"sqlite:///{tmp_path / 'data.db'}", "bad", bad)
+    with pytest.raises(BadRowError, match="'prompt' is not a prompt's messages"):
+        lt.LLMTrainer("bad", model=tiny, objective="dpo", **options).fit(
+            db=db, select=lt.Table("bad"), **FIELDS
+        )

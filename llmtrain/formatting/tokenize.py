@@ -166,8 +166,9 @@ class Formatter:
             return self._documents(rows, source)
         if self.conversations:
             return self._conversations(rows, source)
-        for key, row in rows:
-            check_row(source, key, row, (self.x_field, self.y_field))
+        for key, row in rows:  # with a chat template, a prompt may be its messages
+            listed = self.chat_template and isinstance(row[self.x_field], list)
+            check_row(source, key, row, (self.x_field, self.y_field)[listed:])
         texts = [cast("tuple[str, str]", (row[self.x_field], row[self.y_field])) for _, row in rows]
         if not texts:
             return []
@@ -364,11 +365,13 @@ class Formatter:
     def _split_chats(
         self, texts: list[tuple[str, str]]
     ) -> list[tuple[list[int], list[int], list[int], list[int], list[int]]]:
-        """(head, prompt, response, response_labels, tail) of each ``[user: x, assistant: y]``."""
+        """(head, prompt, response, response_labels, tail) of each ``[user: x, assistant: y]``
+        (``x`` a list: the prompt's messages)."""
         out = self._chat(
             [
-                [{"role": "user", "content": x}, {"role": "assistant", "content": y}]
+                [*(x if isinstance(x, list) else [{"role": "user", "content": x}]), answer]
                 for x, y in texts
+                for answer in [{"role": "assistant", "content": y}]
             ]
         )
         parts = []

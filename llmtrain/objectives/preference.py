@@ -3,6 +3,8 @@ as per-sequence log-probabilities, TRL's logged metrics, and the reference's val
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llmtrain.data.rows import RowCheck, text_problem
+from llmtrain.data.rows import ROLES, RowCheck, text_problem
 from llmtrain.formatting import (
     IGNORE_INDEX,
     Example,
@@ -58,10 +60,32 @@ def answered(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, str] |
     return None
 
 
+def messages(row: Mapping[str, Any], field: str, answer: bool) -> str | None:
+    """TRL's conversational preference rows: a prompt as a list of messages (or its JSON text),
+    an answer as one assistant message (made its text). Why not, or None (plain text too)."""
+    value = row.get(field)
+    if isinstance(value, str) and value.startswith("[{"):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    if not isinstance(value, list):
+        return text_problem(row, field)
+    if answer and [m.get("role") for m in value if isinstance(m, dict)] == ["assistant"]:
+        row[field] = value[0].get("content")  # type: ignore[index]
+        return text_problem(row, field)
+    fine = (
+        isinstance(m, dict) and m.get("role") in ROLES and not text_problem(m, "content")
+        for m in value
+    )
+    if answer or not value or not all(fine):
+        return "is not a prompt's messages (role, content) or one assistant answer"
+    row[field] = value  # type: ignore[index]
+    return None
+
+
 def pair_problem(row: Mapping[str, Any], fields: Sequence[str]) -> tuple[str, str] | None:
-    """A text prompt and two different, non-blank answers to prefer between."""
-    for field in fields:
-        if (problem := text_problem(row, field)) is not None:
+    """A prompt (text or messages) and two different, non-blank answers to prefer between."""
+    for i, field in enumerate(fields):
+        if (problem := messages(row, field, answer=i > 0)) is not None:
             return field, problem
     _, chosen, rejected = fields
     if row[chosen] == row[rejected]:
