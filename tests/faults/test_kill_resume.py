@@ -264,14 +264,15 @@ def test_a_checkpoint_killed_half_way_through_its_write_is_never_used(world: Wor
         verify(folder)
 
 
-@pytest.mark.parametrize("shape", ["mixture", "feedback"])
+@pytest.mark.parametrize("shape", ["mixture", "feedback", "sampled"])
 def test_a_mixture_or_a_kto_run_killed_mid_run_resumes_the_same_steps(
     shape: str, tiny: Path, tmp_path: Path
 ) -> None:
     """kill -9 after step 5, then a resume: the steps, their rows and the adapter are the
     uninterrupted run's. A 32-row and 8-row mixture at 0.5/0.5 (the small source in its third
     pass by then); KTO on thumbs up/down (its reference values kept in the store as they
-    were computed, read back by the resumed attempt)."""
+    were computed, read back by the resumed attempt); GRPO, whose resumed attempt samples the
+    uninterrupted run's answers (the sampling RNG is the checkpoint's), scored by the database."""
     uri = f"sqlite:///{tmp_path / 'data.db'}"
     fill(uri, "docs", doc_rows(32))
     fill(uri, "extra", doc_rows(8, start=100))
@@ -284,6 +285,10 @@ def test_a_mixture_or_a_kto_run_killed_mid_run_resumes_the_same_steps(
     if shape == "mixture":
         parts = [lt.Table(t).fields("instruction", "output") for t in ("docs", "extra")]
         base["select"] = lt.mix(*parts, weights=[0.5, 0.5]).to_dict()
+    elif shape == "sampled":
+        base["options"] = {**OPTIONS, "objective": "grpo", "max_new_tokens": 6, "max_length": 96}
+        share = "SELECT length(:completion) * 1.0 / (length(output) + 1) FROM docs WHERE id = :key"
+        base["fields"] = {"X": "instruction", "Y": "output", "reward": lt.sql_reward(share)}
     else:
         fill(uri, "thumbs", [{**r, "liked": r["id"] % 3 != 0} for r in doc_rows(48)])
         base["options"] = {**OPTIONS, "objective": "kto"}
