@@ -147,3 +147,14 @@ def _valid(objective: Objective, field: str, value: Any) -> bool:
     except ValueError:
         return False
     return bool(value != objective.settings.model_fields[field].default)
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "kto"])
+def test_records_of_the_earlier_schema_load(name: str, tiny: Path) -> None:
+    """Before objectives owned their loss types, every record stored loss_type 'sigmoid' (the
+    old default, for every objective): such a record loads, its variant the objective's default."""
+    trainer = lt.LLMTrainer("old", model=tiny, objective=name)
+    stored = trainer.to_dict()
+    stored["objective_args"]["loss_type"] = "sigmoid"
+    loaded = lt.LLMTrainer.from_dict(stored)
+    assert loaded.config.objective_args.loss_type is None and loaded == trainer

@@ -13,7 +13,13 @@ from llmtrain.config.metrics import logged_name, metric_problems
 from llmtrain.config.spec import FitSpec
 from llmtrain.db.queries import Conversations
 from llmtrain.errors import ConfigError
-from llmtrain.objectives import OBJECTIVES, SETTINGS, objective_of, objective_problems
+from llmtrain.objectives import (
+    OBJECTIVES,
+    SETTINGS,
+    as_stored,
+    objective_of,
+    objective_problems,
+)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: a TrainerConfig section whose fields are also LLMTrainer's flat keywords
@@ -262,6 +268,11 @@ class ObjectiveArguments(_Args, *SETTINGS):  # type: ignore[misc]
     """The objective's strength: its inverse temperature, lambda or KL weight (its module's)."""
     loss_type: str | None = None
     """The objective's variant (None: its first; each objective lists its own)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_stored(cls, data: Any) -> Any:
+        return as_stored(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _known(self) -> ObjectiveArguments:

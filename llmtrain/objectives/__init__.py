@@ -23,6 +23,16 @@ OBJECTIVES: dict[str, Objective] = {
 SETTINGS = tuple(o.settings for o in OBJECTIVES.values() if o.settings is not None)
 
 
+def as_stored(args: dict[str, Any]) -> dict[str, Any]:
+    """objective_args, records of an earlier schema too: its loss_type default, "sigmoid" for
+    every objective, is the objective's own default now (None)."""
+    objective = OBJECTIVES.get(args.get("objective", "sft"))
+    default = objective.loss_types[:1] if objective else ()
+    if args.get("loss_type") == "sigmoid" and list(default) in ([], ["sigmoid"]):
+        return {**args, "loss_type": None}
+    return args
+
+
 def objective_of(config: Any) -> Objective:
     """The objective a TrainerConfig trains."""
     return OBJECTIVES[config.objective_args.objective]
@@ -62,4 +72,4 @@ def objective_problems(config: Any) -> list[str]:
     return problems + chosen.problems(config)
 
 
-__all__ = ["OBJECTIVES", "SETTINGS", "Objective", "objective_of", "objective_problems"]
+__all__ = ["OBJECTIVES", "SETTINGS", "Objective", "as_stored", "objective_of", "objective_problems"]
