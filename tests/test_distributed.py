@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 import torch
 from conftest import fill
 from hooks import REPORT_ENV, TRACE_ENV
@@ -818,3 +819,41 @@ def test_a_mixture_under_ddp_splits_each_epochs_interleave_between_the_ranks(env
         torch.testing.assert_close(local0[name], local1[name], rtol=0, atol=0)
     traced = sorted(k for mine in keys for k in mine)
     assert sorted(f"dict:{c.key}" for c in env.db.lineage("model", "dist-mix")) == traced
+
+
+def test_grpo_on_two_ranks_samples_its_own_prompts_and_keeps_the_ranks_in_sync(env: Env) -> None:
+    """GRPO under DDP: each real rank samples answers to its own prompts (disjoint rows), scored
+    by the database, writes them as its rows of the rollouts table, and the ranks end with the
+    same adapter, the one stored."""
+    table, name = "grpo_prompts", "dist-grpo"
+    rows = [{"id": i, "prompt": f"say {i % 4}", "answer": str(i % 4)} for i in range(N_ROWS)]
+    fill(env.uri, table, rows)
+    reward = lt.sql_reward(
+        "SELECT (length(:completion) - length(replace(:completion, answer, ''))) * 1.0 / 6 "
+        "FROM grpo_prompts WHERE id = :key"
+    )
+    launcher = lt.Launcher(kind="torchrun", num_processes=WORLD)
+    options = {"objective": "grpo", "max_new_tokens": 6, "rollouts_table": "grpo_rollouts"}
+    trace, prefix = env.root / f"trace-{name}", env.root / f"report-{name}"
+    with environ(**_hooks(trace=trace, report=prefix)):
+        model = _trainer(env, name, launcher=launcher, **options).fit(
+            X="prompt",
+            Y="answer",
+            reward=reward,
+            db=env.db,
+            select=lt.Table(table),
+            callbacks=["hooks:key_trace", "hooks:RankReport"],
+        )
+    reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [r["rank"] for r in reports] == [0, 1] and reports[0]["pid"] != reports[1]["pid"]
+    keys = [{k for line in _lines(trace, r) for k in json.loads(line)["keys"]} for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD and not keys[0] & keys[1]
+    local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
+    adapter = _adapter(env, model)
+    for key in local0:
+        torch.testing.assert_close(local0[key], local1[key], rtol=0, atol=0)
+        torch.testing.assert_close(local0[key], adapter[_peft_key(key)], rtol=0, atol=0)
+    with sa.create_engine(env.db.secret_uri()).connect() as conn:
+        sampled = conn.execute(sa.text("SELECT prompt_key, step FROM grpo_rollouts")).all()
+    assert {k for k, _ in sampled} == keys[0] | keys[1]  # every rank's prompts, as rows
+    assert len(sampled) == N_ROWS * 4 and {s for _, s in sampled} == set(range(1, STEPS + 1))

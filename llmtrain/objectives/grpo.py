@@ -121,8 +121,13 @@ def write_rollouts(db: Any, table: str, rows: list[dict[str, Any]]) -> None:
         sa.Column("id", sa.String(255), primary_key=True),
         *(sa.Column(name, kind) for name, kind in columns),
     )
-    with db.backend.engine.begin() as conn:
-        made.create(conn, checkfirst=True)
+    engine = db.backend.engine
+    try:
+        made.create(engine, checkfirst=True)
+    except sa.exc.DBAPIError:  # another rank made it first
+        if not sa.inspect(engine).has_table(table):
+            raise
+    with engine.begin() as conn:
         conn.execute(made.delete().where(made.c.id.in_([r["id"] for r in rows])))
         conn.execute(made.insert(), rows)
 
