@@ -255,6 +255,7 @@ class GRPOLoss:
         device = next(self.base.parameters()).device
         ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts], device=device)
         seen = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
+        training = self.base.training
         self.base.eval()
         with torch.no_grad():
             out = self.base.generate(
@@ -268,7 +269,7 @@ class GRPOLoss:
                 pad_token_id=pad,
                 eos_token_id=eos,
             )
-        self.base.train()
+        self.base.train(training)
         answers = out[:, width:]
         ends = answers == eos
         lengths = torch.where(ends.any(1), ends.int().argmax(1) + 1, answers.size(1))
@@ -315,7 +316,7 @@ class GRPOLoss:
         metrics |= {"reward": torch.nanmean(reward), "reward_std": nanstd(reward)}
         metrics["completions/mean_length"] = lengths.float().mean()
         self.metrics.add(metrics, len(prompts), {})
-        if a.rollouts_table:
+        if a.rollouts_table and torch.is_grad_enabled():  # training's answers, not evaluation's
             self._keep(a.rollouts_table, keys, texts, lengths, each, reward, advantage)
         return loss * len(rows)
 
