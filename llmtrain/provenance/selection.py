@@ -71,7 +71,7 @@ def trained_by(db: Database, identifier: str, source: str, versions: bool) -> tu
 
 
 def _two(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """The largest array as kept and the rest (the nights since) merged: two searches a chunk,
+    """The largest array as kept and the rest (the nights since) merged: two searches a batch,
     however many nights there were."""
     arrays = sorted(arrays, key=len)
     rest = [np.unique(np.concatenate(arrays[:-1]))] if len(arrays) > 1 else []
