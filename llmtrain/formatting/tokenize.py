@@ -167,7 +167,10 @@ class Formatter:
         if self.conversations:
             return self._conversations(rows, source)
         for key, row in rows:  # with a chat template, a prompt may be its messages
-            listed = self.chat_template and isinstance(row[self.x_field], list)
+            x = row[self.x_field]
+            listed = (
+                self.chat_template and isinstance(x, list) and all(isinstance(m, dict) for m in x)
+            )
             check_row(source, key, row, (self.x_field, self.y_field)[listed:])
         texts = [cast("tuple[str, str]", (row[self.x_field], row[self.y_field])) for _, row in rows]
         if not texts:
