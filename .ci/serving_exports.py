@@ -1,12 +1,17 @@
 """The serving lane's first half, in the project's environment: fit tiny models as a user would,
-export them, and note what generate() answers; .ci/serving_check.py asks the real stacks.
+export them (adapter, merged, and GGUF by `llmtrain export --format gguf`), and note what
+generate() answers; .ci/serving_check.py asks the real stacks.
 
-    python3 .ci/serving_exports.py OUT    # writes OUT/cases.json and the exports under OUT
+    LLAMA_CPP_CONVERTERS=DIR python3 .ci/serving_exports.py OUT
+
+DIR: llama.cpp's converters (llmtrain.training.gguf.converters()); the `gguf` extra's
+sentencepiece and the llama-cpp-python binding (k-quants) on PYTHONPATH (.ci/serving).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 import warnings
@@ -15,15 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import llmtrain as lt
+from llmtrain.cli import main as cli
 from llmtrain.formatting import PromptTemplate
 from llmtrain.testing import tiny_model
 
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
 ROWS = [(i, f"What is color number {i % 8}?", COLORS[i % 8]) for i in range(64)]
 PROMPTS = [f"What is color number {i}?" for i in range(8)]
+#: the merged GGUF's types; a k-quant quantises rows of 256 (QK_K), so the tiny model is 256 wide.
+#: q4_k_m's 4-bit error flips some greedy answers of these tiny models (logits a little apart):
+#: served and noted, not checked (.ci/serving_check.py NOTED)
+QUANTS = ("f16", "q8_0", "q5_k_m", "q4_k_m")
 KINDS: dict[
     str, dict[str, Any]
-] = {  # name: trainer options; a head size vLLM's CPU attention takes (128 / 2 heads)
+] = {  # name: trainer options; a head size vLLM's CPU attention takes (256 / 4 heads)
     "plain": {"prompt_template": "### Instruction:\n{X}\n\n### Response:\n{Y}"},
     "healed": {"prompt_template": "Q: {X} A: {Y}"},  # ends in a space: the answer's first token
     "chat": {"chat_template": True},
@@ -43,13 +53,40 @@ def completion_prompt(model: lt.TrainedModel, x: str, heal: str) -> str:
     return text[: len(text) - len(heal)]
 
 
+#: llama.cpp knows BPE pre-tokenizers by the hash of a probe's ids; the tiny byte-level test
+#: tokenizer splits as GPT-2 does (its ByteLevel regex) under a hash of its own vocabulary
+WRAPPER = """import runpy, sys
+sys.path[:0] = [{real!r}, {real!r} + "/gguf-py"]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+runpy.run_path({real!r} + "/{script}", run_name="__main__")
+"""
+
+
+def converters(out: Path) -> Path:
+    """llama.cpp's converters, the tiny tokenizer's pre-tokenizer named (see WRAPPER)."""
+    folder = out / "llama.cpp"
+    folder.mkdir(exist_ok=True)
+    real = os.environ["LLAMA_CPP_CONVERTERS"]
+    for script in ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py"):
+        (folder / script).write_text(WRAPPER.format(real=real, script=script))
+    return folder
+
+
+def export_gguf(db: lt.Datalayer, name: str, dest: Path, *options: str) -> None:
+    """``llmtrain export NAME --format gguf ...``, as a user runs it."""
+    argv = ["export", name, "--db", db.uri, "--artifacts", str(db.artifacts.root)]
+    assert cli([*argv, "--format", "gguf", *options, str(dest)]) == 0, (name, options)
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with closing(sqlite3.connect(out / "data.db")) as con, con:
         con.execute("CREATE TABLE IF NOT EXISTS docs (id INTEGER PRIMARY KEY, q TEXT, a TEXT)")
         con.executemany("INSERT OR REPLACE INTO docs VALUES (?, ?, ?)", ROWS)
     db = lt.connect(f"sqlite:///{out / 'data.db'}", artifacts=out / "artifacts")
-    base = tiny_model(out / "base", hidden_size=128, num_heads=2)
+    base = tiny_model(out / "base", hidden_size=256, num_heads=4)
+    llama_cpp = converters(out)
     cases = []
     for name, options in KINDS.items():
         trainer = lt.LLMTrainer(
@@ -74,6 +111,17 @@ def main(out: Path) -> None:
             model.export_adapter(out / name / "adapter")
             model.export_merged(out / name / "merged")
         note = json.loads((out / name / "merged" / "llmtrain_export.json").read_text())
+        gguf = {}
+        for quant in QUANTS:  # the merged model, and the plain LoRA against the base's GGUF
+            dest = out / name / f"gguf-{quant}"
+            export_gguf(db, name, dest, "--quant", quant, "--llama-cpp", str(llama_cpp), "--merged")
+            gguf[f"merged {quant}"] = str(dest)
+        try:
+            model.export_gguf(out / name / "gguf-lora", lora=True, llama_cpp=llama_cpp)
+            gguf["base + LoRA f16"] = str(out / name / "gguf-lora")
+        except lt.ConfigError as exc:
+            gguf["refused"] = str(exc)
+        print(name, "GGUF", gguf, flush=True)
         cases.append(
             {
                 "name": name,
@@ -85,6 +133,7 @@ def main(out: Path) -> None:
                 "prompts": PROMPTS,
                 "answers": model.generate(PROMPTS, max_new_tokens=6),
                 "refused": refused,
+                "gguf": gguf,
                 "warnings": sorted(
                     {str(w.message) for w in caught if w.category is lt.ServingWarning}
                 ),

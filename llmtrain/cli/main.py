@@ -28,6 +28,7 @@ from llmtrain.errors import (
 )
 from llmtrain.provenance.lineage import trained_on
 from llmtrain.training.export import STACKS
+from llmtrain.training.gguf import LLAMA_CPP_PYTHON, QUANTS
 
 USAGE_EXAMPLES = """\
 examples:
@@ -130,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="after QLoRA: merge into the dequantised weights training saw (trained, the "
         "default: answers as the trained model) or into the full-precision base",
     )
+    what = "safetensors (the default) or gguf: model.gguf, or base.gguf + adapter.gguf (LoRA)"
+    export.add_argument("--format", choices=["safetensors", "gguf"], help=what)
+    export.add_argument("--quant", default="f16", help=f"GGUF type: {', '.join(QUANTS)}")
+    what = f"llama.cpp's convert_*.py (default: $LLMTRAIN_LLAMA_CPP, or {LLAMA_CPP_PYTHON}'s sdist)"
+    export.add_argument("--llama-cpp", type=Path, help=what)
 
     what = "the rows that trained a model: key, epoch, step, rank"
     _stored(sub, "lineage", cmd_lineage, "model", help=what)
@@ -306,7 +312,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     only_check = args.adapter is None and args.merged is None
     if only_check and args.check is None:
         raise ConfigError("export needs --adapter DIR and/or --merged DIR, or --check STACKS")
-    stacks = STACKS if args.check is None else tuple(s for s in args.check.split(",") if s)
+    default = STACKS[1:] if args.format == "gguf" else STACKS  # llama.cpp, ollama
+    stacks = default if args.check is None else tuple(s for s in args.check.split(",") if s)
     with _connect(args) as db:
         checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
         model = db.load("model", args.name, args.version, checkpoint=checkpoint)
@@ -318,6 +325,12 @@ def cmd_export(args: argparse.Namespace) -> None:
             raise ConfigError(f"export of {which} refused for {','.join(stacks)}: see the warnings")
         if only_check:
             say(f"{which}: {', '.join(stacks)} serve it as trained")
+        if args.format == "gguf":
+            options = {"quant": args.quant, "llama_cpp": args.llama_cpp}
+            for dest in (d for d in (args.merged, args.adapter) if d):
+                folder = model.export_gguf(dest, lora=dest is args.adapter, **options)
+                say(f"wrote {which} as GGUF {args.quant}, with an Ollama Modelfile, to {folder}")
+            return
         if args.adapter is not None:
             folder = model.export_adapter(args.adapter, check=())
             say(f"wrote the adapter of {which} to {folder.resolve()} (PEFT layout)")

@@ -15,7 +15,7 @@ from llmtrain.config.args import ModelArguments, build
 from llmtrain.console import quieted
 from llmtrain.errors import ConfigError, ServingWarning
 from llmtrain.stores.components import register_component
-from llmtrain.training import export
+from llmtrain.training import export, gguf
 from llmtrain.training.export import STACKS, MergeInto
 
 if TYPE_CHECKING:
@@ -234,6 +234,34 @@ class TrainedModel:
             what = export.write_merged(self.record.base, adapter, dest, into)
         self._write_prompt(dest, {"export": "merged", "into": into, "merged_into": what})
         return what
+
+    def export_gguf(
+        self, dest: Path, *, quant: str = "f16", lora: bool = False, llama_cpp: Path | None = None
+    ) -> Path:
+        """The merged model as ``model.gguf`` (``lora``: ``base.gguf`` and ``adapter.gguf``) at
+        ``quant`` in the new folder ``dest``, with the prompt and an Ollama Modelfile."""
+        scripts, _ = gguf.converters(llama_cpp), gguf.binding(quant)
+        dest = export.check_new_folder(dest, "GGUF destination")
+        files = ["base.gguf", "adapter.gguf"] if lora else ["model.gguf"]
+        with quieted(), tempfile.TemporaryDirectory(prefix="llmtrain-gguf-") as scratch:
+            hf, base = Path(scratch) / "hf", self.record.base.model_name_or_path
+            if lora:  # llama.cpp's LoRA converter takes lora_A/lora_B tensors alone
+                config = json.loads((self._adapter_folder(hf) / "adapter_config.json").read_text())
+                if refused := export.serving_problems(config, "", ["llama.cpp"]):
+                    raise ConfigError(f"GGUF LoRA refused: {'; '.join(refused)} (as GGUF)")
+                if not Path(base).is_dir():  # a hub id: its files, as loading fetched them
+                    from huggingface_hub import snapshot_download
+
+                    base = snapshot_download(base, revision=self.record.base.revision)
+            else:
+                self.export_merged(hf, check=())
+            self._write_prompt(dest, {"export": "gguf", "quant": quant, "files": files})
+            (dest / "Modelfile").write_text(gguf.modelfile(self.formatter(), files))
+            gguf.convert(scripts / gguf.HF, Path(base) if lora else hf, dest / files[0], quant)
+            if lora:  # the converter's own types; f16 for the binding's
+                kind = quant if quant in gguf.CONVERTED else "f16"
+                gguf.convert(scripts / gguf.LORA, hf, dest / files[1], kind, "--base", base)
+        return dest
 
     def _check(self, stacks: Sequence[str], strict: bool, *, adapter: bool) -> None:
         problems = self.serving_problems(stacks, adapter=adapter) if stacks else []
