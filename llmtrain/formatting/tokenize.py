@@ -167,7 +167,7 @@ class Formatter:
         if self.conversations:
             return self._conversations(rows, source)
         for key, row in rows:  # with a chat template, a prompt may be its messages
-            x = row[self.x_field]
+            x = row.get(self.x_field) if isinstance(row, Mapping) else None
             listed = (
                 self.chat_template and isinstance(x, list) and all(isinstance(m, dict) for m in x)
             )
