@@ -209,3 +209,39 @@ def test_a_sql_reward_that_writes_is_refused_before_anything_is_recorded(
             X="prompt", db=db, select=lt.Table("qa"), reward=lt.sql_reward(text)
         )
     assert db.metadata.list_runs() == [] and db.show("trainer") == []
+
+
+def test_a_yaml_fit_takes_its_rewards(tiny: Path, tmp_path: Path) -> None:
+    """`llmtrain fit config.yaml`: data.reward as recorded (an SQL reward, a function path)."""
+    import yaml
+
+    from llmtrain.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    db = _db(uri, tmp_path)
+    config = {
+        "name": "yaml-grpo",
+        "db": uri,
+        "artifacts": str(tmp_path / "artifacts"),
+        "model_args": {"model_name_or_path": str(tiny)},
+        "prompt_template": OPTIONS["prompt_template"],
+        "training_args": {"max_steps": 2, "per_device_train_batch_size": 4, "progress_bar": False},
+        "objective_args": {"objective": "grpo", "max_new_tokens": 8, "num_generations": 4},
+        "data": {
+            "X": "prompt",
+            "Y": "letter",
+            "select": {"table": "qa"},
+            "reward": [{"sql": SHARE.format(longest=8)}, {"function": f"{__name__}:letter_share"}],
+        },
+    }
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(config))
+    assert main(["fit", str(tmp_path / "grpo.yaml")]) == 0
+    (run,) = db.metadata.list_runs("trainer", "yaml-grpo")
+    recorded = db.load("trainer", "yaml-grpo").config.fit
+    assert recorded is not None and recorded.reward == [
+        {"sql": SHARE.format(longest=8), "timeout_s": 10.0},
+        {"function": f"{__name__}:letter_share"},
+    ]
+    assert {"rewards/sql0", "rewards/letter_share"} <= set(
+        db.metadata.get_metrics(run.run_id)[0].values
+    )

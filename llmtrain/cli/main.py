@@ -258,6 +258,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
             chosen=job.config.data.chosen,
             rejected=job.config.data.rejected,
             label=job.config.data.label,
+            reward=job.config.data.reward,
             eval_select=job.eval_select,
             resume=args.resume,
         )

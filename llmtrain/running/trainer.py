@@ -12,7 +12,7 @@ from llmtrain.config.args import TrainerConfig, build, keyword_reference
 from llmtrain.config.spec import FitSpec
 from llmtrain.console import quieted
 from llmtrain.datalayer import Datalayer, require_datalayer
-from llmtrain.db.queries import MESSAGES, Conversations, Mix, Query
+from llmtrain.db.queries import MESSAGES, Conversations, Mix, Query, sql_reward
 from llmtrain.errors import ConfigError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.placement import Placement
@@ -214,10 +214,11 @@ def _rewards(reward: Any) -> list[dict[str, Any]] | None:
         return None
     out = []
     for one in reward if isinstance(reward, (list, tuple)) else [reward]:
+        one = one.get("function", one) if isinstance(one, dict) else one  # as recorded, YAML
         if isinstance(one, str) and re.fullmatch(r"[\w.]+:[\w.]+", one):
             out.append({"function": one})
-        elif isinstance(one, dict) and set(one) == {"sql", "timeout_s"}:
-            out.append(dict(one))
+        elif isinstance(one, dict) and set(one) - {"timeout_s"} == {"sql"}:
+            out.append(sql_reward(one["sql"], **{k: v for k, v in one.items() if k != "sql"}))
         else:
             raise ConfigError(
                 f"fit(reward=) takes lt.sql_reward(...) or a function 'module:name', got {one!r}"
