@@ -38,17 +38,9 @@ class DataSelection(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _default_x(cls, data: Any) -> Any:
-        """X needs no naming for conversations (one field of messages), nor for a mixture
-        whose every source names its own (the first one's is recorded)."""
         select = data.get("select") if isinstance(data, dict) else None
-        if not isinstance(select, dict) or data.get("X") is not None:
-            return data
-        if x := _conversations_x(select):
+        if isinstance(select, dict) and data.get("X") is None and (x := default_x(select)):
             return {**data, "X": x}
-        parts = select.get("parts") or select.get("mix")
-        if isinstance(parts, list) and parts and all(isinstance(p, dict) for p in parts):
-            named = [p.get("X") or _conversations_x(p.get("select", p)) for p in parts]
-            return {**data, "X": named[0]} if all(named) else data
         return data
 
     @property
@@ -64,6 +56,18 @@ class DataSelection(BaseModel):
     @property
     def fields(self) -> list[str]:
         return [getattr(self, role) for role in self.roles]
+
+
+def default_x(select: dict[str, Any]) -> str | None:
+    """X needs no naming for conversations (one field of messages), nor for a mixture whose
+    every source names its own (the first one's is recorded); None: it does."""
+    if x := _conversations_x(select):
+        return x
+    parts = select.get("parts") or select.get("mix")
+    if isinstance(parts, list) and parts and all(isinstance(p, dict) for p in parts):
+        named = [p.get("X") or _conversations_x(p.get("select", p)) for p in parts]
+        return named[0] if all(named) else None
+    return None
 
 
 def _conversations_x(select: Any) -> str | None:

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, get_args
 
 from llmtrain.config.args import TrainerConfig, build, keyword_reference
-from llmtrain.config.spec import FitSpec
+from llmtrain.config.spec import FitSpec, default_x
 from llmtrain.console import quieted
 from llmtrain.datalayer import Datalayer, require_datalayer
-from llmtrain.db.queries import MESSAGES, Conversations, Mix, Query, sql_reward
+from llmtrain.db.queries import Mix, Query, sql_reward
 from llmtrain.errors import ConfigError
 from llmtrain.integrations.trackers import check_trackers
 from llmtrain.placement import Placement
@@ -167,10 +167,8 @@ class LLMTrainer:
                     "fitted before can replay with no arguments)"
                 )
             return self.config.fit.model_copy(update={"db": db.uri})
-        if X is None and isinstance(select, Conversations):
-            X = MESSAGES  # a conversation is one field: its messages
-        if X is None and isinstance(select, Mix) and all(p.X for p in select.parts):
-            X = select.parts[0].X  # every source names its own: the first one's is recorded
+        if X is None and isinstance(select, Query):
+            X = default_x(select.to_dict())
         if X is None and isinstance(select, Mix):
             raise ConfigError(
                 "fit(select=lt.mix(...)) needs X= (and Y=) for its sources without "
