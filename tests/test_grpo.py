@@ -245,3 +245,37 @@ def test_a_yaml_fit_takes_its_rewards(tiny: Path, tmp_path: Path) -> None:
     assert {"rewards/sql0", "rewards/letter_share"} <= set(
         db.metadata.get_metrics(run.run_id)[0].values
     )
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_sql_reward_past_its_timeout_or_failing_is_missing_and_writes_nothing(
+    backend: str, tmp_path: Path
+) -> None:
+    """The database stops a reward past ``timeout_s`` and one that errs: each is a missing
+    reward (None), the next one still runs, and the statement cannot write."""
+    import time
+
+    from conftest import fresh_database
+
+    made = fresh_database(backend, tmp_path)
+    db = _db(next(made), tmp_path)
+    try:
+        slow = (
+            "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 100000000) "
+            "SELECT count(*) FROM r WHERE :key >= 0"
+        )
+        started = time.monotonic()
+        assert db.backend.scores(slow, [{"key": 1}], 0.5) == [None]
+        assert time.monotonic() - started < 10
+        failing = "SELECT CAST(letter AS INTEGER) + 1 / (id - id) FROM qa WHERE id = :key"
+        sane = "SELECT 2 * id FROM qa WHERE id = :key"
+        assert [db.backend.scores(q, [{"key": 3}], 5)[0] for q in (failing, sane)][1] == 6
+        assert db.backend.scores(failing, [{"key": 3}], 5) in ([None],)  # SQLite: NULL
+        writing = "WITH gone AS (DELETE FROM qa RETURNING id) SELECT count(*) FROM gone"
+        if backend == "postgresql":  # a CTE that deletes parses as a SELECT: the database refuses
+            assert db.backend.scores(writing, [{}], 5) == [None]
+        with sa.create_engine(db.secret_uri()).connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM qa")).scalar() == len(ROWS)
+    finally:
+        db.close()
+        made.close()
