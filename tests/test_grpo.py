@@ -279,3 +279,19 @@ def test_a_sql_reward_past_its_timeout_or_failing_is_missing_and_writes_nothing(
     finally:
         db.close()
         made.close()
+
+
+def test_a_forgotten_prompt_is_never_sampled(tiny: Path, tmp_path: Path) -> None:
+    """db.forget of a prompt row: no later GRPO step samples it (no rollout row names it), and
+    trained_on says no run used it."""
+    uri = f"sqlite:///{tmp_path / 'data.db'}"
+    db = _db(uri, tmp_path)
+    db.forget("qa", [3, 7])
+    options = {**OPTIONS, "max_steps": 4, "rollouts_table": "rollouts"}
+    lt.LLMTrainer("after-forget", model=tiny, **options).fit(
+        X="prompt", db=db, select=lt.Table("qa"), reward=lt.sql_reward(SHARE.format(longest=8))
+    )
+    with sa.create_engine(uri).connect() as conn:
+        sampled = {k for (k,) in conn.execute(sa.text("SELECT DISTINCT prompt_key FROM rollouts"))}
+    assert sampled == {f"int:{r['id']}" for r in ROWS if r["id"] not in (3, 7)}
+    assert not db.trained_on("qa", 3) and db.trained_on("qa", 4)
