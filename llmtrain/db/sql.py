@@ -116,17 +116,19 @@ class SQLBackend(DataBackend):
         self._sources: dict[str, _Source] = {}
         self._pages: dict[tuple[Any, ...], sa.Select[Any]] = {}
         self._guarded: list[Guarded] | None = None  # tables with forgotten rows, when built
+        self._rewards: dict[str, sa.TextClause] = {}  # sql_reward statements, as run
 
     @property
     def engine(self) -> sa.Engine:
         return sql_engine(self._uri)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_sources": {}, "_pages": {}, "_guarded": None}
+        return {**self.__dict__, "_sources": {}, "_pages": {}, "_rewards": {}, "_guarded": None}
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
         self._sources.clear()
+        self._rewards.clear()
         self._pages.clear()
         self._guarded = None
 
@@ -136,6 +138,7 @@ class SQLBackend(DataBackend):
         if now != self._guarded:
             self._sources.clear()
             self._pages.clear()
+            self._rewards.clear()
             self._guarded = now
         return now
 
@@ -161,8 +164,25 @@ class SQLBackend(DataBackend):
         """The one value ``text`` (a single SELECT, read without forgotten rows) gives for each
         of ``params``, in a read-only transaction rolled back; one that fails or runs past
         ``timeout_s`` gives None. Anything but one SELECT, or a parameter not given: refused."""
+        stmt = self._reward(text)
+        if params and (missing := set(stmt._bindparams) - set(params[0])):
+            raise ConfigError(f"sql_reward: no value for parameter(s) {sorted(missing)}")
+        out = []
         with self.engine.connect() as conn:
-            dialect = conn.dialect.name
+            for values in params:
+                with _read_only(conn, timeout_s):
+                    try:
+                        out.append(conn.execute(stmt, values).scalar())
+                    except sa.exc.DBAPIError:
+                        out.append(None)
+        return out
+
+    def _reward(self, text: str) -> sa.TextClause:
+        """``text`` checked to be one SELECT and rewritten without forgotten rows, once while
+        no table joins or leaves the forgotten ones (each batch of answers reads the catalog)."""
+        self.guarded()  # a change clears what is kept
+        if text not in self._rewards:
+            dialect = self.engine.dialect.name
             unbound = re.sub(r"(?<![:\w]):\w+", "NULL", text)  # placeholders parse in every dialect
             try:
                 statements = sqlglot.parse(unbound, read=SQLGLOT_NAMES.get(dialect, dialect))
@@ -170,18 +190,9 @@ class SQLBackend(DataBackend):
                 statements = []
             if len(statements) != 1 or not isinstance(statements[0], exp.Query):
                 raise ConfigError(f"sql_reward {text[:60]!r}: not a single SELECT (read-only)")
-            sql = self.rewritten(text, "sql_reward")[0] if self.guarded() else text
-            stmt = sa.text(sql)
-            if params and (missing := set(stmt._bindparams) - set(params[0])):
-                raise ConfigError(f"sql_reward: no value for parameter(s) {sorted(missing)}")
-            out = []
-            for values in params:
-                with _read_only(conn, timeout_s):
-                    try:
-                        out.append(conn.execute(stmt, values).scalar())
-                    except sa.exc.DBAPIError:
-                        out.append(None)
-            return out
+            sql = self.rewritten(text, "sql_reward")[0] if self._guarded else text
+            self._rewards[text] = sa.text(sql)
+        return self._rewards[text]
 
     def _retrying(self, what: str, call: Callable[[], Any], source: str) -> Any:
         """``call`` retried on faults that heal; others a ConfigError (refused) or a QueryError."""

@@ -43,10 +43,11 @@ def objective_problems(config: Any) -> list[str]:
     chosen, fit, problems = objective_of(config), config.fit, []
     if fit is not None and not chosen.takes(fit.roles):
         extra = [r for r in fit.roles if r not in SFT.roles]  # what makes rows more than text
-        fits = [repr(name) for name, o in OBJECTIVES.items() if extra and o.takes(fit.roles)]
+        fits = [o for o in OBJECTIVES.values() if extra and o.takes(fit.roles)]
         if fits:
-            names = " or ".join(filter(None, [", ".join(fits[:-1]), fits[-1]]))
-            trains = OBJECTIVES[fits[0].strip("'")].trains
+            quoted = [repr(o.name) for o in fits]
+            names = " or ".join(filter(None, [", ".join(quoted[:-1]), quoted[-1]]))
+            trains = fits[0].trains
             problems.append(
                 f"fit({', '.join(f'{r}=' for r in extra)}) trains {trains}: set objective={names}"
             )

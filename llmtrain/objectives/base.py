@@ -4,6 +4,7 @@ and the records ask the objective, never its name."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -35,6 +36,7 @@ class Batching:
     fields: Sequence[str] = ()
     token_budget: int | None = None
     batch_size: int = 1
+    settings: Any = None  # objective_args: what the objective's own batches need (GRPO's room)
 
 
 class Settings(BaseModel):
@@ -48,7 +50,7 @@ class Settings(BaseModel):
     )
 
 
-class Objective:
+class Objective(ABC):
     """What one objective trains; subclasses set the class attributes and their rules."""
 
     name: ClassVar[str]
@@ -87,12 +89,23 @@ class Objective:
         """The config the run records, completed from its snapshot (as given by default)."""
         return config
 
+    @abstractmethod
     def collate(self, how: Batching) -> Callable[[list[tuple[Any, dict[str, Any]]]], Any]:
-        raise NotImplementedError
+        """Rows to this objective's batches (a step's micro-batches with a token budget)."""
 
+    @abstractmethod
     def loss(self, run: Any) -> Loss:
         """The loss of a run (a FitRun: its ``base_model``, ``config``, ``db``, ``plan``)."""
-        raise NotImplementedError
+
+
+def per_micro_batch(
+    rows: list[tuple[Any, dict[str, Any]]], per_batch: int | None, make: Callable[..., Any]
+) -> Any:
+    """``make`` of each ``per_batch`` rows (a step's rows handed over at once: a list), or of
+    all of them (one loader batch: one batch, ``{}`` for none)."""
+    size = per_batch or max(len(rows), 1)
+    made = [make(rows[i : i + size]) for i in range(0, len(rows), size)]
+    return made if per_batch is not None else made[0] if made else {}
 
 
 class Averaged:

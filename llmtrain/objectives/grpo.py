@@ -19,8 +19,8 @@ from pydantic import Field
 
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError
-from llmtrain.formatting import IGNORE_INDEX
-from llmtrain.objectives.base import Averaged, Batching, Objective, Settings
+from llmtrain.formatting import IGNORE_INDEX, Formatter
+from llmtrain.objectives.base import Averaged, Batching, Objective, Settings, per_micro_batch
 from llmtrain.objectives.loss import LossFunction, target_logprobs
 from llmtrain.objectives.reference import reference_model
 
@@ -108,50 +108,65 @@ def scores(db: Any, rewards: list[dict[str, Any]], **row: list[Any]) -> torch.Te
     return torch.tensor(columns, dtype=torch.float32).T
 
 
-def write_rollouts(db: Any, table: str, rows: list[dict[str, Any]]) -> None:
-    """The answers as rows of ``table`` in the data database (made at the first write); a
-    step run again after a resume replaces its rows (``id``: run/step/prompt key/answer)."""
-    text, number, whole = sa.Text(), sa.Float(), sa.Integer()
-    columns: list[tuple[str, Any]] = [("run_id", sa.String(64)), ("step", whole)]
-    columns += [("prompt_key", text), ("generation", whole), ("completion", text)]
-    columns += [("tokens", whole), ("reward", number), ("rewards", text), ("advantage", number)]
-    made = sa.Table(
-        table,
-        sa.MetaData(),
-        sa.Column("id", sa.String(255), primary_key=True),
-        *(sa.Column(name, kind) for name, kind in columns),
-    )
-    engine = db.backend.engine
-    try:
-        made.create(engine, checkfirst=True)
-    except sa.exc.DBAPIError:  # another rank made it first
-        if not sa.inspect(engine).has_table(table):
-            raise
-    with engine.begin() as conn:
-        conn.execute(made.delete().where(made.c.id.in_([r["id"] for r in rows])))
-        conn.execute(made.insert(), rows)
+class Rollouts:
+    """Sampled answers as rows of ``table`` in the data database, made by the first write (of
+    whichever rank comes first); a step run again after a resume replaces its rows (``id``:
+    run/step/prompt key/answer)."""
+
+    def __init__(self, db: Any, table: str) -> None:
+        text, number, whole = sa.Text(), sa.Float(), sa.Integer()
+        columns: list[tuple[str, Any]] = [("run_id", sa.String(64)), ("step", whole)]
+        columns += [("prompt_key", text), ("generation", whole), ("completion", text)]
+        columns += [("tokens", whole), ("reward", number), ("rewards", text), ("advantage", number)]
+        self.table = sa.Table(
+            table,
+            sa.MetaData(),
+            sa.Column("id", sa.String(255), primary_key=True),
+            *(sa.Column(name, kind) for name, kind in columns),
+        )
+        self.engine, self.made = db.backend.engine, False
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        t = self.table
+        if not self.made:
+            try:
+                t.create(self.engine, checkfirst=True)
+            except sa.exc.DBAPIError:  # another rank made it first
+                if not sa.inspect(self.engine).has_table(t.name):
+                    raise
+            self.made = True
+        with self.engine.begin() as conn:
+            conn.execute(t.delete().where(t.c.id.in_([r["id"] for r in rows])))
+            conn.execute(t.insert(), rows)
 
 
 @dataclass
-class RowCollate:
-    """Prompt rows as they are (the loss formats and samples them), ``per_batch`` a micro-batch;
-    ``num_target_tokens`` counts prompts, what a step is normalised by."""
+class PromptCollate:
+    """Prompt rows to their prompt ids, left-padded for sampling, made beside the loop like
+    every objective's batches; the rows ride along for the rewards. ``num_target_tokens``
+    counts prompts, what a step is normalised by."""
 
+    formatter: Formatter
+    room: int  # the prompt's tokens at most: max_length less the answer's
+    pad_id: int
     per_batch: int | None
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        size = self.per_batch or max(len(rows), 1)
-        made = [
-            {
-                "rows": [row for _, row in rows[i : i + size]],
-                "row_keys": [key for key, _ in rows[i : i + size]],
-                "keys": [key_repr(key) for key, _ in rows[i : i + size]],
-                "num_target_tokens": len(rows[i : i + size]),
-                "num_tokens": 0,
-            }
-            for i in range(0, len(rows), size)
-        ]
-        return made if self.per_batch is not None else made[0] if made else {}
+        return per_micro_batch(rows, self.per_batch, self._prompts)
+
+    def _prompts(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+        f = self.formatter
+        ids = [f.prompt(row[f.x_field], max_tokens=self.room).ids for _, row in rows]
+        width = max(map(len, ids))
+        return {
+            "prompt_ids": torch.tensor([[self.pad_id] * (width - len(i)) + i for i in ids]),
+            "prompt_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
+            "rows": [row for _, row in rows],
+            "row_keys": [key for key, _ in rows],
+            "keys": [key_repr(key) for key, _ in rows],
+            "num_target_tokens": len(rows),
+            "num_tokens": 0,  # the loss counts prompts and answers once it has sampled
+        }
 
 
 class GRPOSettings(Settings):
@@ -225,8 +240,10 @@ class GRPO(Objective):
                 db.backend.scores(reward["sql"], [], reward["timeout_s"])
         return config
 
-    def collate(self, how: Batching) -> RowCollate:
-        return RowCollate(how.batch_size if how.token_budget is not None else None)
+    def collate(self, how: Batching) -> PromptCollate:
+        per_batch = how.batch_size if how.token_budget is not None else None
+        room = how.formatters[0].max_length - how.settings.max_new_tokens
+        return PromptCollate(how.formatters[0], room, how.pad_id, per_batch)
 
     def loss(self, run: Any) -> GRPOLoss:
         return GRPOLoss(run)
@@ -241,32 +258,28 @@ class GRPOLoss:
         self.args, self.fit = run.config.objective_args, run.plan.fit
         self.head = LossFunction(self.base)
         self.metrics = Averaged()
+        table = self.args.rollouts_table
+        self.rollouts = Rollouts(run.db, table) if table else None
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         if not batch.get("rows"):  # a rank's filler batch: its collectives, no gradient
             return target_logprobs(model, batch, head=self.head).sum()
         a, run, group = self.args, self.run, self.args.num_generations
-        tok, x, rows = run.tokenizer, self.fit.X, batch["rows"]
-        room = run.config.data_args.max_length - a.max_new_tokens
-        prompts = [
-            p for row in rows for p in [run.formatter.prompt(row[x], max_tokens=room)] * group
-        ]
-        width, pad, eos = max(len(p.ids) for p in prompts), tok.pad_token_id, tok.eos_token_id
-        device = next(self.base.parameters()).device
-        ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts], device=device)
-        seen = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
-        training = self.base.training
+        tok, rows, eos = run.tokenizer, batch["rows"], run.tokenizer.eos_token_id
+        ids = batch["prompt_ids"].repeat_interleave(group, 0)  # each prompt's answers together
+        seen = batch["prompt_mask"].repeat_interleave(group, 0)
+        width, device, training = ids.size(1), ids.device, self.base.training
         self.base.eval()
         with torch.no_grad():
             out = self.base.generate(
                 input_ids=ids,
-                attention_mask=seen.to(device),
+                attention_mask=seen,
                 do_sample=True,
                 temperature=a.temperature,
                 top_p=a.top_p,
                 top_k=0,
                 max_new_tokens=a.max_new_tokens,
-                pad_token_id=pad,
+                pad_token_id=tok.pad_token_id,
                 eos_token_id=eos,
             )
         self.base.train(training)
@@ -280,11 +293,16 @@ class GRPOLoss:
         fields = {f: [r[f] for r in rows for _ in range(group)] for f in self.fit.fields}
         keys = [k for k in batch["row_keys"] for _ in range(group)]
         each = scores(
-            run.db, self.fit.reward, prompts=fields[x], completions=texts, keys=keys, **fields
+            run.db,
+            self.fit.reward,
+            prompts=fields[self.fit.X],
+            completions=texts,
+            keys=keys,
+            **fields,
         )
         weights = a.reward_weights or [1.0] * each.size(1)
         advantage, reward = advantages(each, weights, group, a.scale_rewards)
-        attention = torch.cat([seen.to(device), mask.long()], 1)
+        attention = torch.cat([seen, mask.long()], 1)
         batch["num_tokens"] = int(attention.sum())  # what the loop counts: prompts and answers
         labels = torch.full_like(out, IGNORE_INDEX)
         labels[:, width:][mask] = answers[mask]
@@ -315,9 +333,9 @@ class GRPOLoss:
         metrics |= {f"rewards/{n}": torch.nanmean(each[:, i]) for i, n in enumerate(names)}
         metrics |= {"reward": torch.nanmean(reward), "reward_std": nanstd(reward)}
         metrics["completions/mean_length"] = lengths.float().mean()
-        self.metrics.add(metrics, len(prompts), {})
-        if a.rollouts_table and torch.is_grad_enabled():  # training's answers, not evaluation's
-            self._keep(a.rollouts_table, keys, texts, lengths, each, reward, advantage)
+        self.metrics.add(metrics, len(ids), {})
+        if self.rollouts and torch.is_grad_enabled():  # training's answers, not evaluation's
+            self._keep(keys, texts, lengths, each, reward, advantage)
         return loss * len(rows)
 
     def _per_token(self, model: Any, batch: dict[str, Any], width: int) -> torch.Tensor:
@@ -328,7 +346,7 @@ class GRPOLoss:
             :, width - 1 :
         ]
 
-    def _keep(self, table: str, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
+    def _keep(self, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
         """Rank by rank, this micro-batch's answers as rows (their step: the one running)."""
         lengths, each, reward, advantage = (v.tolist() for v in values)
         step, group, run_id = self.run.step + 1, self.args.num_generations, self.run.run_id
@@ -349,7 +367,8 @@ class GRPOLoss:
                 zip(keys, texts, lengths, reward, each, advantage)
             )
         ]
-        write_rollouts(self.run.db, table, rows)
+        assert self.rollouts is not None
+        self.rollouts.write(rows)
 
     def logged(self) -> dict[str, float]:
         return self.metrics.logged()

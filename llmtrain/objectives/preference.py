@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
-from llmtrain.objectives.base import Averaged, Batching, Objective
+from llmtrain.objectives.base import Averaged, Batching, Objective, per_micro_batch
 from llmtrain.objectives.collate import counted
 from llmtrain.objectives.loss import LossFunction, sequence_logprobs
 from llmtrain.objectives.reference import (
@@ -136,12 +137,12 @@ class Preference(Objective):
             cache = ReferenceCache(run.db, fingerprint)
         return PreferenceLoss(self, run.base_model, config.objective_args, cache)
 
+    @abstractmethod
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
     ) -> tuple[torch.Tensor, Metrics, dict[str, int]]:
         """(loss, metrics, each metric's row count where not every pair's) of ``n`` pairs:
         chosen (or the completion) first, then rejected (or the mismatched)."""
-        raise NotImplementedError
 
     def summarized(self, means: dict[str, float]) -> dict[str, float]:
         """The logged means, completed (KTO's margins: of the means)."""
@@ -166,9 +167,7 @@ class PairCollate:
     feedback: bool = False
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        size = self.per_batch or max(len(rows), 1)
-        made = [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
-        return made if self.per_batch is not None else made[0] if made else {}
+        return per_micro_batch(rows, self.per_batch, self._pairs)
 
     def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f, n = self.formatter, len(rows)

@@ -38,16 +38,19 @@ def make_collate(
     fields: Sequence[str] = (),
     token_budget: int | None = None,
     batch_size: int = 1,
+    settings: Any = None,
 ) -> Any:
-    """The objective's collate under ``args`` (``token_budget``: a step's rows packed)."""
+    """The objective's collate under ``args`` (``token_budget``: a step's rows packed;
+    ``settings``: objective_args)."""
     packer = None
     if args.packing:
         # flash kernels find packed examples from position ids only in a one-row batch
         impl = str(getattr(model.config, "_attn_implementation", None))
         packer = PackedCollator(args.max_length, tokenizer.pad_token_id, flat="flash" in impl)
     formatters = [formatter] if isinstance(formatter, Formatter) else list(formatter)
-    pad, budget = tokenizer.pad_token_id, token_budget
-    return objective.collate(Batching(formatters, pad, source, packer, fields, budget, batch_size))
+    pad = tokenizer.pad_token_id
+    how = Batching(formatters, pad, source, packer, fields, token_budget, batch_size, settings)
+    return objective.collate(how)
 
 
 def view_dataset(

@@ -187,6 +187,7 @@ class FitRun:
             query.source,
             objective=self.objective,
             fields=fit.fields,
+            settings=self.config.objective_args,
             **options,
         )
 
