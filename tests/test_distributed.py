@@ -715,6 +715,15 @@ def test_fp16_is_loss_scaled_under_fsdp2_and_deepspeed_or_refused(env: Env) -> N
     assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
 
 
+def _two_ranks_apart(trace: Path, prefix: Path) -> tuple[list[set[str]], list[Any]]:
+    """Two ranks (two processes) read disjoint halves of the rows: their keys, their adapters."""
+    reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
+    assert [r["rank"] for r in reports] == [0, 1] and reports[0]["pid"] != reports[1]["pid"]
+    keys = [{k for line in _lines(trace, r) for k in json.loads(line)["keys"]} for r in (0, 1)]
+    assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD and not keys[0] & keys[1]
+    return keys, [load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD)]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
     env: Env, strategy: str
@@ -765,11 +774,7 @@ def test_preferences_on_two_ranks_read_disjoint_rows_and_keep_the_ranks_in_sync(
             **fields,
         )
     assert model is not None
-    reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
-    assert [r["rank"] for r in reports] == [0, 1] and reports[0]["pid"] != reports[1]["pid"]
-    keys = [{k for line in _lines(trace, r) for k in json.loads(line)["keys"]} for r in (0, 1)]
-    assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD and not keys[0] & keys[1]
-    local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
+    keys, (local0, local1) = _two_ranks_apart(trace, prefix)
     adapter = _adapter(env, model)
     assert any(not torch.equal(v, torch.zeros_like(v)) for v in adapter.values())
     assert not [key for key in adapter if "reference" in key]
@@ -844,11 +849,7 @@ def test_grpo_on_two_ranks_samples_its_own_prompts_and_keeps_the_ranks_in_sync(e
             select=lt.Table(table),
             callbacks=["hooks:key_trace", "hooks:RankReport"],
         )
-    reports = [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(WORLD)]
-    assert [r["rank"] for r in reports] == [0, 1] and reports[0]["pid"] != reports[1]["pid"]
-    keys = [{k for line in _lines(trace, r) for k in json.loads(line)["keys"]} for r in (0, 1)]
-    assert len(keys[0]) == len(keys[1]) == N_ROWS // WORLD and not keys[0] & keys[1]
-    local0, local1 = (load_file(f"{prefix}.rank{r}.safetensors") for r in range(WORLD))
+    keys, (local0, local1) = _two_ranks_apart(trace, prefix)
     adapter = _adapter(env, model)
     for key in local0:
         torch.testing.assert_close(local0[key], local1[key], rtol=0, atol=0)
