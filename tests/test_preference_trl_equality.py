@@ -69,6 +69,27 @@ def _ours(policy: Path, ref: Path, collate: PairCollate, rows: list[Any], **args
     return loss, loss_fn.logged(), logps, ref_logps
 
 
+def _trl(cls: Any, config: Any, models: Any, formatter: Any, rows: list[Any]) -> Any:
+    """TRL's trainer on the same rows (prompts as the template renders them): the trainer, its
+    collated batch, its loss and its logged metrics."""
+    from datasets import Dataset
+
+    text = [{**r, "prompt": formatter.template.prompt(r["prompt"])} for r in rows]
+    policy, ref = models
+    trainer = cls(
+        _load(policy),
+        ref_model=_load(ref),
+        args=config,
+        processing_class=formatter.tokenizer,
+        train_dataset=Dataset.from_list(text),
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    with torch.no_grad():
+        expected = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    trl = {k: v[-1] for mode in ("train", "eval") for k, v in trainer._metrics[mode].items()}
+    return trainer, batch, expected, trl
+
+
 def _trl_logps(model: Any, batch: dict[str, Any], prefix: str = "") -> torch.Tensor:
     """Per-sequence log-probs by the fused head TRL's trainer put on ``model``."""
     ids, mask = batch[f"{prefix}input_ids"], batch[f"{prefix}completion_mask"]
@@ -88,7 +109,6 @@ def _trl_logps(model: Any, batch: dict[str, Any], prefix: str = "") -> torch.Ten
 def test_dpo_log_probs_rewards_and_loss_equal_trls(
     models: Any, template: str, loss_type: str, tmp_path: Path
 ) -> None:
-    from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
     policy, ref = models
@@ -106,20 +126,13 @@ def test_dpo_log_probs_rewards_and_loss_equal_trls(
         policy, ref, collate, list(enumerate(rows)), objective="dpo", loss_type=loss_type
     )
 
-    n = len(rows)
-    text = [{**r, "prompt": formatter.template.prompt(r["prompt"])} for r in rows]
-    config = _config(DPOConfig, tmp_path, n, loss_type=[loss_type])
-    trainer = DPOTrainer(
-        _load(policy),
-        ref_model=_load(ref),
-        args=config,
-        processing_class=tokenizer,
-        train_dataset=Dataset.from_list(text),
+    trainer, batch, expected, trl = _trl(
+        DPOTrainer,
+        _config(DPOConfig, tmp_path, len(rows), loss_type=[loss_type]),
+        models,
+        formatter,
+        rows,
     )
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
-    with torch.no_grad():
-        expected = trainer._compute_loss(trainer.model, batch, return_outputs=False)
-    trl = {k: v[-1] for mode in ("train", "eval") for k, v in trainer._metrics[mode].items()}
     _close(loss, expected)
     _close(logps, _trl_logps(trainer.model, batch))  # chosen, then rejected
     _close(ref_logps, _trl_logps(trainer.ref_model, batch))
@@ -131,7 +144,6 @@ def test_dpo_log_probs_rewards_and_loss_equal_trls(
 def test_kto_log_probs_rewards_kl_and_loss_equal_trls(
     models: Any, template: str, tmp_path: Path
 ) -> None:
-    from datasets import Dataset
     from trl import KTOConfig, KTOTrainer
 
     policy, ref = models
@@ -150,20 +162,9 @@ def test_kto_log_probs_rewards_kl_and_loss_equal_trls(
         policy, ref, collate, list(enumerate(rows)), objective="kto"
     )
 
-    n = len(rows)
-    text = [{**r, "prompt": formatter.template.prompt(r["prompt"])} for r in rows]
-    config = _config(KTOConfig, tmp_path, n)
-    trainer = KTOTrainer(
-        _load(policy),
-        ref_model=_load(ref),
-        args=config,
-        processing_class=tokenizer,
-        train_dataset=Dataset.from_list(text),
+    trainer, batch, expected, trl = _trl(
+        KTOTrainer, _config(KTOConfig, tmp_path, len(rows)), models, formatter, rows
     )
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(n)])
-    with torch.no_grad():
-        expected = trainer._compute_loss(trainer.model, batch, return_outputs=False)
-    trl = {k: v[-1] for mode in ("train", "eval") for k, v in trainer._metrics[mode].items()}
     trl_logps = torch.cat(
         [_trl_logps(trainer.model, batch), _trl_logps(trainer.model, batch, "KL_")]
     )
