@@ -52,6 +52,21 @@ import synthetic_rows  # noqa: E402
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR, LORA_R, LORA_ALPHA = 2e-4, 8, 16
+#: what the preference and GRPO benchmarks' llmtrain side trains with (TRL's side set alike)
+SAME: dict[str, Any] = {
+    "lr_scheduler_type": "linear",
+    "warmup_steps": 0,
+    "max_grad_norm": 1.0,
+    "lora_r": LORA_R,
+    "lora_alpha": LORA_ALPHA,
+    "lora_dropout": 0.0,
+    "target_modules": LLAMA_TARGETS,
+    "shuffle": False,
+    "mixed_precision": "no",
+    "torch_dtype": "float32",
+    "progress_bar": False,
+    "logging_steps": 1,
+}
 _WORDS = [
     "the",
     "model",
