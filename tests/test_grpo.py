@@ -247,7 +247,7 @@ def test_a_yaml_fit_takes_its_rewards(tiny: Path, tmp_path: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql", "mariadb"])
 def test_a_sql_reward_past_its_timeout_or_failing_is_missing_and_writes_nothing(
     backend: str, tmp_path: Path
 ) -> None:
@@ -264,6 +264,8 @@ def test_a_sql_reward_past_its_timeout_or_failing_is_missing_and_writes_nothing(
             "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 100000000) "
             "SELECT count(*) FROM r WHERE :key >= 0"
         )
+        if backend == "mariadb":  # its recursion limit would end the CTE first
+            slow = "SELECT SLEEP(5) + 1 FROM qa WHERE id = :key"
         started = time.monotonic()
         assert db.backend.scores(slow, [{"key": 1}], 0.5) == [None]
         assert time.monotonic() - started < 10
@@ -295,3 +297,27 @@ def test_a_forgotten_prompt_is_never_sampled(tiny: Path, tmp_path: Path) -> None
         sampled = {k for (k,) in conn.execute(sa.text("SELECT DISTINCT prompt_key FROM rollouts"))}
     assert sampled == {f"int:{r['id']}" for r in ROWS if r["id"] not in (3, 7)}
     assert not db.trained_on("qa", 3) and db.trained_on("qa", 4)
+
+
+def test_grpo_on_mongodb_takes_function_rewards_and_refuses_sql_ones(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """MongoDB (mongomock behind the pymongo-shaped backend): a function reward trains and the
+    run's lineage names its prompts; an SQL reward, or a rollouts table, is refused up front."""
+    uri = f"mongomock://localhost/grpo_{tmp_path.name[-8:]}"
+    fill(uri, "qa", ROWS)
+    db = lt.connect(uri, artifacts=tmp_path / "artifacts")
+    options = {**OPTIONS, "max_steps": 2}
+    model = lt.LLMTrainer("mongo-grpo", model=tiny, **options).fit(
+        X="prompt", Y="letter", db=db, select=lt.Collection("qa"), reward=f"{__name__}:letter_share"
+    )
+    assert model is not None and len(list(db.lineage("model", "mongo-grpo"))) == 2 * 4
+    with pytest.raises(ConfigError, match="sql_reward needs an SQL database"):
+        lt.LLMTrainer("mongo-sql", model=tiny, **options).fit(
+            X="prompt", db=db, select=lt.Collection("qa"), reward=lt.sql_reward("SELECT 1")
+        )
+    with pytest.raises(ConfigError, match="rollouts_table= writes a table of an SQL database"):
+        lt.LLMTrainer("mongo-rollouts", model=tiny, rollouts_table="r", **options).fit(
+            X="prompt", db=db, select=lt.Collection("qa"), reward=f"{__name__}:letter_share"
+        )
+    assert [r.identifier for r in db.metadata.list_runs()] == ["mongo-grpo"]

@@ -222,8 +222,6 @@ class GRPO(Objective):
                 "DDP, unpacked, without eval_metrics: drop fsdp_config, deepspeed_config, "
                 "packing and eval_metrics"
             )
-        if a.rollouts_table and fit is not None and fit.db.startswith("mongodb"):
-            problems.append("rollouts_table= writes an SQL table; MongoDB is not supported")
         if a.max_new_tokens >= config.data_args.max_length:
             problems.append(
                 f"max_new_tokens={a.max_new_tokens} leaves no room for a prompt in "
@@ -232,10 +230,14 @@ class GRPO(Objective):
         return problems
 
     def prepare(self, db: Any, config: Any, snapshot: Any) -> Any:
-        """SQL rewards are checked (one read-only SELECT) before anything is recorded."""
+        """SQL rewards (one read-only SELECT) and the rollouts table need an SQL database:
+        checked before anything is recorded."""
+        sql = hasattr(db.backend, "scores")
+        if config.objective_args.rollouts_table and not sql:
+            raise ConfigError("rollouts_table= writes a table of an SQL database, not MongoDB")
         for reward in config.fit.reward:
             if "sql" in reward:
-                if not hasattr(db.backend, "scores"):
+                if not sql:
                     raise ConfigError("sql_reward needs an SQL database; use a function reward")
                 db.backend.scores(reward["sql"], [], reward["timeout_s"])
         return config
