@@ -46,7 +46,6 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from bench_vs_trl import (  # noqa: E402  (it also puts the repository on sys.pa
     SAME,
     _peak_mb,
     common_parser,
+    run_script,
 )
 
 LR, BETA, LOSS_TYPE, TEMPERATURE = 1e-4, 0.04, "dapo", 1.0
@@ -251,16 +251,9 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_child(name: str, args: argparse.Namespace, model: Path, folder: Path) -> Any:
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
-    cmd += ["--workdir", str(folder)]
     flags = ("rows", "steps", "batch_size", "generations", "max_new_tokens", "max_length")
-    for flag in (*flags, "threads"):
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode or not line:
-        sys.exit(f"{name} failed:\n{done.stderr[-4000:]}")
-    return json.loads(line[-1].removeprefix("RESULT "))
+    extra = ("--model", str(model), "--workdir", str(folder))
+    return run_script(__file__, name, args, flags, *extra)
 
 
 def main() -> None:

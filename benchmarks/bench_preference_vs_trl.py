@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +67,7 @@ from bench_vs_trl import (  # noqa: E402
     make_rows,
     median_rounds,
     print_results,
+    run_script,
     timed_train,
 )
 
@@ -285,15 +285,9 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(name: str, args: argparse.Namespace, model: Path, pairs: Path, folder: Path) -> Any:
     folder.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--child", name, "--model", str(model)]
-    cmd += ["--workdir", str(folder), "--pairs", str(pairs)]
-    for flag in ("objective", "steps", "batch_size", "max_length", "threads"):
-        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode or not line:
-        sys.exit(f"{name} failed:\n{done.stderr[-4000:]}")
-    return json.loads(line[-1].removeprefix("RESULT "))
+    extra = ("--model", str(model), "--workdir", str(folder), "--pairs", str(pairs))
+    flags = ("objective", "steps", "batch_size", "max_length")
+    return run_script(__file__, name, args, flags, *extra)
 
 
 def main() -> None:

@@ -276,6 +276,21 @@ def child(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps(fn(args, packing == "packed")))
 
 
+def run_script(
+    script: str, name: str, args: argparse.Namespace, flags: tuple[str, ...], *extra: str
+) -> Any:
+    """``script --child name`` in its own process (its peak RSS its own), ``args``' ``flags``
+    passed on; the ``RESULT`` line it prints, read as JSON."""
+    cmd = [sys.executable, script, "--child", name, *extra]
+    for flag in (*flags, "threads"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not line:
+        sys.exit(f"{name} failed:\n{done.stderr[-4000:]}")
+    return json.loads(line[-1].removeprefix("RESULT "))
+
+
 def common_parser(doc: str | None) -> argparse.ArgumentParser:
     """The options of every side-by-side with TRL, and the hidden ones its children get."""
     parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
