@@ -50,9 +50,9 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             base_model = tiny_model(Path(tmp) / "tiny-llama")  # or a hub id
-            # Trainers, models and runs go to `metadata_uri`, adapters to `artifacts`
-            # (artifacts="gridfs" keeps them in MongoDB); leave both out to keep the records
-            # in this database. Here they go to a temporary folder: nothing is left behind.
+            # Trainers, models and runs go to `metadata_uri`, adapters to `artifacts` (a folder
+            # or an fsspec URL such as s3://); leave both out to keep the records in this
+            # database. Here they go to a temporary folder: nothing is left behind.
             db = lt.connect(
                 URI, metadata_uri=f"sqlite:///{tmp}/llmtrain.db", artifacts=f"{tmp}/artifacts"
             )

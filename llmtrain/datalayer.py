@@ -92,7 +92,7 @@ class Datalayer:
             check_uri(metadata_uri, "connect(metadata_uri=)")
         if artifacts is not None and not isinstance(artifacts, (str, Path, ArtifactStore)):
             raise ConfigError(
-                "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an "
+                "connect(artifacts=) must be a folder, an fsspec URL or an "
                 f"ArtifactStore, got {type(artifacts).__name__} {artifacts!r}"
             )
         if retry is not None and not isinstance(retry, RetryPolicy):
@@ -101,7 +101,7 @@ class Datalayer:
             )
         self._uri, self._metadata_uri = uri, metadata_uri or uri
         if isinstance(artifacts, (str, Path)):
-            check_artifacts_spec(artifacts, self._metadata_uri)
+            check_artifacts_spec(artifacts)
         self._artifacts_spec = artifacts
         self.retry = retry  # None: the backend's default RetryPolicy()
         self._backend: DataBackend | None = None
@@ -144,7 +144,7 @@ class Datalayer:
             spec = self._artifacts_spec  # an ArtifactStore was set in __init__
             folder = default_artifact_dir(self._uri) if spec is None else spec
             assert not isinstance(folder, ArtifactStore)
-            self._artifacts = open_artifacts(folder, metadata_uri=self._metadata_uri)
+            self._artifacts = open_artifacts(folder)
         return self._artifacts
 
     def add(self, component: Component) -> int:

@@ -1,5 +1,5 @@
-"""The one artifact store contract, run against every store: a local folder, GridFS (on
-mongomock), fsspec's ``memory://`` and S3 (moto's server on loopback, through s3fs).
+"""The one artifact store contract, run against every store: a local folder, fsspec's
+``memory://`` and S3 (moto's server on loopback, through s3fs).
 
 Content-addressed, atomic (a write in progress or failed is never visible under its final
 name), verified on read, streamed in chunks, ids and manifest paths that cannot escape.
@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 from conftest import S3Server
 
-from llmtrain.db.engines import mongo_database
 from llmtrain.errors import ArtifactCorruptError, ConfigError, StoreError
 from llmtrain.stores.artifacts import LocalArtifactStore, open_artifacts
 from llmtrain.stores.artifacts.base import (
@@ -30,7 +29,6 @@ from llmtrain.stores.artifacts.base import (
     manifest_bytes,
 )
 from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
-from llmtrain.stores.artifacts.gridfs import COLLECTION, GridFSArtifactStore
 
 BAD_IDS = [
     "sha256:../../etc/passwd",
@@ -47,7 +45,7 @@ BAD_IDS = [
 ]
 
 
-STORES = ["local", "gridfs", "memory", "s3"]
+STORES = ["local", "memory", "s3"]
 PART = 5 << 20  # the smallest S3 multipart part
 
 
@@ -61,18 +59,16 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ArtifactSt
     """A fresh, empty store of each kind (an S3 store is a fresh prefix of one bucket)."""
     unique = uuid.uuid4().hex
     if request.param == "local":
-        yield open_artifacts(tmp_path / "artifacts", metadata_uri="sqlite:///unused.db")
-    elif request.param == "gridfs":
-        yield open_artifacts("gridfs", metadata_uri=f"mongomock://localhost/a_{unique}")
+        yield open_artifacts(tmp_path / "artifacts")
     elif request.param == "memory":
-        memory = open_artifacts(f"memory://lt-{unique}/arts", metadata_uri="sqlite:///x.db")
+        memory = open_artifacts(f"memory://lt-{unique}/arts")
         yield memory
         assert isinstance(memory, FsspecArtifactStore)
         if memory.fs.exists(f"/lt-{unique}"):
             memory.fs.rm(f"/lt-{unique}", recursive=True)
     else:
         bucket = request.getfixturevalue("s3_bucket")
-        yield open_artifacts(f"s3://{bucket}/{unique}/arts", metadata_uri="sqlite:///x.db")
+        yield open_artifacts(f"s3://{bucket}/{unique}/arts")
 
 
 @pytest.fixture
@@ -113,19 +109,11 @@ def corrupt(store: ArtifactStore, artifact_id: str) -> None:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
         return
-    if isinstance(store, FsspecArtifactStore):
-        path = store._path(artifact_id)
-        data = bytearray(store.fs.cat_file(path))
-        data[len(data) // 2] ^= 0xFF
-        store.fs.pipe_file(path, bytes(data))
-        return
-    assert isinstance(store, GridFSArtifactStore)
-    db = mongo_database(store._uri)
-    file_id = db[f"{COLLECTION}.files"].find_one({"filename": artifact_id})["_id"]
-    chunk = db[f"{COLLECTION}.chunks"].find_one({"files_id": file_id, "n": 0})
-    data = bytearray(chunk["data"])
-    data[0] ^= 0xFF
-    db[f"{COLLECTION}.chunks"].update_one({"_id": chunk["_id"]}, {"$set": {"data": bytes(data)}})
+    assert isinstance(store, FsspecArtifactStore)
+    path = store._path(artifact_id)
+    data = bytearray(store.fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    store.fs.pipe_file(path, bytes(data))
 
 
 def store_raw(store: ArtifactStore, artifact_id: str, data: bytes) -> None:
@@ -138,15 +126,10 @@ def store_raw(store: ArtifactStore, artifact_id: str, data: bytes) -> None:
 
 # -- round trips ----------------------------------------------------------------------------------
 def test_open_artifacts_dispatch(tmp_path: Path) -> None:
-    assert isinstance(open_artifacts(tmp_path, metadata_uri="sqlite:///x.db"), LocalArtifactStore)
-    assert isinstance(
-        open_artifacts(str(tmp_path), metadata_uri="mongomock://h/db"), LocalArtifactStore
-    )
-    assert isinstance(
-        open_artifacts("gridfs", metadata_uri="mongomock://h/db"), GridFSArtifactStore
-    )
-    with pytest.raises(ConfigError, match="needs a MongoDB metadata database"):
-        open_artifacts("gridfs", metadata_uri="postgresql://u:secret@h/db")
+    assert isinstance(open_artifacts(tmp_path), LocalArtifactStore)
+    assert isinstance(open_artifacts(str(tmp_path)), LocalArtifactStore)
+    with pytest.raises(ConfigError, match="'gridfs' is no longer supported: use a folder or an"):
+        open_artifacts("gridfs")
 
 
 def test_bytes_round_trip_and_dedup(store: ArtifactStore) -> None:
@@ -313,16 +296,10 @@ class Source:
 
 
 def pending(store: ArtifactStore) -> list[str]:
-    """What a write leaves outside the store's published names: temporary files, GridFS
-    chunks no file document owns, fsspec temporaries and unfinished S3 multipart uploads."""
+    """What a write leaves outside the store's published names: temporary files, fsspec
+    temporaries and unfinished S3 multipart uploads."""
     if isinstance(store, LocalArtifactStore):
         return leftovers(store.root)
-    if isinstance(store, GridFSArtifactStore):
-        db = mongo_database(store._uri)
-        owned = {d["_id"] for d in db[f"{COLLECTION}.files"].find()}
-        return [
-            str(c["_id"]) for c in db[f"{COLLECTION}.chunks"].find() if c["files_id"] not in owned
-        ]
     assert isinstance(store, FsspecArtifactStore)
     found = [p for p in store.fs.find(store._join("")) if "/tmp/" in p]
     if store.protocol == "s3":
@@ -336,8 +313,7 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
     store: ArtifactStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Bigger than one S3 part: when the writer looks, and dies, bytes were already sent, so
-    the write really is in flight (pymongo's GridIn batches up to 32 MiB of chunks before it
-    sends them: bounded, but not seen at 7 MiB)."""
+    the write really is in flight."""
     from llmtrain.stores.artifacts import fsspec_store
 
     monkeypatch.setattr(fsspec_store, "WRITE_BLOCK", PART)  # S3's smallest part: less to send
@@ -353,8 +329,7 @@ def test_a_large_write_streams_and_is_invisible_until_complete(
         store._save(artifact_id, dying)  # type: ignore[arg-type]
     # half-way: the bytes are somewhere (temp file, chunks, uploaded parts), not under the id
     assert dying.seen_mid_write is not None and dying.seen_mid_write[0] is False
-    if not isinstance(store, GridFSArtifactStore):
-        assert dying.seen_mid_write[1] >= 1, "nothing was sent before the end: not streamed"
+    assert dying.seen_mid_write[1] >= 1, "nothing was sent before the end: not streamed"
     assert not store.exists(artifact_id) and pending(store) == []
     if isinstance(store, FsspecArtifactStore):  # a kill -9: nobody cleans up after the write
         with monkeypatch.context() as crash:
@@ -395,8 +370,8 @@ def test_a_url_store_writes_nothing_outside_its_prefix(
     s3_server: S3Server, folder: Path, tmp_path: Path
 ) -> None:
     s3_bucket = s3_server.new_bucket()
-    inner = open_artifacts(f"s3://{s3_bucket}/pre/fix", metadata_uri="sqlite:///x.db")
-    beside = open_artifacts(f"s3://{s3_bucket}/pre/fix2", metadata_uri="sqlite:///x.db")
+    inner = open_artifacts(f"s3://{s3_bucket}/pre/fix")
+    beside = open_artifacts(f"s3://{s3_bucket}/pre/fix2")
     assert isinstance(inner, FsspecArtifactStore) and isinstance(beside, FsspecArtifactStore)
     other = beside.put_bytes(b"neighbour")
     tree_id = inner.put_dir(folder)
@@ -419,7 +394,7 @@ def test_a_url_store_writes_nothing_outside_its_prefix(
 )
 def test_a_url_with_credentials_is_refused_without_repeating_them(url: str) -> None:
     with pytest.raises(ConfigError, match="do not belong in the URL") as info:
-        open_artifacts(url, metadata_uri="sqlite:///x.db")
+        open_artifacts(url)
     assert "hunter2" not in str(info.value) and "AKIAEXAMPLE" not in str(info.value)
 
 
@@ -434,10 +409,10 @@ def test_a_url_store_travels_to_workers_as_its_url(tmp_path: Path) -> None:
 
 def test_url_checks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="'..' are not allowed"):
-        open_artifacts("s3://bucket/a/../b", metadata_uri="sqlite:///x.db")
+        open_artifacts("s3://bucket/a/../b")
     with pytest.raises(ConfigError, match="no artifact store handles http://"):
-        open_artifacts("http://host/x", metadata_uri="sqlite:///x.db")
-    store = open_artifacts("memory://somewhere/arts/", metadata_uri="sqlite:///x.db")
+        open_artifacts("http://host/x")
+    store = open_artifacts("memory://somewhere/arts/")
     assert isinstance(store, FsspecArtifactStore) and store.url == "memory://somewhere/arts"
 
 
@@ -541,31 +516,3 @@ def test_failed_get_dir_leaves_no_partial_folder(
         local.get_dir(tree_id, tmp_path / "out")
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["artifacts", "ckpt"]
-
-
-# -- gridfs specifics -----------------------------------------------------------------------------
-@pytest.fixture
-def gridfs_store() -> Iterator[GridFSArtifactStore]:
-    yield GridFSArtifactStore(f"mongomock://localhost/g_{uuid.uuid4().hex}")
-
-
-def test_gridfs_writer_that_loses_a_race_removes_only_its_chunks(
-    gridfs_store: GridFSArtifactStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Two writers of the same content: the second's file document hits the unique index."""
-    data = os.urandom(600_000)  # several GridFS chunks
-    first = gridfs_store.put_bytes(data)
-    monkeypatch.setattr(GridFSArtifactStore, "_has", lambda self, artifact_id: False)
-    assert gridfs_store.put_bytes(data) == first
-    monkeypatch.undo()
-    db = mongo_database(gridfs_store._uri)
-    file_ids = [d["_id"] for d in db[f"{COLLECTION}.files"].find()]
-    assert len(file_ids) == 1
-    assert {c["files_id"] for c in db[f"{COLLECTION}.chunks"].find()} == set(file_ids)
-    assert gridfs_store.get_bytes(first) == data
-
-
-def test_gridfs_lives_in_the_metadata_database(gridfs_store: GridFSArtifactStore) -> None:
-    gridfs_store.put_bytes(b"x")
-    names = set(mongo_database(gridfs_store._uri).list_collection_names())
-    assert {f"{COLLECTION}.files", f"{COLLECTION}.chunks"} <= names

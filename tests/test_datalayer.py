@@ -213,12 +213,12 @@ def test_artifacts_url_with_an_unknown_scheme_is_a_config_error(
     with pytest.raises(ConfigError, match=f"no artifact store handles {scheme}://"):
         lt.connect(f"sqlite:///{tmp_path / 'x.db'}", artifacts=spec)
     with pytest.raises(ConfigError, match=f"artifacts='{spec}'"):
-        open_artifacts(spec, metadata_uri="sqlite:///x.db")
+        open_artifacts(spec)
     assert list(tmp_path.iterdir()) == []  # no folder named "s3:"
 
 
 def test_file_url_is_the_local_folder(tmp_path: Path) -> None:
-    store = open_artifacts(f"file://{tmp_path / 'art'}", metadata_uri="sqlite:///x.db")
+    store = open_artifacts(f"file://{tmp_path / 'art'}")
     assert isinstance(store, LocalArtifactStore) and store.root == tmp_path / "art"
 
 

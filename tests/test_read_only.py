@@ -121,14 +121,3 @@ def test_a_separate_metadata_file_is_created_by_its_first_write(tmp_path: Path) 
     assert (tmp_path / "meta.db").is_file() and db.show() == [
         {"type_id": "note", "identifier": "n"}
     ]
-
-
-def test_reading_gridfs_artifacts_creates_no_collection_or_index() -> None:
-    uri = "mongomock://localhost/lt_gridfs_read_only"
-    db = lt.connect(uri, artifacts="gridfs")
-    assert not db.artifacts.exists("sha256:" + "0" * 64)
-    with pytest.raises(StoreError, match="not found"):
-        db.artifacts.get_bytes("sha256:" + "0" * 64)
-    assert stored_names(uri) == set()
-    blob = db.artifacts.put_bytes(b"x")
-    assert db.artifacts.get_bytes(blob) == b"x" and stored_names(uri)

@@ -225,8 +225,7 @@ def _args(path: Path) -> ModelArguments:
         (
             ("sqlite:///x.db",),
             {"artifacts": 5},
-            "connect(artifacts=) must be a folder, 'gridfs', an fsspec URL or an ArtifactStore, "
-            "got int 5",
+            "connect(artifacts=) must be a folder, an fsspec URL or an ArtifactStore, got int 5",
         ),
         (("sqlite:///x.db",), {"retry": 3}, "connect(retry=) must be a RetryPolicy, got int 3"),
     ],

@@ -168,7 +168,7 @@ def _with_db(sub: Any, command: str, run: Any, **kwargs: Any) -> argparse.Argume
     )
     parser.add_argument(
         "--artifacts",
-        help="the artifact store: a folder, 'gridfs' or a URL (s3://bucket/prefix); default: "
+        help="the artifact store: a folder or a URL (s3://bucket/prefix); default: "
         "where the newest run recorded its artifacts, else the database's default folder",
     )
     return parser
@@ -226,7 +226,7 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
     if not args.db:
         raise ConfigError(f"no database: pass --db URI or set {DB_ENV}")
     db = connect(args.db, artifacts=args.artifacts)
-    if args.artifacts is None:  # where the newest run stored its artifacts (s3://, gridfs)
+    if args.artifacts is None:  # where the newest run stored its artifacts (s3://)
         runs = db.metadata.list_runs()
         recorded = runs[-1].info.get("artifacts") if runs else None
         if isinstance(recorded, str) and recorded != db.artifacts.location:

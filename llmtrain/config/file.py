@@ -33,7 +33,7 @@ class _FileHead(BaseModel):
     db: str | None = None
     """Database URI; default: $LLMTRAIN_DB_URI."""
     artifacts: str | None = None
-    """Artifact folder, or 'gridfs'."""
+    """Artifact folder, or an fsspec URL (s3://bucket/prefix)."""
     data: DataSelection
     """X, Y and the rows (select, eval_select)."""
 

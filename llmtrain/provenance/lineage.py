@@ -165,7 +165,7 @@ def run_view(db: Database, run: Any) -> tuple[View, Any]:
     store, recorded = db.artifacts, run.info.get("artifacts")
     if view.chunks and not store.exists(view.chunks[0]) and recorded != store.location:
         try:
-            store = open_artifacts(recorded, metadata_uri="")
+            store = open_artifacts(recorded)
         except ConfigError as exc:
             raise StoreError(
                 f"run {run.run_id} stored its artifacts in {recorded}: {exc}"

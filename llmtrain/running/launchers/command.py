@@ -35,16 +35,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def artifacts_location(db: Datalayer) -> str:
-    """A folder, ``gridfs`` or an fsspec URL (credentials from the environment) workers reopen."""
+    """A folder or an fsspec URL (credentials from the environment) workers reopen."""
     from llmtrain.stores.artifacts import LocalArtifactStore
     from llmtrain.stores.artifacts.fsspec_store import FsspecArtifactStore
 
     store, reopened = db.artifacts, (LocalArtifactStore, FsspecArtifactStore)
-    if isinstance(store, reopened) or type(store).__name__ == "GridFSArtifactStore":
+    if isinstance(store, reopened):
         return store.location
     raise ConfigError(
         f"worker processes cannot reopen the artifact store {store!r}: connect "
-        "with artifacts= a folder, 'gridfs' or a URL to train with a launcher"
+        "with artifacts= a folder or a URL to train with a launcher"
     )
 
 

@@ -47,7 +47,7 @@ def check_url(url: str, option: str = "artifacts") -> str:
     if protocol in READ_ONLY or protocol not in fsspec.available_protocols():
         raise ConfigError(
             f"{option}={url!r}: no artifact store handles {match.group(1)}:// URLs; use a "
-            "folder, 'gridfs', an fsspec URL (s3://, gs://, memory://) or an ArtifactStore"
+            "folder, an fsspec URL (s3://, gs://, memory://) or an ArtifactStore"
         )
     try:
         fsspec.get_filesystem_class(protocol)
