@@ -308,24 +308,6 @@ def test_report_to_checks_names_and_libraries(monkeypatch: pytest.MonkeyPatch) -
     check_trackers(["tensorboard", "mlflow"])
 
 
-def test_an_mlflow_file_store_mlflow_refuses_is_named_when_the_trainer_is_built(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """MLflow 3 refuses ``file:`` tracking URIs unless MLFLOW_ALLOW_FILE_STORE is set: one line
-    naming both settings, before any model is loaded or run recorded."""
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    for uri in ("file:./mlruns", "/tmp/mlruns"):
-        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-        with pytest.raises(ConfigError, match="MLFLOW_ALLOW_FILE_STORE=true") as caught:
-            lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["mlflow"])
-        assert "\n" not in str(caught.value) and "MLFLOW_TRACKING_URI=sqlite" in str(caught.value)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["mlflow"])
-    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
-    lt.LLMTrainer("t", model="m", prompt_template=TEMPLATE, report_to=["mlflow"])
-
-
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

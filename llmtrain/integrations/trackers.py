@@ -13,7 +13,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from llmtrain.console import QUIET_ENV
 from llmtrain.errors import ConfigError
@@ -36,21 +35,6 @@ def check_trackers(report_to: Sequence[str]) -> None:
                 f"training_args.report_to: {name!r} needs the {name} package: "
                 f"pip install 'llmtrain[{name}]' (or drop {name!r} from report_to)"
             )
-    # MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE: say so before the model loads
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    file_store = bool(uri) and urlsplit(uri).scheme.lower() in ("", "file")  # a folder
-    allowed = os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("1", "true", "yes")
-    if "mlflow" not in report_to or not file_store or allowed:
-        return
-    try:
-        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # noqa: F401
-    except ImportError:  # an MLflow that still takes the file store
-        return
-    raise ConfigError(
-        f"training_args.report_to: 'mlflow' with MLFLOW_TRACKING_URI={uri!r}: this MLflow "
-        "refuses its file store; set MLFLOW_TRACKING_URI=sqlite:///mlflow.db (or a tracking "
-        "server's URL), or MLFLOW_ALLOW_FILE_STORE=true to keep the file store"
-    )
 
 
 def make_trackers(report_to: Sequence[str]) -> list[Tracker]:
