@@ -164,7 +164,7 @@ class MLflowTracker(Tracker):
 
     def start(self, facts: RunFacts) -> None:
         from mlflow import MlflowClient
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Param
 
         self.client = MlflowClient()
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or facts.identifier
@@ -181,7 +181,6 @@ class MLflowTracker(Tracker):
         params = [Param(k, str(v)[:6000]) for k, v in flatten(facts.params()).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 per batch
             self.client.log_batch(self.run_id, params=params[i : i + 100])
-        self.client.log_batch(self.run_id, tags=[RunTag("mlflow.runName", facts.name)])
         self.client.log_dict(self.run_id, facts.params(), "llmtrain/recipe.json")
 
     def log(self, metrics: dict[str, float], step: int) -> None:

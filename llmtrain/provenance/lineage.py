@@ -268,34 +268,31 @@ def trained_on(db: Database, source: Any, keys: Sequence[Key]) -> TrainedOn:
         if int(parent.get("steps") or 0) >= first.get(parent.get("run_id", ""), math.inf):
             first[run.run_id] = 0
         mixed = "sources" in run.info  # a mixture's keys are tagged with their source
-        asked: dict[str, dict[str, Key]] = {}  # a selection key -> the asked keys it comes of
-        ours: dict[str, Key] = {}
+        asked, ours = own_asked, own  # a selection key -> the asked keys it comes of
         try:
             wanted = _wanted(db, run, found_source, keys)
-            for part, key, one in [] if wanted is None else wanted:
-                selected = tagged(part, key) if mixed else key
-                ours[key_repr(selected)] = selected
-                asked.setdefault(key_repr(selected), {})[key_repr(one)] = one
-            if wanted is None:
-                asked, ours = own_asked, own
+            if wanted is not None:
+                asked, ours = {}, {}
+                for part, key, one in wanted:
+                    selected = tagged(part, key) if mixed else key
+                    ours[key_repr(selected)] = selected
+                    asked.setdefault(key_repr(selected), {})[key_repr(one)] = one
             # the snapshot first: a run holding none of the keys costs a read of its chunks
             digests = own_digests if wanted is None else None
             hits = find(*run_view(db, run), list(ours.values()), digests) if ours else []
-            lineage = RunLineage.of(db, run) if hits else None
+            if not hits:
+                continue
+            lineage = RunLineage.of(db, run)
         except (StoreError, QueryError):  # its snapshot, or a table it read, is gone
             result.underivable.append(run.run_id)
             continue
         key_at = {index: key for key, index in hits}
-        uses = (
-            []
-            if lineage is None
-            else [
-                Use(one, run.run_id, run.identifier, run.version, epoch, step, rank, v)
-                for index, epoch, step, rank in lineage.uses_of(list(key_at))
-                for v in [lineage.version_of(index, epoch)]  # the row's version as trained
-                for one in asked[key_repr(key_at[index])].values()
-            ]
-        )
+        uses = [
+            Use(one, run.run_id, run.identifier, run.version, epoch, step, rank, v)
+            for index, epoch, step, rank in lineage.uses_of(list(key_at))
+            for v in [lineage.version_of(index, epoch)]  # the row's version as trained
+            for one in asked[key_repr(key_at[index])].values()
+        ]
         for use in sorted(uses, key=lambda u: (u.step, u.rank)):
             result.uses.append(use)
             first[run.run_id] = min(first.get(run.run_id, use.step), use.step)

@@ -28,8 +28,7 @@ log = logging.getLogger("llmtrain.training")
 
 
 def pair_digests(keys: Sequence[Key] | np.ndarray, versions: Any) -> np.ndarray:
-    """Digests of (key, version), versions a sequence or array: a row changed in place gets a
-    new one."""
+    """Digests of (key, version) pairs: a row changed in place gets a new one."""
     with np.errstate(over="ignore"):
         return key_digests(keys) ^ key_digests(versions) * np.uint64(0x9E3779B97F4A7C15)
 
@@ -71,8 +70,7 @@ def trained_by(db: Database, identifier: str, source: str, versions: bool) -> tu
 
 
 def _two(arrays: list[np.ndarray]) -> list[np.ndarray]:
-    """The largest array as kept and the rest (the nights since) merged: two searches a batch,
-    however many nights there were."""
+    """The largest array, and the rest (the nights since) merged: two searches however many."""
     arrays = sorted(arrays, key=len)
     rest = [np.unique(np.concatenate(arrays[:-1]))] if len(arrays) > 1 else []
     return [arrays[-1], *rest]
@@ -82,9 +80,8 @@ _TRAINED = ("keys", "pairs", "pair_keys")
 
 
 def run_trained(db: Database, run: Any, names: Sequence[str] = _TRAINED) -> tuple[np.ndarray, ...]:
-    """The run's trained rows as sorted digests (``names`` of keys, pairs, pair keys): read from
-    the artifact its record names (``trained``), else derived from its lineage once and kept
-    (said in the log)."""
+    """The run's trained rows as sorted digests (``names`` of keys, pairs, pair keys): from the
+    artifact its record names (``trained``), else derived from its lineage once and kept."""
     if blob := run.info.get("trained"):
         try:
             with np.load(io.BytesIO(db.artifacts.get_bytes(blob)), allow_pickle=False) as kept:

@@ -138,10 +138,8 @@ class FsspecArtifactStore(ArtifactStore):
                 raise self._not_found(artifact_id, self.url) from None
 
     def _remove(self, artifact_id: str) -> None:
-        path = self._path(artifact_id)
         with self._errors(f"deleting {artifact_id}"), suppress(FileNotFoundError):
-            if self.fs.isfile(path):
-                self.fs.rm_file(path)
+            self.fs.rm_file(self._path(artifact_id))  # S3 deletes a missing key without a word
 
     def _tree_ids(self) -> list[str]:
         with self._errors("listing folder artifacts"):
