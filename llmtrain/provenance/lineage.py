@@ -198,17 +198,12 @@ def model_lineage(db: Database, name: str, version: int | None = None) -> Iterat
         yield from RunLineage.of(db, run, steps).rows()
 
 
-def forgotten(
-    db: Database, source: str | None, since: Any = None
-) -> tuple[np.ndarray, dict[str, list[str]]]:
+def forgotten(db: Database, source: str | None) -> tuple[np.ndarray, dict[str, list[str]]]:
     """What ``db.forget`` recorded for ``source`` (a :attr:`Source.identity`; None: every
-    source; ``since``: after that time): the sorted digests of its forgotten keys, and each
-    affected run's keys."""
+    source): the sorted digests of its forgotten keys, and each affected run's keys."""
     digests: list[np.ndarray] = [np.zeros(0, dtype=np.uint64)]
     runs: dict[str, list[str]] = {}
     for record in db.metadata.list_components(FORGOTTEN, source):
-        if since is not None and record.created_at <= since:
-            continue
         digests.append(np.asarray(record.payload.get("digests") or [], dtype=np.uint64))
         for run_id, keys in (record.payload.get("runs") or {}).items():
             runs[run_id] = sorted({*runs.get(run_id, ()), *keys})
