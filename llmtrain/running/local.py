@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmtrain.datalayer import Datalayer
-from llmtrain.errors import DistributedError
+from llmtrain.errors import ComponentNotFoundError, ConfigError, DistributedError
 from llmtrain.integrations.trackers import make_trackers
 from llmtrain.placement import Placement
 from llmtrain.provenance.selection import run_trained
-from llmtrain.stores.components import check_identifier
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import RunStatus
 from llmtrain.training.callbacks import Callback, build_callback
@@ -135,7 +134,7 @@ def store_model(
     cfg = plan.config
     model = TrainedModel(
         ModelRecord(
-            identifier=check_identifier(plan.identifier),
+            identifier=plan.identifier,
             base=cfg.model_args,
             adapter=outcome.adapter,
             full_model=cfg.lora_args is None,
@@ -164,6 +163,19 @@ def store_model(
     )
     if "source" in (run := db.metadata.get_run(plan.run_id)).info:  # what a nightly fit reads
         run_trained(db, run)
+    return model
+
+
+def model_of_run(db: Datalayer, run_id: str) -> TrainedModel:
+    """The model a completed run stored."""
+    run = db.metadata.get_run(run_id)
+    try:
+        model: TrainedModel = db.load("model", run.identifier, run.info["model_version"])
+    except (KeyError, ComponentNotFoundError):
+        raise ConfigError(
+            f"run {run_id} of {run.identifier!r} is complete but its model is no longer stored; "
+            "drop resume= to train a fresh run"
+        ) from None
     return model
 
 

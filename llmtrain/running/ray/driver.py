@@ -24,7 +24,7 @@ from llmtrain.console import QUIET_ENV
 from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.running.local import Outcome, mark_failed, store_model
-from llmtrain.running.ray.bridge import serving
+from llmtrain.running.ray.bridge import RemoteDB, serving
 from llmtrain.running.ray.worker import checkpoint_name, train_loop
 from llmtrain.stores.artifacts.fsspec_store import check_url
 from llmtrain.stores.metadata.base import CheckpointRecord
@@ -65,7 +65,7 @@ class RayRun:
 
     def loop_config(self, broker: Any) -> dict[str, Any]:
         """What a worker gets, and nothing that locates the database."""
-        fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})
+        fit = self.plan.fit.model_copy(update={"db": RemoteDB.uri})
         plan = replace(self.plan, config=self.plan.config.model_copy(update={"fit": fit}))
         quiet = os.environ.get(QUIET_ENV) == "1"  # as quiet as the fit on the driver
         return {"broker": broker, "plan": plan, "callbacks": self.callbacks, "quiet": quiet}
