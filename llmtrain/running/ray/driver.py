@@ -57,7 +57,7 @@ class RayRun:
         self.config: RayConfig = plan.config.ray_config
         self.name = f"llmtrain-{plan.run_id[:12]}-{uuid.uuid4().hex[:8]}"
         self.path, self.filesystem = storage_location(self.config.storage)
-        self.finished: Outcome | None = None
+        self.finished: list[Outcome] = []  #: rank 0's outcome, once it finished the run
         self.checkpoints: list[CheckpointRecord] = []
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-ray-"))
         keep = plan.config.training_args.save_total_limit
@@ -89,9 +89,6 @@ class RayRun:
         self.checkpoints.append(record)
         return record
 
-    def finish(self, outcome: Outcome) -> None:
-        self.finished = outcome
-
     def ray_info(self, status: str, result: Any = None) -> dict[str, Any]:
         info: dict[str, Any] = {
             "name": self.name,
@@ -111,7 +108,7 @@ class RayRun:
         calls: dict[str, Callable[..., Any]] = {
             "resume_point": self.resume_point,
             "record_checkpoint": self.record_checkpoint,
-            "finished": self.finish,
+            "finished": self.finished.append,
             "say": lambda text: print(text, file=sys.stderr, flush=True),
         }
         try:
@@ -138,14 +135,14 @@ class RayRun:
                     ).fit()
                     if result.error is not None:
                         raise result.error
-                    if self.finished is None:
+                    if not self.finished:
                         raise DistributedError("the Ray workers ended without finishing the run")
                 except BaseException as exc:
                     db.metadata.update_run(run_id, info={"ray": self.ray_info("failed")})
                     mark_failed(db, run_id, exc)
                     raise
             info = {"ray": self.ray_info("completed", result)}
-            return store_model(self.plan, db, self.finished, info=info)
+            return store_model(self.plan, db, self.finished[-1], info=info)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
