@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from llmtrain.datalayer import Datalayer
-from llmtrain.errors import DistributedError
+from llmtrain.errors import ComponentNotFoundError, ConfigError, DistributedError
 from llmtrain.integrations.trackers import make_trackers
 from llmtrain.placement import Placement
 from llmtrain.provenance.selection import run_trained
-from llmtrain.stores.components import check_identifier
 from llmtrain.stores.handle import Database
 from llmtrain.stores.metadata.base import RunStatus
 from llmtrain.training.callbacks import Callback, build_callback
@@ -62,13 +61,7 @@ def run_here(
 ) -> TrainedModel | None:
     """Train ``plan`` here; rank 0 stores its model."""
     outcome = train_run(plan, db, placement, callbacks=callbacks)
-    if outcome is None:
-        return None
-    try:
-        return store_model(plan, db, outcome)
-    except BaseException as exc:
-        mark_failed(db, plan.run_id, exc, steps=outcome.steps, tokens=outcome.tokens)
-        raise
+    return None if outcome is None else store_model(plan, db, outcome)
 
 
 def train_run(
@@ -131,39 +124,57 @@ def train_run(
 def store_model(
     plan: RunPlan, db: Datalayer, outcome: Outcome, *, info: dict[str, Any] | None = None
 ) -> TrainedModel:
-    """A finished run becomes the trainer's next model version and is marked completed."""
+    """A finished run becomes the trainer's next model version and is marked completed (or
+    failed, with the steps it reached, when storing fails)."""
     cfg = plan.config
-    model = TrainedModel(
-        ModelRecord(
-            identifier=check_identifier(plan.identifier),
-            base=cfg.model_args,
-            adapter=outcome.adapter,
-            full_model=cfg.lora_args is None,
-            prompt_template=cfg.prompt_template,
-            chat_template=cfg.data_args.chat_template,
-            max_length=cfg.data_args.max_length,
-            run_id=plan.run_id,
-            trainer_version=plan.version,
-            history=outcome.history[-200:],
-            artifacts=db.artifacts.location,
+    try:
+        model = TrainedModel(
+            ModelRecord(
+                identifier=plan.identifier,
+                base=cfg.model_args,
+                adapter=outcome.adapter,
+                full_model=cfg.lora_args is None,
+                prompt_template=cfg.prompt_template,
+                chat_template=cfg.data_args.chat_template,
+                max_length=cfg.data_args.max_length,
+                run_id=plan.run_id,
+                trainer_version=plan.version,
+                history=outcome.history[-200:],
+                artifacts=db.artifacts.location,
+            )
         )
-    )
-    model.db = db
-    db.add(model)
-    db.metadata.update_run(
-        plan.run_id,
-        status="completed",
-        info={
-            "steps": outcome.steps,
-            "tokens": outcome.tokens,
-            "artifact": outcome.adapter,
-            "model_version": model.version,
-            "final_loss": outcome.history[-1]["loss"] if outcome.history else None,
-            **(info or {}),
-        },
-    )
-    if "source" in (run := db.metadata.get_run(plan.run_id)).info:  # what a nightly fit reads
-        run_trained(db, run)
+        model.db = db
+        db.add(model)
+        db.metadata.update_run(
+            plan.run_id,
+            status="completed",
+            info={
+                "steps": outcome.steps,
+                "tokens": outcome.tokens,
+                "artifact": outcome.adapter,
+                "model_version": model.version,
+                "final_loss": outcome.history[-1]["loss"] if outcome.history else None,
+                **(info or {}),
+            },
+        )
+        if "source" in (run := db.metadata.get_run(plan.run_id)).info:  # what a nightly fit reads
+            run_trained(db, run)
+        return model
+    except BaseException as exc:
+        mark_failed(db, plan.run_id, exc, steps=outcome.steps, tokens=outcome.tokens)
+        raise
+
+
+def model_of_run(db: Datalayer, run_id: str) -> TrainedModel:
+    """The model a completed run stored."""
+    run = db.metadata.get_run(run_id)
+    try:
+        model: TrainedModel = db.load("model", run.identifier, run.info["model_version"])
+    except (KeyError, ComponentNotFoundError):
+        raise ConfigError(
+            f"run {run_id} of {run.identifier!r} is complete but its model is no longer stored; "
+            "drop resume= to train a fresh run"
+        ) from None
     return model
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.config.args import TrainerConfig, build
+from llmtrain.config.spec import FitSpec
 from llmtrain.console import say
 from llmtrain.data.snapshot import MixedView, RunSnapshot, take_snapshot
 from llmtrain.datalayer import Datalayer
@@ -44,7 +45,9 @@ def register(
     reads its run's snapshot and record (no scan of the rows)."""
     from llmtrain.provenance.selection import eval_rows, pin_init_from, select_rows
 
-    check_before_recording(config, db)
+    fit = config.fit
+    assert fit is not None  # set by fit() before it registers
+    check_before_recording(config, fit, db)
     config = pin_init_from(db, config)
     version = stored_version(db, config, loaded_version)
     found = run_to_resume(db, config.identifier, version, resume) if resume else None
@@ -56,8 +59,6 @@ def register(
         db.metadata.update_run(run.run_id, info={"callbacks": list(callbacks)})
         return replace(RunPlan.from_record(run), resume_from=checkpoint, callbacks=callbacks)
 
-    fit = config.fit
-    assert fit is not None  # set by fit() before it registers
     snapshot = new_snapshot(db, config, loaded_version, allow_changed_data, incremental)
     snapshot, rows = select_rows(
         db, config, snapshot, incremental=incremental, allow_forgotten_parent=allow_forgotten_parent
@@ -192,11 +193,9 @@ def run_to_resume(
     return None
 
 
-def check_before_recording(config: TrainerConfig, db: Datalayer) -> None:
+def check_before_recording(config: TrainerConfig, fit: FitSpec, db: Datalayer) -> None:
     """ConfigError/QueryError before anything is recorded for a fit that cannot train. A
     MongoDB field missing from every one of the first rows is taken for a mistyped name."""
-    fit = config.fit
-    assert fit is not None  # set by fit() before it checks
     check_trackers(config.training_args.report_to)  # a loaded trainer, on this machine
     check_model_folder(config)  # no row read for these
     if config.data_args.chat_template:  # probed as the run will: no template, no tags

@@ -102,7 +102,7 @@ class LLMTrainer:
         """
         with quieted(not verbose):
             from llmtrain.running.executors import execute, execution
-            from llmtrain.running.local import once_per_job
+            from llmtrain.running.local import model_of_run, once_per_job
             from llmtrain.running.register import register
             from llmtrain.training.plan import Done
 
@@ -144,7 +144,7 @@ class LLMTrainer:
                     **flags,
                 )
                 if isinstance(plan, Done):
-                    return _model_of_run(db, self.identifier, plan.run_id)
+                    return model_of_run(db, plan.run_id)
                 self.config, self.version, self.db = plan.config, plan.version, db
                 return execute(plan, db, placement, callbacks=objects)
 
@@ -222,17 +222,6 @@ def _rewards(reward: Any) -> list[dict[str, Any]] | None:
                 f"fit(reward=) takes lt.sql_reward(...) or a function 'module:name', got {one!r}"
             )
     return out
-
-
-def _model_of_run(db: Datalayer, identifier: str, run_id: str) -> Any:
-    """The newest model version a run produced."""
-    for record in reversed(db.metadata.list_components("model", identifier)):
-        if record.payload.get("run_id") == run_id:
-            return db.load("model", identifier, record.version)
-    raise ConfigError(
-        f"run {run_id} of {identifier!r} is complete but its model is no longer stored; "
-        "drop resume= to train a fresh run"
-    )
 
 
 def _config(identifier: str, options: dict[str, Any]) -> TrainerConfig:

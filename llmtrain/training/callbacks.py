@@ -40,7 +40,6 @@ def build_callback(spec: str) -> Callback:
     """The callback an import path names, built with no arguments."""
     module, _, name = callback_path(spec).partition(":")
     try:
-        made: Callback = getattr(importlib.import_module(module), name)()
+        return getattr(importlib.import_module(module), name)()
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"fit(callbacks=): cannot build {spec!r}: {exc}") from None
-    return made

@@ -204,11 +204,8 @@ def _refused(name: str, step: int) -> Iterator[None]:
     try:
         yield
     except (pickle.UnpicklingError, SafetensorError) as exc:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next(
-            (line for line in lines if "Unsupported global" in line),
-            lines[0] if lines else type(exc).__name__,
-        )
+        lines = [s.strip() for s in str(exc).splitlines() if s.strip()] or [type(exc).__name__]
+        reason = next((line for line in lines if "Unsupported global" in line), lines[0])
         raise CheckpointError(
             f"checkpoint at step {step}: {name} was refused by the safe "
             f"loader ({reason[:300]}); it was not written by llmtrain"

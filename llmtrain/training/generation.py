@@ -59,11 +59,9 @@ def generate_batch(
     ids = torch.tensor([[pad] * (width - len(p.ids)) + p.ids for p in prompts])
     mask = torch.tensor([[0] * (width - len(p.ids)) + [1] * len(p.ids) for p in prompts])
     device = next(model.parameters()).device
-    greedy: dict[str, Any] = {
-        "do_sample": False,
-        "pad_token_id": pad,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
+    greedy: dict[str, Any] = dict(
+        do_sample=False, pad_token_id=pad, eos_token_id=tokenizer.eos_token_id
+    )
     heals = [p.heal for p in prompts]
     if any(heals):
         greedy["logits_processor"] = LogitsProcessorList([_Healing(tokenizer, heals, width)])

@@ -241,9 +241,3 @@ def decoder_layers(model: torch.nn.Module, option: str) -> list[torch.nn.Module]
         f"{option}: found no decoder layers in {type(model).__name__} "
         "(no _no_split_modules and no 'layers' module list)"
     )
-
-
-def compile_layers(model: Any) -> None:
-    """``torch.compile`` each decoder layer in place; the head and the chunked loss stay eager."""
-    for layer in decoder_layers(model, "training_args.torch_compile"):
-        layer.compile()

@@ -40,7 +40,7 @@ from llmtrain.training.callbacks import Callback
 from llmtrain.training.checkpoint import Checkpointer
 from llmtrain.training.export import write_adapter
 from llmtrain.training.modeling import (
-    compile_layers,
+    decoder_layers,
     load_model,
     load_tokenizer,
     prepare_for_training,
@@ -102,8 +102,9 @@ class FitRun:
             gradient_checkpointing=t.gradient_checkpointing,
         )
         self._start_from_parent(model)
-        if t.torch_compile:
-            compile_layers(model)
+        if t.torch_compile:  # each decoder layer; the head and the chunked loss stay eager
+            for layer in decoder_layers(model, "training_args.torch_compile"):
+                layer.compile()
         self.model, self.optimizer = s.setup(model, self._make_optimizer, self.precision)
         self.base_model = model
         self.objective = objective_of(cfg)
@@ -386,8 +387,9 @@ class FitRun:
             return {}
         from llmtrain.training.generation import generate_batch
 
-        s, fit, t = self.strategy, self.plan.fit, self.targs
+        s, fit, t, d = self.strategy, self.plan.fit, self.targs, self.dargs
         loader = ds.loader(t.per_device_eval_batch_size, collate_fn=list, with_keys=True)
+        room = max(d.max_length - t.eval_max_new_tokens, d.max_length // 2)  # prompt tokens
         sums, count = torch.zeros(len(self.metrics), dtype=torch.float64), 0
         model = s.unwrap(self.model).eval()
         for rows in loader:
@@ -395,18 +397,15 @@ class FitRun:
                 (r[fit.X], r[fit.Y])
                 for _, r in rows
                 if isinstance(r.get(fit.X), str) and isinstance(r.get(fit.Y), str)
-            ][: self.dargs.max_eval_rows - count]
+            ][: d.max_eval_rows - count]
             if pairs:
-                room = max(
-                    self.dargs.max_length - t.eval_max_new_tokens, self.dargs.max_length // 2
-                )
                 prompts = [self.formatter.prompt(x, max_tokens=room) for x, _ in pairs]
                 with self.precision.autocast():
                     answers = generate_batch(model, self.tokenizer, prompts, t.eval_max_new_tokens)
                 for i, fn in enumerate(self.metrics.values()):
                     sums[i] += sum(float(fn(a, y)) for a, (_, y) in zip(answers, pairs))
                 count += len(pairs)
-            if count >= self.dargs.max_eval_rows:
+            if count >= d.max_eval_rows:
                 break
         self.model.train()
         sums = s.all_reduce(sums)

@@ -10,7 +10,7 @@ from llmtrain.datalayer import Datalayer
 from llmtrain.errors import DistributedError
 from llmtrain.running.launchers.command import build_command, free_port
 from llmtrain.running.launchers.process import WorkerJob
-from llmtrain.running.local import mark_failed
+from llmtrain.running.local import mark_failed, model_of_run
 from llmtrain.training.model import TrainedModel
 from llmtrain.training.plan import RunPlan
 
@@ -36,10 +36,4 @@ def launch_workers(plan: RunPlan, db: Datalayer) -> TrainedModel:
             raise
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
-    model: TrainedModel = db.load("model", plan.identifier)
-    if model.record.run_id != run_id:
-        raise DistributedError(
-            f"the workers finished, but the newest model {plan.identifier!r} comes from "
-            f"run {model.record.run_id}, not {run_id}"
-        )
-    return model
+    return model_of_run(db, run_id)

@@ -125,8 +125,6 @@ class WorkerJob:
         """SIGTERM every process group involved, SIGKILL what is left after a grace period."""
         assert self.proc is not None
         self._note_workers()
-        if self.proc.poll() is not None and not any(alive(p) for p in self.worker_pids):
-            return
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline and any(alive(p) for p in self.pids()):

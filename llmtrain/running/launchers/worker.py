@@ -25,10 +25,8 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
         metadata_uri=os.environ.pop(METADATA_ENV, None),
         artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None,
     )
-    resume_from = None
-    if args.resume_from:
-        found = db.metadata.list_checkpoints(args.run_id)
-        resume_from = next(c for c in found if c.artifact_id == args.resume_from)
+    found = db.metadata.list_checkpoints(args.run_id)
+    resume_from = next((c for c in found if c.artifact_id == args.resume_from), None)
     plan = RunPlan.from_record(db.metadata.get_run(args.run_id), resume_from)
     run_here(plan, db, placement)
 
@@ -40,18 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # deepspeed's
     args, placement = parser.parse_args(argv), Placement.from_environment()
     rank = placement.rank
-    job_dir = Path(os.environ[JOB_ENV]) if os.environ.get(JOB_ENV) else None
-    if job_dir is not None:
-        (job_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
+    job_dir = Path(os.environ[JOB_ENV])  # set by the launching fit, always
+    (job_dir / "pids" / f"rank{rank}").write_text(str(os.getpid()))
     try:
         with quieted(os.environ.get(QUIET_ENV) == "1"):  # as quiet as the fit that launched it
             train(args, placement)
     except BaseException as exc:
         text = f"{type(exc).__name__}: {exc}\n\n{traceback.format_exc()}"
-        if job_dir is not None:
-            path = job_dir / "errors" / f"rank{rank}.txt"
-            path.with_suffix(".tmp").write_text(text)
-            path.with_suffix(".tmp").replace(path)  # whole, or not at all
+        path = job_dir / "errors" / f"rank{rank}.txt"
+        path.with_suffix(".tmp").write_text(text)
+        path.with_suffix(".tmp").replace(path)  # whole, or not at all
         print(f"[rank {rank}] {text}", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -96,8 +96,9 @@ class _Proxy:
 class RemoteDB:
     """A Ray worker's view of the driver's database: every call answered by the driver."""
 
+    uri = "ray-driver://"  #: all a worker knows of the database (its plan's ``fit.db`` too)
+
     def __init__(self, broker: Any) -> None:
-        self.uri = "ray-driver://"
         self.backend = _Proxy(broker, "backend")
         self.metadata, self.artifacts = _Proxy(broker, "metadata"), _Proxy(broker, "artifacts")
 

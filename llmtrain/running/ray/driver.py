@@ -24,7 +24,7 @@ from llmtrain.console import QUIET_ENV
 from llmtrain.datalayer import Datalayer
 from llmtrain.errors import ConfigError, DistributedError
 from llmtrain.running.local import Outcome, mark_failed, store_model
-from llmtrain.running.ray.bridge import serving
+from llmtrain.running.ray.bridge import RemoteDB, serving
 from llmtrain.running.ray.worker import checkpoint_name, train_loop
 from llmtrain.stores.artifacts.fsspec_store import check_url
 from llmtrain.stores.metadata.base import CheckpointRecord
@@ -57,7 +57,7 @@ class RayRun:
         self.config: RayConfig = plan.config.ray_config
         self.name = f"llmtrain-{plan.run_id[:12]}-{uuid.uuid4().hex[:8]}"
         self.path, self.filesystem = storage_location(self.config.storage)
-        self.finished: Outcome | None = None
+        self.finished: list[Outcome] = []  #: rank 0's outcome, once it finished the run
         self.checkpoints: list[CheckpointRecord] = []
         self.workdir = Path(tempfile.mkdtemp(prefix="llmtrain-ray-"))
         keep = plan.config.training_args.save_total_limit
@@ -65,7 +65,7 @@ class RayRun:
 
     def loop_config(self, broker: Any) -> dict[str, Any]:
         """What a worker gets, and nothing that locates the database."""
-        fit = self.plan.fit.model_copy(update={"db": "ray-driver://"})
+        fit = self.plan.fit.model_copy(update={"db": RemoteDB.uri})
         plan = replace(self.plan, config=self.plan.config.model_copy(update={"fit": fit}))
         quiet = os.environ.get(QUIET_ENV) == "1"  # as quiet as the fit on the driver
         return {"broker": broker, "plan": plan, "callbacks": self.callbacks, "quiet": quiet}
@@ -89,9 +89,6 @@ class RayRun:
         self.checkpoints.append(record)
         return record
 
-    def finish(self, outcome: Outcome) -> None:
-        self.finished = outcome
-
     def ray_info(self, status: str, result: Any = None) -> dict[str, Any]:
         info: dict[str, Any] = {
             "name": self.name,
@@ -111,7 +108,7 @@ class RayRun:
         calls: dict[str, Callable[..., Any]] = {
             "resume_point": self.resume_point,
             "record_checkpoint": self.record_checkpoint,
-            "finished": self.finish,
+            "finished": self.finished.append,
             "say": lambda text: print(text, file=sys.stderr, flush=True),
         }
         try:
@@ -138,14 +135,14 @@ class RayRun:
                     ).fit()
                     if result.error is not None:
                         raise result.error
-                    if self.finished is None:
+                    if not self.finished:
                         raise DistributedError("the Ray workers ended without finishing the run")
                 except BaseException as exc:
                     db.metadata.update_run(run_id, info={"ray": self.ray_info("failed")})
                     mark_failed(db, run_id, exc)
                     raise
             info = {"ray": self.ray_info("completed", result)}
-            return store_model(self.plan, db, self.finished, info=info)
+            return store_model(self.plan, db, self.finished[-1], info=info)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
