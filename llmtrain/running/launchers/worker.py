@@ -25,8 +25,8 @@ def train(args: argparse.Namespace, placement: Placement) -> None:
         metadata_uri=os.environ.pop(METADATA_ENV, None),
         artifacts=os.environ.pop(ARTIFACTS_ENV, None) or None,
     )
-    found = db.metadata.list_checkpoints(args.run_id)
-    resume_from = next((c for c in found if c.artifact_id == args.resume_from), None)
+    found = {c.artifact_id: c for c in db.metadata.list_checkpoints(args.run_id)}
+    resume_from = found[args.resume_from] if args.resume_from else None  # never a silent restart
     plan = RunPlan.from_record(db.metadata.get_run(args.run_id), resume_from)
     run_here(plan, db, placement)
 
