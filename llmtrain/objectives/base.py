@@ -98,16 +98,6 @@ class Objective(ABC):
         """The loss of a run (a FitRun: its ``base_model``, ``config``, ``db``, ``plan``)."""
 
 
-def per_micro_batch(
-    rows: list[tuple[Any, dict[str, Any]]], per_batch: int | None, make: Callable[..., Any]
-) -> Any:
-    """``make`` of each ``per_batch`` rows (a step's rows handed over at once: a list), or of
-    all of them (one loader batch: one batch, ``{}`` for none)."""
-    size = per_batch or max(len(rows), 1)
-    made = [make(rows[i : i + size]) for i in range(0, len(rows), size)]
-    return made if per_batch is not None else made[0] if made else {}
-
-
 class Averaged:
     """Metrics added up until :meth:`logged`, each the mean over the rows it was measured on."""
 

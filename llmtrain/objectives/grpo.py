@@ -20,7 +20,7 @@ from pydantic import Field
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.objectives.base import Averaged, Batching, Objective, Settings, per_micro_batch
+from llmtrain.objectives.base import Averaged, Batching, Objective, Settings
 from llmtrain.objectives.loss import LossFunction, target_logprobs
 from llmtrain.objectives.reference import reference_model
 
@@ -149,12 +149,8 @@ class PromptCollate:
     formatter: Formatter
     room: int  # the prompt's tokens at most: max_length less the answer's
     pad_id: int
-    per_batch: int | None
 
-    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        return per_micro_batch(rows, self.per_batch, self._prompts)
-
-    def _prompts(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f = self.formatter
         ids = [f.prompt(row[f.x_field], max_tokens=self.room).ids for _, row in rows]
         width = max(map(len, ids))
@@ -243,9 +239,9 @@ class GRPO(Objective):
         return config
 
     def collate(self, how: Batching) -> PromptCollate:
-        per_batch = how.batch_size if how.token_budget is not None else None
+        """One batch a loader batch: GRPO refuses packing, so no token budget splits it."""
         room = how.formatters[0].max_length - how.settings.max_new_tokens
-        return PromptCollate(how.formatters[0], room, how.pad_id, per_batch)
+        return PromptCollate(how.formatters[0], room, how.pad_id)
 
     def loss(self, run: Any) -> GRPOLoss:
         return GRPOLoss(run)

@@ -52,18 +52,16 @@ def kto_loss(
     logps: torch.Tensor,
     ref_logps: torch.Tensor,
     desirable: torch.Tensor,
-    kl_logps: torch.Tensor | None,
-    ref_kl_logps: torch.Tensor | None,
+    kl_logps: torch.Tensor,
+    ref_kl_logps: torch.Tensor,
     *,
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
 ) -> tuple[torch.Tensor, Metrics]:
     """KTO on summed log-probs; the reference point: the mean log-ratio on mismatched completions
-    (``kl_*``), detached, clamped at 0 (0 without). Metrics of a kind the batch lacks are nan."""
-    kl = torch.zeros((), device=logps.device)
-    if kl_logps is not None and ref_kl_logps is not None:
-        kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    (``kl_*``), detached, clamped at 0. Metrics of a kind the batch lacks are nan."""
+    kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
     ratios = logps - ref_logps
     losses = torch.where(
         desirable,

@@ -136,15 +136,6 @@ def _targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return keep, labels[keep], index[:, 1:][keep]
 
 
-def _per_sequence(
-    logps: torch.Tensor, index: torch.Tensor, batch: dict[str, Any], size: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
-        packed = "sequence_index" in batch
-        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
-    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
-
-
 def target_logprobs(
     model: Any,
     batch: dict[str, Any],
@@ -189,7 +180,11 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log p(target) [S] float32, target count [S]) per sequence."""
     logps = target_logprobs(model, batch, head=head, plain=plain, chunk_elements=chunk_elements)
-    return _per_sequence(logps, _targets(batch)[2], batch, num_sequences)
+    index, size = _targets(batch)[2], num_sequences
+    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
+        packed = "sequence_index" in batch
+        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
+    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
 
 
 def plain_sequence_logprobs(

@@ -22,7 +22,7 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
-from llmtrain.objectives.base import Averaged, Batching, Objective, per_micro_batch
+from llmtrain.objectives.base import Averaged, Batching, Objective
 from llmtrain.objectives.collate import counted
 from llmtrain.objectives.loss import LossFunction, sequence_logprobs
 from llmtrain.objectives.reference import (
@@ -167,7 +167,10 @@ class PairCollate:
     feedback: bool = False
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        return per_micro_batch(rows, self.per_batch, self._pairs)
+        if self.per_batch is None:
+            return self._pairs(rows)
+        size = self.per_batch
+        return [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
 
     def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f, n = self.formatter, len(rows)
