@@ -13,7 +13,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from llmtrain.data.rows import RowCheck
-from llmtrain.formatting import Formatter, PackedCollator
+from llmtrain.db.keys import key_repr
+from llmtrain.formatting import Example, Formatter, PackedCollator
 
 
 class Loss(Protocol):
@@ -96,6 +97,15 @@ class Objective(ABC):
     @abstractmethod
     def loss(self, run: Any) -> Loss:
         """The loss of a run (a FitRun: its ``base_model``, ``config``, ``db``, ``plan``)."""
+
+
+def counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
+    """The batch with its host-side counts as plain ints, made here: each ``int(tensor)`` in
+    the loop released the GIL to the batch thread (measured: data wait 5-6% of a step -> 0.4%)."""
+    batch["num_target_tokens"] = int(batch["num_target_tokens"])
+    batch["num_tokens"] = sum(len(e) for e in examples)
+    batch["keys"] = list(dict.fromkeys(key_repr(e.key) for e in examples))  # a row's windows
+    return batch
 
 
 class Averaged:

@@ -142,9 +142,8 @@ class Rollouts:
 
 @dataclass
 class PromptCollate:
-    """Prompt rows to their prompt ids, left-padded for sampling, made beside the loop like
-    every objective's batches; the rows ride along for the rewards. ``num_target_tokens``
-    counts prompts, what a step is normalised by."""
+    """Prompt rows to their prompt ids, left-padded for sampling; the rows ride along for the
+    rewards. ``num_target_tokens`` counts prompts, what a step is normalised by."""
 
     formatter: Formatter
     room: int  # the prompt's tokens at most: max_length less the answer's
@@ -254,8 +253,7 @@ class GRPOLoss:
     def __init__(self, run: Any) -> None:
         self.run, self.base = run, run.base_model
         self.args, self.fit = run.config.objective_args, run.plan.fit
-        self.head = LossFunction(self.base)
-        self.metrics = Averaged()
+        self.head, self.metrics = LossFunction(self.base), Averaged()
         table = self.args.rollouts_table
         self.rollouts = Rollouts(run.db, table) if table else None
 
@@ -340,9 +338,7 @@ class GRPOLoss:
         """[N, answer length] log p of each answer token (0 where masked)."""
         flat = target_logprobs(model, batch, head=self.head)
         keep = batch["labels"][:, 1:] != IGNORE_INDEX
-        return torch.zeros(keep.shape, device=flat.device).masked_scatter(keep, flat)[
-            :, width - 1 :
-        ]
+        return torch.zeros_like(keep, dtype=flat.dtype).masked_scatter(keep, flat)[:, width - 1 :]
 
     def _keep(self, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
         """Rank by rank, this micro-batch's answers as rows (their step: the one running)."""

@@ -114,9 +114,8 @@ class KTO(Preference):
         return problems
 
     def prepare(self, db: Any, config: Any, snapshot: Any) -> Any:
-        """Neither weight set: liked rows weigh disliked / liked (disliked 1), from the
-        snapshot's label counts, so each kind weighs the same in all; the run records them (a
-        resume keeps them, a replay counts its own snapshot). One set: the other is 1."""
+        """The weights (KTOSettings') the run records: a resume keeps them, a replay counts its
+        own snapshot."""
         args, fit = config.objective_args, config.fit
         desirable, undesirable = args.desirable_weight, args.undesirable_weight
         if desirable is None and undesirable is None:
@@ -132,7 +131,7 @@ class KTO(Preference):
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
     ) -> tuple[torch.Tensor, Metrics, dict[str, int]]:
-        n, liked = batch["pairs"], sum(batch["liked"])  # margins: of the means, in summarized()
+        n, liked = batch["pairs"], sum(batch["liked"])  # margins: of the means, when logged
         loss, metrics = kto_loss(
             logps[:n],
             ref[:n],
@@ -144,8 +143,3 @@ class KTO(Preference):
             undesirable_weight=args.undesirable_weight or 1.0,
         )
         return loss, metrics, {"chosen": liked, "rejected": n - liked, "margins": 0}
-
-    def summarized(self, means: dict[str, float]) -> dict[str, float]:
-        if {"rewards/chosen", "rewards/rejected"} <= set(means):
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        return means

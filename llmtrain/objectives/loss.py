@@ -96,18 +96,16 @@ class LossFunction:
             return plain_loss_sum(model, batch)
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE_INDEX
-        head = self.head
 
         def loss_from_hidden(hidden: torch.Tensor, own_forward: Callable[..., Any]) -> Any:
             selected = hidden[:, :-1][keep]
             picked = targets[keep]
-            params = [p for p in head.parameters() if p.requires_grad]
+            params = [p for p in self.head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
         return self.through_head(model, batch, loss_from_hidden)
 
     def logged(self) -> dict[str, float]:
-        """Metrics besides the loss: none."""
         return {}
 
     def through_head(
