@@ -534,7 +534,7 @@ def test_packing_rejects_overlong_examples() -> None:
 def test_token_budget_micro_batches(lengths: list[int], rows_per_batch: int) -> None:
     """Every example once, rows of at most max_length, at most the budget's rows, and under
     3% padding in every micro-batch (rows x its fullest row)."""
-    from llmtrain.objectives.collate import FILL, micro_batches
+    from llmtrain.objectives.sft import FILL, micro_batches
 
     examples = [Example([1] * n, [1] * n, key=i) for i, n in enumerate(lengths)]
     batches = micro_batches(examples, 32, 32 * rows_per_batch + 7)

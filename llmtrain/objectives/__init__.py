@@ -66,10 +66,9 @@ def objective_problems(config: Any) -> list[str]:
                     f"{name}={getattr(args, name)!r} is a setting of objective={other.name!r}; "
                     f"objective={chosen.name!r} does not take it"
                 )
-    loss_type = config.objective_args.loss_type
-    if loss_type is not None and loss_type not in chosen.loss_types:
+    if args.loss_type is not None and args.loss_type not in chosen.loss_types:
         takes = ", ".join(map(repr, chosen.loss_types)) or "none"
-        problems.append(f"loss_type={loss_type!r}: objective={chosen.name!r} takes {takes}")
+        problems.append(f"loss_type={args.loss_type!r}: objective={chosen.name!r} takes {takes}")
     return problems + chosen.problems(config)
 
 

@@ -13,7 +13,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from llmtrain.data.rows import RowCheck
-from llmtrain.formatting import Formatter, PackedCollator
+from llmtrain.db.keys import key_repr
+from llmtrain.formatting import Example, Formatter, PackedCollator
 
 
 class Loss(Protocol):
@@ -98,14 +99,13 @@ class Objective(ABC):
         """The loss of a run (a FitRun: its ``base_model``, ``config``, ``db``, ``plan``)."""
 
 
-def per_micro_batch(
-    rows: list[tuple[Any, dict[str, Any]]], per_batch: int | None, make: Callable[..., Any]
-) -> Any:
-    """``make`` of each ``per_batch`` rows (a step's rows handed over at once: a list), or of
-    all of them (one loader batch: one batch, ``{}`` for none)."""
-    size = per_batch or max(len(rows), 1)
-    made = [make(rows[i : i + size]) for i in range(0, len(rows), size)]
-    return made if per_batch is not None else made[0] if made else {}
+def counted(batch: dict[str, Any], examples: Sequence[Example]) -> dict[str, Any]:
+    """The batch with its host-side counts as plain ints, made here: each ``int(tensor)`` in
+    the loop released the GIL to the batch thread (measured: data wait 5-6% of a step -> 0.4%)."""
+    batch["num_target_tokens"] = int(batch["num_target_tokens"])
+    batch["num_tokens"] = sum(len(e) for e in examples)
+    batch["keys"] = list(dict.fromkeys(key_repr(e.key) for e in examples))  # a row's windows
+    return batch
 
 
 class Averaged:

@@ -36,13 +36,10 @@ def dpo_loss(
         losses = (-(1 - eps) * F.logsigmoid(beta * delta) + flipped) / (1 - 2 * eps)
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError("dpo_loss: loss_type='ipo' needs chosen_tokens and rejected_tokens")
+    else:  # ipo (DPO.loss_types: the config took no other)
+        assert chosen_tokens is not None and rejected_tokens is not None
         delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
         losses = (delta - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"dpo_loss: unknown loss_type {loss_type!r}")
     return losses.mean(), pair_metrics(chosen, rejected, beta, chosen_logps, rejected_logps)
 
 

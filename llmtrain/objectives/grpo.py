@@ -20,7 +20,7 @@ from pydantic import Field
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import ConfigError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.objectives.base import Averaged, Batching, Objective, Settings, per_micro_batch
+from llmtrain.objectives.base import Averaged, Batching, Objective, Settings
 from llmtrain.objectives.loss import LossFunction, target_logprobs
 from llmtrain.objectives.reference import reference_model
 
@@ -142,19 +142,14 @@ class Rollouts:
 
 @dataclass
 class PromptCollate:
-    """Prompt rows to their prompt ids, left-padded for sampling, made beside the loop like
-    every objective's batches; the rows ride along for the rewards. ``num_target_tokens``
-    counts prompts, what a step is normalised by."""
+    """Prompt rows to their prompt ids, left-padded for sampling; the rows ride along for the
+    rewards. ``num_target_tokens`` counts prompts, what a step is normalised by."""
 
     formatter: Formatter
     room: int  # the prompt's tokens at most: max_length less the answer's
     pad_id: int
-    per_batch: int | None
 
-    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        return per_micro_batch(rows, self.per_batch, self._prompts)
-
-    def _prompts(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
+    def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f = self.formatter
         ids = [f.prompt(row[f.x_field], max_tokens=self.room).ids for _, row in rows]
         width = max(map(len, ids))
@@ -243,9 +238,9 @@ class GRPO(Objective):
         return config
 
     def collate(self, how: Batching) -> PromptCollate:
-        per_batch = how.batch_size if how.token_budget is not None else None
+        """One batch a loader batch: GRPO refuses packing, so no token budget splits it."""
         room = how.formatters[0].max_length - how.settings.max_new_tokens
-        return PromptCollate(how.formatters[0], room, how.pad_id, per_batch)
+        return PromptCollate(how.formatters[0], room, how.pad_id)
 
     def loss(self, run: Any) -> GRPOLoss:
         return GRPOLoss(run)
@@ -258,8 +253,7 @@ class GRPOLoss:
     def __init__(self, run: Any) -> None:
         self.run, self.base = run, run.base_model
         self.args, self.fit = run.config.objective_args, run.plan.fit
-        self.head = LossFunction(self.base)
-        self.metrics = Averaged()
+        self.head, self.metrics = LossFunction(self.base), Averaged()
         table = self.args.rollouts_table
         self.rollouts = Rollouts(run.db, table) if table else None
 
@@ -344,9 +338,7 @@ class GRPOLoss:
         """[N, answer length] log p of each answer token (0 where masked)."""
         flat = target_logprobs(model, batch, head=self.head)
         keep = batch["labels"][:, 1:] != IGNORE_INDEX
-        return torch.zeros(keep.shape, device=flat.device).masked_scatter(keep, flat)[
-            :, width - 1 :
-        ]
+        return torch.zeros_like(keep, dtype=flat.dtype).masked_scatter(keep, flat)[:, width - 1 :]
 
     def _keep(self, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
         """Rank by rank, this micro-batch's answers as rows (their step: the one running)."""

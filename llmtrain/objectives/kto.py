@@ -52,18 +52,16 @@ def kto_loss(
     logps: torch.Tensor,
     ref_logps: torch.Tensor,
     desirable: torch.Tensor,
-    kl_logps: torch.Tensor | None,
-    ref_kl_logps: torch.Tensor | None,
+    kl_logps: torch.Tensor,
+    ref_kl_logps: torch.Tensor,
     *,
     beta: float = 0.1,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
 ) -> tuple[torch.Tensor, Metrics]:
     """KTO on summed log-probs; the reference point: the mean log-ratio on mismatched completions
-    (``kl_*``), detached, clamped at 0 (0 without). Metrics of a kind the batch lacks are nan."""
-    kl = torch.zeros((), device=logps.device)
-    if kl_logps is not None and ref_kl_logps is not None:
-        kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    (``kl_*``), detached, clamped at 0. Metrics of a kind the batch lacks are nan."""
+    kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
     ratios = logps - ref_logps
     losses = torch.where(
         desirable,
@@ -116,9 +114,8 @@ class KTO(Preference):
         return problems
 
     def prepare(self, db: Any, config: Any, snapshot: Any) -> Any:
-        """Neither weight set: liked rows weigh disliked / liked (disliked 1), from the
-        snapshot's label counts, so each kind weighs the same in all; the run records them (a
-        resume keeps them, a replay counts its own snapshot). One set: the other is 1."""
+        """The weights (KTOSettings') the run records: a resume keeps them, a replay counts its
+        own snapshot."""
         args, fit = config.objective_args, config.fit
         desirable, undesirable = args.desirable_weight, args.undesirable_weight
         if desirable is None and undesirable is None:
@@ -134,7 +131,7 @@ class KTO(Preference):
     def compute(
         self, logps: torch.Tensor, counts: torch.Tensor, ref: Any, batch: dict[str, Any], args: Any
     ) -> tuple[torch.Tensor, Metrics, dict[str, int]]:
-        n, liked = batch["pairs"], sum(batch["liked"])  # margins: of the means, in summarized()
+        n, liked = batch["pairs"], sum(batch["liked"])  # margins: of the means, when logged
         loss, metrics = kto_loss(
             logps[:n],
             ref[:n],
@@ -146,8 +143,3 @@ class KTO(Preference):
             undesirable_weight=args.undesirable_weight or 1.0,
         )
         return loss, metrics, {"chosen": liked, "rejected": n - liked, "margins": 0}
-
-    def summarized(self, means: dict[str, float]) -> dict[str, float]:
-        if {"rewards/chosen", "rewards/rejected"} <= set(means):
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        return means

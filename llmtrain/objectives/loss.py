@@ -96,18 +96,16 @@ class LossFunction:
             return plain_loss_sum(model, batch)
         targets = batch["labels"][:, 1:]
         keep = targets != IGNORE_INDEX
-        head = self.head
 
         def loss_from_hidden(hidden: torch.Tensor, own_forward: Callable[..., Any]) -> Any:
             selected = hidden[:, :-1][keep]
             picked = targets[keep]
-            params = [p for p in head.parameters() if p.requires_grad]
+            params = [p for p in self.head.parameters() if p.requires_grad]
             return _ChunkedCrossEntropy.apply(selected, picked, own_forward, self.chunk, *params)
 
         return self.through_head(model, batch, loss_from_hidden)
 
     def logged(self) -> dict[str, float]:
-        """Metrics besides the loss: none."""
         return {}
 
     def through_head(
@@ -134,15 +132,6 @@ def _targets(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.T
         rows = torch.arange(labels.size(0), device=labels.device)
         index = rows[:, None].expand_as(batch["labels"])
     return keep, labels[keep], index[:, 1:][keep]
-
-
-def _per_sequence(
-    logps: torch.Tensor, index: torch.Tensor, batch: dict[str, Any], size: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
-        packed = "sequence_index" in batch
-        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
-    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
 
 
 def target_logprobs(
@@ -189,7 +178,11 @@ def sequence_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log p(target) [S] float32, target count [S]) per sequence."""
     logps = target_logprobs(model, batch, head=head, plain=plain, chunk_elements=chunk_elements)
-    return _per_sequence(logps, _targets(batch)[2], batch, num_sequences)
+    index, size = _targets(batch)[2], num_sequences
+    if size is None:  # the packed case reads the device once: pass num_sequences to avoid it
+        packed = "sequence_index" in batch
+        size = int(batch["sequence_index"].max()) + 1 if packed else batch["labels"].size(0)
+    return logps.new_zeros(size).index_add(0, index, logps), torch.bincount(index, minlength=size)
 
 
 def plain_sequence_logprobs(

@@ -22,8 +22,7 @@ from llmtrain.formatting import (
     pack_examples,
     pad_collate,
 )
-from llmtrain.objectives.base import Averaged, Batching, Objective, per_micro_batch
-from llmtrain.objectives.collate import counted
+from llmtrain.objectives.base import Averaged, Batching, Objective, counted
 from llmtrain.objectives.loss import LossFunction, sequence_logprobs
 from llmtrain.objectives.reference import (
     ReferenceCache,
@@ -144,10 +143,6 @@ class Preference(Objective):
         """(loss, metrics, each metric's row count where not every pair's) of ``n`` pairs:
         chosen (or the completion) first, then rejected (or the mismatched)."""
 
-    def summarized(self, means: dict[str, float]) -> dict[str, float]:
-        """The logged means, completed (KTO's margins: of the means)."""
-        return means
-
 
 @dataclass
 class PairCollate:
@@ -167,7 +162,10 @@ class PairCollate:
     feedback: bool = False
 
     def __call__(self, rows: list[tuple[Any, dict[str, Any]]]) -> Any:
-        return per_micro_batch(rows, self.per_batch, self._pairs)
+        if self.per_batch is None:
+            return self._pairs(rows)
+        size = self.per_batch
+        return [self._pairs(rows[i : i + size]) for i in range(0, len(rows), size)]
 
     def _pairs(self, rows: list[tuple[Any, dict[str, Any]]]) -> dict[str, Any]:
         f, n = self.formatter, len(rows)
@@ -213,8 +211,7 @@ def same_prompt(a: Example, b: Example) -> tuple[Example, Example]:
 
 
 class PreferenceLoss:
-    """``loss(model, batch)``, summed over ``pairs`` rows (chosen or KTO's completion first, then
-    rejected or mismatched); metrics add up until :meth:`logged`, each over its rows."""
+    """``loss(model, batch)``, summed over its ``pairs``; metrics add up until :meth:`logged`."""
 
     def __init__(
         self, objective: Preference, base: Any, args: Any, cache: ReferenceCache | None = None
@@ -249,4 +246,8 @@ class PreferenceLoss:
         return ref
 
     def logged(self) -> dict[str, float]:
-        return self.objective.summarized(self.metrics.logged())
+        """Margins weighted 0 (KTO's: its rewards are means of different rows): of the means."""
+        means = self.metrics.logged()
+        if "rewards/margins" not in means and {"rewards/chosen", "rewards/rejected"} <= set(means):
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        return means

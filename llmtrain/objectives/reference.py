@@ -4,6 +4,7 @@ changed pair is computed again. A component per fingerprint lists its blobs (dig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -53,11 +54,9 @@ class ReferenceCache:
         self.values: dict[str, tuple[float, float]] = {}
         self.new: dict[str, tuple[float, float]] = {}
         for blob in self._blobs():  # one unreadable (in another machine's store) is a miss
-            try:
+            with contextlib.suppress(ArtifactNotFoundError, ArtifactCorruptError):
                 pairs = json.loads(db.artifacts.get_bytes(blob))
-            except (ArtifactNotFoundError, ArtifactCorruptError):
-                continue
-            self.values.update({k: (c, r) for k, (c, r) in pairs.items()})
+                self.values.update({k: (c, r) for k, (c, r) in pairs.items()})
 
     def _blobs(self) -> list[str]:
         try:

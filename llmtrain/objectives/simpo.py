@@ -23,8 +23,6 @@ def simpo_loss(
 ) -> tuple[torch.Tensor, Metrics]:
     """SimPO (TRL's CPO ``loss_type="simpo"``): -log sigmoid(beta * (chosen - rejected) - gamma) on
     token-averaged log-probs, no reference; plus ``cpo_alpha`` * ``chosen_nll`` (CPO, off here)."""
-    if cpo_alpha and chosen_nll is None:
-        raise ValueError("simpo_loss: cpo_alpha needs chosen_nll")
     losses = smoothed(beta * (chosen_logps - rejected_logps - gamma / beta), label_smoothing)
     metrics = pair_metrics(chosen_logps, rejected_logps, beta, chosen_logps, rejected_logps)
     nll = chosen_nll if chosen_nll is not None else torch.zeros((), device=losses.device)
