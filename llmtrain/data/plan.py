@@ -57,7 +57,6 @@ class Order:
         return order, np.concatenate([[0], np.cumsum(sizes)])
 
     def visit(self, epoch: int, piece: Piece) -> np.ndarray:
-        """The in-piece positions of ``piece`` in visit order."""
         size = piece.stop - piece.start
         if not self.shuffle:
             return np.arange(size)
@@ -207,5 +206,4 @@ class StepRule:
         return epoch, index * self.rows
 
     def steps(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """The step that trains each position of ``epoch``."""
         return epoch * self.per_epoch + positions // self.rows + 1
