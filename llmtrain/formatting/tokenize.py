@@ -246,8 +246,7 @@ class Formatter:
         if self.chat_template:
             return str(self.tokenizer.chat_template)
         template = self.template or PromptTemplate("{X}")
-        between, empty = template.between, template.prompt("")
-        before = empty[: len(empty) - len(between)]
+        before, between = template.before, template.between
         healed = between[: len(between) - self._absorbed]
         head = str(self.tokenizer.decode(self._head if self.documents else self._prefix))
         for space in ("", " "):
