@@ -19,8 +19,7 @@ SKIPS = "skips"
 
 @dataclass
 class Skips:
-    """Skipped keys (and the epochs skipped in), deleted keys, changed keys (and the version read
-    in each epoch)."""
+    """Skipped keys (with their epochs), deleted keys, changed keys (with each epoch's version)."""
 
     skipped: dict[str, tuple[Key, set[int]]] = field(default_factory=dict)
     deleted: dict[str, Key] = field(default_factory=dict)
