@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, get_args
@@ -27,10 +28,11 @@ from llmtrain.data.snapshot import (
     Split,
     View,
     take_snapshot,
+    version_column_of,
 )
 from llmtrain.db.backend import Key, Row
 from llmtrain.db.keys import key_repr
-from llmtrain.db.queries import MESSAGES, TURNS, Conversations, Mix, Part, Query
+from llmtrain.db.queries import MESSAGES, Conversations, Mix, Part, Query
 from llmtrain.errors import BadRowError, ConfigError, DataChangedError
 from llmtrain.placement import Placement
 
@@ -121,9 +123,8 @@ class CachedQueryDataset(IterableDataset[Row]):
             for i, p in enumerate(parts)
         ]
         self.check = check
-        self.version_column = version_column if snapshot is not None else None
-        if any(isinstance(p.select, Conversations) for p in parts) and snapshot is not None:
-            self.version_column = TURNS  # a conversation's version: its last turn
+        # versions are compared only against a snapshot given (a run's), not one taken here
+        self.versioned = snapshot is not None and any(s.version_column for s in self.sources)
         self.cache_size, self.shuffle_block = cache_size, shuffle_block
         self.shuffle, self.seed = shuffle, int(seed)
         self.drop_remainder, self.return_keys, self.prefetch = drop_remainder, return_keys, prefetch
@@ -224,15 +225,13 @@ class CachedQueryDataset(IterableDataset[Row]):
 
     def __iter__(self) -> Iterator[Row]:
         epoch, start = self.position.begin()
-        rows = self.positioned(epoch, start, chunk=1)
-        try:
+        # closing: stops the prefetch thread now, even on an error or a break
+        with closing(self.positioned(epoch, start, chunk=1)) as rows:
             for pos, key, row in rows:
                 self.position.consumed = pos + 1
                 if row is not None:
                     yield {**row, "_key": key} if self.return_keys else row
             self.position.finish(len(self))
-        finally:
-            rows.close()  # stops the prefetch thread now, even on an error or a break
 
     def loader(self, batch_size: int, **kwargs: Any) -> QueryDataLoader:
         """A :class:`QueryDataLoader`: its ``state_dict()`` counts only delivered rows."""
@@ -252,14 +251,12 @@ class CachedQueryDataset(IterableDataset[Row]):
             self.prefetch if self.prefetch is not None else not self.db.uri.startswith("sqlite")
         )
         fetched = self._prefetched(windows) if prefetch else (self._fetch(w) for w in windows)
-        try:
+        with closing(fetched):  # stops the prefetch thread now, even on an error or a break
             for window in fetched:
                 for item in window:
                     if isinstance(item[2], BadRowError):  # raised where the row is reached
                         raise item[2]
                     yield item
-        finally:
-            fetched.close()  # stops the prefetch thread now, even on an error or a break
 
     def _windows(
         self, epoch: int, start: int, chunk: int, worker: int, workers: int
@@ -275,7 +272,7 @@ class CachedQueryDataset(IterableDataset[Row]):
             for i in range(0, len(picks), self.cache_size):
                 window = picks[i : i + self.cache_size]
                 at = indexes[window]
-                versions = view.versions_at(self.store, at) if self.version_column else None
+                versions = view.versions_at(self.store, at) if self.versioned else None
                 yield positions[window], view.keys_at(self.store, at), versions
 
     def _prefetched(self, windows: Iterator[WindowKeys]) -> Generator[Window, None, None]:
@@ -382,10 +379,9 @@ class _Source:
         version_column: str | None,
     ) -> _Source:
         own = normalise_fields(part.fields_or(fields))
-        if isinstance(part.select, Conversations):  # its version: its last turn
-            return cls(part.select, own, "conversation", TURNS, index)
-        shape: Shape = "conversation" if chat and len(own) == 1 else "text"
-        return cls(part.select, own, shape, version_column, index)
+        chat = isinstance(part.select, Conversations) or (chat and len(own) == 1)
+        shape: Shape = "conversation" if chat else "text"
+        return cls(part.select, own, shape, version_column_of(part.select, version_column), index)
 
     def own(self, key: Key) -> Key:
         return key if self.part is None else key["key"]

@@ -83,9 +83,7 @@ class QueryDataLoader:
         return -(-len(self.dataset) // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        for made in self.batches():
-            if made.batch is not None:
-                yield made.batch
+        yield from (made.batch for made in self.batches() if made.batch is not None)
 
     def batches(self) -> Iterator[LoaderBatch]:
         """Every batch of the pass, with its positions and skipped keys (all-skipped ones too)."""

@@ -57,7 +57,6 @@ class Order:
         return order, np.concatenate([[0], np.cumsum(sizes)])
 
     def visit(self, epoch: int, piece: Piece) -> np.ndarray:
-        """The in-piece positions of ``piece`` in visit order."""
         size = piece.stop - piece.start
         if not self.shuffle:
             return np.arange(size)
@@ -66,15 +65,10 @@ class Order:
 
     def pieces(self, epoch: int, rank: int, start: int = 0) -> Iterator[Piece]:
         """``rank``'s pieces in visit order from the one holding ``start`` (bisected: no walk)."""
-        per_rank = self.per_rank
-        if per_rank == 0 or start >= per_rank:
+        if start >= self.per_rank:  # also when no row is left for a rank
             return
         order, starts = self._blocks(epoch)
-        # per_rank <= count: the order wraps around to its start at most once
-        lo = rank * per_rank % self.count
-        spans = [(lo, min(lo + per_rank, self.count)), (0, max(lo + per_rank - self.count, 0))]
-        offset = 0
-        for span_lo, span_hi in spans:  # an empty span adds 0 to offset
+        for span_lo, span_hi, offset in self._spans(rank):
             if span_hi > span_lo and offset + span_hi - span_lo > start:
                 at = span_lo + max(start - offset, 0)
                 i = int(np.searchsorted(starts, at, side="right")) - 1
@@ -84,7 +78,13 @@ class Order:
                     if e > s:
                         yield Piece(int(order[i]), s, e, offset + b_lo + s - span_lo)
                     i += 1
-            offset += span_hi - span_lo
+
+    def _spans(self, rank: int) -> list[tuple[int, int, int]]:
+        """(lo, hi, positions before it) of each span of the epoch sequence ``rank`` reads: from
+        its start, then wrapped to the beginning (per_rank <= count: at most once; may be empty)."""
+        lo, per_rank = rank * self.per_rank % self.count, self.per_rank
+        hi = min(lo + per_rank, self.count)
+        return [(lo, hi, 0), (0, max(lo + per_rank - self.count, 0), hi - lo)]
 
     def spans(self, epoch: int, rank: int, start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """(first position, view indexes in visit order) of each piece from ``start``: the reads."""
@@ -105,16 +105,12 @@ class Order:
         b_lo, b_hi = int(starts[place[block]]), int(starts[place[block] + 1])
         found, per_rank = [], self.per_rank
         for rank in range(self.world_size if per_rank else 0):
-            lo = rank * per_rank % self.count
-            spans = [(lo, min(lo + per_rank, self.count)), (0, max(lo + per_rank - self.count, 0))]
-            before = 0  # the rank's positions in the spans before this one
-            for span_lo, span_hi in spans:
+            for span_lo, span_hi, before in self._spans(rank):
                 s, e = max(span_lo, b_lo) - b_lo, min(span_hi, b_hi) - b_lo
                 if s <= offset < e:
                     visit = self.visit(epoch, Piece(block, s, e, 0))
                     at = int(np.flatnonzero(visit == offset - s)[0])
                     found.append((rank, before + b_lo + s - span_lo + at))
-                before += span_hi - span_lo
         return found
 
 
@@ -210,5 +206,4 @@ class StepRule:
         return epoch, index * self.rows
 
     def steps(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """The step that trains each position of ``epoch``."""
         return epoch * self.per_epoch + positions // self.rows + 1

@@ -96,22 +96,16 @@ def check_row(
 ) -> bool:
     """True: use the row; False: skip it (``on_bad_row="skip"``, see :func:`bad_row`); else raise
     BadRowError naming the source, key and first bad field (``check``: the objective's own)."""
-    problem = _row_problem(row, fields, shape, check)
-    return True if problem is None else bad_row(source, key, *problem, on_bad_row, logged)
-
-
-def _row_problem(
-    row: object, fields: Sequence[str], shape: Shape, check: RowCheck | None
-) -> tuple[str, str] | None:
+    problem: tuple[str, str] | None
     if not isinstance(row, (dict, Mapping)):  # dict first: skips the ABC check
-        return fields[0], f"cannot be read: the row is a {type(row).__name__}, not a mapping"
-    if check is not None:
-        return check(row, fields)
-    field_problem = conversation_problem if shape == "conversation" else text_problem
-    for field in fields:
-        if (problem := field_problem(row, field)) is not None:
-            return field, problem
-    return None
+        problem = fields[0], f"cannot be read: the row is a {type(row).__name__}, not a mapping"
+    elif check is not None:
+        problem = check(row, fields)
+    else:
+        field_problem = conversation_problem if shape == "conversation" else text_problem
+        found = ((field, field_problem(row, field)) for field in fields)
+        problem = next(((field, p) for field, p in found if p is not None), None)
+    return True if problem is None else bad_row(source, key, *problem, on_bad_row, logged)
 
 
 def bad_row(
@@ -125,9 +119,8 @@ def bad_row(
     """Raise BadRowError, or log the skip once per ``logged`` set (a reader's: a run): False."""
     if on_bad_row == "raise":
         raise BadRowError(source, key, field, problem)
+    if logged is None or key_repr(key) not in logged:
+        log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
     if logged is not None:
-        if key_repr(key) in logged:
-            return False
         logged.add(key_repr(key))
-    log.warning("%s: skipping row %r: field %r %s", source, key, field, problem)
     return False

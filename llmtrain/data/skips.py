@@ -19,8 +19,7 @@ SKIPS = "skips"
 
 @dataclass
 class Skips:
-    """Skipped keys (and the epochs skipped in), deleted keys, changed keys (and the version read
-    in each epoch)."""
+    """Skipped keys (with their epochs), deleted keys, changed keys (with each epoch's version)."""
 
     skipped: dict[str, tuple[Key, set[int]]] = field(default_factory=dict)
     deleted: dict[str, Key] = field(default_factory=dict)
@@ -40,13 +39,11 @@ class Skips:
             self.changed.setdefault(key_repr(key), (key, {}))[1][epoch] = version
 
     def merge(self, other: Skips) -> None:
-        for key, epochs in other.skipped.values():
-            for epoch in epochs:
-                self.add([key], epoch)
+        for at, (key, epochs) in other.skipped.items():
+            self.skipped.setdefault(at, (key, set()))[1].update(epochs)
         self.deleted.update(other.deleted)
-        for key, versions in other.changed.values():
-            for epoch, version in versions.items():
-                self.add((), epoch, changed=[(key, version)])
+        for at, (key, versions) in other.changed.items():
+            self.changed.setdefault(at, (key, {}))[1].update(versions)
 
     def __bool__(self) -> bool:
         return bool(self.skipped or self.deleted or self.changed)

@@ -189,9 +189,6 @@ class KeySnapshot:
     def keys(self, store: Blobs, start: int, stop: int) -> list[Key]:
         return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
-    def versions_of(self, store: Blobs, start: int, stop: int) -> list[Any]:
-        return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
-
     def keys_at(self, store: Blobs, indexes: np.ndarray) -> list[Key]:
         """The keys at ``indexes`` (any order), reading each chunk they fall in once."""
         return self._at(store, self.chunks, indexes)
@@ -284,12 +281,6 @@ class MixedView:
                 for i, version in zip(mine.tolist(), self.parts[s].versions_at(store, at)):
                     out[i] = version
         return out
-
-    def keys(self, store: Blobs, start: int, stop: int) -> list[Key]:
-        return self.keys_at(store, np.arange(max(start, 0), min(stop, self.count)))
-
-    def versions_of(self, store: Blobs, start: int, stop: int) -> list[Any]:
-        return self.versions_at(store, np.arange(max(start, 0), min(stop, self.count)))
 
     def digests(self, store: Blobs) -> Iterator[np.ndarray]:
         for s, part in enumerate(self.parts):
@@ -435,7 +426,7 @@ def take_snapshot(
         fingerprint = data_fingerprint(fraction, train, held)
         statements = sum(p.statements for p in parts)
         return RunSnapshot(query.fingerprint(), train, held, fraction, fingerprint, statements)
-    version_column = TURNS if isinstance(query, Conversations) else version_column
+    version_column = version_column_of(query, version_column)
     train_keys = ViewWriter(store, chunk_size, bool(version_column))
     held_keys = ViewWriter(store, chunk_size, bool(version_column)) if split else None
     statements = 0
@@ -452,6 +443,11 @@ def take_snapshot(
     views = (train_keys.done(), held_keys.done() if held_keys is not None else None)
     fingerprint = data_fingerprint(fraction, *views)
     return RunSnapshot(query.fingerprint(), *views, fraction, fingerprint, statements)
+
+
+def version_column_of(query: Query, version_column: str | None) -> str | None:
+    """The column whose value is a row's version: a conversation's is its last turn."""
+    return TURNS if isinstance(query, Conversations) else version_column
 
 
 def value_counts(db: Database, query: Query, view: View, column: str) -> Counter[tuple[type, Any]]:

@@ -11,7 +11,7 @@ class PromptTemplate:
     """Exactly one ``{X}`` (the input) and one ``{Y}`` (the response) closing it (nothing after it
     could be generated), or ``{X}`` alone for documents. Literal braces: ``{{`` and ``}}``."""
 
-    __slots__ = ("_before_x", "between", "documents", "text")
+    __slots__ = ("before", "between", "documents", "text")
 
     def __init__(self, text: str) -> None:
         try:
@@ -57,12 +57,12 @@ class PromptTemplate:
                 f"generates after the prompt, so nothing may come after {{Y}}"
             )
         self.text = text
-        #: the text between ``{X}`` and ``{Y}``: the end of every prompt
-        self._before_x, self.between = literals[0], literals[1]
+        #: the text before ``{X}``, and between ``{X}`` and ``{Y}``: the end of every prompt
+        self.before, self.between = literals[0], literals[1]
 
     def prompt(self, x: str) -> str:
         """The prompt for input ``x``: everything before ``{Y}``. Use it at inference too."""
-        return f"{self._before_x}{x}{self.between}"
+        return f"{self.before}{x}{self.between}"
 
     def __repr__(self) -> str:
         return f"PromptTemplate({self.text!r})"

@@ -220,7 +220,18 @@ class Formatter:
         """What a model is given at inference: the ids a training example has before its
         response, and the characters to heal (documents: the start of one, to continue); past
         ``max_tokens``, cut from the left as training cuts a prompt, its leading BOS kept."""
-        made = self._prompt(x)
+        if self.documents:
+            text = self.template.prompt(x) if self.template else x
+            made = Prompt(self._head + self._encode([text])[0])
+        elif self.chat_template:
+            out = self._chat([[{"role": "user", "content": x}]], generation_prompt=True)
+            made = Prompt(list(out["input_ids"][0]))
+        else:
+            assert self.template is not None
+            text = self.template.prompt(x)
+            end = len(text) - self._absorbed
+            ((ids, offsets),) = self._encode_offsets([text + _PROBES[0]])
+            made = Prompt(self._prefix + ids[: _first_response_token(offsets, end)], text[end:])
         if max_tokens is None or len(made.ids) <= max_tokens:
             return made  # also while __init__ checks a chat template, before _prefix is set
         head = self._head if self.documents else self._prefix
@@ -235,8 +246,7 @@ class Formatter:
         if self.chat_template:
             return str(self.tokenizer.chat_template)
         template = self.template or PromptTemplate("{X}")
-        between, empty = template.between, template.prompt("")
-        before = empty[: len(empty) - len(between)]
+        before, between = template.before, template.between
         healed = between[: len(between) - self._absorbed]
         head = str(self.tokenizer.decode(self._head if self.documents else self._prefix))
         for space in ("", " "):
@@ -254,19 +264,6 @@ class Formatter:
             if list(ids) == self.prompt("probe question").ids:
                 break
         return served
-
-    def _prompt(self, x: str) -> Prompt:
-        if self.documents:
-            text = self.template.prompt(x) if self.template else x
-            return Prompt(self._head + self._encode([text])[0])
-        if self.chat_template:
-            out = self._chat([[{"role": "user", "content": x}]], generation_prompt=True)
-            return Prompt(list(out["input_ids"][0]))
-        assert self.template is not None
-        text = self.template.prompt(x)
-        end = len(text) - self._absorbed
-        ((ids, offsets),) = self._encode_offsets([text + _PROBES[0]])
-        return Prompt(self._prefix + ids[: _first_response_token(offsets, end)], text[end:])
 
     def _documents(self, rows: KeyedRows, source: str) -> list[Example]:
         """Each document (through an {X}-only template, if any) between BOS and EOS, in windows."""

@@ -126,7 +126,7 @@ class RunLineage:
         """The row's version trained in ``epoch`` (recorded if it changed, else the snapshot's)."""
         if epoch in self.changed.get(index, {}) or self.view.versions is None:
             return self.changed.get(index, {}).get(epoch)
-        return self.view.versions_of(self.store, index, index + 1)[0]
+        return self.view.versions_at(self.store, np.array([index]))[0]
 
     def last_version(self, index: int, snapshot_version: Any) -> Any:
         """The version the run last read of the row (the snapshot's unless it changed)."""
