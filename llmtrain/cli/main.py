@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
-import re
 import sys
 from collections.abc import Sequence
 from contextlib import closing, suppress
@@ -42,14 +40,9 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in one line, not argparse's usage block, with the closest option or command."""
+    """A mistake in one line, not argparse's usage block."""
 
     def error(self, message: str) -> NoReturn:
-        if wrong := re.search(r"(?:invalid choice: '|unrecognized arguments: )([^' ]+)", message):
-            known = [o for o in self._option_string_actions if o.startswith("--")]
-            known += [str(c) for a in self._actions for c in a.choices or ()]
-            if close := difflib.get_close_matches(wrong[1], known, n=1):
-                message += f" (did you mean {close[0]}?)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -235,7 +228,7 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    job = load_job(args.config, args.overrides, flags=("resume",))  # mistakes: here, once
+    job = load_job(args.config, args.overrides)  # mistakes: here, once
     from llmtrain.placement import Placement
     from llmtrain.running.launchers.command import PET_ENV, TORCHRUN
     from llmtrain.running.trainer import LLMTrainer
