@@ -77,7 +77,9 @@ def require_datalayer(db: object, where: str) -> None:
 
 
 class Datalayer:
-    """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
+    """Opened by ``connect()``: any SQLAlchemy URL, ``mongodb://``, ``mongomock://`` (see
+    README.md). Connections open lazily and reopen after pickling; ``retry`` bounds how long
+    data reads wait out a lost connection."""
 
     def __init__(
         self,
@@ -276,13 +278,4 @@ def _model_artifacts(model: ComponentRecord) -> set[str]:
     return {model.payload["adapter"]} if model.payload.get("adapter") else set()
 
 
-def connect(
-    uri: str,
-    *,
-    metadata_uri: str | None = None,
-    artifacts: str | Path | ArtifactStore | None = None,
-    retry: RetryPolicy | None = None,
-) -> Datalayer:
-    """Open a database (any SQLAlchemy URL, ``mongodb://``, ``mongomock://``); see README.md.
-    ``retry`` bounds how long data reads wait out a lost connection."""
-    return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)
+connect = Datalayer  # ``llmtrain.connect(uri, ...)``: the public way to open one

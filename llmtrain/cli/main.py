@@ -176,7 +176,6 @@ def _stored(sub: Any, command: str, run: Any, what: str, **kwargs: Any) -> argpa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit status."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -261,8 +260,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
 def cmd_replay(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         trainer = db.load("trainer", args.name, args.version)
-        fit = trainer.config.fit
-        source = query_text(fit.select) if fit else "?"
+        source = query_text(trainer.config.fit.select) if trainer.config.fit else "?"
         say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
         model = trainer.fit(resume=args.resume, allow_changed_data=args.allow_changed_data or None)
         report_fit(db, trainer, model)

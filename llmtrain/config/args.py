@@ -434,7 +434,6 @@ class TrainerConfig(_Args):
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
-        """The argument groups by name."""
         return {
             name: candidate
             for name, field in cls.model_fields.items()
