@@ -176,9 +176,8 @@ def _stored(sub: Any, command: str, run: Any, what: str, **kwargs: Any) -> argpa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
         if extra and args.command != "fit":
             args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors

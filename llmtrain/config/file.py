@@ -178,9 +178,7 @@ def _copy(value: Any) -> Any:
     an override of one path never changes another (``copy.deepcopy`` keeps them shared)."""
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
+    return [_copy(v) for v in value] if isinstance(value, list) else value
 
 
 def build_query(spec: Any, where: str = "data.select") -> Query:
@@ -296,5 +294,4 @@ def load_job(
     env: Mapping[str, str] | None = None,
 ) -> FitJob:
     """``llmtrain fit PATH --a.b value ...``: read, override, validate."""
-    config = apply_overrides(read_config(path), parse_overrides(overrides))
-    return build_job(config, env)
+    return build_job(apply_overrides(read_config(path), parse_overrides(overrides)), env)
