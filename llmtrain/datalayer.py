@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import ValidationError
-
 from llmtrain.db import open_backend
 from llmtrain.db.backend import DataBackend
 from llmtrain.db.retry import RetryPolicy
@@ -179,7 +177,7 @@ class Datalayer:
         cls = component_class(record.type_id)
         try:
             obj = cls.from_dict(record.payload)
-        except (ValidationError, ConfigError, TypeError, KeyError, ValueError) as exc:
+        except (TypeError, KeyError, ValueError) as exc:  # a ConfigError or pydantic's too
             raise StoreError(
                 f"stored {record.type_id} {record.identifier!r} v{record.version} "
                 f"is not a valid {cls.__name__}: {exc}"
