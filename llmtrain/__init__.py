@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from llmtrain.data import CachedQueryDataset, QueryDataLoader, QueryDataset
@@ -75,7 +76,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'llmtrain' has no attribute {name!r}")

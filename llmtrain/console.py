@@ -91,8 +91,7 @@ def quieted(enabled: bool = True) -> Iterator[None]:
             added = _silence(all_loggers=False)
             if lower:
                 hf_logging.set_verbosity_error()
-            hf_logging.disable_progress_bar()
-            hub_utils.disable_progress_bars()
+            hf_logging.disable_progress_bar()  # the hub's bars too
             yield
     finally:
         hf_logging.set_verbosity(verbosity)

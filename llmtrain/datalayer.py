@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import ValidationError
-
 from llmtrain.db import open_backend
 from llmtrain.db.backend import DataBackend
 from llmtrain.db.retry import RetryPolicy
@@ -77,7 +75,9 @@ def require_datalayer(db: object, where: str) -> None:
 
 
 class Datalayer:
-    """Opened by :func:`connect`. Connections open lazily and reopen after pickling."""
+    """Opened by ``connect()``: any SQLAlchemy URL, ``mongodb://``, ``mongomock://`` (see
+    README.md). Connections open lazily and reopen after pickling; ``retry`` bounds how long
+    data reads wait out a lost connection."""
 
     def __init__(
         self,
@@ -177,7 +177,7 @@ class Datalayer:
         cls = component_class(record.type_id)
         try:
             obj = cls.from_dict(record.payload)
-        except (ValidationError, ConfigError, TypeError, KeyError, ValueError) as exc:
+        except (TypeError, KeyError, ValueError) as exc:  # a ConfigError or pydantic's too
             raise StoreError(
                 f"stored {record.type_id} {record.identifier!r} v{record.version} "
                 f"is not a valid {cls.__name__}: {exc}"
@@ -276,13 +276,4 @@ def _model_artifacts(model: ComponentRecord) -> set[str]:
     return {model.payload["adapter"]} if model.payload.get("adapter") else set()
 
 
-def connect(
-    uri: str,
-    *,
-    metadata_uri: str | None = None,
-    artifacts: str | Path | ArtifactStore | None = None,
-    retry: RetryPolicy | None = None,
-) -> Datalayer:
-    """Open a database (any SQLAlchemy URL, ``mongodb://``, ``mongomock://``); see README.md.
-    ``retry`` bounds how long data reads wait out a lost connection."""
-    return Datalayer(uri, metadata_uri=metadata_uri, artifacts=artifacts, retry=retry)
+connect = Datalayer  # ``llmtrain.connect(uri, ...)``: the public way to open one

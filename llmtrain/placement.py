@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from llmtrain.errors import ConfigError, DistributedError
 
@@ -33,8 +34,6 @@ class Placement:
     def from_environment(cls, env: Mapping[str, str] | None = None) -> Placement:
         """A launcher's placement, else (0, 1); an initialised ``torch.distributed`` group wins."""
         env = os.environ if env is None else env
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(), dist.get_world_size()
         else:

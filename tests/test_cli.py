@@ -76,8 +76,8 @@ def test_override_values_are_yaml() -> None:
 @pytest.mark.parametrize(
     ("path", "message"),
     [
-        ("training_args.learnin_rate", "did you mean 'learning_rate'"),
-        ("trainig_args.learning_rate", "did you mean 'training_args'"),
+        ("training_args.learnin_rate", "TrainingArguments has no 'learnin_rate'"),
+        ("trainig_args.learning_rate", "the config file has no 'trainig_args'"),
         ("lora_args.r.x", "has no sub-options"),
         ("data.select.bogus", "data.select has no 'bogus'"),
         ("name.first", "single value"),
@@ -254,7 +254,7 @@ def test_missing_components_and_databases_fail_cleanly(
         (["--lora_args.r", "0"], "LLMTrainer.lora_args.r"),
         (["--data.select", "{table: docs, filter: {}}"], "data.select: table: does not take"),
         (["--training_args.learning_rate"], "needs a value"),
-        (["--resum"], "unknown option --resum (did you mean --resume?)"),
+        (["--resum"], "unknown option --resum: the config file has no 'resum'"),
     ],
 )
 def test_bad_overrides_exit_2_naming_the_option(
@@ -270,14 +270,11 @@ def test_each_command_reports_its_own_mistakes_and_describes_itself(
     for argv, expected in [
         (
             ["replay", "X", "--verison", "0"],
-            "llmtrain replay: error: unrecognized arguments: --verison 0 (did you mean --version?)",
+            "llmtrain replay: error: unrecognized arguments: --verison 0",
         ),
         # a prefix is a typo too, not the option it starts (`--resum` must not resume)
-        (["replay", "X", "--resum"], "unrecognized arguments: --resum (did you mean --resume?)"),
+        (["replay", "X", "--resum"], "unrecognized arguments: --resum"),
         (["forgt", "docs", "1"], "invalid choice: 'forgt' (choose from 'fit', "),
-        (["forgt", "docs", "1"], "(did you mean forget?)"),
-        (["show", "trainr"], "(did you mean trainer?)"),
-        (["export", "m", "--merge-into", "bsae"], "(did you mean base?)"),
     ]:
         code, _, err = run_cli(capsys, *argv)
         assert code == 2 and expected in err and err.count("\n") == 1, err
@@ -323,7 +320,7 @@ def test_subprocess_errors_are_clean_and_never_show_passwords(workdir: Path) -> 
         timeout=120,
     )
     assert result.returncode == 2, result.stderr
-    assert "did you mean 'training_args'" in result.stderr and "Traceback" not in result.stderr
+    assert "has no 'trainig_args'" in result.stderr and "Traceback" not in result.stderr
     result = subprocess.run(
         [*llmtrain_command(), "fit", str(CONFIG), "--db", secret_db, "--data.X", "null"],
         cwd=workdir,

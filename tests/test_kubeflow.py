@@ -108,7 +108,7 @@ def _fit_job(argv: list[str], env: dict[str, str]) -> Any:
     """What ``llmtrain fit`` makes of a container's argv: its parser, then load_job."""
     args, overrides = build_parser().parse_known_args(argv[1:])
     assert args.command == "fit"
-    return args, load_job(args.config, overrides, env=env, flags=("resume",))
+    return args, load_job(args.config, overrides, env=env)
 
 
 def test_the_example_trainjobs_overrides_reach_the_recipe(tmp_path: Path) -> None:

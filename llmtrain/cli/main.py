@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
-import re
 import sys
 from collections.abc import Sequence
 from contextlib import closing, suppress
@@ -42,14 +40,9 @@ examples:
 
 
 class _Parser(argparse.ArgumentParser):
-    """A mistake in one line, not argparse's usage block, with the closest option or command."""
+    """A mistake in one line, not argparse's usage block."""
 
     def error(self, message: str) -> NoReturn:
-        if wrong := re.search(r"(?:invalid choice: '|unrecognized arguments: )([^' ]+)", message):
-            known = [o for o in self._option_string_actions if o.startswith("--")]
-            known += [str(c) for a in self._actions for c in a.choices or ()]
-            if close := difflib.get_close_matches(wrong[1], known, n=1):
-                message += f" (did you mean {close[0]}?)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -183,10 +176,8 @@ def _stored(sub: Any, command: str, run: Any, what: str, **kwargs: Any) -> argpa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; returns the exit status."""
-    parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
         if extra and args.command != "fit":
             args.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # argparse's --help, --version and usage errors
@@ -235,7 +226,7 @@ def _connect(args: argparse.Namespace) -> closing[Datalayer]:
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
-    job = load_job(args.config, args.overrides, flags=("resume",))  # mistakes: here, once
+    job = load_job(args.config, args.overrides)  # mistakes: here, once
     from llmtrain.placement import Placement
     from llmtrain.running.launchers.command import PET_ENV, TORCHRUN
     from llmtrain.running.trainer import LLMTrainer
@@ -268,8 +259,7 @@ def cmd_fit(args: argparse.Namespace) -> None:
 def cmd_replay(args: argparse.Namespace) -> None:
     with _connect(args) as db:
         trainer = db.load("trainer", args.name, args.version)
-        fit = trainer.config.fit
-        source = query_text(fit.select) if fit else "?"
+        source = query_text(trainer.config.fit.select) if trainer.config.fit else "?"
         say(f"replaying {trainer.identifier} v{trainer.version} on {source} in {db.uri}")
         model = trainer.fit(resume=args.resume, allow_changed_data=args.allow_changed_data or None)
         report_fit(db, trainer, model)

@@ -167,7 +167,6 @@ def run_summary(db: Datalayer, run: Any) -> list[str]:
     train = [(m.step, m.values) for m in metrics if "loss" in m.values]
     evals = [(m.step, m.values) for m in metrics if "eval_loss" in m.values]
     rate = next((v["tokens_per_s"] for _, v in reversed(train) if "tokens_per_s" in v), None)
-    seconds = (run.updated_at - run.created_at).total_seconds()
     lines = [
         f"run        {run.run_id}",
         f"trainer    {run.identifier} v{run.version}",
@@ -177,7 +176,7 @@ def run_summary(db: Datalayer, run: Any) -> list[str]:
         f"steps      {info.get('steps')}, {info.get('tokens')} tokens",
         f"adapter    {info.get('artifact')}",
         f"started    {when(run.created_at)}, updated {when(run.updated_at)}",
-        f"duration   {duration(seconds)}"
+        f"duration   {duration((run.updated_at - run.created_at).total_seconds())}"
         + ("" if run.status in ("completed", "failed", "interrupted") else " so far"),
         f"tokens/s   {rate:.0f} (training)" if rate is not None else "tokens/s   -",
         f"loss       {_final_and_best(train, 'loss')}",
@@ -228,11 +227,8 @@ def query_text(query: dict[str, Any] | None) -> str:
         return "-"
     text = Query.from_dict(query).source
     where = query.get("where") or query.get("filter")
-    if where:
-        text += f" where {where}"
-    if query.get("params"):
-        text += f" {query['params']}"
-    return text
+    text += f" where {where}" if where else ""
+    return text + (f" {query['params']}" if query.get("params") else "")
 
 
 def when(value: Any) -> str:

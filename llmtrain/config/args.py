@@ -33,11 +33,8 @@ else:
     class _ArgsMeta(type(BaseModel)):  # type: ignore[misc]
         """ConfigErrors naming the field (an ``__init__`` would also reword nested models')."""
 
-        def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return super().__call__(*args, **kwargs)
-            except ValidationError as exc:
-                raise ConfigError(describe(cls.__name__, exc)) from None
+        def __call__(cls, **kwargs: Any) -> Any:
+            return build(cls, kwargs)
 
 
 class _Args(BaseModel, metaclass=_ArgsMeta):
@@ -408,9 +405,7 @@ class TrainerConfig(_Args):
     lora_args: LoraArguments | None = Field(default_factory=LoraArguments, json_schema_extra=_FLAT)
     """The adapter; None: full fine-tuning."""
     init_from: str | None = Field(default=None, min_length=1)
-    """An earlier model to start from, 'name' (newest; recorded as 'name:N') or 'name:N': its
-    adapter trains on, it is the reference of an objective that has one, and its lineage is the
-    new model's too."""
+    """An earlier model, 'name' (its newest) or 'name:N': its adapter, reference, lineage go on."""
     training_args: TrainingArguments = Field(
         default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
@@ -434,7 +429,6 @@ class TrainerConfig(_Args):
 
     @classmethod
     def sections(cls) -> dict[str, type[_Args]]:
-        """The argument groups by name."""
         return {
             name: candidate
             for name, field in cls.model_fields.items()

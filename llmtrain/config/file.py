@@ -3,7 +3,6 @@ checked against TrainerConfig's schema: a typo is a ConfigError naming it, never
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -108,8 +107,8 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tuple[str, Any]]:
-    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``; ``flags`` hint typos."""
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", 1), ("c", "x")]``."""
     out: list[tuple[str, Any]] = []
     items = iter(args)
     for arg in items:
@@ -119,8 +118,6 @@ def parse_overrides(args: Sequence[str], flags: Sequence[str] = ()) -> list[tupl
                 "--training_args.learning_rate 1e-4"
             )
         path, eq, value = arg[2:].partition("=")
-        if "." not in path and (close := difflib.get_close_matches(path, flags, n=1)):
-            raise ConfigError(f"unknown option --{path} (did you mean --{close[0]}?)")
         check_path(path)
         if not eq:
             value = next(items, "--")  # none left reads as a missing value too
@@ -156,11 +153,10 @@ def check_path(path: str) -> None:
 
 
 def _check_key(path: str, key: str, known: list[str], where: str) -> None:
-    if key in known:
-        return
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
-    raise ConfigError(f"unknown option --{path}: {where} has no {key!r}{hint}")
+    if key not in known:
+        raise ConfigError(
+            f"unknown option --{path}: {where} has no {key!r}; known: {', '.join(known)}"
+        )
 
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[tuple[str, Any]]) -> dict[str, Any]:
@@ -182,9 +178,7 @@ def _copy(value: Any) -> Any:
     an override of one path never changes another (``copy.deepcopy`` keeps them shared)."""
     if isinstance(value, dict):
         return {k: _copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_copy(v) for v in value]
-    return value
+    return [_copy(v) for v in value] if isinstance(value, list) else value
 
 
 def build_query(spec: Any, where: str = "data.select") -> Query:
@@ -298,8 +292,6 @@ def load_job(
     path: str | os.PathLike[str],
     overrides: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    flags: Sequence[str] = (),
 ) -> FitJob:
     """``llmtrain fit PATH --a.b value ...``: read, override, validate."""
-    config = apply_overrides(read_config(path), parse_overrides(overrides, flags))
-    return build_job(config, env)
+    return build_job(apply_overrides(read_config(path), parse_overrides(overrides)), env)

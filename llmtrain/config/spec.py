@@ -28,8 +28,7 @@ class DataSelection(BaseModel):
     label: str | None = Field(default=None, min_length=1)
     """Feedback rows: the field saying whether the user liked Y (true/false or 1/0)."""
     reward: list[dict[str, Any]] | None = None
-    """Rewards of sampled answers (an objective that samples): ``{"sql": ...}`` (sql_reward) or
-    ``{"function": "module:name"}``, each recorded as written, never pickled."""
+    """Rewards of sampled answers, stored as written: ``{"sql": ...}``, ``{"function": "m:f"}``."""
     select: dict[str, Any]
     """The training rows: a stored query."""
     eval_select: dict[str, Any] | None = None
