@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+import sqlglot
+from sqlglot import exp
 
 from llmtrain.db.keys import Key
 from llmtrain.db.sources import SQLGLOT_NAMES, folded
@@ -143,9 +145,6 @@ class Rewriter:
         )
 
     def sql(self, text: str, what: str) -> str:
-        import sqlglot
-        from sqlglot import exp
-
         try:
             tree = sqlglot.parse_one(text, read=self.read)
         except sqlglot.errors.ParseError as exc:
@@ -157,9 +156,6 @@ class Rewriter:
         return str(tree.sql(dialect=self.read))
 
     def _rewrite(self, tree: Any, what: str, depth: int) -> None:
-        import sqlglot
-        from sqlglot import exp
-
         if depth > 16:
             raise self.refuse(f"{what} nests views more than 16 deep")
         for func in tree.find_all(exp.Anonymous):

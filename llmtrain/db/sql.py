@@ -18,13 +18,7 @@ from sqlglot import exp
 
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
-from llmtrain.db.forgotten import (
-    Condition,
-    Guarded,
-    Rewriter,
-    guarded_tables,
-    store_keys,
-)
+from llmtrain.db.forgotten import Condition, Guarded, Rewriter, guarded_tables, store_keys
 from llmtrain.db.keys import Key, KeyPage, check_keys, in_sorted, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
@@ -127,19 +121,13 @@ class SQLBackend(DataBackend):
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
-        self._sources.clear()
-        self._rewards.clear()
-        self._pages.clear()
-        self._guarded = None
+        self.__dict__.update(self.__getstate__())  # the statements built go, as when pickled
 
     def guarded(self) -> list[Guarded]:
         """The tables with forgotten rows now (read each call); a change rebuilds the statements."""
         now = self._retrying("reading forgotten tables", self._read_guarded, self.uri)
         if now != self._guarded:
-            self._sources.clear()
-            self._pages.clear()
-            self._rewards.clear()
-            self._guarded = now
+            self.__dict__.update(self.__getstate__(), _guarded=now)
         return now
 
     def _read_guarded(self) -> list[Guarded]:
@@ -313,9 +301,11 @@ class SQLBackend(DataBackend):
 
     def _forgotten_rows(self, rows: Table, column: str) -> sa.TextClause | None:
         """``column`` of a base table's forgotten rows (None: none, or a view: it is rewritten)."""
+        if not self._guarded:
+            return None
         source = self.resolve(rows)
         schema, _, name = source.name.partition(".")
-        mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
+        mine = [g for g in self._guarded if (g.schema, g.table) == (schema, name)]
         if not mine or not source.traced:
             return None
         q = self.engine.dialect.identifier_preparer.quote
@@ -505,7 +495,8 @@ class SQLBackend(DataBackend):
         """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys. A
         table's own forgotten rows are read as keys (the database joins them to its key table)
         and left out here: a probe per row of a 10M-row scan costs more than the scan."""
-        src, gone = self._source(query), self._forgotten_keys(query)
+        src = self._source(query)
+        gone = self._forgotten_keys(query) if isinstance(query, Table) else None
         if gone is not None:
             src = self._build_table(query, filtered=False)  # type: ignore[arg-type]
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
@@ -526,23 +517,18 @@ class SQLBackend(DataBackend):
                 keys = np.array(keys, dtype=np.int64)
             check_keys(keys, lower, src.key.name, query.source)
             versions = [r[1] for r in rows] if version_column else None
-            if gone is not None and len(gone):
+            if gone is not None:
                 kept = np.flatnonzero(~in_sorted(gone, key_digests(keys)))
                 keys = keys[kept] if isinstance(keys, np.ndarray) else [keys[i] for i in kept]
                 versions = [versions[i] for i in kept] if versions is not None else None
             yield KeyPage(keys, versions)
 
-    def _forgotten_keys(self, query: Query) -> np.ndarray | None:
+    def _forgotten_keys(self, query: Table) -> np.ndarray | None:
         """Sorted digests of a table's forgotten keys; None where the SQL itself leaves them out."""
-        if not isinstance(query, Table) or not self._guarded:
-            return None
-        if not self.resolve(query).traced:  # a view: its definition is rewritten
-            return None
         found = self._forgotten_rows(query, self.key_name(query))
         if found is None:
-            return np.zeros(0, dtype=np.uint64)
-        keys = [r[0] for r in self._rows(found, {}, query.source, raw=True)]
-        return np.unique(key_digests(keys)) if keys else np.zeros(0, dtype=np.uint64)
+            return None
+        return np.unique(key_digests([r[0] for r in self._rows(found, {}, query.source, raw=True)]))
 
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if isinstance(query, Conversations):
