@@ -98,17 +98,15 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
 
     # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
     outer = [tree.args.get("from_"), *tree.args.get("joins", [])]
-    read = [getattr(part, "this", None) for part in outer] if isinstance(tree, exp.Select) else []
+    read = [part.this for part in outer if part is not None] if isinstance(tree, exp.Select) else []
     ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
-    if not read or not all(
+    plain = all(  # else (a subquery, a CTE, a table function) no table is traced
         isinstance(t, exp.Table)
         and isinstance(t.this, exp.Identifier)
         and (t.args.get("db") or t.name not in ctes)
         for t in read
-    ):
-        names = sorted({t.name for t in tree.find_all(exp.Table)})
-        raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
-    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in read if t is not None]
+    )
+    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in read] if plain else []
 
     def output(e: Any) -> str:
         part = "alias" if isinstance(e, exp.Alias) else "this"
@@ -126,7 +124,7 @@ def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
             hits = {(s, t) for s, t, a in tables if match(a, t)}
             if len(hits) == 1:
                 return (*hits.pop(), column)
-    names = sorted({t for _, t, _ in tables})
+    names = sorted({t.name for t in tree.find_all(exp.Table)})
     raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
 
 
