@@ -174,8 +174,7 @@ class Rewriter:
                 for column in tree.find_all(exp.Column):  # db.t.c (MariaDB's views): now t.c
                     if column.table == node.name and column.args.get("db") is not None:
                         column.set("db", None)
-            view = self._view(schema, name)
-            if view is not None:
+            if (view := self._view(schema, name)) is not None:
                 inner = sqlglot.parse_one(view, read=self.read)
                 if isinstance(inner, exp.Create):  # SQLite keeps the CREATE VIEW statement
                     if isinstance(inner.this, exp.Schema) and inner.this.expressions:
@@ -187,8 +186,7 @@ class Rewriter:
             self.bases.add((schema, name))
             mine = [g for g in self.guarded if (g.schema, g.table) == (schema, name)]
             quoted = f"{self.quote(schema)}.{self.quote(name)}"
-            condition = self.where(mine, quoted)
-            if condition is not None:
+            if (condition := self.where(mine, quoted)) is not None:
                 select = sqlglot.parse_one(
                     f"SELECT * FROM {quoted} WHERE {condition}", read=self.read
                 )

@@ -188,8 +188,7 @@ class SQLBackend(DataBackend):
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
         except sa.exc.StatementError as exc:
-            refused = refusal(exc, self.uri)
-            if refused is not None:
+            if (refused := refusal(exc, self.uri)) is not None:
                 raise refused from None
             raise QueryError(f"{source} failed on {self.uri}: {database_message(exc)}") from None
 
@@ -293,8 +292,7 @@ class SQLBackend(DataBackend):
     def _forgotten_conversations(self, query: Conversations) -> Any:
         """Conversations holding a forgotten message, left out whole: other turns may quote it."""
         assert isinstance(query.messages, Table)
-        found = self._forgotten_rows(query.messages, query.by)
-        if found is None:
+        if (found := self._forgotten_rows(query.messages, query.by)) is None:
             return None
         gone = found.columns(sa.column(query.by)).subquery("llmtrain_gone")
         return sa.select(gone.c[query.by]).where(gone.c[query.by].is_not(None))
@@ -330,8 +328,7 @@ class SQLBackend(DataBackend):
         probe = self._retrying("reading the query's columns", columns, query.source)
         # SQLite renames a repeated name to "name:1" where the others keep both or refuse
         renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
-        repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
-        if repeated:
+        if repeated := sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe))):
             raise QueryError(
                 f"{query.source}: result column(s) {repeated} appear more than once, so "
                 f"{query.key!r} would be ambiguous; give each a distinct name with AS"
@@ -525,8 +522,7 @@ class SQLBackend(DataBackend):
 
     def _forgotten_keys(self, query: Table) -> np.ndarray | None:
         """Sorted digests of a table's forgotten keys; None where the SQL itself leaves them out."""
-        found = self._forgotten_rows(query, self.key_name(query))
-        if found is None:
+        if (found := self._forgotten_rows(query, self.key_name(query))) is None:
             return None
         return np.unique(key_digests([r[0] for r in self._rows(found, {}, query.source, raw=True)]))
 
