@@ -17,7 +17,7 @@ import sqlglot
 from sqlglot import exp
 
 from llmtrain.db.keys import Key
-from llmtrain.db.sources import SQLGLOT_NAMES, folded
+from llmtrain.db.sources import SQLGLOT_NAMES, Source, folded
 from llmtrain.errors import QueryError
 
 REGISTRY = "_llmtrain_forgotten"  # one row a table with forgotten keys: where they are kept
@@ -71,18 +71,16 @@ def guarded_tables(conn: sa.Connection) -> list[Guarded]:
     return [Guarded(*r) for r in conn.execute(sa.select(*list(reg.c)[1:]).order_by(reg.c[0]))]
 
 
-def store_keys(
-    engine: sa.Engine, schema: str, table: str, key: str, keys: Sequence[Key]
-) -> list[tuple[int, Key]]:
+def store_keys(engine: sa.Engine, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
     """Add ``keys`` to the table's forgotten keys; (position, row's own key) of those it matched."""
-    identity = f"{schema}.{table}({key})"
+    (schema, table), key, identity = source.name.split(".", 1), source.key, source.identity
     name = "_llmtrain_fk_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
     q = engine.dialect.identifier_preparer.quote
-    source, kept, batch = f"{q(schema)}.{q(table)}", q(name), uuid.uuid4().hex
+    named, kept, batch = f"{q(schema)}.{q(table)}", q(name), uuid.uuid4().hex
     with engine.begin() as conn:
         if not sa.inspect(conn).has_table(name):
             for ddl in (
-                f"CREATE TABLE {kept} AS SELECT {q(key)} AS k FROM {source} WHERE 1 = 0",
+                f"CREATE TABLE {kept} AS SELECT {q(key)} AS k FROM {named} WHERE 1 = 0",
                 f"ALTER TABLE {kept} ADD COLUMN n INTEGER",
                 f"ALTER TABLE {kept} ADD COLUMN batch VARCHAR(32)",
                 f"CREATE INDEX {q(name + '_k')} ON {kept} (k)",
@@ -95,7 +93,7 @@ def store_keys(
         insert = sa.text(f"INSERT INTO {kept} (k, n, batch) VALUES (:k, :n, :b)")
         conn.execute(insert, [{"k": k, "n": i, "b": batch} for i, k in enumerate(keys)])
         matched = sa.text(
-            f"SELECT f.n, t.{q(key)} FROM {kept} f JOIN {source} t ON t.{q(key)} = f.k "
+            f"SELECT f.n, t.{q(key)} FROM {kept} f JOIN {named} t ON t.{q(key)} = f.k "
             "WHERE f.batch = :b"
         )
         return [(int(n), k) for n, k in conn.execute(matched, {"b": batch})]

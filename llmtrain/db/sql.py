@@ -466,10 +466,9 @@ class SQLBackend(DataBackend):
                 f"forget(): {source.name} is a view; forget the rows of the tables it reads, "
                 "which every selection then leaves out"
             )
-        schema, table = source.name.split(".", 1)
         stored = self._retrying(
             "writing forgotten keys",
-            lambda: store_keys(self.engine, schema, table, source.key, list(keys)),
+            lambda: store_keys(self.engine, source, list(keys)),
             source.name,
         )
         self.guarded()
