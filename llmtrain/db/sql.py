@@ -433,9 +433,7 @@ class SQLBackend(DataBackend):
         given = isinstance(source, RawSQL) and source.table is not None  # not traced: told
         return replace(found, traced=False) if given else found
 
-    def _catalog(
-        self, schema: str | None, table: str, column: str | None, typed: bool = False
-    ) -> Source:
+    def _catalog(self, schema: str | None, table: str, column: str | None, typed: bool) -> Source:
         """``typed``: a name typed as in SQL, read as PostgreSQL reads it unquoted (Docs: docs)."""
         inspector = sa.inspect(self.engine)
         if schema is None:
