@@ -101,6 +101,7 @@ def store_keys(engine: sa.Engine, source: Source, keys: Sequence[Key]) -> list[t
 
 #: (a table's guards, its quoted name) -> the condition its rows are read under (None: all)
 Condition = Callable[[list[Guarded], str], "str | None"]
+Bases = set[tuple[str, str]]  # (schema, table) of each base table a statement reads
 
 
 class Rewriter:
@@ -115,7 +116,7 @@ class Rewriter:
         self.inspector = sa.inspect(conn)
         self.default = self.inspector.default_schema_name or "main"
         self.quote = conn.dialect.identifier_preparer.quote
-        self.bases: set[tuple[str, str]] = set()
+        self.bases: Bases = set()
 
     def excluding(self, guards: list[Guarded], name: str) -> str | None:
         """Rows whose key is none of the table's forgotten keys (of each key column forgotten)."""

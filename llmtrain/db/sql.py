@@ -18,7 +18,7 @@ from sqlglot import exp
 
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
-from llmtrain.db.forgotten import Condition, Guarded, Rewriter, guarded_tables, store_keys
+from llmtrain.db.forgotten import Bases, Condition, Guarded, Rewriter, guarded_tables, store_keys
 from llmtrain.db.keys import Key, KeyPage, check_keys, in_sorted, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
@@ -181,14 +181,12 @@ class SQLBackend(DataBackend):
         with self.engine.connect() as conn:
             return guarded_tables(conn)
 
-    def rewritten(
-        self, text: str, what: str, where: Condition | None = None
-    ) -> tuple[str, set[tuple[str, str]]]:
+    def rewritten(self, text: str, what: str, where: Condition | None = None) -> tuple[str, Bases]:
         """``text`` reading tables without their forgotten rows (or under ``where``), views
         expanded; and the base tables it reads."""
         guarded = self.guarded() if where is None else self._read_guarded()
 
-        def rewrite() -> tuple[str, set[tuple[str, str]]]:
+        def rewrite() -> tuple[str, Bases]:
             with self.engine.connect() as conn:
                 rewriter = Rewriter(conn, guarded, where)
                 return rewriter.sql(text, what), rewriter.bases
