@@ -186,10 +186,8 @@ class Rewriter:
             mine = [g for g in self.guarded if (g.schema, g.table) == (schema, name)]
             quoted = f"{self.quote(schema)}.{self.quote(name)}"
             if (condition := self.where(mine, quoted)) is not None:
-                select = sqlglot.parse_one(
-                    f"SELECT * FROM {quoted} WHERE {condition}", read=self.read
-                )
-                node.replace(exp.Subquery(this=select, alias=alias))
+                sql = f"SELECT * FROM {quoted} WHERE {condition}"
+                node.replace(exp.Subquery(this=sqlglot.parse_one(sql, read=self.read), alias=alias))
 
     def _catalog_name(self, schema_id: Any, name_id: Any) -> tuple[str, str]:
         """(schema, table) as the catalog spells them: SQLite matches any case, MariaDB exactly."""
