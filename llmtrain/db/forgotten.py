@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+import sqlglot
+from sqlglot import exp
 
 from llmtrain.db.keys import Key
-from llmtrain.db.sources import SQLGLOT_NAMES, folded
+from llmtrain.db.sources import SQLGLOT_NAMES, Source, folded
 from llmtrain.errors import QueryError
 
 REGISTRY = "_llmtrain_forgotten"  # one row a table with forgotten keys: where they are kept
@@ -69,18 +71,16 @@ def guarded_tables(conn: sa.Connection) -> list[Guarded]:
     return [Guarded(*r) for r in conn.execute(sa.select(*list(reg.c)[1:]).order_by(reg.c[0]))]
 
 
-def store_keys(
-    engine: sa.Engine, schema: str, table: str, key: str, keys: Sequence[Key]
-) -> list[tuple[int, Key]]:
+def store_keys(engine: sa.Engine, source: Source, keys: Sequence[Key]) -> list[tuple[int, Key]]:
     """Add ``keys`` to the table's forgotten keys; (position, row's own key) of those it matched."""
-    identity = f"{schema}.{table}({key})"
+    (schema, table), key, identity = source.name.split(".", 1), source.key, source.identity
     name = "_llmtrain_fk_" + hashlib.sha256(identity.encode()).hexdigest()[:16]
     q = engine.dialect.identifier_preparer.quote
-    source, kept, batch = f"{q(schema)}.{q(table)}", q(name), uuid.uuid4().hex
+    named, kept, batch = f"{q(schema)}.{q(table)}", q(name), uuid.uuid4().hex
     with engine.begin() as conn:
         if not sa.inspect(conn).has_table(name):
             for ddl in (
-                f"CREATE TABLE {kept} AS SELECT {q(key)} AS k FROM {source} WHERE 1 = 0",
+                f"CREATE TABLE {kept} AS SELECT {q(key)} AS k FROM {named} WHERE 1 = 0",
                 f"ALTER TABLE {kept} ADD COLUMN n INTEGER",
                 f"ALTER TABLE {kept} ADD COLUMN batch VARCHAR(32)",
                 f"CREATE INDEX {q(name + '_k')} ON {kept} (k)",
@@ -93,7 +93,7 @@ def store_keys(
         insert = sa.text(f"INSERT INTO {kept} (k, n, batch) VALUES (:k, :n, :b)")
         conn.execute(insert, [{"k": k, "n": i, "b": batch} for i, k in enumerate(keys)])
         matched = sa.text(
-            f"SELECT f.n, t.{q(key)} FROM {kept} f JOIN {source} t ON t.{q(key)} = f.k "
+            f"SELECT f.n, t.{q(key)} FROM {kept} f JOIN {named} t ON t.{q(key)} = f.k "
             "WHERE f.batch = :b"
         )
         return [(int(n), k) for n, k in conn.execute(matched, {"b": batch})]
@@ -101,6 +101,7 @@ def store_keys(
 
 #: (a table's guards, its quoted name) -> the condition its rows are read under (None: all)
 Condition = Callable[[list[Guarded], str], "str | None"]
+Bases = set[tuple[str, str]]  # (schema, table) of each base table a statement reads
 
 
 class Rewriter:
@@ -115,7 +116,7 @@ class Rewriter:
         self.inspector = sa.inspect(conn)
         self.default = self.inspector.default_schema_name or "main"
         self.quote = conn.dialect.identifier_preparer.quote
-        self.bases: set[tuple[str, str]] = set()
+        self.bases: Bases = set()
 
     def excluding(self, guards: list[Guarded], name: str) -> str | None:
         """Rows whose key is none of the table's forgotten keys (of each key column forgotten)."""
@@ -143,9 +144,6 @@ class Rewriter:
         )
 
     def sql(self, text: str, what: str) -> str:
-        import sqlglot
-        from sqlglot import exp
-
         try:
             tree = sqlglot.parse_one(text, read=self.read)
         except sqlglot.errors.ParseError as exc:
@@ -157,9 +155,6 @@ class Rewriter:
         return str(tree.sql(dialect=self.read))
 
     def _rewrite(self, tree: Any, what: str, depth: int) -> None:
-        import sqlglot
-        from sqlglot import exp
-
         if depth > 16:
             raise self.refuse(f"{what} nests views more than 16 deep")
         for func in tree.find_all(exp.Anonymous):
@@ -178,8 +173,7 @@ class Rewriter:
                 for column in tree.find_all(exp.Column):  # db.t.c (MariaDB's views): now t.c
                     if column.table == node.name and column.args.get("db") is not None:
                         column.set("db", None)
-            view = self._view(schema, name)
-            if view is not None:
+            if (view := self._view(schema, name)) is not None:
                 inner = sqlglot.parse_one(view, read=self.read)
                 if isinstance(inner, exp.Create):  # SQLite keeps the CREATE VIEW statement
                     if isinstance(inner.this, exp.Schema) and inner.this.expressions:
@@ -191,12 +185,9 @@ class Rewriter:
             self.bases.add((schema, name))
             mine = [g for g in self.guarded if (g.schema, g.table) == (schema, name)]
             quoted = f"{self.quote(schema)}.{self.quote(name)}"
-            condition = self.where(mine, quoted)
-            if condition is not None:
-                select = sqlglot.parse_one(
-                    f"SELECT * FROM {quoted} WHERE {condition}", read=self.read
-                )
-                node.replace(exp.Subquery(this=select, alias=alias))
+            if (condition := self.where(mine, quoted)) is not None:
+                sql = f"SELECT * FROM {quoted} WHERE {condition}"
+                node.replace(exp.Subquery(this=sqlglot.parse_one(sql, read=self.read), alias=alias))
 
     def _catalog_name(self, schema_id: Any, name_id: Any) -> tuple[str, str]:
         """(schema, table) as the catalog spells them: SQLite matches any case, MariaDB exactly."""

@@ -49,8 +49,7 @@ class Query(ABC):
     def from_dict(data: dict[str, Any]) -> Query:
         if not isinstance(data, dict) or "kind" not in data:
             raise QueryError(f"not a stored query: {data!r}")
-        cls = _KINDS.get(data["kind"])
-        if cls is None:
+        if (cls := _KINDS.get(data["kind"])) is None:
             raise QueryError(f"unknown query kind {data['kind']!r}")
         try:
             return cls._from_fields(data)

@@ -78,58 +78,6 @@ def folded(ident: Any, dialect: str) -> str:
     return name.lower() if dialect == "postgresql" and not getattr(ident, "quoted", True) else name
 
 
-def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
-    """(schema, table, column) a SELECT's ``key`` comes from: a bare column of its only table or of
-    the one its qualifier names (alias first), as the catalog spells them (:func:`folded`); else
-    (computed, UNION) a QueryError: pass source=."""
-    import sqlglot
-    from sqlglot import exp
-
-    ask = "name it with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
-    try:
-        tree = sqlglot.parse_one(text, read=SQLGLOT_NAMES.get(dialect))
-    except sqlglot.errors.ParseError as exc:
-        what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
-        raise QueryError(what) from None
-
-    def named(node: Any, part: str) -> str:
-        ident = node.args.get(part)
-        return "" if ident is None else folded(ident, dialect)
-
-    # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
-    outer = [tree.args.get("from_"), *tree.args.get("joins", [])]
-    read = [getattr(part, "this", None) for part in outer] if isinstance(tree, exp.Select) else []
-    ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
-    if not read or not all(
-        isinstance(t, exp.Table)
-        and isinstance(t.this, exp.Identifier)
-        and (t.args.get("db") or t.name not in ctes)
-        for t in read
-    ):
-        names = sorted({t.name for t in tree.find_all(exp.Table)})
-        raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
-    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in read if t is not None]
-
-    def output(e: Any) -> str:
-        part = "alias" if isinstance(e, exp.Alias) else "this"
-        return named(e, part) if isinstance(e, exp.Alias | exp.Column) else e.alias_or_name
-
-    projected = {output(e): e.unalias() for e in getattr(tree, "expressions", [])}
-    found = projected.get(key)
-    bare = isinstance(found, exp.Column) or (found is None and "*" in projected)
-    column = named(found, "this") if isinstance(found, exp.Column) else key
-    if bare and len({(s, t) for s, t, _ in tables}) == 1:  # a Select: others were refused
-        return tables[0][0], tables[0][1], column
-    if bare and isinstance(found, exp.Column) and found.table:
-        qualifier = named(found, "table")
-        for match in (lambda a, t: a == found.table, lambda a, t: t == qualifier):
-            hits = {(s, t) for s, t, a in tables if match(a, t)}
-            if len(hits) == 1:
-                return (*hits.pop(), column)
-    names = sorted({t for _, t, _ in tables})
-    raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
-
-
 def match_name(wanted: str, names: Sequence[str], what: str, where: str, fold: bool) -> str:
     """The catalog's spelling of ``wanted``: exact, or (``fold``) its one case-insensitive match."""
     if wanted in names:

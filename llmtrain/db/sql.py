@@ -18,17 +18,11 @@ from sqlglot import exp
 
 from llmtrain.db.backend import NO_KEY, DataBackend, Fields, KeyedRows, keyset
 from llmtrain.db.engines import dispose_sql_engine, sql_engine
-from llmtrain.db.forgotten import (
-    Condition,
-    Guarded,
-    Rewriter,
-    guarded_tables,
-    store_keys,
-)
+from llmtrain.db.forgotten import Bases, Condition, Guarded, Rewriter, guarded_tables, store_keys
 from llmtrain.db.keys import Key, KeyPage, check_keys, in_sorted, key_digests
 from llmtrain.db.queries import TURNS, Conversations, Query, RawSQL, Table, conversations
 from llmtrain.db.retry import RetryPolicy
-from llmtrain.db.sources import SQLGLOT_NAMES, Source, key_table, match_name, split_name
+from llmtrain.db.sources import SQLGLOT_NAMES, Source, folded, match_name, split_name
 from llmtrain.db.sql_errors import database_message, is_transient, refusal
 from llmtrain.errors import ConfigError, QueryError
 
@@ -61,6 +55,53 @@ def _text(sql: str, params: dict[str, Any], source: str) -> sa.TextClause:
         return sa.text(sql + "\n").bindparams(**params)  # a closing -- comment ends there
     except sa.exc.ArgumentError as exc:  # e.g. a parameter the text does not use
         raise QueryError(f"{source}: {exc}") from None
+
+
+def key_table(text: str, key: str, dialect: str) -> tuple[str, str, str]:
+    """(schema, table, column) a SELECT's ``key`` comes from: a bare column of its only table or of
+    the one its qualifier names (alias first), as the catalog spells them (:func:`folded`); else
+    (computed, UNION) a QueryError: pass source=."""
+    ask = "name it with lt.sql(..., source='table'), so forget and lineage know whose keys they are"
+    try:
+        tree = sqlglot.parse_one(text, read=SQLGLOT_NAMES.get(dialect))
+    except sqlglot.errors.ParseError as exc:
+        what = f"sql(): cannot tell which table key {key!r} comes from ({exc}); {ask}"
+        raise QueryError(what) from None
+
+    def named(node: Any, part: str) -> str:
+        ident = node.args.get(part)
+        return "" if ident is None else folded(ident, dialect)
+
+    # only the outermost FROM and JOINs: a subquery, CTE or UNION may rename any column to the key
+    outer = [tree.args.get("from_"), *tree.args.get("joins", [])]
+    read = [part.this for part in outer if part is not None] if isinstance(tree, exp.Select) else []
+    ctes = {c.alias_or_name for c in tree.find_all(exp.CTE)}
+    plain = all(  # else (a subquery, a CTE, a table function) no table is traced
+        isinstance(t, exp.Table)
+        and isinstance(t.this, exp.Identifier)
+        and (t.args.get("db") or t.name not in ctes)
+        for t in read
+    )
+    tables = [(named(t, "db"), named(t, "this"), t.alias_or_name) for t in read] if plain else []
+
+    def output(e: Any) -> str:
+        part = "alias" if isinstance(e, exp.Alias) else "this"
+        return named(e, part) if isinstance(e, exp.Alias | exp.Column) else e.alias_or_name
+
+    projected = {output(e): e.unalias() for e in getattr(tree, "expressions", [])}
+    found = projected.get(key)
+    bare = isinstance(found, exp.Column) or (found is None and "*" in projected)
+    column = named(found, "this") if isinstance(found, exp.Column) else key
+    if bare and len({(s, t) for s, t, _ in tables}) == 1:  # a Select: others were refused
+        return tables[0][0], tables[0][1], column
+    if bare and isinstance(found, exp.Column) and found.table:
+        qualifier = named(found, "table")
+        for match in (lambda a, t: a == found.table, lambda a, t: t == qualifier):
+            hits = {(s, t) for s, t, a in tables if match(a, t)}
+            if len(hits) == 1:
+                return (*hits.pop(), column)
+    names = sorted({t.name for t in tree.find_all(exp.Table)})
+    raise QueryError(f"sql(): key {key!r} cannot be traced to one of the tables {names}; {ask}")
 
 
 @dataclass(frozen=True)
@@ -127,33 +168,25 @@ class SQLBackend(DataBackend):
 
     def close(self) -> None:
         dispose_sql_engine(self._uri)
-        self._sources.clear()
-        self._rewards.clear()
-        self._pages.clear()
-        self._guarded = None
+        self.__dict__.update(self.__getstate__())  # the statements built go, as when pickled
 
     def guarded(self) -> list[Guarded]:
         """The tables with forgotten rows now (read each call); a change rebuilds the statements."""
         now = self._retrying("reading forgotten tables", self._read_guarded, self.uri)
         if now != self._guarded:
-            self._sources.clear()
-            self._pages.clear()
-            self._rewards.clear()
-            self._guarded = now
+            self.__dict__.update(self.__getstate__(), _guarded=now)
         return now
 
     def _read_guarded(self) -> list[Guarded]:
         with self.engine.connect() as conn:
             return guarded_tables(conn)
 
-    def rewritten(
-        self, text: str, what: str, where: Condition | None = None
-    ) -> tuple[str, set[tuple[str, str]]]:
+    def rewritten(self, text: str, what: str, where: Condition | None = None) -> tuple[str, Bases]:
         """``text`` reading tables without their forgotten rows (or under ``where``), views
         expanded; and the base tables it reads."""
         guarded = self.guarded() if where is None else self._read_guarded()
 
-        def rewrite() -> tuple[str, set[tuple[str, str]]]:
+        def rewrite() -> tuple[str, Bases]:
             with self.engine.connect() as conn:
                 rewriter = Rewriter(conn, guarded, where)
                 return rewriter.sql(text, what), rewriter.bases
@@ -200,8 +233,7 @@ class SQLBackend(DataBackend):
             transient = (sa.exc.OperationalError, sa.exc.InterfaceError)
             return self._with_retry(what, call, transient, lambda exc: not is_transient(exc))
         except sa.exc.StatementError as exc:
-            refused = refusal(exc, self.uri)
-            if refused is not None:
+            if (refused := refusal(exc, self.uri)) is not None:
                 raise refused from None
             raise QueryError(f"{source} failed on {self.uri}: {database_message(exc)}") from None
 
@@ -305,17 +337,18 @@ class SQLBackend(DataBackend):
     def _forgotten_conversations(self, query: Conversations) -> Any:
         """Conversations holding a forgotten message, left out whole: other turns may quote it."""
         assert isinstance(query.messages, Table)
-        found = self._forgotten_rows(query.messages, query.by)
-        if found is None:
+        if (found := self._forgotten_rows(query.messages, query.by)) is None:
             return None
         gone = found.columns(sa.column(query.by)).subquery("llmtrain_gone")
         return sa.select(gone.c[query.by]).where(gone.c[query.by].is_not(None))
 
     def _forgotten_rows(self, rows: Table, column: str) -> sa.TextClause | None:
         """``column`` of a base table's forgotten rows (None: none, or a view: it is rewritten)."""
+        if not self._guarded:
+            return None
         source = self.resolve(rows)
         schema, _, name = source.name.partition(".")
-        mine = [g for g in self._guarded or () if (g.schema, g.table) == (schema, name)]
+        mine = [g for g in self._guarded if (g.schema, g.table) == (schema, name)]
         if not mine or not source.traced:
             return None
         q = self.engine.dialect.identifier_preparer.quote
@@ -340,8 +373,7 @@ class SQLBackend(DataBackend):
         probe = self._retrying("reading the query's columns", columns, query.source)
         # SQLite renames a repeated name to "name:1" where the others keep both or refuse
         renamed = {c.rsplit(":", 1)[0] for c in probe if re.fullmatch(r".+:\d+", c)}
-        repeated = sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe)))
-        if repeated:
+        if repeated := sorted({c for c in probe if probe.count(c) > 1} | (renamed & set(probe))):
             raise QueryError(
                 f"{query.source}: result column(s) {repeated} appear more than once, so "
                 f"{query.key!r} would be ambiguous; give each a distinct name with AS"
@@ -399,9 +431,7 @@ class SQLBackend(DataBackend):
         given = isinstance(source, RawSQL) and source.table is not None  # not traced: told
         return replace(found, traced=False) if given else found
 
-    def _catalog(
-        self, schema: str | None, table: str, column: str | None, typed: bool = False
-    ) -> Source:
+    def _catalog(self, schema: str | None, table: str, column: str | None, typed: bool) -> Source:
         """``typed``: a name typed as in SQL, read as PostgreSQL reads it unquoted (Docs: docs)."""
         inspector = sa.inspect(self.engine)
         if schema is None:
@@ -479,10 +509,9 @@ class SQLBackend(DataBackend):
                 f"forget(): {source.name} is a view; forget the rows of the tables it reads, "
                 "which every selection then leaves out"
             )
-        schema, table = source.name.split(".", 1)
         stored = self._retrying(
             "writing forgotten keys",
-            lambda: store_keys(self.engine, schema, table, source.key, list(keys)),
+            lambda: store_keys(self.engine, source, list(keys)),
             source.name,
         )
         self.guarded()
@@ -505,7 +534,8 @@ class SQLBackend(DataBackend):
         """The base's, 3x faster where SQLAlchemy converts no value: driver rows, int64 keys. A
         table's own forgotten rows are read as keys (the database joins them to its key table)
         and left out here: a probe per row of a 10M-row scan costs more than the scan."""
-        src, gone = self._source(query), self._forgotten_keys(query)
+        src = self._source(query)
+        gone = self._forgotten_keys(query) if isinstance(query, Table) else None
         if gone is not None:
             src = self._build_table(query, filtered=False)  # type: ignore[arg-type]
         cols = [src.key, *([src.column(version_column)] if version_column else [])]
@@ -526,23 +556,17 @@ class SQLBackend(DataBackend):
                 keys = np.array(keys, dtype=np.int64)
             check_keys(keys, lower, src.key.name, query.source)
             versions = [r[1] for r in rows] if version_column else None
-            if gone is not None and len(gone):
+            if gone is not None:
                 kept = np.flatnonzero(~in_sorted(gone, key_digests(keys)))
                 keys = keys[kept] if isinstance(keys, np.ndarray) else [keys[i] for i in kept]
                 versions = [versions[i] for i in kept] if versions is not None else None
             yield KeyPage(keys, versions)
 
-    def _forgotten_keys(self, query: Query) -> np.ndarray | None:
+    def _forgotten_keys(self, query: Table) -> np.ndarray | None:
         """Sorted digests of a table's forgotten keys; None where the SQL itself leaves them out."""
-        if not isinstance(query, Table) or not self._guarded:
+        if (found := self._forgotten_rows(query, self.key_name(query))) is None:
             return None
-        if not self.resolve(query).traced:  # a view: its definition is rewritten
-            return None
-        found = self._forgotten_rows(query, self.key_name(query))
-        if found is None:
-            return np.zeros(0, dtype=np.uint64)
-        keys = [r[0] for r in self._rows(found, {}, query.source, raw=True)]
-        return np.unique(key_digests(keys)) if keys else np.zeros(0, dtype=np.uint64)
+        return np.unique(key_digests([r[0] for r in self._rows(found, {}, query.source, raw=True)]))
 
     def _by_keys(self, query: Query, fields: Fields, keys: list[Key]) -> KeyedRows:
         if isinstance(query, Conversations):
