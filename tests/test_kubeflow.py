@@ -332,8 +332,9 @@ def test_the_trainjob_trains_on_two_nodes_and_records_its_world(cluster: Cluster
     reference = _reference(cluster)
     adapter, expected = _adapter(cluster, model), _adapter(cluster, reference)
     assert adapter.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(adapter[key], expected[key], rtol=1e-4, atol=1e-5)
+    for key in expected:  # two processes sum the gradients in another order than one:
+        # measured up to 3.3e-5 at one of 1,024 weights (torch 2.13.0, peft 0.21.2)
+        torch.testing.assert_close(adapter[key], expected[key], rtol=1e-4, atol=1e-4)
     ref_run = _run(cluster, "reference")
     ref_losses = [m.values["loss"] for m in cluster.db.metadata.get_metrics(ref_run.run_id)]
     assert losses == pytest.approx(ref_losses, rel=1e-4)
