@@ -605,11 +605,12 @@ def test_resuming_a_crashed_two_process_run_gives_the_uninterrupted_adapter(
         assert started["step"] == 2 and started["optimizer_steps"] == [2.0], started
     adapter = _adapter(env, resumed)
     assert adapter.keys() == uninterrupted.adapter.keys()
-    # ZeRO-3 on this machine: up to 1.6e-7 off at 30% of the weights (at 483f789 too, with
-    # DeepSpeed 0.19.7 and 0.19.8, transformers 5.24 and 5.25); FSDP2: bit for bit
-    exact = 0.0 if strategy == "fsdp" else 1e-6
+    # ZeRO-3 on this machine is not bit-reproducible: from 1.6e-7 (30% of the weights) to 4.3e-6
+    # (one weight) off, run to run (at 483f789 too, under DeepSpeed 0.19.7 and 0.19.8,
+    # transformers 5.24 and 5.25): held to the two-ranks-as-one tolerance; FSDP2 bit for bit
+    rtol, atol = (0.0, 0.0) if strategy == "fsdp" else (1e-4, 1e-5)
     for key in adapter:
-        torch.testing.assert_close(adapter[key], uninterrupted.adapter[key], rtol=0, atol=exact)
+        torch.testing.assert_close(adapter[key], uninterrupted.adapter[key], rtol=rtol, atol=atol)
 
 
 # -- QLoRA -------------------------------------------------------------------------------------
