@@ -331,7 +331,7 @@ class GRPOLoss:
         metrics["completions/mean_length"] = lengths.float().mean()
         self.metrics.add(metrics, len(ids), {})
         if self.rollouts and torch.is_grad_enabled():  # training's answers, not evaluation's
-            self._keep(keys, texts, lengths, each, reward, advantage)
+            self.rollouts.write(self._rows(keys, texts, lengths, each, reward, advantage))
         return loss * len(rows)
 
     def _per_token(self, model: Any, batch: dict[str, Any], width: int) -> torch.Tensor:
@@ -340,11 +340,13 @@ class GRPOLoss:
         keep = batch["labels"][:, 1:] != IGNORE_INDEX
         return torch.zeros_like(keep, dtype=flat.dtype).masked_scatter(keep, flat)[:, width - 1 :]
 
-    def _keep(self, keys: list[Any], texts: list[str], *values: torch.Tensor) -> None:
+    def _rows(
+        self, keys: list[Any], texts: list[str], *values: torch.Tensor
+    ) -> list[dict[str, Any]]:
         """Rank by rank, this micro-batch's answers as rows (their step: the one running)."""
         lengths, each, reward, advantage = (v.tolist() for v in values)
         step, group, run_id = self.run.step + 1, self.args.num_generations, self.run.run_id
-        rows = [
+        return [
             {
                 "id": f"{run_id}/{step}/{key_repr(k)}/{i % group}",
                 "run_id": run_id,
@@ -361,8 +363,6 @@ class GRPOLoss:
                 zip(keys, texts, lengths, reward, each, advantage)
             )
         ]
-        assert self.rollouts is not None
-        self.rollouts.write(rows)
 
     def logged(self) -> dict[str, float]:
         return self.metrics.logged()

@@ -143,3 +143,9 @@ class KTO(Preference):
             undesirable_weight=args.undesirable_weight or 1.0,
         )
         return loss, metrics, {"chosen": liked, "rejected": n - liked, "margins": 0}
+
+    def summarized(self, means: dict[str, float]) -> dict[str, float]:
+        """Margins of the means: liked and disliked rewards are means of different rows."""
+        if {"rewards/chosen", "rewards/rejected"} <= set(means):
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        return means

@@ -143,6 +143,10 @@ class Preference(Objective):
         """(loss, metrics, each metric's row count where not every pair's) of ``n`` pairs:
         chosen (or the completion) first, then rejected (or the mismatched)."""
 
+    def summarized(self, means: dict[str, float]) -> dict[str, float]:
+        """The logged means, completed where the objective derives a metric from others."""
+        return means
+
 
 @dataclass
 class PairCollate:
@@ -246,8 +250,4 @@ class PreferenceLoss:
         return ref
 
     def logged(self) -> dict[str, float]:
-        """Margins weighted 0 (KTO's: its rewards are means of different rows): of the means."""
-        means = self.metrics.logged()
-        if "rewards/margins" not in means and {"rewards/chosen", "rewards/rejected"} <= set(means):
-            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
-        return means
+        return self.objective.summarized(self.metrics.logged())
