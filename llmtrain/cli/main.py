@@ -303,7 +303,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     only_check = args.adapter is None and args.merged is None
     if only_check and args.check is None:
         raise ConfigError("export needs --adapter DIR and/or --merged DIR, or --check STACKS")
-    default = STACKS[1:] if args.format == "gguf" else STACKS  # llama.cpp, ollama
+    default = tuple(s for s in STACKS if args.format != "gguf" or s != "vllm")  # GGUF: no vLLM
     stacks = default if args.check is None else tuple(s for s in args.check.split(",") if s)
     with _connect(args) as db:
         checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint

@@ -405,7 +405,7 @@ class TrainerConfig(_Args):
     lora_args: LoraArguments | None = Field(default_factory=LoraArguments, json_schema_extra=_FLAT)
     """The adapter; None: full fine-tuning."""
     init_from: str | None = Field(default=None, min_length=1)
-    """An earlier model, 'name' (its newest) or 'name:N': its adapter, reference, lineage go on."""
+    """An earlier model to go on from, 'name' (its newest, recorded as 'name:N') or 'name:N'."""
     training_args: TrainingArguments = Field(
         default_factory=TrainingArguments, json_schema_extra=_FLAT
     )
