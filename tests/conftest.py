@@ -97,6 +97,14 @@ def fresh_database(kind: str, tmp_path: Any) -> Iterator[str]:
         engine.dispose()
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama (byte-level tokenizer), made once per test module."""
+    from llmtrain.testing import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
+
+
 @pytest.fixture(params=ALL_BACKENDS)
 def any_uri(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
     yield from fresh_database(request.param, tmp_path)

@@ -32,13 +32,6 @@ ALIASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from llmtrain.testing import tiny_model
-
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
-
-
 def _trainer(**options: Any) -> lt.LLMTrainer:
     return lt.LLMTrainer("cfg", **{"model": "some/model", "prompt_template": TEMPLATE, **options})
 

@@ -19,7 +19,6 @@ from llmtrain.data.snapshot import MemoryStore
 from llmtrain.db.queries import Conversations
 from llmtrain.errors import BadRowError, ConfigError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.testing import tiny_model
 
 CHATS: dict[int, list[tuple[str, str]]] = {
     1: [("user", "hi"), ("assistant", "hello there")],
@@ -54,11 +53,6 @@ def _read(db: Any, select: Conversations, snapshot: Any, store: Any, **kwargs: A
         db, select, "messages", snapshot=snapshot, store=store, shuffle=False, **kwargs
     )
     return {row["_key"]: row["messages"] for row in ds}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def test_a_conversation_trains_as_the_snapshot_saw_it(any_uri: str) -> None:

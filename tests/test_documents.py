@@ -20,7 +20,6 @@ from transformers import AutoTokenizer
 import llmtrain as lt
 from llmtrain.errors import ConfigError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.testing import tiny_model
 
 SENTENCE = "the quick brown fox jumps over the lazy dog while seven red birds sing"
 WORDS = SENTENCE.split()
@@ -30,11 +29,6 @@ def _document(i: int) -> str:
     """Documents from a few words to several windows long."""
     n = [3, 9, 40, 120, 17, 70][i % 6]
     return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 @pytest.mark.parametrize("stride", [0, 5])

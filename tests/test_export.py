@@ -48,11 +48,6 @@ def reference_rank(prediction: str, reference: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
-
-
-@pytest.fixture(scope="module")
 def db(tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp("export")
     uri = f"sqlite:///{folder / 'data.db'}"

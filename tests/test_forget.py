@@ -39,11 +39,6 @@ def _row(i: int, version: int = 1) -> dict[str, Any]:
     return {"id": i, "q": f"question {i}", "a": f"answer {i % 5}", "v": version}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
-
-
 def _trainer(tiny: Path, name: str, **options: Any) -> lt.LLMTrainer:
     return lt.LLMTrainer(name, model=tiny, prompt_template=TEMPLATE, **{**OPTIONS, **options})
 

@@ -24,7 +24,6 @@ import llmtrain as lt
 from llmtrain.db.engines import sql_engine
 from llmtrain.db.keys import key_repr
 from llmtrain.errors import QueryError
-from llmtrain.testing import tiny_model
 from llmtrain.training.callbacks import Callback
 
 N = 12  # docs rows: id 0..11, ext 100 - id, one feedback row each (fid 1000 + id)
@@ -261,11 +260,6 @@ class _Trained(Callback):
             forget = f"lt.connect({self.uri!r}).forget('docs', {self.forgotten!r})"
             code = f"import llmtrain as lt; {forget}"
             subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _fit(tiny: Path, db: Any, name: str, select: Any, callback: Callback, **options: Any) -> Any:

@@ -22,7 +22,7 @@ import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.errors import ConfigError
 from llmtrain.formatting import Formatter
-from llmtrain.testing import CHAT_TEMPLATE, tiny_model
+from llmtrain.testing import CHAT_TEMPLATE
 from llmtrain.training import gguf
 
 #: a stand-in for llama.cpp's converters: its "GGUF" is the command line and the source's files
@@ -31,11 +31,6 @@ args = sys.argv[1:]
 record = [os.path.basename(sys.argv[0]), *args, sorted(os.listdir(args[0]))]
 open(args[args.index("--outfile") + 1], "w").write(json.dumps(record))
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from conftest import fill
 import llmtrain as lt
 from llmtrain.errors import ConfigError
 from llmtrain.objectives.grpo import advantages, grpo_loss, nanstd
-from llmtrain.testing import tiny_model
 
 LETTERS = "eatn"
 ROWS = [
@@ -45,11 +44,6 @@ OPTIONS: dict[str, Any] = {
 def letter_share(prompts: list[str], completions: list[str], letter: list[str], **_: Any) -> Any:
     """A function reward, as TRL calls one: the row's fields come as keywords."""
     return [c.count(t) / 8 for c, t in zip(completions, letter)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _db(uri: str, tmp_path: Path) -> Any:

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.db.keys import key_repr
-from llmtrain.testing import tiny_model
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
 COLORS = ["red", "blue", "green", "black", "white", "pink", "gray", "gold"]
@@ -68,11 +67,6 @@ def _lineage(db: Any, name: str, version: int | None = None) -> dict[str, list[t
 def _adapter(db: Any, artifact: str, folder: Path) -> dict[str, torch.Tensor]:
     db.artifacts.get_dir(artifact, folder)
     return load_file(str(folder / "adapter_model.safetensors"))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def test_lineage_equals_the_trace_through_resume_incremental_and_forget(

@@ -28,7 +28,6 @@ import llmtrain as lt
 from llmtrain.data import RunSnapshot
 from llmtrain.data.skips import read_skips
 from llmtrain.db.keys import key_repr
-from llmtrain.testing import tiny_model
 from llmtrain.training.callbacks import Callback
 
 #: the writer: inserts a row every few ms (and deletes it again a little later); once
@@ -60,11 +59,6 @@ with engine.connect() as conn:
                 fh.write(json.dumps(str(key)) + "\n")
         time.sleep(0.003)
 """
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import llmtrain as lt
 from llmtrain.data.plan import MixOrder
 from llmtrain.errors import ConfigError, QueryError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.testing import tiny_model
 
 TEMPLATE = "Q: {X}\nA: {Y}"
 OPTIONS: dict[str, Any] = {
@@ -38,11 +37,6 @@ OPTIONS: dict[str, Any] = {
     "progress_bar": False,
     "seed": 3,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _docs(n: int) -> list[dict[str, Any]]:

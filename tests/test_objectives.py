@@ -14,7 +14,6 @@ from conftest import fill
 import llmtrain as lt
 from llmtrain.errors import ConfigError
 from llmtrain.objectives import OBJECTIVES, Objective
-from llmtrain.testing import tiny_model
 
 #: each fit() role read from one column of one table, so every objective trains the same rows
 COLUMNS = {
@@ -50,11 +49,6 @@ OPTIONS: dict[str, Any] = {
     "max_steps": 4,
     "save_steps": 2,
 }
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _options(objective: Objective) -> dict[str, Any]:

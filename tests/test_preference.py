@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import llmtrain as lt
 from llmtrain.errors import BadRowError, ConfigError
 from llmtrain.formatting import IGNORE_INDEX, Formatter
-from llmtrain.testing import tiny_model
 
 TEMPLATE = "Q: {X}\nA: {Y}"
 COLORS = ["red", "blue", "green", "black"]
@@ -37,11 +36,6 @@ OPTIONS: dict[str, Any] = {
     "progress_bar": False,
 }
 FIELDS = {"X": "prompt", "chosen": "chosen", "rejected": "rejected"}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _db(tmp_path: Path, rows: list[dict[str, Any]] = ROWS) -> Any:

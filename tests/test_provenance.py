@@ -20,7 +20,6 @@ import llmtrain as lt
 from llmtrain.cli import main
 from llmtrain.errors import ConfigError, DataError, LlmtrainError, QueryError
 from llmtrain.stores.metadata import MetadataStore, open_metadata
-from llmtrain.testing import tiny_model
 from llmtrain.training import run as run_module
 
 TEMPLATE = "### Instruction:\n{X}\n\n### Response:\n{Y}"
@@ -29,11 +28,6 @@ ROWS = [
     {"id": i, "instruction": f"What is color number {i % 8}?", "output": COLORS[i % 8]}
     for i in range(24)
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 @pytest.fixture

@@ -25,15 +25,9 @@ import llmtrain as lt
 from llmtrain.config.args import ModelArguments
 from llmtrain.console import quieted
 from llmtrain.errors import ConfigError
-from llmtrain.testing import tiny_model
 from llmtrain.training import modeling
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model(tmp_path_factory.mktemp("models") / "llama")
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
