@@ -25,6 +25,9 @@ PG_ADMIN = os.environ.get("LLMTRAIN_TEST_PG", "postgresql+psycopg://postgres@127
 MY_ADMIN = os.environ.get("LLMTRAIN_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306")
 ALL_BACKENDS = ["sqlite", "postgresql", "mariadb", "mongomock"]
 SQL_BACKENDS = ["sqlite", "postgresql", "mariadb"]
+# Ray Train's controller notices a worker group's end at its next health check (every 2 s by
+# default): the tests' Ray instances, and those of their subprocesses, check every 0.1 s
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 # `import demo`: examples/demo.py, the quick start, whose docs table and model tests reuse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 

@@ -86,16 +86,19 @@ def test_the_launch_modules_import_alone_and_without_a_cycle() -> None:
         "import sys, llmtrain.running.local; "
         "print(any(m.startswith('llmtrain.running.launchers') for m in sys.modules))"
     )
-    for module in (
-        "llmtrain.running.launchers",
-        "llmtrain.running.launchers.worker",
-        "llmtrain.training.strategies.deepspeed",
-        "llmtrain.running.local",
-    ):
-        subprocess.run([sys.executable, "-c", f"import {module}"], check=True)
+    alone = [  # each in a fresh interpreter, all at once
+        subprocess.Popen([sys.executable, "-c", f"import {module}"])
+        for module in (
+            "llmtrain.running.launchers",
+            "llmtrain.running.launchers.worker",
+            "llmtrain.training.strategies.deepspeed",
+            "llmtrain.running.local",
+        )
+    ]
     out = subprocess.run(
         [sys.executable, "-c", code], check=True, capture_output=True, text=True
     ).stdout
+    assert [proc.wait(timeout=120) for proc in alone] == [0] * 4
     assert out.strip() == "False"
 
 
