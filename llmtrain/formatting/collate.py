@@ -57,12 +57,13 @@ def pack_examples(examples: Sequence[Example], max_length: int) -> list[list[Exa
     for i in sorted(range(len(examples)), key=lambda i: -len(examples[i])):
         n = len(examples[i])
         fits = [r for r, u in enumerate(used) if u + n <= max_length]
-        best = max(fits, key=lambda r: used[r]) if fits else len(rows)
-        if best == len(rows):  # none fits: a new row
-            rows.append([])
-            used.append(0)
-        rows[best].append(i)
-        used[best] += n
+        if fits:  # the fullest row it fits in
+            best = max(fits, key=lambda r: used[r])
+            rows[best].append(i)
+            used[best] += n
+        else:
+            rows.append([i])
+            used.append(n)
     return [[examples[i] for i in sorted(row)] for row in sorted(rows, key=min)]
 
 
